@@ -1,0 +1,248 @@
+"""Transformer architecture description: presets, HF ``config.json`` loading, parameter counts.
+
+Parameter counts are derived from the architecture, never typed in: the planner's memory figures are
+only as good as this count, and the tests check it against each model's published total.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import CostModelError, explain_validation_error
+
+Activation = Literal["swiglu", "gelu"]
+Norm = Literal["rmsnorm", "layernorm"]
+PositionEmbedding = Literal["rope", "learned"]
+
+#: Largest config.json we read: real ones are a few KB; anything larger is not a model config.
+_MAX_CONFIG_BYTES = 1 << 20
+
+
+class ModelSpec(BaseModel):
+    """A decoder-only transformer, as far as memory, FLOPs and communication are concerned."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200)
+    num_layers: int = Field(ge=1, le=10_000)
+    hidden_size: int = Field(ge=1, le=1 << 20)
+    num_heads: int = Field(ge=1, le=1 << 14)
+    num_kv_heads: int = Field(ge=1, le=1 << 14)
+    head_dim: int = Field(ge=1, le=1 << 14)
+    ffn_hidden_size: int = Field(ge=1, le=1 << 22)
+    vocab_size: int = Field(ge=1, le=1 << 24)
+    tied_embeddings: bool = False
+    activation: Activation = "swiglu"
+    norm: Norm = "rmsnorm"
+    position_embedding: PositionEmbedding = "rope"
+    #: Learned absolute position embeddings add ``max_position_embeddings x hidden`` parameters.
+    max_position_embeddings: int = Field(default=0, ge=0, le=1 << 30)
+    qkv_bias: bool = False
+    attn_out_bias: bool = False
+    mlp_bias: bool = False
+    #: Per-head RMSNorm on queries and keys (Qwen3); adds 2 x head_dim parameters per layer.
+    qk_norm: bool = False
+    #: Dropout after attention softmax and on the hidden states; non-zero values make the layer save
+    #: one-byte masks for backward (Megatron's GPT accounting). Modern LLM pre-training uses 0.
+    attention_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    hidden_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    #: The total reported by the model's authors, for cross-checking the derived count (not used
+    #: in any computation).
+    published_params: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _heads_consistent(self) -> "ModelSpec":
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} "
+                "(grouped-query attention shares each KV head among a whole number of query heads)"
+            )
+        if self.position_embedding == "learned" and self.max_position_embeddings == 0:
+            raise ValueError("learned position embeddings need max_position_embeddings > 0")
+        return self
+
+    # ----- derived sizes -------------------------------------------------------------------
+    @property
+    def q_size(self) -> int:
+        """Width of the query projection output (heads x head_dim); may differ from hidden."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of one of the K or V projections (kv_heads x head_dim)."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def gqa_group(self) -> int:
+        """Query heads per KV head (1 = MHA, num_heads = MQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    def attention_params_per_layer(self) -> int:
+        h = self.hidden_size
+        weights = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        biases = (self.q_size + 2 * self.kv_size) * self.qkv_bias + h * self.attn_out_bias
+        return weights + biases + 2 * self.head_dim * self.qk_norm
+
+    def mlp_params_per_layer(self) -> int:
+        h, f = self.hidden_size, self.ffn_hidden_size
+        if self.activation == "swiglu":
+            return 3 * h * f + (2 * f + h) * self.mlp_bias
+        return 2 * h * f + (f + h) * self.mlp_bias
+
+    def norm_params(self) -> int:
+        """Parameters of one hidden-size norm (LayerNorm has a bias, RMSNorm does not)."""
+        return self.hidden_size * (2 if self.norm == "layernorm" else 1)
+
+    def params_per_layer(self) -> int:
+        return self.attention_params_per_layer() + self.mlp_params_per_layer() + 2 * self.norm_params()
+
+    def embedding_params(self) -> int:
+        """Token embedding plus learned positions (the output head is counted separately)."""
+        positions = self.max_position_embeddings * self.hidden_size if self.position_embedding == "learned" else 0
+        return self.vocab_size * self.hidden_size + positions
+
+    def lm_head_params(self) -> int:
+        return 0 if self.tied_embeddings else self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        """Total trainable parameters, derived from the architecture."""
+        return (
+            self.num_layers * self.params_per_layer()
+            + self.embedding_params()
+            + self.lm_head_params()
+            + self.norm_params()  # final norm
+        )
+
+    # ----- divisibility helpers used by Layout checks and the planner --------------------------
+    def valid_head_split_degrees(self) -> list[int]:
+        """Degrees (TP x Ulysses) that divide the query heads."""
+        return [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
+
+    def kv_replication(self, head_split: int) -> int:
+        """How many ranks hold a copy of each KV head when heads are split ``head_split`` ways.
+
+        1 when the KV heads divide evenly; ``head_split / kv_heads`` when there are fewer KV heads
+        than ranks (each KV head is replicated); an error when neither divides.
+        """
+        if self.num_kv_heads % head_split == 0:
+            return 1
+        if head_split % self.num_kv_heads == 0:
+            return head_split // self.num_kv_heads
+        raise CostModelError(
+            f"a head split of {head_split} does not fit {self.num_kv_heads} KV heads: it must divide them "
+            f"or be a multiple of them (for KV replication); choose tp x ulysses among "
+            f"{', '.join(map(str, self.valid_head_split_degrees()))}"
+        )
+
+
+# ----- presets ---------------------------------------------------------------------------------
+
+
+@cache
+def _preset_table() -> dict[str, dict]:
+    text = resources.files("cost_models.data").joinpath("models.yaml").read_text()
+    return yaml.safe_load(text)["models"]
+
+
+def model_preset_names() -> list[str]:
+    return sorted(_preset_table())
+
+
+def get_model_preset(name: str) -> ModelSpec:
+    """A shipped preset by name (case-insensitive)."""
+    table = _preset_table()
+    key = name.strip().lower()
+    if key not in table:
+        raise CostModelError(
+            f"unknown model {name!r}: use a preset ({', '.join(model_preset_names())}) or a path to a config.json"
+        )
+    try:
+        return ModelSpec(name=key, **table[key])
+    except ValidationError as exc:  # a broken preset is our bug, but say which one
+        raise explain_validation_error(exc, f"model preset {key}") from exc
+
+
+def load_model(name_or_path: str | Path) -> ModelSpec:
+    """A preset name, or a path to a HF ``config.json`` (or a folder containing one)."""
+    text = str(name_or_path)
+    path = Path(text).expanduser()
+    looks_like_path = path.suffix == ".json" or "/" in text or path.is_dir()
+    if looks_like_path:
+        return load_hf_config(path)
+    return get_model_preset(text)
+
+
+# ----- Hugging Face config.json ------------------------------------------------------------------
+
+#: model_type -> (qkv bias default, has q/k norm). Llama exposes ``attention_bias``; Qwen2 always
+#: has QKV biases; Qwen3 has per-head q/k RMSNorm and an ``attention_bias`` flag.
+_HF_FAMILIES: dict[str, tuple[bool, bool]] = {
+    "llama": (False, False),
+    "mistral": (False, False),
+    "qwen2": (True, False),
+    "qwen3": (False, True),
+}
+
+
+def load_hf_config(path: Path) -> ModelSpec:
+    """Read a local Hugging Face ``config.json`` (Llama/Mistral/Qwen2/Qwen3) without network access."""
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise CostModelError(f"model config {str(path)!r} not found: give a preset name or a path to config.json")
+    if path.stat().st_size > _MAX_CONFIG_BYTES:
+        raise CostModelError(f"{path} is larger than 1 MiB, which no model config.json is")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CostModelError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise CostModelError(f"{path} must hold a JSON object")
+    return model_from_hf_dict(config, name=path.parent.name or path.stem)
+
+
+def model_from_hf_dict(config: dict, name: str = "hf-model") -> ModelSpec:
+    model_type = str(config.get("model_type", "")).lower()
+    if model_type not in _HF_FAMILIES:
+        raise CostModelError(
+            f"model_type {model_type!r} is not supported: supported families are {', '.join(sorted(_HF_FAMILIES))}"
+        )
+    if config.get("num_experts") or config.get("num_local_experts"):
+        raise CostModelError(f"{name}: mixture-of-experts configs are not modelled yet; use a dense model")
+    qkv_bias_default, qk_norm = _HF_FAMILIES[model_type]
+    try:
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        fields = dict(
+            name=name,
+            num_layers=int(config["num_hidden_layers"]),
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            ffn_hidden_size=int(config["intermediate_size"]),
+            vocab_size=int(config["vocab_size"]),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            activation="swiglu",
+            norm="rmsnorm",
+            qkv_bias=bool(config.get("attention_bias", qkv_bias_default)),
+            attn_out_bias=bool(config.get("attention_bias", False)) and model_type == "llama",
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            qk_norm=qk_norm,
+        )
+    except KeyError as exc:
+        raise CostModelError(f"{name}: config.json lacks required field {exc.args[0]!r}") from exc
+    except (TypeError, ValueError) as exc:
+        raise CostModelError(f"{name}: config.json has a non-numeric size field ({exc})") from exc
+    try:
+        return ModelSpec(**fields)
+    except ValidationError as exc:
+        raise explain_validation_error(exc, f"model config {name}") from exc

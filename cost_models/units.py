@@ -1,0 +1,59 @@
+"""Units and their parsing/printing.
+
+Inside the code everything is bytes, seconds, FLOPs and FLOP/s. Humans type sequence lengths as
+``128K`` or ``1M`` (K = 1024, M = 1024**2, as the long-context literature counts) and read tables in
+GB (1e9 bytes) or GiB (2**30 bytes), always labelled.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import CostModelError
+
+GB = 1_000_000_000
+GiB = 1 << 30
+MiB = 1 << 20
+
+#: Longest sequence we accept: 2**30 tokens (about 1.07 billion). Far beyond any published run, and
+#: small enough that every derived quantity stays a sane float; larger is almost certainly a typo.
+MAX_SEQ_LEN = 1 << 30
+
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_SEQ_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)\s*$", re.IGNORECASE)
+
+
+def parse_seq_len(text: str | int) -> int:
+    """Parse ``32K``/``1M``/``1000000`` into a token count, rejecting nonsense with a clear error."""
+    if isinstance(text, bool):
+        raise CostModelError(f"sequence length must be a number of tokens, got {text!r}")
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _SEQ_RE.match(str(text))
+        if not match:
+            raise CostModelError(
+                f"cannot read sequence length {text!r}: use an integer or a K/M suffix, e.g. 131072, 128K, 1M"
+            )
+        number, suffix = match.groups()
+        scaled = float(number) * _SUFFIX[suffix.upper()]
+        if scaled != int(scaled):
+            raise CostModelError(f"sequence length {text!r} is not a whole number of tokens")
+        value = int(scaled)
+    if value < 1 or value > MAX_SEQ_LEN:
+        raise CostModelError(f"sequence length {value} is out of range: use 1 .. {MAX_SEQ_LEN} tokens (1G)")
+    return value
+
+
+def format_tokens(n: int) -> str:
+    """Short token count: exact K/M multiples get a suffix, anything else is printed in full."""
+    for suffix, scale in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{suffix}"
+    return f"{n:,}"
+
+
+def format_bytes(n: float, unit: str = "GB") -> str:
+    """Bytes as a labelled GB or GiB figure with two decimals."""
+    scale = GB if unit == "GB" else GiB
+    return f"{n / scale:,.2f} {unit}"

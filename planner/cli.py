@@ -1,0 +1,66 @@
+"""The ``sp-plan`` command line.
+
+Subcommands live in ``planner.commands.<name>`` and are imported only when invoked, so ``sp-plan
+--help`` stays fast and never pulls in heavy modules (and never torch). Every project error is
+printed as one line on stderr with exit code 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+#: subcommand -> (module under planner.commands, one-line help shown by --help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "estimate": ("estimate", "Per-GPU memory, communication and time of one layout."),
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(SUBCOMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in SUBCOMMANDS:
+            return None
+        module = importlib.import_module(f"planner.commands.{SUBCOMMANDS[name][0]}")
+        return module.command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # Listing must not import the subcommands: use the registry's short help.
+        rows = [(name, SUBCOMMANDS[name][1]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="sp-plan")
+def cli() -> None:
+    """Plan and run long-context LLM training with sequence parallelism."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the CLI, turning project and validation errors into one-line messages."""
+    from cost_models.errors import CostModelError
+
+    try:
+        cli.main(args=argv, standalone_mode=False)
+    except CostModelError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(1)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Flags shared by every command that describes a run (estimate, plan, capacity, validate).
+
+One definition keeps spelling, defaults and validation identical across commands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+from pydantic import ValidationError
+
+from cost_models.errors import CostModelError, explain_validation_error
+from cost_models.gpu_spec import GPUSpec, get_gpu_preset
+from cost_models.layout import Layout
+from cost_models.model_spec import ModelSpec, load_model
+from cost_models.train_spec import TrainSpec
+from cost_models.units import parse_seq_len
+
+
+class SeqLenType(click.ParamType):
+    """Accepts 131072, 128K, 1M; rejects anything else with the project's message."""
+
+    name = "TOKENS"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_seq_len(value)
+        except CostModelError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+SEQ_LEN = SeqLenType()
+
+
+def model_options(func: Callable) -> Callable:
+    """--model, --seq-len, --mode, --micro-batch, --dtype and the memory options."""
+    options = [
+        click.option("--model", "model_name", required=True, help="Preset name or path to a HF config.json."),
+        click.option("--seq-len", type=SEQ_LEN, required=True, help="Tokens per sequence: 131072, 128K, 1M."),
+        click.option("--mode", type=click.Choice(["train", "prefill"]), default="train", show_default=True),
+        click.option("--micro-batch", type=click.IntRange(1, 1 << 16), default=1, show_default=True),
+        click.option("--grad-accum", type=click.IntRange(1, 1 << 16), default=1, show_default=True),
+        click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True),
+        click.option(
+            "--optimizer",
+            type=click.Choice(["adamw", "adamw_bf16"]),
+            default="adamw",
+            show_default=True,
+            help="adamw: fp32 master + moments (12 B/param); adamw_bf16: bf16 moments, no master (4 B/param).",
+        ),
+        click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=3, show_default=True),
+        click.option("--offload-optimizer", is_flag=True, help="Keep optimizer states in host memory."),
+        click.option("--offload-params", is_flag=True, help="Keep parameter shards in host memory (ZeRO-3)."),
+        click.option("--offload-checkpoints", is_flag=True, help="Move checkpointed hidden states to host memory."),
+        click.option(
+            "--checkpointing",
+            type=click.Choice(["none", "selective", "full"]),
+            default="full",
+            show_default=True,
+            help="Activation checkpointing per transformer block.",
+        ),
+        click.option("--tiled-mlp", is_flag=True, help="Run the FFN over sequence tiles."),
+        click.option("--tiled-loss", is_flag=True, help="Compute logits and cross-entropy in chunks."),
+        click.option(
+            "--attention",
+            "attention_kernel",
+            type=click.Choice(["flash", "materialized"]),
+            default="flash",
+            show_default=True,
+        ),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def hardware_options(func: Callable) -> Callable:
+    """--gpus, --gpus-per-node, --gpu."""
+    options = [
+        click.option("--gpus", type=click.IntRange(1, 1 << 20), required=True, help="Total number of GPUs."),
+        click.option(
+            "--gpus-per-node",
+            type=click.IntRange(1, 1 << 10),
+            default=None,
+            help="GPUs per node (default: min(8, --gpus)).",
+        ),
+        click.option("--gpu", "gpu_name", default="h100-80gb", show_default=True, help="GPU preset."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def layout_options(func: Callable) -> Callable:
+    """--tp, --ulysses, --ring, --dp-shard, --dp-replicate (dp_shard fills the rest by default)."""
+    options = [
+        click.option("--tp", type=int, default=None, help="Tensor-parallel degree."),
+        click.option("--ulysses", type=int, default=None, help="Ulysses (all-to-all) sequence-parallel degree."),
+        click.option("--ring", type=int, default=None, help="Ring-attention sequence-parallel degree."),
+        click.option("--dp-shard", type=int, default=None, help="FSDP/ZeRO shard degree (default: the rest)."),
+        click.option("--dp-replicate", type=int, default=None, help="Replicated data-parallel degree."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def build_model(model_name: str) -> ModelSpec:
+    return load_model(model_name)
+
+
+def build_train(**kwargs: Any) -> TrainSpec:
+    try:
+        return TrainSpec(**kwargs)
+    except ValidationError as exc:
+        raise explain_validation_error(exc, "training options") from exc
+
+
+def build_gpu(gpu_name: str) -> GPUSpec:
+    return get_gpu_preset(gpu_name)
+
+
+def build_layout(gpus: int, **degrees: int | None) -> Layout:
+    return Layout.for_world(gpus, **degrees)
+
+
+TRAIN_KEYS = (
+    "seq_len",
+    "mode",
+    "micro_batch",
+    "grad_accum",
+    "dtype",
+    "optimizer",
+    "zero_stage",
+    "offload_optimizer",
+    "offload_params",
+    "offload_checkpoints",
+    "checkpointing",
+    "tiled_mlp",
+    "tiled_loss",
+    "attention_kernel",
+)
+LAYOUT_KEYS = ("tp", "ulysses", "ring", "dp_shard", "dp_replicate")
+
+
+def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Separate click's keyword arguments into TrainSpec fields and layout degrees."""
+    train = {k: options[k] for k in TRAIN_KEYS if k in options}
+    layout = {k: options[k] for k in LAYOUT_KEYS if k in options}
+    return train, layout
