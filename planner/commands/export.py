@@ -1,0 +1,39 @@
+"""``sp-plan export PLAN --to accelerate|deepspeed|torchrun``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+import yaml
+
+from ..export import DEFAULT_TRAIN_SCRIPT, EXPORTERS, to_torchrun
+from ..plan import load_plan
+
+
+@click.command("export")
+@click.argument("plan_file", type=click.Path(dir_okay=False))
+@click.option("--to", "target", type=click.Choice(sorted(EXPORTERS)), required=True, help="Launcher to export for.")
+@click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None, help="Write here instead of stdout.")
+@click.option("--script", default=DEFAULT_TRAIN_SCRIPT, show_default=True, help="Training script (torchrun only).")
+def command(plan_file: str, target: str, out_file: str | None, script: str) -> None:
+    """Write PLAN_FILE (from `sp-plan plan --out`) as a launcher config."""
+    plan = load_plan(plan_file)
+    if target == "torchrun":
+        exported = to_torchrun(plan, plan_path=plan_file, script=script)
+    else:
+        exported = EXPORTERS[target](plan)
+    if isinstance(exported.content, str):
+        text = exported.content + "\n"
+    elif target == "deepspeed":
+        text = json.dumps(exported.content, indent=2) + "\n"
+    else:
+        text = yaml.safe_dump(exported.content, sort_keys=False)
+    if out_file:
+        Path(out_file).write_text(text)
+        click.echo(f"wrote {target} config to {out_file}", err=True)
+    else:
+        click.echo(text, nl=False)
+    for note in exported.notes:
+        click.echo(f"note: {note}", err=True)

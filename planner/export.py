@@ -1,0 +1,252 @@
+"""Turn a plan into the configs other launchers read: Accelerate, DeepSpeed, torchrun.
+
+Field names follow the tools' own sources (accelerate 1.15 ``ClusterConfig`` / ``ParallelismConfig``;
+DeepSpeed's ``zero_optimization``, ``sequence_parallel_size``, ``tensor_parallel.autotp_size``). Where a
+tool cannot express part of the plan, export refuses with the reason instead of writing a config that
+silently runs something else; where it can express it only approximately, the difference is returned
+as a note for the user.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import PlannerError
+from .plan import Plan
+
+#: Port used in the generated rendezvous endpoint; any free port on the master node works.
+DEFAULT_MASTER_PORT = 29500
+#: Training script of our own runtime that the torchrun command launches.
+DEFAULT_TRAIN_SCRIPT = "examples/train_long_context.py"
+
+_MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
+
+#: HF decoder-layer class to wrap per model family (FSDP's transformer-based auto wrap).
+_DECODER_LAYER = {"qwen3": "Qwen3DecoderLayer", "qwen2": "Qwen2DecoderLayer", "mistral": "MistralDecoderLayer"}
+
+
+@dataclass
+class Export:
+    """An exported config plus the caveats the user should read before launching it."""
+
+    content: dict[str, Any] | str
+    notes: list[str] = field(default_factory=list)
+
+
+def _decoder_layer_class(plan: Plan) -> str:
+    name = plan.model.name.lower()
+    for family, cls in _DECODER_LAYER.items():
+        if name.startswith(family):
+            return cls
+    return "LlamaDecoderLayer"
+
+
+def _data_parallel_world(plan: Plan) -> int:
+    """Ranks that see different samples: everything that is neither TP nor SP."""
+    return plan.layout.dp
+
+
+# ----- Accelerate ---------------------------------------------------------------------------------
+
+
+def to_accelerate(plan: Plan) -> Export:
+    """An ``accelerate launch --config_file`` YAML (as a dict) for the plan.
+
+    Ulysses maps to Accelerate's ``sp`` (DeepSpeed ALST backend), Ring to ``cp`` (torch context
+    parallel with FSDP2). Accelerate treats the two as mutually exclusive and does not combine DeepSpeed
+    SP with TP, so USP plans and Ulysses x TP plans are refused with the alternative.
+    """
+    layout, train, hw = plan.layout, plan.train, plan.hardware
+    notes: list[str] = []
+    if layout.ulysses > 1 and layout.ring > 1:
+        raise PlannerError(
+            f"Accelerate cannot express USP ({layout.describe()}): its sp (Ulysses) and cp (ring) sizes are "
+            "mutually exclusive; export --to torchrun to run this plan with sp-plan's runtime"
+        )
+    if layout.ulysses > 1 and layout.tp > 1:
+        raise PlannerError(
+            f"Accelerate's DeepSpeed sequence parallelism does not combine with tensor parallelism ({layout.describe()}); "
+            "export --to torchrun, or re-plan without tp"
+        )
+    config: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "debug": False,
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "mixed_precision": _MIXED_PRECISION[train.dtype],
+        "num_machines": hw.num_nodes,
+        "num_processes": hw.num_gpus,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": False,
+    }
+    if hw.num_nodes > 1:
+        config["main_process_ip"] = "MASTER_ADDR"
+        config["main_process_port"] = DEFAULT_MASTER_PORT
+        notes.append("set main_process_ip to the first node's address and machine_rank on every node")
+    parallelism: dict[str, Any] = {
+        "parallelism_config_dp_replicate_size": layout.dp_replicate,
+        "parallelism_config_dp_shard_size": layout.dp_shard,
+        "parallelism_config_tp_size": layout.tp,
+    }
+    if layout.ulysses > 1:
+        config["distributed_type"] = "DEEPSPEED"
+        config["deepspeed_config"] = {
+            "zero_stage": train.zero_stage,
+            "offload_optimizer_device": "cpu" if train.offload_optimizer else "none",
+            "offload_param_device": "cpu" if train.offload_params else "none",
+            "gradient_accumulation_steps": train.grad_accum,
+            "gradient_clipping": 1.0,
+            "zero3_init_flag": train.zero_stage == 3,
+        }
+        if hw.num_nodes > 1:
+            config["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
+        parallelism.update(
+            {
+                "parallelism_config_sp_size": layout.ulysses,
+                "parallelism_config_sp_backend": "deepspeed",
+                "parallelism_config_sp_seq_length": train.seq_len,
+                "parallelism_config_sp_seq_length_is_variable": True,
+                "parallelism_config_sp_attn_implementation": "flash_attention_2",
+            }
+        )
+        if layout.dp_replicate > 1:
+            notes.append(
+                "DeepSpeed ZeRO shards over all data-parallel ranks; the plan's dp_replicate split (HSDP) is not "
+                "reproduced, which uses less memory and more inter-node traffic than planned"
+            )
+    else:
+        config["distributed_type"] = "FSDP"
+        config["fsdp_config"] = {
+            "fsdp_version": 2,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_transformer_layer_cls_to_wrap": _decoder_layer_class(plan),
+            "fsdp_reshard_after_forward": train.zero_stage == 3,
+            "fsdp_offload_params": train.offload_params or train.offload_optimizer,
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_activation_checkpointing": train.checkpointing != "none",
+        }
+        if layout.ring > 1:
+            parallelism.update(
+                {
+                    "parallelism_config_cp_size": layout.ring,
+                    "parallelism_config_cp_backend": "torch",
+                    "parallelism_config_cp_comm_strategy": "allgather",
+                }
+            )
+            notes.append(
+                "torch context parallel balances causal work with its own round-robin sharding, not sp-plan's zigzag; "
+                "the communication volume is the same"
+            )
+        if train.zero_stage < 2:
+            notes.append(f"FSDP2 has no ZeRO-{train.zero_stage} mode; ZeRO-2 behaviour (reshard_after_forward: false) is used")
+        if train.offload_optimizer and not train.offload_params:
+            notes.append("FSDP2's CPU offload moves parameters, gradients and optimizer states together")
+        if train.checkpointing == "selective":
+            notes.append("Accelerate's FSDP activation checkpointing is per block (full); selective is not expressible")
+    if train.tiled_mlp or train.tiled_loss or train.offload_checkpoints:
+        notes.append(
+            "tiled MLP / tiled loss / checkpoint offload are model-side features: enable them in your training code "
+            "(sp-plan's runtime applies them automatically)"
+        )
+    config["parallelism_config"] = parallelism
+    return Export(config, notes)
+
+
+# ----- DeepSpeed ----------------------------------------------------------------------------------
+
+
+def to_deepspeed(plan: Plan) -> Export:
+    """A DeepSpeed JSON config (as a dict): ZeRO stage, offload, Ulysses degree, AutoTP, precision."""
+    layout, train = plan.layout, plan.train
+    notes: list[str] = []
+    if layout.ring > 1:
+        raise PlannerError(
+            f"DeepSpeed has no ring attention ({layout.describe()}): export --to torchrun, or --to accelerate for "
+            "pure ring (torch context parallel)"
+        )
+    if layout.ulysses > 1 and layout.tp > 1:
+        raise PlannerError(
+            f"DeepSpeed does not combine Ulysses sequence parallelism with AutoTP ({layout.describe()}): "
+            "export --to torchrun, or re-plan without tp"
+        )
+    dp = _data_parallel_world(plan)
+    zero: dict[str, Any] = {
+        "stage": train.zero_stage,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_scatter": True,
+    }
+    if train.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if train.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if layout.dp_replicate > 1 and train.zero_stage == 3:
+        # MiCS: shard within groups of this size, replicate across them (= HSDP).
+        zero["mics_shard_size"] = layout.shard_group
+    elif layout.dp_replicate > 1:
+        notes.append("ZeRO-1/2 shard over all data-parallel ranks; the plan's dp_replicate split is not reproduced")
+    precision: dict[str, Any] = {"enabled": train.dtype == "bf16"}
+    if train.dtype == "bf16" and train.optimizer == "adamw_bf16":
+        precision.update({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True})
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": train.micro_batch,
+        "gradient_accumulation_steps": train.grad_accum,
+        "train_batch_size": train.micro_batch * train.grad_accum * dp,
+        "gradient_clipping": 1.0,
+        "bf16": precision,
+        "fp16": {"enabled": train.dtype == "fp16"},
+        "zero_optimization": zero,
+        "activation_checkpointing": {
+            "partition_activations": False,
+            "cpu_checkpointing": train.offload_checkpoints,
+            "contiguous_memory_optimization": False,
+        },
+        "steps_per_print": 10,
+        "wall_clock_breakdown": False,
+    }
+    if layout.ulysses > 1:
+        config["sequence_parallel_size"] = layout.ulysses
+        config["data_parallel_size"] = dp
+        config["seq_parallel_communication_data_type"] = "fp16" if train.dtype == "fp16" else "bf16"
+    if layout.tp > 1:
+        config["tensor_parallel"] = {"autotp_size": layout.tp}
+        # AutoTP counts every rank in the batch (DeepSpeed's batch assertion uses the world size).
+        config["train_batch_size"] = train.micro_batch * train.grad_accum * plan.hardware.num_gpus
+    if train.checkpointing == "selective":
+        notes.append("DeepSpeed checkpoints whole blocks; selective checkpointing needs model-side support")
+    if train.tiled_mlp or train.tiled_loss:
+        notes.append("tiled MLP / tiled loss: use DeepSpeed ALST's TiledMLP and a fused/tiled loss in the model code")
+    return Export(config, notes)
+
+
+# ----- torchrun -----------------------------------------------------------------------------------
+
+
+def to_torchrun(plan: Plan, plan_path: str = "plan.yaml", script: str = DEFAULT_TRAIN_SCRIPT) -> Export:
+    """The torchrun command line that runs the plan with sp-plan's own runtime."""
+    hw = plan.hardware
+    procs = min(hw.gpus_per_node, hw.num_gpus)
+    args = ["torchrun"]
+    if hw.num_nodes == 1:
+        args += ["--standalone", f"--nproc-per-node={procs}"]
+    else:
+        args += [
+            f"--nnodes={hw.num_nodes}",
+            f"--nproc-per-node={procs}",
+            "--node-rank=$NODE_RANK",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=$MASTER_ADDR:{DEFAULT_MASTER_PORT}",
+        ]
+    args += [script, "--plan", plan_path]
+    command = " ".join(a if a.startswith(("--node-rank=$", "--rdzv-endpoint=$")) else shlex.quote(a) for a in args)
+    notes = []
+    if hw.num_nodes > 1:
+        notes.append("run the same command on every node with NODE_RANK=0..N-1 and MASTER_ADDR=<first node>")
+    return Export(command, notes)
+
+
+EXPORTERS = {"accelerate": to_accelerate, "deepspeed": to_deepspeed, "torchrun": to_torchrun}
