@@ -26,6 +26,8 @@ Per transformer layer, per micro-batch:
 - **FSDP / ZeRO-3** over the shard group (dp_shard x ring x ulysses): all-gather of the layer's TP-local
   weights forward, again in backward (they were resharded), and a reduce-scatter of its gradients.
   With dp_replicate > 1 (HSDP) the reduced gradient shard is all-reduced across replicas ("dp").
+  Outside the layers, the embedding, LM head and final norm are gathered once per forward; in
+  backward only an untied input embedding is re-gathered (the head is used first, still gathered).
 - **ZeRO-2**: reduce-scatter of the layer's gradients each micro-batch (+ HSDP all-reduce); the updated
   parameters are all-gathered once per step. **ZeRO-1**: the gradient reduce-scatter happens once per
   step (in the last micro-batch), then the parameter all-gather. **ZeRO-0 (DDP)**: one all-reduce of
@@ -255,8 +257,12 @@ def _parameter_ops(add, model: ModelSpec, train: TrainSpec, layout: Layout) -> N
                 add("fsdp", "all_gather", "shard", layer, "backward", overlap="prefetch",
                     label="parameter re-gather")
                 add("fsdp", "all_gather", "shard", other, "forward", scope="model", label="embedding/head all-gather")
-                add("fsdp", "all_gather", "shard", other, "backward", scope="model",
-                    label="embedding/head re-gather")
+                # The LM head and final norm are used first in backward, so FSDP keeps them gathered
+                # after forward; only an untied input embedding is re-gathered for its gradient.
+                embedding = model.vocab_size * model.hidden_size / tp * d
+                if not model.tied_embeddings:
+                    add("fsdp", "all_gather", "shard", embedding, "backward", scope="model",
+                        label="embedding re-gather")
             add("fsdp", "reduce_scatter", "shard", layer, "backward", per=grad_per,
                 overlap="prefetch" if stage == 3 else "grad", label="gradient reduce-scatter")
             add("fsdp", "reduce_scatter", "shard", other, "backward", scope="model", per=grad_per,
