@@ -65,3 +65,20 @@ def test_fitted_calibration_drives_predictions():
     kv = 8192 * 8 * 128 * 2
     expected = 32 * (4 * 7 * 4e-6 + 7 / 8 * (2 * q + 2 * kv) / 180e9)
     assert t.comm_s_by_strategy["ulysses"] == pytest.approx(expected)
+
+
+def test_fit_against_nominal_bandwidth_gives_an_efficiency():
+    nominal = {"all_reduce": 200e9, "all_to_all": 100e9, "send_recv": 250e9}  # patterns congest differently
+    samples = []
+    for collective, bw in nominal.items():
+        for n in SIZES:
+            t = predict(collective, 4, n, 3e-6, 1 / (0.7 * bw))
+            samples.append(TimingSample(collective=collective, group_size=4, nbytes=n, seconds=t,
+                                        nominal_bandwidth=bw))
+    fit = fit_alpha_beta(samples)
+    assert fit.efficiency == pytest.approx(0.7, rel=1e-6) and fit.bandwidth is None
+    assert fit.alpha == pytest.approx(3e-6, rel=1e-6)
+    entry = link_calibration(fit, "probe")
+    assert entry.efficiency == pytest.approx(0.7) and entry.bandwidth is None
+    with pytest.raises(CostModelError, match="every timing or for none"):
+        fit_alpha_beta(samples[:3] + [samples[3].model_copy(update={"nominal_bandwidth": None})])

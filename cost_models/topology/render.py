@@ -23,6 +23,12 @@ def _gbs(value: float) -> str:
     return f"{value / GB:,.1f}"
 
 
+def _tflops(value: float) -> str:
+    """TFLOP/s with one decimal for GPUs, three significant digits for CPU-sized rates."""
+    tera = value / 1e12
+    return f"{tera:,.1f}" if tera >= 10 else f"{tera:.3g}"
+
+
 def render(topology: Topology) -> str:
     spec, gpu = topology.spec, topology.gpu
     node, host = spec.node, spec.node.host
@@ -32,7 +38,7 @@ def render(topology: Topology) -> str:
     lines.append(
         f"  {spec.nodes} node{'s' if spec.nodes != 1 else ''} x {node.gpus} GPUs = {spec.num_gpus} GPUs"
     )
-    peaks = ", ".join(f"{k} {v / 1e12:,.1f}" for k, v in sorted(gpu.peak_flops.items(), key=lambda kv: -kv[1]))
+    peaks = ", ".join(f"{k} {_tflops(v)}" for k, v in sorted(gpu.peak_flops.items(), key=lambda kv: -kv[1]))
     lines.append(
         f"  GPU {gpu.name}: {gpu.memory_bytes / GiB:,.2f} GiB, {gpu.memory_bandwidth / GB:,.0f} GB/s memory, "
         f"peak TFLOP/s: {peaks}"

@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import CostModelError
 from ..gpu_spec import GPUSpec, get_gpu_preset
 from .graph import NodeAnalysis, build_graph
-from .spec import CalibrationSpec, ComputeCalibration, TopologySpec
+from .spec import LINK_CLASSES, CalibrationSpec, ComputeCalibration, TopologySpec
 
 #: Bandwidth efficiency of a link class with no calibration entry: the nominal (datasheet) figure.
 #: Shipped presets carry typical measured efficiencies in their calibration section instead.
@@ -208,14 +208,19 @@ class Topology:
         return self.links[self._worst_class([local])]
 
     def _worst_class(self, groups: Sequence[Sequence[int]]) -> str:
+        """The class of the slowest calibrated pair; on equal bandwidth, the farther class (a path
+        over the CPU socket link is the bottleneck rather than one under a PCIe switch)."""
         a = self.analysis
-        worst, worst_bw = None, math.inf
+        worst, worst_key = None, (math.inf, 0)
         for members in groups:
             for x in members:
                 for y in members:
-                    if x != y and a.pair_bandwidth[x][y] * self.links[a.pair_class[x][y]].efficiency < worst_bw:
-                        worst_bw = a.pair_bandwidth[x][y] * self.links[a.pair_class[x][y]].efficiency
-                        worst = a.pair_class[x][y]
+                    if x == y:
+                        continue
+                    cls = a.pair_class[x][y]
+                    key = (a.pair_bandwidth[x][y] * self.links[cls].efficiency, -LINK_CLASSES.index(cls))
+                    if key < worst_key:
+                        worst, worst_key = cls, key
         return worst or "self"
 
     # ----- groups of a mesh dimension -------------------------------------------------------------
