@@ -179,6 +179,14 @@ def comm_and_time(
     return CommTime.model_construct(comm=comm, time=time, placement=place(layout, topology) if with_placement else None)
 
 
+def time_estimate(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
+                  offload: OffloadTraffic | None = None) -> TimeEstimate:
+    """Only the step time (no comm JSON section): the planner's inner loop over thousands of layouts."""
+    if offload is None:
+        offload = OffloadTraffic.estimate(model, train, layout)
+    return _time(model, train, layout, topology, offload)
+
+
 def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
           offload: OffloadTraffic) -> TimeEstimate:
     spans = group_spans(layout, topology)
@@ -393,5 +401,6 @@ __all__ = [
     "TimeEstimate",
     "comm_and_time",
     "optimizer_step_traffic",
+    "time_estimate",
     "LAYER_STRATEGIES",
 ]

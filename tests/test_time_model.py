@@ -10,7 +10,7 @@ from cost_models import CostModelError, Layout, TrainSpec, get_model_preset
 from cost_models.collectives import collective_cost
 from cost_models.comm_volume import comm_ops
 from cost_models.flops import attention_pairs, microbatch_work, model_flops_per_step
-from cost_models.time_model import OffloadTraffic, comm_and_time
+from cost_models.time_model import OffloadTraffic, comm_and_time, time_estimate
 from cost_models.topology import (
     CalibrationSpec,
     LinkCalibration,
@@ -248,7 +248,10 @@ def test_thousands_of_layouts_on_4096_gpus_are_fast():
     trains = [TrainSpec(seq_len=1 << 20, zero_stage=z, checkpointing=c) for z in (2, 3) for c in ("full", "selective")]
     for layout in layouts:
         for train in trains:
-            comm_and_time(LLAMA70, train, layout, topo)
+            t = time_estimate(LLAMA70, train, layout, topo)
+            assert t.step_s > 0
+    full = comm_and_time(LLAMA70, trains[0], layouts[-1], topo)
+    assert full.time == time_estimate(LLAMA70, trains[0], layouts[-1], topo)
     elapsed = time.perf_counter() - start
     assert len(layouts) * len(trains) >= 1500
     assert elapsed < 2.0, f"{len(layouts) * len(trains)} evaluations took {elapsed:.2f} s"
