@@ -20,7 +20,7 @@ from runtime.errors import RuntimeConfigError
 from . import measure
 from .build import DeviceFacts, ProbeFacts, build_spec
 from .connectivity import Connectivity, connectivity_from_nvml, parse_nvidia_smi_topo
-from .host import HostFacts, host_facts, load_nvml, nvidia_smi_topo, nvml_pcie_links
+from .host import host_facts, load_nvml, nvidia_smi_topo, nvml_pcie_links
 
 #: Default message sizes (bytes): small on CPU so the probe takes seconds, up to 256 MiB on GPUs.
 DEFAULT_SIZES = {"cpu": [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20],
@@ -196,4 +196,4 @@ def _host_copy(threads: int, budget: float) -> float:
         torch.set_num_threads(previous)
 
 
-__all__ = ["ProbeResult", "run_probe", "HostFacts"]
+__all__ = ["ProbeResult", "run_probe"]
