@@ -1,0 +1,163 @@
+"""FLOPs and memory traffic of one micro-batch, per GPU, by kind of work.
+
+Kinds are kept apart because they run at different fractions of peak (see the topology's
+``calibration.compute``): dense matmuls, attention forward, attention backward, and streaming
+(memory-bound) kernels, whose cost is bytes moved rather than FLOPs.
+
+Counting rules (a multiply-add is 2 FLOPs):
+
+- Matmuls per layer, forward: 2 x tokens x (TP-local weight parameters). A GPU projects its
+  T = b S / (U R) tokens (Ulysses and Ring split the sequence before the projections) with its TP
+  shard of the weights. LM head: 2 x T x hidden x vocab / tp (prefill: the last token only).
+- Attention forward: QK^T and PV, 4 x b x head_dim x heads x (query, key) pairs, split evenly over
+  all tp x U x R ranks (zigzag balances causal work). Flash kernels skip fully masked blocks: causal
+  attention has S(S+1)/2 pairs. A materialized (eager) attention computes all S^2 pairs and masks.
+- Backward: matmuls 2x forward (input and weight gradients); FlashAttention's backward is 2.5x its
+  forward (five GEMMs instead of two: it recomputes QK^T); materialized attention's backward is 2x.
+- Recompute: ``full`` checkpointing re-runs the block forward (matmuls and attention); ``selective``
+  re-runs the matmuls (projections, MLP) but not attention. Tiled MLP recomputes its tiles' forward in
+  backward; tiled loss recomputes the LM head forward per chunk in backward.
+- Model FLOPs (for MFU) count forward + 2x backward of the matmuls and of causal attention, without
+  recompute and without FlashAttention's backward surplus; hardware FLOPs count what actually runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .layout import Layout
+from .model_spec import ModelSpec
+from .train_spec import TrainSpec
+
+#: Backward/forward FLOP ratios. Dense layers: dX and dW, each the size of the forward GEMM.
+MATMUL_BACKWARD_RATIO = 2.0
+#: FlashAttention backward: recompute S = QK^T, then dV, dP, dQ, dK: 5 GEMMs vs 2 forward.
+FLASH_BACKWARD_RATIO = 2.5
+#: Materialized attention backward: dV, dP, dQ, dK from the saved probabilities: 4 GEMMs vs 2.
+MATERIALIZED_BACKWARD_RATIO = 2.0
+#: A materialized attention writes the score matrix, reads it for the softmax, writes the
+#: probabilities and reads them for PV: four passes over (heads x S_q x S_k) in the compute dtype.
+MATERIALIZED_FORWARD_PASSES = 4
+#: Its backward reads the probabilities, writes and reads dP and writes dS: four more passes, twice
+#: over because the softmax backward also needs P and dP together.
+MATERIALIZED_BACKWARD_PASSES = 8
+#: Streaming kernels' backward moves about twice the forward's bytes (read activations and
+#: upstream gradients, write input gradients, accumulate norm-weight gradients).
+ELEMENTWISE_BACKWARD_RATIO = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class MicrobatchWork:
+    """Per GPU, one micro-batch. FLOPs for compute-bound work, bytes for memory-bound work.
+
+    ``layer_*`` are per transformer layer; ``head_*`` cover the LM head (and loss). ``*_recompute``
+    is the recomputation done during backward (already excluded from ``*_bwd``).
+    """
+
+    layer_matmul_fwd: float
+    layer_matmul_bwd: float
+    layer_matmul_recompute: float
+    layer_attn_fwd: float
+    layer_attn_bwd: float
+    layer_attn_recompute: float
+    layer_stream_fwd_bytes: float
+    layer_stream_bwd_bytes: float
+    layer_stream_recompute_bytes: float
+    head_matmul_fwd: float
+    head_matmul_bwd: float
+    model_flops: float  # per GPU per micro-batch, for MFU (no recompute, causal attention x 3)
+
+
+def attention_pairs(seq_len: int, causal_skip: bool) -> float:
+    """(query, key) pairs computed for one sequence: causal flash skips the masked half."""
+    return seq_len * (seq_len + 1) / 2 if causal_skip else float(seq_len) * seq_len
+
+
+@lru_cache(maxsize=4096)
+def microbatch_work(model: ModelSpec, train: TrainSpec, layout: Layout) -> MicrobatchWork:
+    training = train.is_training
+    b, s, d = train.micro_batch, train.seq_len, train.dtype_bytes
+    tp, u, r = layout.tp, layout.ulysses, layout.ring
+    ranks = tp * u * r
+    tokens = b * s / (u * r)
+    h, f = model.hidden_size, model.ffn_hidden_size
+    hd = model.head_dim
+    flash = train.attention_kernel == "flash"
+
+    # Matmul weights one TP rank multiplies by (KV projections replicated when tp exceeds the KV
+    # heads), and the unique weights per rank for model FLOPs (replicas are not useful work).
+    mlp_weights = (3 if model.activation == "swiglu" else 2) * h * f / tp
+    kv_local = model.num_kv_heads * model.kv_replication(tp) / tp * hd
+    weights = 2 * h * model.q_size / tp + 2 * h * kv_local + mlp_weights
+    unique = (2 * h * model.q_size + 2 * h * model.kv_size) / tp + mlp_weights
+    matmul_fwd = 2 * tokens * weights
+    matmul_model = 2 * tokens * unique
+    mlp_fwd = 2 * tokens * mlp_weights
+
+    attn_core = 4 * b * hd * model.num_heads / ranks  # per pair, per GPU
+    attn_fwd = attn_core * attention_pairs(s, causal_skip=flash)
+    attn_model = attn_core * attention_pairs(s, causal_skip=True)
+
+    # Streaming kernels, bytes per forward: two norms (read + write h), two residual adds (2 reads +
+    # 1 write of h), rotary embedding on the local Q and K (read + write), and the activation
+    # (SwiGLU reads gate and up, writes one; GELU reads and writes). With Megatron sequence
+    # parallelism the norms and residuals run on T / tp tokens.
+    rep = model.kv_replication(layout.head_split)
+    norm_tokens = tokens / tp if (tp > 1 and train.tp_sequence_parallel) else tokens
+    q_local = model.num_heads / tp * hd
+    k_local = model.num_kv_heads * rep / tp * hd
+    act = (3 if model.activation == "swiglu" else 2) * f / tp
+    stream_fwd = d * (norm_tokens * (2 * 2 * h + 2 * 3 * h) + tokens * (2 * (q_local + k_local) + act))
+    if not flash:
+        scores = b * (model.num_heads / (tp * u)) * (s / r) * s * d
+        stream_fwd += MATERIALIZED_FORWARD_PASSES * scores
+    attn_bwd_ratio = FLASH_BACKWARD_RATIO if flash else MATERIALIZED_BACKWARD_RATIO
+
+    head_tokens = tokens if training else b / (u * r)  # prefill: logits of the last token only
+    head_fwd = 2 * head_tokens * h * model.vocab_size / tp
+
+    if not training:
+        return MicrobatchWork(matmul_fwd, 0.0, 0.0, attn_fwd, 0.0, 0.0, stream_fwd, 0.0, 0.0, head_fwd, 0.0,
+                              model.num_layers * (matmul_model + attn_model) + head_fwd)
+    ckpt = train.checkpointing
+    matmul_re = matmul_fwd if ckpt in ("full", "selective") else 0.0
+    if train.tiled_mlp:
+        matmul_re += mlp_fwd  # TiledMLP recomputes each tile's forward in backward
+    attn_re = attn_fwd if ckpt == "full" else 0.0
+    stream_re = stream_fwd if ckpt in ("full", "selective") else 0.0
+    if ckpt == "selective" and not flash:
+        stream_re -= MATERIALIZED_FORWARD_PASSES * scores  # the attention op is not recomputed
+    stream_bwd = ELEMENTWISE_BACKWARD_RATIO * stream_fwd
+    if not flash:
+        stream_bwd += (MATERIALIZED_BACKWARD_PASSES - ELEMENTWISE_BACKWARD_RATIO * MATERIALIZED_FORWARD_PASSES) * scores
+    head_bwd = MATMUL_BACKWARD_RATIO * head_fwd + (head_fwd if train.tiled_loss else 0.0)
+    model_flops = (1 + MATMUL_BACKWARD_RATIO) * (model.num_layers * (matmul_model + attn_model) + head_fwd)
+    return MicrobatchWork(
+        layer_matmul_fwd=matmul_fwd,
+        layer_matmul_bwd=MATMUL_BACKWARD_RATIO * matmul_fwd,
+        layer_matmul_recompute=matmul_re,
+        layer_attn_fwd=attn_fwd,
+        layer_attn_bwd=attn_bwd_ratio * attn_fwd,
+        layer_attn_recompute=attn_re,
+        layer_stream_fwd_bytes=stream_fwd,
+        layer_stream_bwd_bytes=stream_bwd,
+        layer_stream_recompute_bytes=stream_re,
+        head_matmul_fwd=head_fwd,
+        head_matmul_bwd=head_bwd,
+        model_flops=model_flops,
+    )
+
+
+def model_flops_per_step(model: ModelSpec, train: TrainSpec, layout: Layout) -> float:
+    """Model FLOPs of one optimizer step over the whole cluster (the MFU numerator)."""
+    work = microbatch_work(model, train, layout)
+    return work.model_flops * layout.world * train.grad_accum
+
+
+def hardware_flops_per_step(model: ModelSpec, train: TrainSpec, layout: Layout) -> float:
+    """FLOPs actually executed in one step over the cluster (with recompute and flash backward)."""
+    w = microbatch_work(model, train, layout)
+    per_layer = (w.layer_matmul_fwd + w.layer_matmul_bwd + w.layer_matmul_recompute + w.layer_attn_fwd
+                 + w.layer_attn_bwd + w.layer_attn_recompute)
+    return (model.num_layers * per_layer + w.head_matmul_fwd + w.head_matmul_bwd) * layout.world * train.grad_accum

@@ -1,0 +1,129 @@
+"""Map the mesh (dp_replicate, dp_shard, ring, ulysses, tp) onto a topology's ranks.
+
+Ranks are numbered node by node (rank = node x gpus_per_node + local GPU), and the mesh is laid out
+row-major with ``tp`` innermost, as ``torch.distributed.init_device_mesh`` does:
+
+    rank = (((dp_replicate_i x dp_shard + dp_shard_i) x ring + ring_i) x ulysses + ulysses_i) x tp + tp_i
+
+so a dimension's process group is ``size`` ranks ``stride`` apart, where ``stride`` is the product of the
+degrees inside it. Flattened runs of adjacent dims are groups too: the sequence-parallel group
+(ring x ulysses), the ZeRO/FSDP shard group (dp_shard x ring x ulysses) and the data group that
+reduces gradients and the loss (everything but tp). Each group's placement says how many ranks share a
+node, how many nodes it spans, and which link class its traffic crosses, so collectives on that
+dimension are costed on the right links.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .errors import CostModelError
+from .layout import MESH_DIMS, Layout
+from .topology.topology import GroupSpan, Topology
+
+#: Process groups the cost model uses: name -> the mesh dims it spans (adjacent, outermost first).
+GROUP_DIMS: dict[str, tuple[str, ...]] = {
+    "tp": ("tp",),
+    "ulysses": ("ulysses",),
+    "ring": ("ring",),
+    "dp_shard": ("dp_shard",),
+    "dp_replicate": ("dp_replicate",),
+    "sp": ("ring", "ulysses"),
+    "shard": ("dp_shard", "ring", "ulysses"),
+    "data": ("dp_replicate", "dp_shard", "ring", "ulysses"),
+}
+
+
+def group_shape(layout: Layout, dims: tuple[str, ...]) -> tuple[int, int]:
+    """(stride, size) of the groups spanning the adjacent mesh dims ``dims``."""
+    inner = MESH_DIMS[MESH_DIMS.index(dims[-1]) + 1:]
+    stride = math.prod(getattr(layout, d) for d in inner)
+    size = math.prod(getattr(layout, d) for d in dims)
+    return stride, size
+
+
+def check_fits(layout: Layout, topology: Topology) -> None:
+    if layout.world > topology.num_gpus:
+        raise CostModelError(
+            f"layout {layout.describe()} uses {layout.world} GPUs but topology {topology.name} has "
+            f"{topology.num_gpus}: use a topology with at least {layout.world} GPUs (e.g. --gpus {layout.world})"
+        )
+
+
+def group_shapes(layout: Layout) -> dict[str, tuple[int, int]]:
+    """(stride, size) of every cost-model group; the same as :func:`group_shape` on ``GROUP_DIMS``,
+    spelled out because the planner calls it for every layout it scores."""
+    tp, u, r, ds, dr = layout.tp, layout.ulysses, layout.ring, layout.dp_shard, layout.dp_replicate
+    return {
+        "tp": (1, tp),
+        "ulysses": (tp, u),
+        "ring": (tp * u, r),
+        "dp_shard": (tp * u * r, ds),
+        "dp_replicate": (tp * u * r * ds, dr),
+        "sp": (tp, u * r),
+        "shard": (tp, u * r * ds),
+        "data": (tp, u * r * ds * dr),
+    }
+
+
+def group_spans(layout: Layout, topology: Topology) -> dict[str, GroupSpan]:
+    """The span of every cost-model group (fast: each (stride, size) is cached by the topology)."""
+    check_fits(layout, topology)
+    group = topology.group
+    return {name: group(stride, size) for name, (stride, size) in group_shapes(layout).items()}
+
+
+class GroupPlacement(BaseModel):
+    """Where one process group of the mesh sits (the worst group when groups differ)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    dims: list[str]
+    size: int = Field(description="ranks per group")
+    stride: int = Field(description="rank distance between consecutive members")
+    ranks_per_node: int = Field(description="members sharing one node")
+    nodes_spanned: int
+    link_class: str = Field(description="slowest link class the group's traffic crosses")
+    intra_node_class: str | None = Field(description="slowest class among same-node members")
+    intra_node_bandwidth: float | None = Field(description="calibrated per-GPU ring bandwidth inside a node, B/s")
+    fabric_bandwidth: float | None = Field(description="calibrated per-GPU fabric share, B/s")
+
+
+class Placement(BaseModel):
+    """Rank-to-mesh placement of a layout on a topology (goes into the plan JSON)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    topology: str
+    world: int
+    gpus_per_node: int
+    nodes: int
+    mesh_order: list[str] = Field(default_factory=lambda: list(MESH_DIMS))
+    rank_formula: str = "rank = ((((dp_replicate*dp_shard + dp_shard)*ring + ring)*ulysses + ulysses)*tp + tp)"
+    groups: dict[str, GroupPlacement]
+
+
+def place(layout: Layout, topology: Topology) -> Placement:
+    spans = group_spans(layout, topology)
+    groups = {}
+    for name, span in spans.items():
+        groups[name] = GroupPlacement(
+            dims=list(GROUP_DIMS[name]),
+            size=span.size,
+            stride=span.stride,
+            ranks_per_node=span.ranks_per_node,
+            nodes_spanned=span.nodes,
+            link_class=span.link_class,
+            intra_node_class=span.intra_class,
+            intra_node_bandwidth=span.ring_bandwidth if math.isfinite(span.ring_bandwidth) else None,
+            fabric_bandwidth=span.fabric_bandwidth if math.isfinite(span.fabric_bandwidth) else None,
+        )
+    return Placement(
+        topology=topology.name,
+        world=layout.world,
+        gpus_per_node=topology.gpus_per_node,
+        nodes=math.ceil(layout.world / topology.gpus_per_node),
+        groups=groups,
+    )

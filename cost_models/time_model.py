@@ -1,0 +1,406 @@
+"""Step time: compute at calibrated fractions of peak, communication on the topology, and overlap.
+
+Entry point: :func:`comm_and_time` (model, train, layout, topology, offload) -> :class:`CommTime`.
+
+Compute (per GPU, from :mod:`cost_models.flops`): matmul FLOPs at ``peak x matmul``, attention at
+``peak x attention_forward`` / ``attention_backward``, streaming kernels (norms, rotary, activations,
+materialized scores) at ``HBM bandwidth x memory``; the efficiencies come from the topology's
+``calibration.compute``, so a probed or hand-tuned file changes predictions without code changes.
+
+Communication: every op of :func:`cost_models.comm_volume.comm_ops` is costed with
+:func:`cost_models.collectives.collective_cost` on the span of its process group
+(:mod:`cost_models.placement`). Overlap rules:
+
+- Ulysses all-to-alls, TP collectives, embedding/LM-head collectives and the loss reduction are
+  exposed: the next kernel needs their result.
+- Ring attention: hop i+1's K/V transfer runs while block i is computed, so each of the R-1 hops costs
+  max(0, transfer - block compute) with block compute = the layer's attention time / R. Backward hops
+  carry K/V and the fp32 dK/dV; the last dK/dV hop home has nothing to hide behind.
+- FSDP all-gathers (and, in backward, reduce-scatters) are prefetched: layer i+1's traffic hides behind
+  layer i's compute; what exceeds it is exposed, plus one pipeline fill per pass (min(comm, compute)).
+- Gradient reductions (DDP buckets, ZeRO-1/2 reduce-scatters, HSDP all-reduces) hide behind backward
+  compute the same way; once-per-step reductions only behind the last micro-batch's backward.
+- Once-per-step parameter all-gathers (ZeRO-1/2) and the optimizer step are exposed.
+- Offload (inputs in :class:`OffloadTraffic`, normally the memory model's figures): parameter shards
+  come in over PCIe ahead of use and checkpointed activations go out and come back asynchronously, so
+  each pass's PCIe time hides behind that pass's compute; the CPU optimizer step (host-memory bound)
+  and the copy of updated parameters back to the GPU are exposed, gradient copies to the host hide
+  behind the last backward.
+
+Overlapped collectives are assumed not to slow the compute they hide behind (no SM or HBM
+contention) and not to contend with exposed collectives on the same links.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .collectives import collective_cost
+from .comm_volume import (
+    LAYER_STRATEGIES,
+    STEP_STRATEGIES,
+    CommEstimate,
+    CommOp,
+    comm_estimate,
+    comm_ops,
+    tp_local_layer_params,
+    tp_local_other_params,
+)
+from .errors import CostModelError
+from .flops import hardware_flops_per_step, microbatch_work
+from .layout import Layout
+from .model_spec import ModelSpec
+from .placement import Placement, group_spans, place
+from .topology.topology import Topology
+from .train_spec import TrainSpec
+
+#: Optimizer state bytes per parameter (brief convention): fp32 master + m + v, or bf16 m + v.
+OPTIMIZER_STATE_BYTES: dict[str, int] = {"adamw": 12, "adamw_bf16": 4}
+
+
+def optimizer_step_traffic(optimizer: str, dtype_bytes: int) -> int:
+    """Bytes an AdamW step reads and writes per parameter (it is memory-bound).
+
+    ``adamw``: read and write master, m, v (2 x 12), read the gradient, write the low-precision
+    weight. ``adamw_bf16``: read and write weight, m and v, read the gradient.
+    """
+    state = OPTIMIZER_STATE_BYTES[optimizer]
+    if optimizer == "adamw":
+        return 2 * state + 2 * dtype_bytes
+    return 2 * state + 3 * dtype_bytes
+
+
+class OffloadTraffic(BaseModel):
+    """What lives in host memory, per GPU, in bytes (feed the memory model's figures).
+
+    ``optimizer_bytes``: optimizer states on the host; the optimizer step then runs on the CPU and
+    gradients go down / updated weights come back over PCIe once per step. ``param_bytes``: the
+    parameter shard kept on the host (ZeRO-3 offload), copied to the GPU for forward and again for
+    backward each micro-batch, gradients copied back. ``checkpoint_bytes``: checkpointed activations
+    moved to the host during forward and fetched back during backward, per micro-batch.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    optimizer_bytes: float = Field(default=0.0, ge=0)
+    param_bytes: float = Field(default=0.0, ge=0)
+    checkpoint_bytes: float = Field(default=0.0, ge=0)
+
+    @classmethod
+    def estimate(cls, model: ModelSpec, train: TrainSpec, layout: Layout) -> "OffloadTraffic":
+        """A first-order estimate from the train flags, for when the memory model's numbers are not
+        at hand: TP-local parameters sharded over the ZeRO group, and per layer the checkpointed block
+        input (plus, for selective, the attention output and its fp32 LSE)."""
+        if not train.is_training:
+            return cls()
+        d = train.dtype_bytes
+        params = tp_local_layer_params(model, layout.tp) * model.num_layers + tp_local_other_params(model, layout.tp)
+        shard = layout.shard_group if train.zero_stage >= 1 else 1
+        optimizer = params / shard * OPTIMIZER_STATE_BYTES[train.optimizer] if train.offload_optimizer else 0.0
+        param = params / layout.shard_group * d if train.offload_params else 0.0
+        checkpoint = 0.0
+        if train.offload_checkpoints and train.checkpointing != "none":
+            tokens = train.micro_batch * train.seq_len / layout.sp
+            per_layer = tokens * model.hidden_size * d
+            if layout.tp > 1 and train.tp_sequence_parallel:
+                per_layer /= layout.tp
+            if train.checkpointing == "selective":
+                per_layer += tokens * model.num_heads / layout.tp * (model.head_dim * d + 4)
+            checkpoint = per_layer * model.num_layers
+        return cls(optimizer_bytes=optimizer, param_bytes=param, checkpoint_bytes=checkpoint)
+
+
+class TimeEstimate(BaseModel):
+    """One optimizer step (prefill: one forward pass), in seconds unless named otherwise."""
+
+    model_config = ConfigDict(frozen=True)
+
+    compute_s: float = Field(description="GPU compute per step, recompute included")
+    comm_s: float = Field(description="all collectives per step as if run back to back")
+    exposed_comm_s: float = Field(description="communication on the critical path")
+    optimizer_s: float = Field(description="optimizer step (GPU, or CPU when offloaded)")
+    offload_s: float = Field(description="exposed PCIe traffic of offloading")
+    step_s: float
+    tokens_per_step: float
+    tokens_per_s: float
+    mfu: float = Field(description="model FLOPs (no recompute) / (step time x GPUs x peak)")
+    hfu: float = Field(description="executed FLOPs (recompute, flash backward) / (step time x GPUs x peak)")
+    model_flops_per_step: float
+    peak_flops: float = Field(description="per GPU, dense, for the training dtype")
+    comm_s_by_strategy: dict[str, float]
+    exposed_comm_s_by_strategy: dict[str, float]
+    fabric_bytes_per_step: float = Field(description="bytes per GPU per step that cross nodes")
+    breakdown: dict[str, float] = Field(description="per-layer / per-micro-batch components, seconds")
+    efficiencies: dict[str, float] = Field(description="calibration in effect")
+
+
+class CommTime(BaseModel):
+    """What :func:`comm_and_time` returns: the ``comm`` and ``time`` JSON sections and the placement."""
+
+    model_config = ConfigDict(frozen=True)
+
+    comm: CommEstimate
+    time: TimeEstimate
+    placement: Placement | None = None
+
+
+@dataclass(slots=True)
+class _Costed:
+    op: CommOp
+    seconds: float  # one occurrence (one hop for ring ops)
+    fabric_bytes: float
+
+
+def comm_and_time(
+    model: ModelSpec,
+    train: TrainSpec,
+    layout: Layout,
+    topology: Topology,
+    offload: OffloadTraffic | None = None,
+    with_placement: bool = False,
+) -> CommTime:
+    """Communication volume and step time of ``layout`` on ``topology``.
+
+    ``offload``: bytes in host memory per GPU (the memory model's numbers); ``None`` estimates them
+    from the TrainSpec flags (:meth:`OffloadTraffic.estimate`). ``with_placement`` adds the
+    :class:`Placement` (slower; the planner asks for it only for the plan it reports).
+    """
+    if layout.world > topology.num_gpus:
+        raise CostModelError(
+            f"layout {layout.describe()} uses {layout.world} GPUs but topology {topology.name} has "
+            f"{topology.num_gpus}: use a topology with at least {layout.world} GPUs (e.g. --gpus {layout.world})"
+        )
+    if offload is None:
+        offload = OffloadTraffic.estimate(model, train, layout)
+    comm = comm_estimate(model, train, layout)
+    time = _time(model, train, layout, topology, offload)
+    return CommTime.model_construct(comm=comm, time=time, placement=place(layout, topology) if with_placement else None)
+
+
+def time_estimate(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
+                  offload: OffloadTraffic | None = None) -> TimeEstimate:
+    """Only the step time (no comm JSON section): the planner's inner loop over thousands of layouts."""
+    if offload is None:
+        offload = OffloadTraffic.estimate(model, train, layout)
+    return _time(model, train, layout, topology, offload)
+
+
+def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
+          offload: OffloadTraffic) -> TimeEstimate:
+    spans = group_spans(layout, topology)
+    training = train.is_training
+    layers = model.num_layers
+    accum = train.grad_accum
+    eff = topology.efficiency
+    peak = topology.peak_flops(train.dtype)
+    mm, af, ab = peak * eff.matmul, peak * eff.attention_forward, peak * eff.attention_backward
+    hbm = topology.gpu.memory_bandwidth * eff.memory
+
+    # ----- compute --------------------------------------------------------------------------------
+    w = microbatch_work(model, train, layout)
+    attn_f = w.layer_attn_fwd / af
+    attn_b = w.layer_attn_bwd / ab
+    c_fwd = w.layer_matmul_fwd / mm + attn_f + w.layer_stream_fwd_bytes / hbm
+    c_re = w.layer_matmul_recompute / mm + w.layer_attn_recompute / af + w.layer_stream_recompute_bytes / hbm
+    c_bwd = w.layer_matmul_bwd / mm + attn_b + w.layer_stream_bwd_bytes / hbm + c_re
+    head_f = w.head_matmul_fwd / mm
+    head_b = w.head_matmul_bwd / mm
+    compute_mb = layers * (c_fwd + c_bwd) + head_f + head_b
+    compute_s = accum * compute_mb
+
+    # ----- communication ----------------------------------------------------------------------------
+    costed = []
+    comm_by = dict.fromkeys(STEP_STRATEGIES, 0.0)
+    fabric_bytes = 0.0
+    memo: dict[tuple[str, float, str], object] = {}
+    for op in comm_ops(model, train, layout):
+        key = (op.collective, op.nbytes, op.group)
+        cost = memo.get(key)
+        if cost is None:
+            cost = memo[key] = collective_cost(op.collective, op.nbytes, spans[op.group])
+        costed.append(_Costed(op, cost.time_s, cost.fabric_bytes))
+        times = op.count * (layers if op.scope == "layer" else 1) * (accum if op.per == "microbatch" else 1)
+        comm_by[op.strategy] += cost.time_s * times
+        fabric_bytes += cost.fabric_bytes * times
+    comm_s = sum(comm_by.values())
+
+    exposed = dict.fromkeys(STEP_STRATEGIES, 0.0)
+
+    def expose(strategy: str, seconds: float) -> None:
+        exposed[strategy] += seconds
+
+    # Per layer and micro-batch: sort the ops by how they may overlap.
+    lf_exposed = lb_exposed = 0.0
+    prefetch_f = prefetch_b = grad_mb = grad_step = 0.0
+    prefetch_strategy_f: dict[str, float] = {}
+    prefetch_strategy_b: dict[str, float] = {}
+    grad_strategy_mb: dict[str, float] = {}
+    grad_strategy_step: dict[str, float] = {}
+    ring_f = ring_b_kv = ring_b_dkv = ring_re = 0.0
+    model_mb = model_step = 0.0
+    model_strategy_mb: dict[str, float] = {}
+    for c in costed:
+        op, t = c.op, c.seconds
+        if op.scope == "model":
+            if op.per == "microbatch":
+                model_mb += t * op.count
+                model_strategy_mb[op.strategy] = model_strategy_mb.get(op.strategy, 0.0) + t * op.count
+            else:
+                model_step += t * op.count
+                expose(op.strategy, t * op.count)
+            continue
+        if op.overlap == "exposed":
+            if op.phase == "forward":
+                lf_exposed += t * op.count
+            else:
+                lb_exposed += t * op.count
+            expose(op.strategy, t * op.count * layers * accum)
+        elif op.overlap == "ring":
+            if op.phase == "forward":
+                ring_f = t
+            elif op.recompute:
+                ring_re = t
+            elif op.count == layout.ring - 1:
+                ring_b_kv = t
+            else:
+                ring_b_dkv = t
+        elif op.overlap == "prefetch":
+            if op.phase == "forward":
+                prefetch_f += t
+                prefetch_strategy_f[op.strategy] = prefetch_strategy_f.get(op.strategy, 0.0) + t
+            else:
+                prefetch_b += t
+                prefetch_strategy_b[op.strategy] = prefetch_strategy_b.get(op.strategy, 0.0) + t
+        else:  # grad
+            table = grad_strategy_mb if op.per == "microbatch" else grad_strategy_step
+            table[op.strategy] = table.get(op.strategy, 0.0) + t
+            if op.per == "microbatch":
+                grad_mb += t
+            else:
+                grad_step += t
+    for strategy, t in model_strategy_mb.items():
+        expose(strategy, t * accum)
+
+    # Ring attention: hops hide behind block compute.
+    r = layout.ring
+    ring_exposed_f = ring_exposed_b = 0.0
+    if r > 1:
+        ring_exposed_f = (r - 1) * max(0.0, ring_f - attn_f / r)
+        if training:
+            ring_exposed_b = (r - 1) * max(0.0, ring_b_kv + ring_b_dkv - attn_b / r) + ring_b_dkv
+            ring_exposed_b += (r - 1) * max(0.0, ring_re - attn_f / r)
+    expose("ring", (ring_exposed_f + ring_exposed_b) * layers * accum)
+
+    # Prefetched and gradient traffic: hidden behind layer compute, plus one pipeline fill per pass.
+    def hidden(comm: float, compute: float) -> float:
+        return layers * max(0.0, comm - compute) + min(comm, compute) if comm > 0 else 0.0
+
+    fwd_overlap = hidden(prefetch_f, c_fwd)
+    bwd_overlap_mb = hidden(prefetch_b + grad_mb, c_bwd) if training else 0.0
+    bwd_overlap_last = hidden(prefetch_b + grad_mb + grad_step, c_bwd) if training else 0.0
+    _split(expose, fwd_overlap * accum, prefetch_strategy_f)
+    _split(expose, bwd_overlap_mb * (accum - 1) + bwd_overlap_last,
+           _merge(prefetch_strategy_b, grad_strategy_mb, grad_strategy_step))
+
+    layer_f = c_fwd + lf_exposed + ring_exposed_f
+    layer_b = c_bwd + lb_exposed + ring_exposed_b if training else 0.0
+    microbatch_s = layers * (layer_f + layer_b) + fwd_overlap + bwd_overlap_mb + head_f + head_b + model_mb
+    step_comm_exposed = (
+        accum * (layers * (lf_exposed + lb_exposed + ring_exposed_f + ring_exposed_b) + model_mb + fwd_overlap)
+        + (accum - 1) * bwd_overlap_mb + bwd_overlap_last + model_step
+    )
+
+    # ----- optimizer and offload ---------------------------------------------------------------------
+    optimizer_s = offload_s = 0.0
+    pcie = topology.pcie_bandwidth
+    d = train.dtype_bytes
+    if training:
+        params = tp_local_layer_params(model, layout.tp) * layers + tp_local_other_params(model, layout.tp)
+        local = params / (layout.shard_group if train.zero_stage >= 1 else 1)
+        traffic = optimizer_step_traffic(train.optimizer, d)
+        cpu_params = offload.optimizer_bytes / OPTIMIZER_STATE_BYTES[train.optimizer]
+        gpu_params = max(0.0, local - cpu_params)
+        optimizer_s = gpu_params * traffic / hbm
+        if cpu_params > 0:
+            optimizer_s += cpu_params * traffic / topology.host_memory_bandwidth_per_gpu
+            grads_down = cpu_params * d / pcie
+            offload_s += cpu_params * d / pcie  # updated weights back to the GPU
+            offload_s += max(0.0, grads_down - layers * c_bwd)  # gradient copies hide behind backward
+    if offload.param_bytes or offload.checkpoint_bytes:
+        fwd_pcie = (offload.param_bytes + offload.checkpoint_bytes) / pcie
+        bwd_pcie = ((2 * offload.param_bytes if training else 0.0) + offload.checkpoint_bytes) / pcie
+        per_mb = max(0.0, fwd_pcie - layers * c_fwd)
+        if training:
+            per_mb += max(0.0, bwd_pcie - layers * c_bwd)
+        offload_s += accum * per_mb
+
+    step_s = accum * microbatch_s + (bwd_overlap_last - bwd_overlap_mb) + model_step + optimizer_s + offload_s
+    tokens_per_step = float(train.micro_batch * train.seq_len * accum * layout.dp)
+    model_flops = w.model_flops * layout.world * accum
+    denominator = step_s * layout.world * peak
+    return TimeEstimate.model_construct(  # computed values; skip re-validation (hot path)
+        compute_s=compute_s,
+        comm_s=comm_s,
+        exposed_comm_s=step_comm_exposed,
+        optimizer_s=optimizer_s,
+        offload_s=offload_s,
+        step_s=step_s,
+        tokens_per_step=tokens_per_step,
+        tokens_per_s=tokens_per_step / step_s,
+        mfu=model_flops / denominator,
+        hfu=hardware_flops_per_step(model, train, layout) / denominator,
+        model_flops_per_step=model_flops,
+        peak_flops=peak,
+        comm_s_by_strategy=comm_by,
+        exposed_comm_s_by_strategy=exposed,
+        fabric_bytes_per_step=fabric_bytes,
+        breakdown={
+            "layer_forward_compute_s": c_fwd,
+            "layer_backward_compute_s": c_bwd if training else 0.0,
+            "layer_recompute_s": c_re if training else 0.0,
+            "layer_attention_forward_s": attn_f,
+            "layer_attention_backward_s": attn_b if training else 0.0,
+            "layer_forward_exposed_comm_s": lf_exposed + ring_exposed_f,
+            "layer_backward_exposed_comm_s": lb_exposed + ring_exposed_b if training else 0.0,
+            "head_compute_s": head_f + head_b,
+            "microbatch_s": microbatch_s,
+        },
+        efficiencies={
+            "matmul": eff.matmul,
+            "attention_forward": eff.attention_forward,
+            "attention_backward": eff.attention_backward,
+            "memory": eff.memory,
+            "pcie": eff.pcie,
+            "host_memory": eff.host_memory,
+        },
+    )
+
+
+def _merge(*tables: dict[str, float]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for table in tables:
+        for k, v in table.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def _split(expose, seconds: float, weights: dict[str, float]) -> None:
+    """Attribute exposed overlapped time to strategies in proportion to their traffic time."""
+    total = sum(weights.values())
+    if seconds <= 0 or total <= 0:
+        return
+    for strategy, t in weights.items():
+        expose(strategy, seconds * t / total)
+
+
+__all__ = [
+    "CommTime",
+    "OffloadTraffic",
+    "TimeEstimate",
+    "comm_and_time",
+    "optimizer_step_traffic",
+    "time_estimate",
+    "LAYER_STRATEGIES",
+]

@@ -1,0 +1,156 @@
+"""Micro-benchmarks with torch: matmul and attention FLOP/s, memory copy bandwidth, and collectives.
+
+Every timing is a median over repetitions, taken after warm-up, and collectives report the slowest
+rank's median (a collective is as slow as its last rank). Budgets keep the CPU probe to seconds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cost_models.calibration import TimingSample
+
+#: Matmul sizes: large enough to reach steady-state throughput, small enough for a CPU budget.
+MATMUL_SIZE = {"cuda": 8192, "cpu": 512}
+#: Attention benchmark shape (batch, heads, seq, head_dim) per device kind.
+ATTENTION_SHAPE = {"cuda": (1, 16, 8192, 128), "cpu": (1, 4, 512, 64)}
+#: Bytes copied to measure memory bandwidth.
+COPY_BYTES = {"cuda": 1 << 30, "cpu": 1 << 26}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn: Callable[[], object], device: torch.device, budget_s: float, min_reps: int = 3,
+                 max_reps: int = 50) -> float:
+    fn()  # warm-up (allocations, kernel selection)
+    synchronize(device)
+    times: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() < deadline):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, budget_s: float) -> float:
+    n = MATMUL_SIZE[device.type]
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    seconds = _median_time(lambda: torch.mm(a, b), device, budget_s)
+    return 2.0 * n**3 / seconds
+
+
+def attention_flops(device: torch.device, dtype: torch.dtype, budget_s: float) -> tuple[float, float]:
+    """Causal scaled-dot-product attention forward and backward FLOP/s (the model's flash counting:
+    4 b h d pairs forward with causal pairs S(S+1)/2, backward 2.5x forward)."""
+    b, h, s, d = ATTENTION_SHAPE[device.type]
+    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    fwd_flops = 4.0 * b * h * d * s * (s + 1) / 2
+
+    def forward() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    with torch.no_grad():
+        t_fwd = _median_time(forward, device, budget_s / 2)
+    grad = torch.randn(b, h, s, d, device=device, dtype=dtype)
+
+    def both() -> None:
+        out = forward()
+        out.backward(grad)
+
+    t_both = _median_time(both, device, budget_s / 2)
+    t_bwd = max(t_both - t_fwd, 1e-9)
+    return fwd_flops / t_fwd, 2.5 * fwd_flops / t_bwd
+
+
+def copy_bandwidth(device: torch.device, budget_s: float) -> float:
+    """Device memory bandwidth: a copy reads and writes every byte."""
+    n = COPY_BYTES[device.type] // 4
+    src = torch.ones(n, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    seconds = _median_time(lambda: dst.copy_(src), device, budget_s)
+    return 2.0 * n * 4 / seconds
+
+
+def host_to_device_bandwidth(device: torch.device, budget_s: float) -> float:
+    n = COPY_BYTES["cuda"] // 4
+    src = torch.ones(n, dtype=torch.float32).pin_memory()
+    dst = torch.empty(n, device=device, dtype=torch.float32)
+    seconds = _median_time(lambda: dst.copy_(src, non_blocking=True), device, budget_s)
+    return n * 4 / seconds
+
+
+# ----- collectives ---------------------------------------------------------------------------------
+
+
+def _slowest(value: float, group, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def measure_collectives(group, group_ranks: Sequence[int], sizes: Sequence[int], device: torch.device,
+                        budget_s: float, collectives: Sequence[str] = ("all_reduce", "all_to_all", "send_recv"),
+                        ) -> list[TimingSample]:
+    """Time each collective at each size on ``group`` (every rank of the group calls this together).
+
+    Sizes are the collective's size argument in bytes (see cost_models.collectives). Ranks in other
+    groups run theirs at the same time, so shared links are loaded as in training.
+    """
+    p = len(group_ranks)
+    me = group_ranks.index(dist.get_rank())
+    nxt, prv = group_ranks[(me + 1) % p], group_ranks[(me - 1) % p]
+    samples: list[TimingSample] = []
+    per_op_budget = budget_s / max(1, len(sizes) * len(collectives))
+    for collective in collectives:
+        for nbytes in sizes:
+            elems = max(p, nbytes // 4 // p * p)
+            buf = torch.ones(elems, dtype=torch.float32, device=device)
+            out = torch.empty_like(buf)
+            if collective == "all_reduce":
+                def run(buf=buf) -> None:
+                    dist.all_reduce(buf, group=group)
+            elif collective == "all_to_all":
+                def run(buf=buf, out=out) -> None:
+                    dist.all_to_all_single(out, buf, group=group)
+            elif collective == "send_recv":
+                def run(buf=buf, out=out) -> None:
+                    ops = [dist.P2POp(dist.isend, buf, nxt, group), dist.P2POp(dist.irecv, out, prv, group)]
+                    for req in dist.batch_isend_irecv(ops):
+                        req.wait()
+            else:
+                raise ValueError(f"unsupported collective {collective}")
+            dist.barrier(group=group)
+            seconds = _median_time_collective(run, group, device, per_op_budget)
+            samples.append(TimingSample(collective=collective, group_size=p, nbytes=float(elems * 4),
+                                        seconds=max(seconds, 1e-9)))
+    return samples
+
+
+def _median_time_collective(run: Callable[[], None], group, device: torch.device, budget_s: float) -> float:
+    """Median over a fixed repetition count agreed by all ranks (every rank must call run() equally)."""
+    run()
+    synchronize(device)
+    start = time.perf_counter()
+    run()
+    synchronize(device)
+    single = _slowest(time.perf_counter() - start, group, device)
+    reps = int(min(50, max(3, budget_s / max(single, 1e-6))))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return _slowest(statistics.median(times), group, device)
