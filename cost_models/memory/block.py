@@ -31,7 +31,7 @@ FP32 = 4
 MASK_BYTES = 1
 
 
-class _Block:
+class BlockBuilder:
     """Builds the graph; methods mirror the runtime's modules."""
 
     def __init__(self, model: ModelSpec, d: LocalDims, a: MemoryAssumptions, training: bool, tiled_mlp: bool,
@@ -111,12 +111,18 @@ class _Block:
         ws = [Workspace(2 * nbytes)]
         return self.simple(name, [x], nbytes, fwd_ws=ws, bwd_ws=ws)
 
-    def alltoall(self, name: str, x: str, nbytes: int, tags: tuple[str, ...] = ()) -> str:
+    def alltoall(self, name: str, x: str, nbytes: int, tags: tuple[str, ...] = (),
+                 holds: tuple[str, ...] = ()) -> str:
         """Ulysses all-to-all (sequence <-> head split): same bytes out as in, plus staging copies."""
         if self.d.ulysses == 1:
             return x
         ws = [Workspace(int(self.a.alltoall_staging_copies * nbytes), "comm")]
-        return self.simple(name, [x], nbytes, fwd_ws=ws, bwd_ws=ws, tags=tags)
+        return self.simple(name, [x], nbytes, fwd_ws=ws, bwd_ws=ws, tags=tags, holds=holds)
+
+    def module_input(self, shard: str, gathered: str) -> tuple[str, ...]:
+        """What a TP module's caller keeps referenced until the module returns: its input, and with
+        DTensor-style sequence parallelism also the gathered copy the module's input hook made."""
+        return (shard, gathered) if self.a.tp_saves_gathered_input else (shard,)
 
     # ----- the block ------------------------------------------------------------------------------------
     def build(self, inference: bool) -> Graph:
@@ -139,6 +145,7 @@ class _Block:
         if d.kv_heads > d.kv_heads_proj:  # Ulysses KV replication, before the all-to-all (DESIGN.md)
             k = self.simple("k_repeat", [k], d.k_bytes())
             v = self.simple("v_repeat", [v], d.k_bytes())
+        attention_args = (q, k, v)  # the attention function's arguments, referenced until it returns
         q = self.alltoall("q_alltoall", q, d.q_bytes())
         k = self.alltoall("k_alltoall", k, d.k_bytes())
         v = self.alltoall("v_alltoall", v, d.k_bytes())
@@ -148,9 +155,9 @@ class _Block:
             k = self.simple("k_cache_write", [k], 0, kind="kv_cache")
             v = self.simple("v_cache_write", [v], 0, kind="kv_cache")
         attn = self._attention(q, k, v)
-        attn = self.alltoall("out_alltoall", attn, d.q_bytes(), tags=(ATTENTION,))
+        attn = self.alltoall("out_alltoall", attn, d.q_bytes(), tags=(ATTENTION,), holds=attention_args)
         # The attention module's input stays referenced until the module returns (Python scope).
-        o = self.linear("o_proj", attn, d.tokens * h * B, holds=(n1, n1g))
+        o = self.linear("o_proj", attn, d.tokens * h * B, holds=self.module_input(n1, n1g))
         o = self.tp_scatter("o_proj", o)
         o = self.dropout("attn_residual_dropout", o, m.hidden_dropout, d.norm_tokens * h)
         h1 = self.simple("residual1", [x, o], d.norm_tokens * h * B, passthrough=True)
@@ -235,7 +242,7 @@ class _Block:
             fwd, bwd = self._tile_workspace()
             return self.simple("tiled_mlp", [n2g], d.tokens * d.hidden * B, saves=[saved_in],
                                fwd_ws=[Workspace(fwd)], bwd_ws=[Workspace(bwd + regather)])
-        return _mlp_ops(self, n2g, saved_in, regather, d.tokens, holds=(n2, n2g))
+        return _mlp_ops(self, n2g, saved_in, regather, d.tokens, holds=self.module_input(n2, n2g))
 
     def _tile_workspace(self) -> tuple[int, int]:
         """Forward and backward working set of one MLP tile, from a simulation of the MLP on it.
@@ -246,7 +253,7 @@ class _Block:
         """
         d, B = self.d, self.B
         tile = min(self.a.tiled_mlp_tile_tokens or d.hidden, d.tokens)
-        sub = _Block(self.m, d, self.a, self.training, tiled_mlp=False, kernel=self.kernel)
+        sub = BlockBuilder(self.m, d, self.a, self.training, tiled_mlp=False, kernel=self.kernel)
         x = sub.g.input("tile_in", tile * d.hidden * B)
         _mlp_ops(sub, x, x, 0, tile, holds=(x,))
         mem = simulate(sub.g.build(outputs=(sub.g.ops[-1].name,)), "full")
@@ -256,7 +263,7 @@ class _Block:
         return fwd, max(bwd, 0)
 
 
-def _mlp_ops(b: _Block, x: str, saved_in: str, regather: int, tokens: int, holds: tuple[str, ...] = ()) -> str:
+def _mlp_ops(b: BlockBuilder, x: str, saved_in: str, regather: int, tokens: int, holds: tuple[str, ...] = ()) -> str:
     """The MLP's ops on ``tokens`` tokens: eager/fused SwiGLU or GELU. ``holds``: the MLP module's input,
     referenced until the module returns."""
     d, B = b.d, b.B
@@ -285,4 +292,4 @@ def kv_cache_bytes_per_layer(d: LocalDims) -> int:
 def block_graph(model: ModelSpec, dims: LocalDims, assumptions: MemoryAssumptions, *, training: bool,
                 attention_kernel: str, tiled_mlp: bool) -> Graph:
     """One transformer block's graph; in inference K and V are written into the preallocated KV cache."""
-    return _Block(model, dims, assumptions, training, tiled_mlp, attention_kernel).build(inference=not training)
+    return BlockBuilder(model, dims, assumptions, training, tiled_mlp, attention_kernel).build(inference=not training)

@@ -9,7 +9,8 @@ backward (gradient buffers included), so all of them stay consistent with each o
 runtime whose ops they mirror.
 
 Categories map to the reported memory components: ``activation`` -> activations, ``logits`` ->
-logits, ``comm`` -> buffers (all-to-all and ring staging), ``kv_cache`` -> kv_cache.
+logits, ``comm`` -> buffers (all-to-all and ring staging), ``kv_cache`` -> kv_cache (prefill's cache is
+preallocated; the graph only marks the zero-byte writes into it).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class Op:
 @dataclass(frozen=True)
 class Graph:
     """Ops in forward order. ``outputs`` are handed to the next graph (the next block's input);
-    ``retained`` stay allocated after the graph for the rest of the step (KV cache, kept logits)."""
+    ``retained`` stay allocated after the graph for the rest of the step (the logits a caller holds)."""
 
     inputs: tuple[TensorSpec, ...]
     ops: tuple[Op, ...]

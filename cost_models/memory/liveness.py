@@ -4,7 +4,8 @@ The rules mirror PyTorch's eager autograd:
 
 - forward: an op allocates its outputs (and briefly its workspace); a tensor is freed after its last
   use unless something keeps it: autograd (it is saved), a checkpoint (it is a kept boundary), the
-  next graph (an output) or the step (retained);
+  next graph (an output) or the step (retained, e.g. logits the caller holds); the mirrored Python code
+  may also still reference it (``Op.holds``: a module's input lives until the module returns);
 - checkpointing: after forward only the kept tensors stay; backward first re-runs the recompute ops
   (torch's non-reentrant checkpoint recomputes at the first unpack and stops early once every saved
   tensor exists again), which brings back the full set autograd would have saved;
@@ -12,7 +13,8 @@ The rules mirror PyTorch's eager autograd:
   residual add passes its output gradient through without allocating), holds its backward workspace
   while it runs, then drops its output gradients and the saved tensors no earlier op needs. A
   gradient arriving for a tensor that already has one is added in place (PyTorch's InputBuffer
-  accumulates into the existing buffer when nothing else references it).
+  accumulates into the existing buffer when nothing else references it; the node's incoming gradients
+  are released before its outputs are accumulated).
 
 Every result is a :class:`Peak`: the largest sum of live bytes, split by category, and where it was.
 """
@@ -220,7 +222,7 @@ class GraphMemory:
     saved_tensors: dict[str, int]
     """The same, per tensor name (what a saved_tensors_hooks measurement would list)."""
     retained: dict[str, int]
-    """Bytes retained for the rest of the step (KV cache, logits held by the caller), per category."""
+    """Bytes retained for the rest of the step (logits held by the caller), per category."""
     forward_peak: Peak
     backward_peak: Peak | None
     """None for inference."""

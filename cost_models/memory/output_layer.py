@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ..model_spec import ModelSpec
 from .assumptions import MemoryAssumptions
-from .block import FP32, _Block
+from .block import FP32, BlockBuilder
 from .dims import LocalDims
 from .graph import Graph, TensorSpec, Workspace
 
@@ -28,7 +28,7 @@ LOSS_BYTES = FP32
 
 
 def output_graph(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, *, training: bool, tiled_loss: bool) -> Graph:
-    b = _Block(model, d, a, training, tiled_mlp=False, kernel="flash")
+    b = BlockBuilder(model, d, a, training, tiled_mlp=False, kernel="flash")
     B = d.compute_bytes
     y = b.g.input("last_block_out", d.norm_tokens * d.hidden * B)
     hidden = b.norm("final_norm", y, d.norm_tokens, d.hidden)

@@ -11,7 +11,8 @@ Training (per micro-batch, then the optimizer step):
   saved tensors traded for one block's gradients), so the ends bound every block in between;
 - ``optimizer step``: weights, gradients, optimizer states and the step's temporaries.
 
-Prefill: ``forward`` (one block's working set beside the KV cache, preallocated for all layers) and\n``logits``.
+Prefill: ``forward`` (one block's working set beside the KV cache, preallocated for all layers) and
+``logits``.
 
 Every phase adds the persistent model states and, for ZeRO-3, the gathered parameters (the block
 computing plus the prefetched one) and unsharded gradients; transient tensors inside a block come from

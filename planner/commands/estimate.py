@@ -111,7 +111,8 @@ def render_table(est: Estimate) -> str:
         modes = ", ".join(f"{k} {v / GB:.3f}" for k, v in pl.saved_bytes_by_mode.items())
         rows.append(
             f"per layer: saved {pl.saved_bytes / GB:.3f} GB ({pl.checkpointing}; by mode: {modes}); "
-            f"block forward peak {pl.forward_peak_bytes / GB:.2f} GB, backward peak {pl.backward_peak_bytes / GB:.2f} GB"
+            f"block forward peak {pl.forward_peak_bytes / GB:.2f} GB, "
+            f"backward peak {pl.backward_peak_bytes / GB:.2f} GB"
         )
     else:
         rows.append(
