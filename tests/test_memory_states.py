@@ -24,6 +24,7 @@ def test_tp_splits_blocks_and_vocab_replicates_norms():
     h = m.hidden_size
     assert p8.embedding == ceil_div(m.vocab_size, 8) * h  # vocab-parallel embedding
     assert p8.head == ceil_div(m.vocab_size, 8) * h + h  # vocab-parallel lm_head + replicated final norm
+    assert p8.output_matrix == ceil_div(m.vocab_size, 8) * h
     # Blocks: every matrix / 8, both norms replicated.
     assert p8.per_layer == (m.params_per_layer() - 2 * h) // 8 + 2 * h
     # KV projections are replicated once tp exceeds the KV heads: 1 KV head per rank at tp=16.
@@ -139,3 +140,13 @@ def test_assumptions_reject_bad_values():
     with pytest.raises(ValueError):
         MemoryAssumptions(not_a_field=1)
     assert all(MemoryAssumptions().describe().values())  # every assumption is documented
+
+
+def test_tied_embeddings_gather_the_embedding_for_the_loss():
+    model = get_model_preset("qwen3-4b")  # tied
+    p = tp_params(model, 2)
+    vocab_matrix = ceil_div(model.vocab_size, 2) * model.hidden_size
+    assert p.lm_head == 0 and p.output_matrix == vocab_matrix and p.head == model.hidden_size
+    e = estimate(model, TrainSpec(seq_len=16384, zero_stage=3), Layout(tp=2, dp_shard=4), H100)
+    layer = tp_params(model, 2).per_layer * 2
+    assert e.detail.phases["loss"].buffers >= vocab_matrix * 2 + layer  # gathered embedding + prefetched block

@@ -30,12 +30,23 @@ class TPParams:
     """Parameters one TP rank holds (before ZeRO sharding)."""
 
     per_layer: int
-    embedding: int
-    """Token embedding rows of this rank (vocab-parallel), learned positions (replicated), and the
-    lm_head matrix too when embeddings are tied."""
-    head: int
-    """lm_head rows of this rank (0 when tied) plus the final norm."""
+    vocab_matrix: int
+    """Token-embedding rows of this rank (vocab-parallel); also the lm_head when embeddings are tied."""
+    positions: int
+    """Learned absolute position embeddings (replicated), 0 with RoPE."""
+    lm_head: int
+    """lm_head rows of this rank (vocab-parallel); 0 when tied to the embedding."""
+    final_norm: int
     layers: int
+
+    @property
+    def embedding(self) -> int:
+        return self.vocab_matrix + self.positions
+
+    @property
+    def head(self) -> int:
+        """Parameters of the output layer that are not the embedding: lm_head (untied) + final norm."""
+        return self.lm_head + self.final_norm
 
     @property
     def total(self) -> int:
@@ -44,7 +55,7 @@ class TPParams:
     @property
     def output_matrix(self) -> int:
         """The matrix the loss multiplies with (lm_head, or the tied embedding)."""
-        return self.head if self.head > 0 else self.embedding
+        return self.lm_head or self.vocab_matrix
 
 
 def tp_params(model: ModelSpec, tp: int) -> TPParams:
@@ -61,9 +72,8 @@ def tp_params(model: ModelSpec, tp: int) -> TPParams:
     per_layer = attention + mlp + 2 * model.norm_params()
     vocab_rows = ceil_div(model.vocab_size, tp)
     positions = model.max_position_embeddings * h if model.position_embedding == "learned" else 0
-    embedding = vocab_rows * h + positions
-    head = (0 if model.tied_embeddings else vocab_rows * h) + model.norm_params()
-    return TPParams(per_layer, embedding, head, model.num_layers)
+    lm_head = 0 if model.tied_embeddings else vocab_rows * h
+    return TPParams(per_layer, vocab_rows * h, positions, lm_head, model.norm_params(), model.num_layers)
 
 
 @dataclass(frozen=True)

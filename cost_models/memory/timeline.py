@@ -244,7 +244,7 @@ def _train_phases(model: ModelSpec, train: TrainSpec, a: MemoryAssumptions, st: 
     unsharded = a.unsharded_grad_layers * st.layer_grads_unsharded if st.zero_stage >= 2 else 0
     grads_all = st.grads_device(p.total)
     persistent = grads_all if (train.grad_accum > 1 or not a.grads_freed_between_steps) else 0
-    head_params = p.head + (p.embedding if model.tied_embeddings else 0)
+    head_params = p.head + (p.vocab_matrix if model.tied_embeddings else 0)  # tied: lm_head grads land there
     # Stage 0/1 keep full gradients, allocated as backward produces them (the block in progress
     # included); stage 2/3 keep shards, the block in progress is an unsharded buffer.
     in_progress = p.per_layer if st.zero_stage < 2 else 0
