@@ -51,12 +51,17 @@ def cli() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI, turning project and validation errors into one-line messages."""
-    from cost_models.errors import CostModelError
+    from pydantic import ValidationError
+
+    from cost_models.errors import CostModelError, explain_validation_error
 
     try:
         cli.main(args=argv, standalone_mode=False)
     except CostModelError as exc:
         click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except ValidationError as exc:  # a boundary a command forgot to convert: still one line, no traceback
+        click.echo(f"error: {explain_validation_error(exc, 'input')}", err=True)
         sys.exit(2)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)

@@ -1,0 +1,59 @@
+"""The output layer as a graph: final norm, lm_head, logits and cross-entropy.
+
+HF's causal-LM loss (``ForCausalLMLoss``) is what most training scripts run::
+
+    logits = lm_head(hidden)                  # bf16, tokens x vocab/tp (vocab-parallel under TP)
+    logits = logits.float()                   # fp32 copy
+    loss = cross_entropy(logits, labels)      # log_softmax (saves its fp32 output) + nll_loss
+
+so forward holds bf16 + fp32 + log-softmax (10 B per logit in bf16) and backward, at the log-softmax
+backward, holds the bf16 logits the caller keeps, the saved log-softmax output, its incoming gradient and
+the gradient it produces: 14 B per logit. A tiled (fused) loss runs the same chain on chunks of
+``loss_chunk_tokens`` tokens, saving only the hidden states and recomputing each chunk's logits in
+backward, so the logits never exist for the whole sequence.
+
+Prefill computes logits for the last token only unless ``prefill_logits_all_tokens``.
+"""
+
+from __future__ import annotations
+
+from ..model_spec import ModelSpec
+from .assumptions import MemoryAssumptions
+from .block import FP32, BlockBuilder
+from .dims import LocalDims
+from .graph import Graph, TensorSpec, Workspace
+
+#: Bytes of the scalar loss.
+LOSS_BYTES = FP32
+
+
+def output_graph(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, *, training: bool, tiled_loss: bool) -> Graph:
+    b = BlockBuilder(model, d, a, training, tiled_mlp=False, kernel="flash")
+    B = d.compute_bytes
+    y = b.g.input("last_block_out", d.norm_tokens * d.hidden * B)
+    hidden = b.norm("final_norm", y, d.norm_tokens, d.hidden)
+    hidden = b.tp_gather("final_norm", hidden, d.tokens * d.hidden * B)
+    if not training:
+        tokens = d.tokens if a.prefill_logits_all_tokens else d.batch
+        logits = b.linear("lm_head", hidden, tokens * d.vocab * B, kind="logits")
+        b.simple("logits_fp32", [logits], tokens * d.vocab * FP32, kind="logits")
+        return b.g.build(outputs=("logits_fp32",))
+    if tiled_loss:
+        chunk = min(a.loss_chunk_tokens, d.tokens) * d.vocab
+        fwd = [Workspace(chunk * (B + 2 * FP32), "logits")]  # chunk logits, fp32 upcast, log-softmax
+        bwd = [  # recomputed chunk chain plus its gradients, and the chunk's hidden-state gradient
+            Workspace(chunk * (B + 3 * FP32), "logits"),
+            Workspace(min(a.loss_chunk_tokens, d.tokens) * d.hidden * B),
+        ]
+        b.simple("tiled_loss", [hidden], LOSS_BYTES, saves=[hidden], fwd_ws=fwd, bwd_ws=bwd)
+        return b.g.build(outputs=("tiled_loss",))
+    elems = d.tokens * d.vocab
+    logits = b.linear("lm_head", hidden, elems * B, kind="logits")
+    if B != FP32:
+        logits32 = b.simple("logits_fp32", [logits], elems * FP32, kind="logits")
+    else:
+        logits32 = logits
+    logp = b.simple("log_softmax", [logits32], elems * FP32, saves=["log_softmax"], kind="logits")
+    b.g.op("nll_loss", [logp], [TensorSpec("loss", LOSS_BYTES)])
+    retained = (logits,) if a.hf_keeps_logits else ()
+    return b.g.build(outputs=("loss",), retained=retained)

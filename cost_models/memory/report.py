@@ -1,0 +1,150 @@
+"""The memory model's result types (pydantic, bytes throughout, per GPU unless named host)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: Components the caching allocator hands out; their sum at the peak phase is ``peak_allocated``.
+ALLOCATED_COMPONENTS: tuple[str, ...] = (
+    "weights",
+    "gradients",
+    "optimizer",
+    "activations",
+    "logits",
+    "kv_cache",
+    "buffers",
+)
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class MemoryBreakdown(_Frozen):
+    """Device memory at the peak phase. ``total`` = peak_allocated + overhead is compared with capacity."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    logits: int
+    kv_cache: int
+    buffers: int = Field(description="Communication staging, ZeRO-3 gathered parameters, unsharded gradients.")
+    overhead: int = Field(description="CUDA context + NCCL communicators + caching-allocator fragmentation.")
+    total: int
+    peak_allocated: int
+    capacity: int
+
+
+class HostMemory(_Frozen):
+    """Host (CPU) memory per GPU's process for what was offloaded."""
+
+    weights: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    checkpoints: int = 0
+    total: int = 0
+
+
+class PhaseMemory(_Frozen):
+    """Allocated device bytes at the worst moment of one phase of the step."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    logits: int
+    kv_cache: int
+    buffers: int
+    allocated: int
+    transient_peak_at: str = Field(description="The op inside the phase where the live set is largest.")
+
+
+class LayerActivations(_Frozen):
+    checkpointing: str
+    saved_bytes: int = Field(description="Per block, kept on the device between its forward and backward.")
+    offloaded_bytes: int = Field(description="Per block, moved to host memory (offload_checkpoints).")
+    saved_tensors: dict[str, int] = Field(description="What the block keeps for backward, by tensor.")
+    saved_bytes_by_mode: dict[str, int] = Field(description="Per-block saved bytes under each checkpointing mode.")
+    forward_peak_bytes: int = Field(description="Live bytes inside one block's forward, its input included.")
+    forward_peak_at: str
+    backward_peak_bytes: int = Field(description="Live bytes inside one block's recompute + backward.")
+    backward_peak_at: str
+
+
+class OutputLayerMemory(_Frozen):
+    saved_bytes: int
+    retained_logits_bytes: int = Field(description="bf16 logits the caller keeps until the step ends.")
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    peak_at: str
+
+
+class UlyssesShapes(_Frozen):
+    """Q/K/V bytes per GPU around the Ulysses all-to-all (DESIGN.md section 4)."""
+
+    degree: int
+    q_bytes_before: int
+    k_bytes_before: int
+    v_bytes_before: int
+    q_bytes_after: int
+    k_bytes_after: int
+    v_bytes_after: int
+    q_heads_after: int
+    kv_heads_before: int
+    kv_heads_after: int
+    kv_replication: int
+    tokens_before: int
+    tokens_after: int
+
+
+class CommunicatorInfo(_Frozen):
+    name: str
+    dims: list[str]
+    size: int
+
+
+class OverheadDetail(_Frozen):
+    cuda_context: int
+    nccl: int
+    nccl_bytes_per_communicator: int
+    communicators: list[CommunicatorInfo]
+    fragmentation: int
+    peak_reserved: int
+
+
+class BufferDetail(_Frozen):
+    comm_staging: int
+    zero3_gathered_params: int
+    unsharded_grads: int
+
+
+class StatesDetail(_Frozen):
+    params_per_tp_rank: int
+    params_per_layer_per_tp_rank: int
+    shard_group: int
+    bytes_per_param: dict[str, int]
+    optimizer_on_device: bool
+
+
+class MemoryDetail(_Frozen):
+    mode: str
+    tokens_per_gpu: int
+    peak_phase: str
+    phases: dict[str, PhaseMemory]
+    per_layer: LayerActivations
+    output_layer: OutputLayerMemory
+    inputs_bytes: int = Field(description="Token ids, labels, position ids and RoPE tables on the device.")
+    kv_cache_per_layer: int
+    ulysses: UlyssesShapes
+    buffers: BufferDetail
+    overhead: OverheadDetail
+    states: StatesDetail
+    assumptions: dict
+
+
+class MemoryReport(_Frozen):
+    memory: MemoryBreakdown
+    host_memory: HostMemory
+    fits: bool
+    detail: MemoryDetail

@@ -1,0 +1,173 @@
+"""Model states per GPU: weights, gradients and optimizer states under TP, ZeRO 0-3 and CPU offload.
+
+TP splits every matrix of a block (column-parallel Q/K/V and gate/up, row-parallel output and down),
+the vocabulary of the embedding and of the lm_head (vocab-parallel), and replicates norms, row-parallel
+biases and learned position embeddings; K/V projections are replicated when tp exceeds the KV heads.
+ZeRO/FSDP then shards what a TP rank holds over ``Layout.shard_group`` (dp_shard x ulysses x ring):
+stage 1 the optimizer states, stage 2 also the gradients, stage 3 also the weights.
+
+Bytes per parameter follow the project convention (DESIGN/BRIEF): mixed-precision AdamW keeps weights
+and gradients in the compute dtype and 12 B of fp32 master weights plus moments (8 B when the compute
+dtype already is fp32: no separate master); ``adamw_bf16`` keeps two moments in the compute dtype and
+no master copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..layout import Layout
+from ..model_spec import ModelSpec
+from ..train_spec import TrainSpec
+from .assumptions import MemoryAssumptions
+from .dims import ceil_div
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class TPParams:
+    """Parameters one TP rank holds (before ZeRO sharding)."""
+
+    per_layer: int
+    vocab_matrix: int
+    """Token-embedding rows of this rank (vocab-parallel); also the lm_head when embeddings are tied."""
+    positions: int
+    """Learned absolute position embeddings (replicated), 0 with RoPE."""
+    lm_head: int
+    """lm_head rows of this rank (vocab-parallel); 0 when tied to the embedding."""
+    final_norm: int
+    layers: int
+
+    @property
+    def embedding(self) -> int:
+        return self.vocab_matrix + self.positions
+
+    @property
+    def head(self) -> int:
+        """Parameters of the output layer that are not the embedding: lm_head (untied) + final norm."""
+        return self.lm_head + self.final_norm
+
+    @property
+    def total(self) -> int:
+        return self.layers * self.per_layer + self.embedding + self.head
+
+    @property
+    def output_matrix(self) -> int:
+        """The matrix the loss multiplies with (lm_head, or the tied embedding)."""
+        return self.lm_head or self.vocab_matrix
+
+
+def tp_params(model: ModelSpec, tp: int) -> TPParams:
+    h, hd = model.hidden_size, model.head_dim
+    q = model.q_size // tp
+    kv = model.num_kv_heads * model.kv_replication(tp) // tp * hd
+    attention = h * q + 2 * h * kv + q * h
+    attention += (q + 2 * kv) * model.qkv_bias + h * model.attn_out_bias + 2 * hd * model.qk_norm
+    f = ceil_div(model.ffn_hidden_size, tp)
+    if model.activation == "swiglu":
+        mlp = 3 * h * f + (2 * f + h) * model.mlp_bias
+    else:
+        mlp = 2 * h * f + (f + h) * model.mlp_bias
+    per_layer = attention + mlp + 2 * model.norm_params()
+    vocab_rows = ceil_div(model.vocab_size, tp)
+    positions = model.max_position_embeddings * h if model.position_embedding == "learned" else 0
+    lm_head = 0 if model.tied_embeddings else vocab_rows * h
+    return TPParams(per_layer, vocab_rows * h, positions, lm_head, model.norm_params(), model.num_layers)
+
+
+@dataclass(frozen=True)
+class BytesPerParam:
+    weights: int
+    gradients: int
+    optimizer: int
+
+
+def bytes_per_param(train: TrainSpec) -> BytesPerParam:
+    w = train.dtype_bytes
+    if train.optimizer == "adamw":
+        optimizer = 2 * FP32 + (FP32 if w < FP32 else 0)  # m, v (+ fp32 master)
+    else:
+        optimizer = 2 * w
+    return BytesPerParam(w, w, optimizer)
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Per-GPU bytes of model states, where they live, and the unit sizes ZeRO gathers."""
+
+    params: TPParams
+    per_param: BytesPerParam
+    shard_group: int
+    zero_stage: int
+    weights_device: int
+    optimizer_device: int
+    weights_host: int
+    gradients_host: int
+    optimizer_host: int
+    grads_sharded: bool
+    grads_on_device: bool
+    optimizer_on_device: bool
+    optimizer_step_params: int
+    """Parameters the device optimizer step updates (0 when it runs on the host)."""
+
+    def grads_device(self, params: float) -> int:
+        """Persistent device gradient bytes once ``params`` TP-rank parameters have gradients."""
+        if not self.grads_on_device:
+            return 0
+        div = self.shard_group if self.grads_sharded else 1
+        return int(-(-params * self.per_param.gradients // div))
+
+    @property
+    def layer_weights_unsharded(self) -> int:
+        return self.params.per_layer * self.per_param.weights
+
+    @property
+    def layer_grads_unsharded(self) -> int:
+        return self.params.per_layer * self.per_param.gradients
+
+    @property
+    def output_weights_unsharded(self) -> int:
+        return self.params.output_matrix * self.per_param.weights
+
+    @property
+    def output_grads_unsharded(self) -> int:
+        return self.params.output_matrix * self.per_param.gradients
+
+
+def model_states(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions) -> ModelStates:
+    params = tp_params(model, layout.tp)
+    per = bytes_per_param(train)
+    group = layout.shard_group
+    stage = train.zero_stage
+    total = params.total
+
+    def shard(nbytes: int, sharded: bool) -> int:
+        return -(-nbytes // group) if sharded else nbytes
+
+    weights = shard(total * per.weights, stage >= 3)
+    offload_params = train.offload_params
+    moves_everything = offload_params and a.offload_params_moves_grads_and_optimizer
+    weights_device, weights_host = (0, weights) if offload_params else (weights, 0)
+    if not train.is_training:
+        return ModelStates(params, per, group, stage, weights_device, 0, weights_host, 0, 0,
+                           stage >= 2, False, False, 0)
+    optimizer = shard(total * per.optimizer, stage >= 1)
+    optimizer_on_device = not (train.offload_optimizer or moves_everything)
+    opt_params = shard(total, stage >= 1)
+    host_grads = 0 if optimizer_on_device else int(opt_params * a.host_grad_bytes_per_param)
+    return ModelStates(
+        params=params,
+        per_param=per,
+        shard_group=group,
+        zero_stage=stage,
+        weights_device=weights_device,
+        optimizer_device=optimizer if optimizer_on_device else 0,
+        weights_host=weights_host,
+        gradients_host=host_grads,
+        optimizer_host=0 if optimizer_on_device else optimizer,
+        grads_sharded=stage >= 2,
+        grads_on_device=not moves_everything,
+        optimizer_on_device=optimizer_on_device,
+        optimizer_step_params=opt_params if optimizer_on_device else 0,
+    )

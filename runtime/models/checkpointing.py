@@ -1,0 +1,109 @@
+"""Per-block activation checkpointing: ``none``, ``selective`` and ``full``, all non-reentrant.
+
+- ``full``: ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``; only the block input is kept and
+  the whole block is recomputed in backward.
+- ``selective``: the same checkpoint with a selective-checkpoint policy
+  (``create_selective_checkpoint_contexts``) that keeps the outputs of the attention op (output and
+  LSE) and recomputes everything else. The attention op is recognised two ways: kernel ops listed in a
+  registry (PyTorch's flash/efficient/cuDNN attention ops; sequence-parallel kernels can register
+  theirs), and any op executed inside :func:`keep_for_selective` (used by composite attention
+  implementations, e.g. the output product of materialized attention or the output all-to-all of
+  Ulysses). Outputs of those ops are cached by the checkpoint and the ops are not re-run; their inputs
+  (q, k, v) are recomputed from the block input because their backward needs them.
+
+Recomputation is exact: the same ops run on the same inputs with the forward's RNG state restored, so
+gradients equal the non-checkpointed ones bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ..errors import RuntimeConfigError
+
+CheckpointMode = Literal["none", "selective", "full"]
+CHECKPOINT_MODES: tuple[str, ...] = ("none", "selective", "full")
+
+
+def _attention_kernel_ops() -> set[Any]:
+    """PyTorch's fused attention ops that exist in this build (their outputs are out, LSE, RNG state)."""
+    names = (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    ops = set()
+    for name in names:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None and hasattr(packet, "default"):
+            ops.add(packet.default)
+    return ops
+
+
+_SAVE_OPS: set[Any] = _attention_kernel_ops()
+_KEEP = threading.local()
+_CACHE_OBSERVERS: list[Callable[[Any], None]] = []
+
+
+def register_selective_save_op(op: Any) -> None:
+    """Also keep the outputs of ``op`` (an OpOverload, e.g. a custom attention kernel) under selective."""
+    _SAVE_OPS.add(op)
+
+
+@contextlib.contextmanager
+def keep_for_selective() -> Iterator[None]:
+    """Ops run inside this block have their outputs kept (not recomputed) by selective checkpointing."""
+    depth = getattr(_KEEP, "depth", 0)
+    _KEEP.depth = depth + 1
+    try:
+        yield
+    finally:
+        _KEEP.depth = depth
+
+
+@contextlib.contextmanager
+def observe_selective_cache(callback: Callable[[Any], None]) -> Iterator[None]:
+    """Call ``callback(op_output)`` for every output selective checkpointing caches (for measurement)."""
+    _CACHE_OBSERVERS.append(callback)
+    try:
+        yield
+    finally:
+        _CACHE_OBSERVERS.remove(callback)
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    if op in _SAVE_OPS or getattr(_KEEP, "depth", 0) > 0:
+        output = getattr(ctx, "op_output", None)
+        if output is not None:
+            for callback in list(_CACHE_OBSERVERS):
+                callback(output)
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_selective_context = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+
+
+def check_mode(mode: str) -> str:
+    if mode not in CHECKPOINT_MODES:
+        raise RuntimeConfigError(f"unknown checkpointing mode {mode!r}; use one of {', '.join(CHECKPOINT_MODES)}")
+    return mode
+
+
+def run_checkpointed(fn: Callable[..., torch.Tensor], mode: str, *args: Any) -> torch.Tensor:
+    """Run ``fn(*args)`` (one transformer block) under the given checkpointing mode."""
+    if mode == "none" or not torch.is_grad_enabled():
+        return fn(*args)
+    if mode == "full":
+        return checkpoint(fn, *args, use_reentrant=False)
+    if mode == "selective":
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=_selective_context)
+    raise RuntimeConfigError(f"unknown checkpointing mode {mode!r}; use one of {', '.join(CHECKPOINT_MODES)}")

@@ -1,0 +1,120 @@
+"""``sp-plan estimate``: table, JSON, and one-line errors with exit code 2 (CliRunner and a real process)."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from planner.cli import main
+from planner.commands.estimate import command
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+REFERENCE = ["--model", "llama3-70b", "--seq-len", "1000000", "--gpus", "8", "--ulysses", "8", "--mode", "prefill",
+             "--zero", "3"]
+MEMORY_KEYS = {"weights", "gradients", "optimizer", "activations", "logits", "kv_cache", "buffers", "overhead",
+               "total", "peak_allocated", "capacity"}
+
+
+def run(args):
+    return CliRunner().invoke(command, args, catch_exceptions=False)
+
+
+def test_reference_json_reports_the_design_figures():
+    result = run(REFERENCE + ["--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert set(data) >= {"layout", "memory", "host_memory", "fits", "detail", "comm", "time"}
+    assert data["layout"] == {"dp_replicate": 1, "dp_shard": 1, "ring": 1, "ulysses": 8, "tp": 1}
+    assert set(data["memory"]) == MEMORY_KEYS
+    assert data["memory"]["kv_cache"] == 40_960_000_000
+    assert data["memory"]["weights"] == 17_638_426_624
+    u = data["detail"]["ulysses"]
+    assert u["q_bytes_before"] == u["q_bytes_after"] == 2_048_000_000
+    assert u["k_bytes_before"] == u["v_bytes_before"] == u["k_bytes_after"] == u["v_bytes_after"] == 256_000_000
+    assert data["comm"] is None and data["time"] is None
+    assert isinstance(data["fits"], bool)
+
+
+def test_table_labels_units_and_names_the_peak_phase():
+    result = run(REFERENCE)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "GB" in out and "GiB" in out
+    for word in ("weights", "kv_cache", "peak allocated", "overhead", "capacity", "peak phase", "host memory",
+                 "NCCL", "CUDA context", "fragmentation"):
+        assert word in out
+    assert "40.96" in out and "17.64" in out  # KV cache and weight shard, GB
+    assert "Q 2.05 -> 2.05 GB, K 0.26 -> 0.26 GB, V 0.26 -> 0.26 GB" in out
+
+
+def test_train_table_with_offload_shows_host_memory():
+    result = run(["--model", "llama3-8b", "--seq-len", "128K", "--gpus", "8", "--ulysses", "8", "--offload-optimizer",
+                  "--offload-checkpoints", "--tiled-loss", "--gpus-per-node", "8"])
+    assert result.exit_code == 0, result.output
+    assert "host memory: " in result.output and "nothing offloaded" not in result.output
+    assert "per layer: saved" in result.output
+
+
+BAD_INPUTS = [
+    (["--model", "llama9-1t", "--seq-len", "1M", "--gpus", "8"], "llama3-70b"),  # lists the presets
+    (["--model", "llama3-70b", "--seq-len", "1M", "--gpus", "8", "--ulysses", "8", "--dp-shard", "2"],
+     "uses 16 GPUs but --gpus is 8"),
+    (["--model", "llama3-70b", "--seq-len", "1M", "--gpus", "8", "--ulysses", "3"], "must divide the GPU count"),
+    (["--model", "qwen2.5-7b", "--seq-len", "1M", "--gpus", "8", "--ulysses", "8"], "does not divide 28 query heads"),
+    (["--model", "qwen2.5-7b", "--seq-len", "1M", "--gpus", "8", "--tp", "8"], "does not divide 28 query heads"),
+    (["--model", "llama3-70b", "--seq-len", "1000001", "--gpus", "8", "--ulysses", "8"], "not divisible by"),
+    (["--model", "llama3-70b", "--seq-len", "1M", "--gpus", "8", "--ring", "8", "--attention", "materialized"],
+     "materialized attention cannot run with ring"),
+    (["--model", "llama3-70b", "--seq-len", "1M", "--gpus", "8", "--checkpointing", "none", "--offload-checkpoints"],
+     "checkpointing is 'none'"),
+    (["--model", "llama3-70b", "--seq-len", "1M", "--gpus", "8", "--offload-params", "--zero", "2"],
+     "offload_params needs zero_stage=3"),
+    (["--model", "llama3-70b", "--seq-len", "1M", "--gpus", "12", "--gpus-per-node", "8"], "whole nodes"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUTS)
+def test_bad_input_is_one_line_exit_2(args, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["estimate", *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_pydantic_errors_become_one_line(capsys):
+    """A degree beyond the Layout bound fails pydantic validation: still one line, exit 2."""
+    with pytest.raises(SystemExit) as exc:
+        main(["estimate", "--model", "llama3-70b", "--seq-len", "1M", "--gpus", "1", "--tp", str(1 << 21),
+              "--dp-shard", "1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "tp" in err
+
+
+def _subprocess(args):
+    return subprocess.run([sys.executable, "-m", "planner.cli", "estimate", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_real_process_reference_and_error():
+    ok = _subprocess(REFERENCE + ["--json"])
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["memory"]["kv_cache"] == 40_960_000_000
+    bad = _subprocess(["--model", "qwen2.5-7b", "--seq-len", "1M", "--gpus", "8", "--ulysses", "8"])
+    assert bad.returncode == 2
+    assert bad.stdout == ""
+    assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+    assert "valid Ulysses degrees for this model: 1, 2, 4, 7, 14, 28" in bad.stderr
+
+
+def test_estimate_imports_no_torch():
+    code = ("import sys, cost_models, planner.cli, planner.commands.estimate, cost_models.estimate; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
