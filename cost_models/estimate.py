@@ -1,7 +1,9 @@
 """``estimate``: everything the cost models predict for one model, run and layout, as one object.
 
-Memory comes from :mod:`cost_models.memory`; communication and time are filled in by their own models
-(``comm``/``time`` stay ``None`` until then, and are written as ``null`` in JSON).
+Memory comes from :mod:`cost_models.memory`, communication volume from :mod:`cost_models.comm_volume`,
+step time from :mod:`cost_models.time_model` on a :class:`~cost_models.topology.Topology`. The time
+model is fed the memory model's host-memory figures, so offload traffic is priced on exactly the bytes
+the memory model moved off the GPU.
 """
 
 from __future__ import annotations
@@ -10,10 +12,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from .comm_volume import CommEstimate
+from .errors import CostModelError
 from .gpu_spec import GPUSpec
 from .layout import Layout
 from .memory import HostMemory, MemoryAssumptions, MemoryBreakdown, MemoryDetail, memory_report
 from .model_spec import ModelSpec
+from .placement import Placement
+from .time_model import OffloadTraffic, TimeEstimate, comm_and_time
+from .topology import Topology, default_topology
 from .train_spec import TrainSpec
 
 
@@ -25,33 +32,62 @@ class EstimateDetail(MemoryDetail):
     seq_len: int
     micro_batch: int
     dtype: str
+    topology: str
+    #: Host RAM one GPU's process may use for offloaded state (the node's RAM / GPUs per node).
+    host_capacity: float
 
 
 class Estimate(BaseModel):
-    """Per-GPU predictions for one layout. Bytes, seconds, FLOPs; see docs/memory_model.md."""
+    """Per-GPU predictions for one layout. Bytes, seconds, FLOPs; see docs/memory_model.md and
+    docs/topology_and_time.md."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     layout: Layout
     memory: MemoryBreakdown
     host_memory: HostMemory
+    #: Device memory fits (``memory.total <= memory.capacity``) and offloaded state fits in host RAM.
     fits: bool
+    device_fits: bool
+    host_fits: bool
     detail: EstimateDetail
-    comm: dict[str, Any] | None = None
-    time: dict[str, Any] | None = None
+    comm: CommEstimate
+    time: TimeEstimate
+    placement: Placement | None = None
 
     def to_json_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict: raw units, keys as documented in the brief."""
+        """Plain JSON-ready dict: raw units, keys as documented in the issues."""
         data = self.model_dump(mode="json")
         data["layout"] = self.layout.degrees()
         return data
 
 
-def estimate(model: ModelSpec, train: TrainSpec, layout: Layout, gpu: GPUSpec,
-             assumptions: MemoryAssumptions | None = None) -> Estimate:
-    """Check the layout against the model and sequence, then predict per-GPU memory."""
+def offload_traffic(host: HostMemory) -> OffloadTraffic:
+    """The memory model's host-resident bytes, as the time model's PCIe traffic inputs."""
+    return OffloadTraffic(optimizer_bytes=host.optimizer, param_bytes=host.weights, checkpoint_bytes=host.checkpoints)
+
+
+def as_topology(hardware: Topology | GPUSpec, world: int) -> Topology:
+    """A topology for ``hardware``: itself, or the natural cluster of that GPU preset for ``world`` GPUs."""
+    if isinstance(hardware, Topology):
+        return hardware
+    return default_topology(hardware.name, world)
+
+
+def estimate(model: ModelSpec, train: TrainSpec, layout: Layout, hardware: Topology | GPUSpec,
+             assumptions: MemoryAssumptions | None = None, *, with_placement: bool = True) -> Estimate:
+    """Check the layout against the model and sequence, then predict memory, communication and time."""
     layout.check_against(model, train.seq_len, train.tp_sequence_parallel)
+    topology = as_topology(hardware, layout.world)
+    if layout.world > topology.num_gpus:
+        raise CostModelError(
+            f"layout {layout.describe()} needs {layout.world} GPUs but topology {topology.name} has "
+            f"{topology.num_gpus}; pass --gpus {layout.world} or a larger topology"
+        )
+    gpu = topology.gpu
     report = memory_report(model, train, layout, gpu, assumptions)
+    host_capacity = topology.host_ram_per_gpu
+    host_fits = report.host_memory.total <= host_capacity
     detail = EstimateDetail(
         **report.detail.model_dump(),
         model=model.name,
@@ -59,6 +95,20 @@ def estimate(model: ModelSpec, train: TrainSpec, layout: Layout, gpu: GPUSpec,
         seq_len=train.seq_len,
         micro_batch=train.micro_batch,
         dtype=train.dtype,
+        topology=topology.name,
+        host_capacity=host_capacity,
     )
-    return Estimate(layout=layout, memory=report.memory, host_memory=report.host_memory, fits=report.fits,
-                    detail=detail)
+    ct = comm_and_time(model, train, layout, topology, offload=offload_traffic(report.host_memory),
+                       with_placement=with_placement)
+    return Estimate(
+        layout=layout,
+        memory=report.memory,
+        host_memory=report.host_memory,
+        fits=report.fits and host_fits,
+        device_fits=report.fits,
+        host_fits=host_fits,
+        detail=detail,
+        comm=ct.comm,
+        time=ct.time,
+        placement=ct.placement,
+    )

@@ -34,7 +34,7 @@ def test_reference_json_reports_the_design_figures():
     u = data["detail"]["ulysses"]
     assert u["q_bytes_before"] == u["q_bytes_after"] == 2_048_000_000
     assert u["k_bytes_before"] == u["v_bytes_before"] == u["k_bytes_after"] == u["v_bytes_after"] == 256_000_000
-    assert data["comm"] is None and data["time"] is None
+    assert data["comm"]["per_layer_bytes"]["ulysses"]["forward"] > 0 and data["time"]["step_s"] > 0
     assert isinstance(data["fits"], bool)
 
 
@@ -118,3 +118,58 @@ def test_estimate_imports_no_torch():
             "assert 'torch' not in sys.modules, 'torch imported'")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+# ----- communication and time in the estimate (issue 3) -------------------------------------------
+
+def test_json_has_comm_and_time_for_reference_scenario():
+    from click.testing import CliRunner
+
+    from planner.cli import cli
+
+    args = ["estimate", "--model", "llama3-70b", "--seq-len", "1000000", "--gpus", "8", "--ulysses", "8",
+            "--mode", "prefill", "--zero", "3", "--json"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    ulysses = data["comm"]["per_layer_bytes"]["ulysses"]
+    assert ulysses["forward"] == pytest.approx(4.032e9, rel=1e-3)
+    assert "backward" not in ulysses  # prefill: forward only
+    assert set(data["comm"]["per_layer_bytes"]) >= {"dp", "fsdp", "tp", "ulysses", "ring"}
+    for key in ("per_step_bytes", "by_collective"):
+        assert key in data["comm"]
+    for key in ("compute_s", "comm_s", "exposed_comm_s", "step_s", "tokens_per_s", "mfu"):
+        assert data["time"][key] > 0 or key == "exposed_comm_s"
+    assert data["placement"]["groups"]["ulysses"]["link_class"] == "nvlink"
+
+
+def test_topology_file_changes_predictions(tmp_path):
+    """A hand-tuned calibration in a topology file changes the time prediction with no code change."""
+    from click.testing import CliRunner
+
+    from cost_models.topology import load_topology, save_topology
+    from planner.cli import cli
+
+    topo = load_topology("dgx-h100", 8)
+    slow = topo.spec.model_copy(update={"calibration": topo.spec.calibration.model_copy(
+        update={"compute": topo.spec.calibration.compute.model_copy(update={"matmul": 0.1})})})
+    path = tmp_path / "slow.yaml"
+    save_topology(slow, path)
+    base = ["estimate", "--model", "llama3-8b", "--seq-len", "32K", "--gpus", "8", "--ulysses", "8", "--json"]
+    fast = json.loads(CliRunner().invoke(cli, base + ["--topology", "dgx-h100"]).stdout)["time"]["step_s"]
+    result = CliRunner().invoke(cli, base + ["--topology", str(path)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["time"]["step_s"] > 1.5 * fast
+
+
+def test_unknown_topology_is_one_line_error():
+    from click.testing import CliRunner
+
+    from planner.cli import main
+
+    import subprocess, sys, pathlib
+    root = pathlib.Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "planner.cli", "estimate", "--model", "llama3-8b", "--seq-len", "8K",
+                           "--gpus", "8", "--topology", "nosuch-box"], cwd=root, capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

@@ -6,7 +6,7 @@ One definition keeps spelling, defaults and validation identical across commands
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from pydantic import ValidationError
@@ -17,6 +17,9 @@ from cost_models.layout import Layout
 from cost_models.model_spec import ModelSpec, load_model
 from cost_models.train_spec import TrainSpec
 from cost_models.units import parse_seq_len
+
+if TYPE_CHECKING:
+    from cost_models.topology import Topology
 
 
 class SeqLenType(click.ParamType):
@@ -89,6 +92,13 @@ def hardware_options(func: Callable) -> Callable:
             help="GPUs per node (default: min(8, --gpus)).",
         ),
         click.option("--gpu", "gpu_name", default="h100-80gb", show_default=True, help="GPU preset."),
+        click.option(
+            "--topology",
+            "topology_ref",
+            default=None,
+            help="Topology preset (e.g. dgx-h100, dgx-h100@roce-400:8) or YAML file (from `sp-plan probe`); "
+            "overrides --gpu and --gpus-per-node. Default: the natural machine for --gpu.",
+        ),
     ]
     for option in reversed(options):
         func = option(func)
@@ -122,6 +132,26 @@ def build_train(**kwargs: Any) -> TrainSpec:
 
 def build_gpu(gpu_name: str) -> GPUSpec:
     return get_gpu_preset(gpu_name)
+
+
+def build_topology(gpus: int, gpus_per_node: int | None, gpu_name: str, topology_ref: str | None) -> "Topology":
+    """The cluster: a preset or file resized to ``gpus``, or the natural machine for ``gpu_name``.
+
+    Multi-node jobs must fill whole nodes: a plan for 12 GPUs on 8-GPU nodes is almost always a typo.
+    """
+    from cost_models.topology import default_topology, load_topology
+
+    if topology_ref:
+        topology = load_topology(topology_ref, gpus, gpus_per_node)
+    else:
+        per_node = gpus_per_node or min(8, gpus)
+        topology = default_topology(gpu_name, gpus, per_node)
+    per_node = topology.gpus_per_node
+    if gpus > per_node and gpus % per_node:
+        raise CostModelError(
+            f"--gpus {gpus} does not fill whole nodes of {per_node} GPUs; use a multiple of {per_node}"
+        )
+    return topology
 
 
 def build_layout(gpus: int, **degrees: int | None) -> Layout:

@@ -16,6 +16,7 @@ from .common import (
     build_gpu,
     build_layout,
     build_model,
+    build_topology,
     build_train,
     hardware_options,
     layout_options,
@@ -24,27 +25,16 @@ from .common import (
 )
 
 
-def check_nodes(gpus: int, gpus_per_node: int | None) -> int:
-    """GPUs per node (default min(8, gpus)); a multi-node job must fill whole nodes."""
-    per_node = gpus_per_node or min(8, gpus)
-    if gpus > per_node and gpus % per_node:
-        raise CostModelError(
-            f"--gpus {gpus} does not fill whole nodes of --gpus-per-node {per_node}; use a multiple of {per_node}"
-        )
-    return per_node
-
-
 def run_estimate(model_name: str, gpus: int, gpus_per_node: int | None, gpu_name: str,
-                 options: dict[str, Any]) -> Estimate:
+                 topology_ref: str | None, options: dict[str, Any]) -> Estimate:
     """Build the specs from CLI values and estimate; pydantic errors become one-line CostModelErrors."""
     try:
-        check_nodes(gpus, gpus_per_node)
         train_kwargs, layout_kwargs = split_options(options)
         model = build_model(model_name)
         train = build_train(**train_kwargs)
-        gpu = build_gpu(gpu_name)
+        topology = build_topology(gpus, gpus_per_node, gpu_name, topology_ref)
         layout = build_layout(gpus, **layout_kwargs)
-        return estimate(model, train, layout, gpu)
+        return estimate(model, train, layout, topology)
     except ValidationError as exc:
         raise explain_validation_error(exc, "input") from exc
 
@@ -54,11 +44,12 @@ def run_estimate(model_name: str, gpus: int, gpus_per_node: int | None, gpu_name
 @hardware_options
 @layout_options
 @click.option("--json", "as_json", is_flag=True, help="Print the estimate as JSON (bytes).")
-def command(model_name: str, gpus: int, gpus_per_node: int | None, gpu_name: str, as_json: bool,
-            **options: Any) -> None:
-    """Per-GPU memory of one layout: weights, gradients, optimizer, activations, logits, KV cache,
-    buffers and overheads at the peak phase of the step, whether it fits, and host memory."""
-    result = run_estimate(model_name, gpus, gpus_per_node, gpu_name, options)
+def command(model_name: str, gpus: int, gpus_per_node: int | None, gpu_name: str, topology_ref: str | None,
+            as_json: bool, **options: Any) -> None:
+    """Per-GPU memory of one layout (weights, gradients, optimizer, activations, logits, KV cache,
+    buffers and overheads at the peak phase of the step, host memory), its communication volume per
+    layer and per step, and the predicted step time, tokens/s and MFU on the topology."""
+    result = run_estimate(model_name, gpus, gpus_per_node, gpu_name, topology_ref, options)
     if as_json:
         click.echo(json.dumps(result.to_json_dict(), indent=2))
     else:
@@ -127,4 +118,29 @@ def render_table(est: Estimate) -> str:
             f"{u.v_bytes_after / GB:.2f} GB; tokens {u.tokens_before:,} -> {u.tokens_after:,}; KV heads "
             f"{u.kv_heads_before} -> {u.kv_heads_after} (replication x{u.kv_replication})"
         )
+    rows.extend(render_comm_time(est))
     return "\n".join(rows)
+
+
+def render_comm_time(est: Estimate) -> list[str]:
+    """Communication per layer by strategy and per step by collective; then the time breakdown."""
+    comm, t = est.comm, est.time
+    rows = [f"communication per GPU (bytes sent; topology {est.detail.topology})"]
+    phases = ("forward", "backward", "backward_recompute")
+    titles = ("forward", "backward (all)", "of which recompute")
+    active = {k: v for k, v in comm.per_layer_bytes.items() if any(getattr(v, p, 0) or 0 for p in phases)}
+    if active:
+        rows.append(f"  {'per layer':<20}" + "".join(f"{p:>20}" for p in titles))
+        for name, v in active.items():
+            rows.append(f"  {name:<20}" + "".join(f"{(getattr(v, p, 0) or 0) / GB:>17.3f} GB" for p in phases))
+    else:
+        rows.append("  no per-layer communication")
+    per_step = ", ".join(f"{k} {v / GB:.2f} GB" for k, v in comm.by_collective.items() if v)
+    rows.append(f"  per step: {comm.per_step_bytes / GB:.2f} GB" + (f" ({per_step})" if per_step else ""))
+    exposed = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.exposed_comm_s_by_strategy.items() if v > 0)
+    rows.append("time per step")
+    rows.append(f"  compute {t.compute_s:.3f} s, communication {t.comm_s:.3f} s of which exposed "
+                f"{t.exposed_comm_s:.3f} s" + (f" ({exposed})" if exposed else ""))
+    rows.append(f"  optimizer {t.optimizer_s:.3f} s, offload {t.offload_s:.3f} s")
+    rows.append(f"  step {t.step_s:.3f} s | {t.tokens_per_s:,.0f} tokens/s | MFU {t.mfu:.1%} (HFU {t.hfu:.1%})")
+    return rows
