@@ -22,6 +22,7 @@ the liveness simulation of its graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..errors import CostModelError
 from ..gpu_spec import GPUSpec
@@ -127,11 +128,8 @@ def memory_report(model: ModelSpec, train: TrainSpec, layout: Layout, gpu: GPUSp
     states = model_states(model, train, layout, a)
     training = train.is_training
     mode = train.checkpointing if training else "inference"
-    block_kwargs = dict(training=training, attention_kernel=train.attention_kernel, tiled_mlp=train.tiled_mlp)
-    graph = block_graph(model, d, a, **block_kwargs)
-    block = simulate(graph, mode, a.selective_policy)
-    head = simulate(output_graph(model, d, a, training=training, tiled_loss=train.tiled_loss),
-                    "none" if training else "inference")
+    block = _block_memory(model, d, a, training, train.attention_kernel, train.tiled_mlp, mode)
+    head = _head_memory(model, d, a, training, train.tiled_loss)
     inputs = _inputs_bytes(model, d, training)
     x_in = d.norm_tokens * d.hidden * d.compute_bytes
 
@@ -161,7 +159,7 @@ def memory_report(model: ModelSpec, train: TrainSpec, layout: Layout, gpu: GPUSp
     by_mode = {}
     if training:
         for m in ("none", "selective", "full"):
-            by_mode[m] = block.saved["activation"] if m == mode else simulate(graph, m, a.selective_policy).saved[
+            by_mode[m] = _block_memory(model, d, a, True, train.attention_kernel, train.tiled_mlp, m).saved[
                 "activation"]
     detail = MemoryDetail(
         mode=train.mode,
@@ -210,6 +208,24 @@ def memory_report(model: ModelSpec, train: TrainSpec, layout: Layout, gpu: GPUSp
         assumptions=a.model_dump(),
     )
     return MemoryReport(memory=memory, host_memory=host, fits=memory.total <= memory.capacity, detail=detail)
+
+
+@lru_cache(maxsize=8192)
+def _block_memory(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, training: bool, attention_kernel: str,
+                  tiled_mlp: bool, mode: str) -> GraphMemory:
+    """One block's simulated memory. It depends only on the local shapes and options, not on how the
+    data-parallel ranks are split, so the planner's many layouts that share local dims share it.
+    Treat the result as read-only (it is shared)."""
+    graph = block_graph(model, d, a, training=training, attention_kernel=attention_kernel, tiled_mlp=tiled_mlp)
+    return simulate(graph, mode, a.selective_policy)
+
+
+@lru_cache(maxsize=8192)
+def _head_memory(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, training: bool,
+                 tiled_loss: bool) -> GraphMemory:
+    """The output layer's simulated memory (logits and loss), cached like :func:`_block_memory`."""
+    graph = output_graph(model, d, a, training=training, tiled_loss=tiled_loss)
+    return simulate(graph, "none" if training else "inference")
 
 
 def _ulysses_shapes(d: LocalDims) -> UlyssesShapes:
