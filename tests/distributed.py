@@ -35,7 +35,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, threads: int, fn: Callable, args: tuple, results: mp.Queue) -> None:
+def _rank_main(
+    rank: int, world: int, port: int, threads: int, backend: str, fn: Callable, args: tuple, results: mp.Queue
+) -> None:
     import datetime
 
     import torch
@@ -48,8 +50,10 @@ def _rank_main(rank: int, world: int, port: int, threads: int, fn: Callable, arg
     )
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         )
         value = fn(rank, world, *args)
         results.put((rank, True, value))
@@ -60,13 +64,23 @@ def _rank_main(rank: int, world: int, port: int, threads: int, fn: Callable, arg
             dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT_S, threads: int = 1) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks; return the results by rank."""
+def run_ranks(
+    world: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    threads: int = 1,
+    backend: str = "gloo",
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; return the results by rank.
+
+    ``backend="nccl"`` (benchmarks on a multi-GPU machine) puts rank i on GPU i.
+    """
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(rank, world, port, threads, fn, args, results), daemon=True)
+        ctx.Process(target=_rank_main, args=(rank, world, port, threads, backend, fn, args, results), daemon=True)
         for rank in range(world)
     ]
     for proc in procs:
