@@ -1,7 +1,7 @@
 """Benchmark sequence-parallel attention: time, work balance, accuracy.
 
 For Ulysses, Ring and USP at 2 and 4 ranks it measures the forward+backward wall time of one
-attention layer (max over ranks, median over iterations) and compares it, as ratios measured in the
+attention layer (the slowest rank's, best of the iterations) and compares it, as ratios measured in the
 same run, with
 
 * single-process attention on the same total work (one process, the whole sequence), and
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import statistics
 import sys
 import time
 
@@ -45,6 +44,9 @@ CONFIGS: tuple[tuple[str, int, int], ...] = (
 )
 #: Zigzag balance target from the issue: max/min per-rank kernel FLOPs.
 BALANCE_TARGET = 1.05
+#: Per-iteration times are the slowest rank's; across iterations we keep the best, the estimate least
+#: disturbed by other jobs on a shared machine (the test and CI machines have 2 shared cores).
+ESTIMATOR = min
 #: Spawn bound per configuration (interpreter start-up included).
 SPAWN_TIMEOUT_S = 900.0
 
@@ -192,9 +194,9 @@ def main(argv: list[str] | None = None) -> None:
           f"# attention benchmark: CPU, {os.cpu_count()} cores, gloo, 1 thread per rank")
     print(f"# torch {torch.__version__}; deepspeed {ds_version or 'not installed'}; dtype {dtype}; causal; "
           f"batch {args.batch}, seq {args.seq}, heads {args.heads}, kv_heads {args.kv_heads}, head_dim {args.head_dim}; "
-          f"median of {args.iters} iterations (max over ranks)")
+          f"best of {args.iters} iterations (each: the slowest rank)")
     single = _run(1, _bench_rank, dict(base, path="single", ring=1, ulysses=1), backend=backend)[0]
-    single_s = statistics.median(single["times"]["ours"])
+    single_s = ESTIMATOR(single["times"]["ours"])
     rows = [("single process", 1, "-", single_s, 1.0, None, None, None)]
     agreement: list[str] = []
     for path, ring, uly in CONFIGS:
@@ -202,8 +204,8 @@ def main(argv: list[str] | None = None) -> None:
         if cuda and world > gpus:
             continue
         result = _run(world, _bench_rank, dict(base, path=path, ring=ring, ulysses=uly), backend=backend)
-        ours = statistics.median(result[0]["times"]["ours"])
-        ds = statistics.median(result[0]["times"]["deepspeed"]) if "deepspeed" in result[0]["times"] else None
+        ours = ESTIMATOR(result[0]["times"]["ours"])
+        ds = ESTIMATOR(result[0]["times"]["deepspeed"]) if "deepspeed" in result[0]["times"] else None
         flops = [r["flops"] for r in result]
         balance = max(flops) / min(flops) if path != "ulysses" else None
         rows.append((path, world, f"ring={ring} x ulysses={uly}", ours, ours / single_s, ds, ours / ds if ds else None,
@@ -220,8 +222,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {path} | {world} | {layout} | {t * 1e3:.1f} | {ratio:.2f}x | "
               f"{'-' if ds is None else f'{ds * 1e3:.1f}'} | {'-' if vs_ds is None else f'{vs_ds:.2f}x'} | "
               f"{'-' if balance is None else f'{balance:.3f}'} |")
+    if agreement:
+        print()
     for line in agreement:
-        print(f"\nDeepSpeed vs ours, same inputs and kernel: {line}")
+        print(f"DeepSpeed vs ours, same inputs and kernel: {line}")
     ring_balances = [r[7] for r in rows if r[7] is not None]
     if ring_balances:
         verdict = "meets" if max(ring_balances) <= BALANCE_TARGET else "MISSES"

@@ -396,6 +396,11 @@ def _flash_attn_backward_binding() -> tuple[object, frozenset[str]]:
 
 
 def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
+    if q.shape[-1] % FLASH_HEAD_DIM_MULTIPLE:
+        raise RuntimeConfigError(
+            f"backend 'flash_attn' needs head_dim a multiple of {FLASH_HEAD_DIM_MULTIPLE} (got {q.shape[-1]}): "
+            "let select_backend choose, or pad head_dim"
+        )
     fn, params = _flash_attn_backward_binding()
     options: dict[str, object] = {
         "dropout_p": 0.0, "softmax_scale": scale, "causal": causal, "softcap": 0.0,
