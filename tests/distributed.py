@@ -1,7 +1,7 @@
 """Multi-rank test harness: spawn CPU ranks with gloo, run a function on each, collect the results.
 
-``run_ranks(world, fn, *args)`` starts ``world`` fresh processes (spawn: safe after torch has
-started threads in the parent), initialises a gloo process group on a free loopback port, calls
+``run_ranks(world, fn, *args)`` starts ``world`` fresh processes (forked from a clean forkserver that
+has imported torch once, so safe after torch has started threads in the parent), initialises a gloo process group on a free loopback port, calls
 ``fn(rank, world, *args)`` on every rank and returns the per-rank results in rank order. If any rank
 raises, the error names the failing rank(s) and carries their tracebacks; if the ranks do not finish
 within ``timeout`` seconds (a deadlocked collective, for instance) they are terminated and the
@@ -25,8 +25,21 @@ from typing import Any
 
 #: Wall-clock bound for one spawn (start-up of the interpreters included).
 DEFAULT_TIMEOUT_S = 120.0
+#: How long a finished rank may take to exit before it is terminated.
+JOIN_TIMEOUT_S = 5.0
 #: Bound on gloo's own collective timeout inside the ranks, so a mismatched collective fails, not hangs.
 COLLECTIVE_TIMEOUT_S = 60.0
+
+
+def _context() -> mp.context.BaseContext:
+    """A forkserver that has imported torch once: each rank is then a cheap fork of a clean process.
+
+    Plain fork would copy a parent whose torch may already run threads (unsafe); plain spawn would
+    import torch again in every rank of every test (seconds each on 2 cores).
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
 
 
 def free_port() -> int:
@@ -56,6 +69,8 @@ def _rank_main(
             backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         )
         value = fn(rank, world, *args)
+        # Rank 0 hosts the rendezvous store: nobody may tear down while a peer still needs it.
+        dist.barrier()
         results.put((rank, True, value))
     except BaseException:  # report everything, including assertion errors, to the parent
         results.put((rank, False, traceback.format_exc()))
@@ -76,7 +91,7 @@ def run_ranks(
 
     ``backend="nccl"`` (benchmarks on a multi-GPU machine) puts rank i on GPU i.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results: mp.Queue = ctx.Queue()
     port = free_port()
     procs = [
@@ -111,11 +126,13 @@ def run_ranks(
                 _drain(results, outcomes, world, grace=5.0)
                 break
     finally:
+        clean = len(outcomes) == world and all(ok for ok, _ in outcomes.values())
         for proc in procs:
-            proc.join(timeout=5.0)
+            if clean:  # every rank passed the final barrier: they are only tearing down
+                proc.join(timeout=JOIN_TIMEOUT_S)
             if proc.is_alive():
                 proc.terminate()
-                proc.join(timeout=5.0)
+                proc.join(timeout=JOIN_TIMEOUT_S)
     failed = {r: v for r, (ok, v) in outcomes.items() if not ok}
     if failed:
         raise AssertionError(_failures_text(outcomes))

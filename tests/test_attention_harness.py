@@ -44,6 +44,7 @@ def test_a_failing_rank_reports_its_traceback():
 
 def test_a_hanging_rank_times_out():
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"ranks \[0\] of 2 did not finish within 5 s"):
+    # Rank 1 returns but then waits for rank 0 at the harness's final barrier: both are reported.
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 5 s"):
         run_ranks(2, _rank_zero_hangs, timeout=5)
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 15
