@@ -32,7 +32,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.distributed import run_ranks  # noqa: E402
+from tests.distributed import run_ranks
 
 #: (path, ring, ulysses): the sequence-parallel configurations measured.
 CONFIGS: tuple[tuple[str, int, int], ...] = (
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     base = dict(device=device, dtype=dtype, batch=args.batch, seq=args.seq, heads=args.heads, kv_heads=args.kv_heads,
                 head_dim=args.head_dim, iters=args.iters, warmup=args.warmup)
     try:
-        import deepspeed  # noqa: F401
+        import deepspeed
 
         ds_version = deepspeed.__version__
     except ImportError:
@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# attention benchmark: {device} ({gpus} GPUs)" if cuda else
           f"# attention benchmark: CPU, {os.cpu_count()} cores, gloo, 1 thread per rank")
     print(f"# torch {torch.__version__}; deepspeed {ds_version or 'not installed'}; dtype {dtype}; causal; "
-          f"batch {args.batch}, seq {args.seq}, heads {args.heads}, kv_heads {args.kv_heads}, head_dim {args.head_dim}; "
+          f"batch {args.batch}, seq {args.seq}, heads {args.heads}, kv_heads {args.kv_heads}, "
+          f"head_dim {args.head_dim}; "
           f"best of {args.iters} iterations (each: the slowest rank)")
     single = _run(1, _bench_rank, dict(base, path="single", ring=1, ulysses=1), backend=backend)[0]
     single_s = ESTIMATOR(single["times"]["ours"])
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         noncausal = combine([r["fp32_noncausal"] for r in per_rank])
         bf16 = combine([r["bf16"]["dist"] for r in per_rank])
         bf16_single = combine([r["bf16"]["single"] for r in per_rank])
-        fmt = lambda errs: ", ".join(f"{errs[n][0]:.1e}" for n in ("out", "dq", "dk", "dv"))  # noqa: E731
+        fmt = lambda errs: ", ".join(f"{errs[n][0]:.1e}" for n in ("out", "dq", "dk", "dv"))
         ratios = ", ".join(f"{bf16[n][1] / bf16_single[n][1]:.2f}" for n in ("out", "dq", "dk", "dv"))
         print(f"| {path} | {ring * uly} | {fmt(causal)} | {fmt(noncausal)} | {ratios} |")
 

@@ -20,13 +20,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from cost_models.layout import Layout  # noqa: E402
-from runtime.attention import local_attention  # noqa: E402
-from runtime.context import SequenceParallel  # noqa: E402
-from runtime.mesh import build_mesh, load_layout  # noqa: E402
+from cost_models.layout import Layout
+from runtime.attention import local_attention
+from runtime.context import SequenceParallel
+from runtime.mesh import build_mesh, load_layout
 
 #: fp32 results must agree with single-device attention to this max-norm relative error.
 TOLERANCE = 1e-5

@@ -21,7 +21,17 @@ _LAZY = {
     "usp_attention": "runtime.attention",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = [
+    "CommCounter",
+    "RuntimeMesh",
+    "SequenceParallel",
+    "build_mesh",
+    "load_layout",
+    "local_attention",
+    "ring_attention",
+    "ulysses_attention",
+    "usp_attention",
+]
 
 
 def __getattr__(name: str):

@@ -29,7 +29,7 @@ Phase = Literal["forward", "backward", "recompute"]
 COLLECTIVES: tuple[str, ...] = ("all_to_all", "send_recv", "all_reduce", "all_gather", "reduce_scatter")
 PHASES: tuple[str, ...] = ("forward", "backward", "recompute")
 
-_ACTIVE: list["CommCounter"] = []
+_ACTIVE: list[CommCounter] = []
 
 
 class CommCounter:
@@ -50,7 +50,7 @@ class CommCounter:
         self._bytes: dict[tuple[str, str], int] = defaultdict(int)
         self._calls: dict[tuple[str, str], int] = defaultdict(int)
 
-    def __enter__(self) -> "CommCounter":
+    def __enter__(self) -> CommCounter:
         _ACTIVE.append(self)
         return self
 
@@ -133,3 +133,9 @@ def record_all_reduce(tensor: torch.Tensor, world: int, phase: Literal["forward"
     """A (ring) all-reduce of ``tensor``: reduce-scatter plus all-gather, 2(P-1)/P of it."""
     if _ACTIVE:
         record("all_reduce", 2 * tensor_bytes(tensor) * (world - 1) // world, phase)
+
+
+def record_reduce_scatter(full: torch.Tensor, world: int, phase: Literal["forward", "backward"]) -> None:
+    """A reduce-scatter of the full (unsharded) ``full``: everything but this rank's own shard is sent."""
+    if _ACTIVE:
+        record("reduce_scatter", tensor_bytes(full) * (world - 1) // world, phase)

@@ -134,11 +134,11 @@ class SequenceParallel:
         ring_group: dist.ProcessGroup | None = None,
         *,
         backend: str | None = None,
-    ) -> "SequenceParallel":
+    ) -> SequenceParallel:
         return cls(ulysses_group, ring_group, backend=backend)
 
     @classmethod
-    def from_mesh(cls, mesh, *, backend: str | None = None) -> "SequenceParallel":
+    def from_mesh(cls, mesh, *, backend: str | None = None) -> SequenceParallel:
         """From a :class:`runtime.mesh.RuntimeMesh` or a DeviceMesh naming ``ulysses`` and/or ``ring`` dims."""
         device_mesh = getattr(mesh, "device_mesh", mesh)
         names = tuple(device_mesh.mesh_dim_names or ())

@@ -57,14 +57,16 @@ def _read_plan_file(path: Path) -> object:
     size = path.stat().st_size
     if size > PLAN_FILE_MAX_BYTES:
         raise RuntimeConfigError(
-            f"plan file {path} is {size} bytes, more than the {PLAN_FILE_MAX_BYTES} a plan can be: is it the right file?"
+            f"plan file {path} is {size} bytes, more than the {PLAN_FILE_MAX_BYTES} a plan can be: "
+            "is it the right file?"
         )
     text = path.read_text()
     try:
         return json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise RuntimeConfigError(f"plan file {path} is not valid {'JSON' if path.suffix.lower() == '.json' else 'YAML'}: {first}") from None
+        kind = "JSON" if path.suffix.lower() == ".json" else "YAML"
+        raise RuntimeConfigError(f"plan file {path} is not valid {kind}: {first}") from None
 
 
 def load_layout(plan: Layout | Mapping | str | os.PathLike) -> Layout:
@@ -148,9 +150,9 @@ class RuntimeMesh:
     """
 
     layout: Layout
-    device_mesh: "dist.device_mesh.DeviceMesh"
-    sp_mesh: "dist.device_mesh.DeviceMesh"
-    fsdp_mesh: "dist.device_mesh.DeviceMesh"
+    device_mesh: dist.device_mesh.DeviceMesh
+    sp_mesh: dist.device_mesh.DeviceMesh
+    fsdp_mesh: dist.device_mesh.DeviceMesh
     device: torch.device
 
     def __getitem__(self, name: str):

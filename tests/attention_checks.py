@@ -31,7 +31,8 @@ def full_inputs(seed: int, batch: int, seq: int, heads: int, kv_heads: int, head
     """The same full-sequence q, k, v, dout on every rank (values exactly representable in ``dtype``)."""
     gen = torch.Generator().manual_seed(seed)
     q_shape, kv_shape = (batch, seq, heads, head_dim), (batch, seq, kv_heads, head_dim)
-    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in (q_shape, kv_shape, kv_shape, q_shape)]
+    shapes = (q_shape, kv_shape, kv_shape, q_shape)
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
 
 
 def stats(actual: torch.Tensor, expected: torch.Tensor) -> Stats:

@@ -1,12 +1,12 @@
-"""Multi-rank test harness: spawn CPU ranks with gloo, run a function on each, collect the results.
+"""Multi-rank test harness: start CPU ranks with gloo, run a function on each, collect the results.
 
 ``run_ranks(world, fn, *args)`` starts ``world`` fresh processes (forked from a clean forkserver that
-has imported torch once, so safe after torch has started threads in the parent), initialises a gloo process group on a free loopback port, calls
-``fn(rank, world, *args)`` on every rank and returns the per-rank results in rank order. If any rank
-raises, the error names the failing rank(s) and carries their tracebacks; if the ranks do not finish
-within ``timeout`` seconds (a deadlocked collective, for instance) they are terminated and the
-error says which ranks were still running. ``fn`` and the results must be picklable (module-level
-function, plain data or CPU tensors).
+has imported torch once, so safe after torch has started threads in the parent), initialises a gloo
+process group on a free loopback port, calls ``fn(rank, world, *args)`` on every rank and returns
+the per-rank results in rank order. If any rank raises, the error names the failing rank(s) and
+carries their tracebacks; if the ranks do not finish within ``timeout`` seconds (a deadlocked
+collective, for instance) they are terminated and the error says which ranks were still running.
+``fn`` and the results must be picklable (module-level function, plain data or CPU tensors).
 
 Ranks run with one intra-op thread each: the machines that run the suite have 2 cores, and 4 ranks
 fighting over them with default thread pools is slower and noisier.

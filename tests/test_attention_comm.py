@@ -19,7 +19,9 @@ B, S, D = 2, 32, 8
 BF16, FP32 = 2, 4  # bytes per element
 
 
-def _count(sp, heads: int, kv_heads: int, dtype: torch.dtype, checkpoint: bool = False, early_stop: bool = True) -> dict:
+def _count(
+    sp, heads: int, kv_heads: int, dtype: torch.dtype, checkpoint: bool = False, early_stop: bool = True
+) -> dict:
     from torch.utils.checkpoint import checkpoint as ckpt
     from torch.utils.checkpoint import set_checkpoint_early_stop
 
@@ -36,7 +38,8 @@ def _count(sp, heads: int, kv_heads: int, dtype: torch.dtype, checkpoint: bool =
         else:
             out = sp.attention(*leaves)
             out.backward(sp.shard(dout))
-    return {"bytes": counter.as_dict(), "calls": {p: counter.calls(phase=p) for p in ("forward", "backward", "recompute")}}
+    calls = {phase: counter.calls(phase=phase) for phase in ("forward", "backward", "recompute")}
+    return {"bytes": counter.as_dict(), "calls": calls}
 
 
 def _comm_rank(rank: int, world: int) -> dict:
@@ -116,3 +119,30 @@ def test_usp_bytes(counts):
             ("forward", "send_recv"): (ring - 1) * kv_block,
             ("backward", "send_recv"): (ring - 1) * kv_block + ring * dkv_block,
         })
+
+
+def test_counter_arithmetic_nesting_and_phases():
+    from runtime.comm_counter import (
+        CommCounter,
+        record,
+        record_all_gather,
+        record_all_reduce,
+        record_all_to_all,
+        record_reduce_scatter,
+    )
+
+    record("send_recv", 10**6, "forward")  # no counter active: nothing to record, no error
+    buffer = torch.zeros(1024, dtype=torch.bfloat16)  # 2048 bytes
+    with CommCounter() as outer:
+        record_all_to_all(buffer, 8, "forward")  # 7/8 leaves the rank
+        with CommCounter() as inner:
+            record_all_gather(torch.zeros(256), 4, "forward")  # shard of 1 KiB to 3 peers
+            record_reduce_scatter(torch.zeros(1024), 4, "backward")  # 3/4 of 4 KiB
+            record_all_reduce(torch.zeros(1024), 4, "backward")  # 2 x 3/4 of 4 KiB
+    assert inner.as_dict()["forward"]["all_gather"] == 3 * 1024
+    assert inner.bytes("reduce_scatter", "backward") == 3072 and inner.bytes("all_reduce") == 6144
+    assert inner.bytes("all_to_all") == 0
+    assert outer.bytes("all_to_all", "forward") == 1792 and outer.bytes() == 1792 + 3072 + 3072 + 6144
+    assert outer.calls() == 4 and inner.calls(phase="backward") == 2
+    with pytest.raises(ValueError, match="unknown collective"), CommCounter():
+        record("broadcast", 1, "forward")

@@ -21,7 +21,7 @@ def test_example_under_torchrun():
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
          str(ROOT / "examples" / "sp_attention.py"), "--seq", "64"],
-        capture_output=True, text=True, timeout=170, env=env, cwd=ROOT,
+        capture_output=True, text=True, timeout=170, env=env, cwd=ROOT, check=False,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "layout ring=2 x ulysses=2" in result.stdout

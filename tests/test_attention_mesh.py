@@ -59,7 +59,7 @@ def test_launch_checks():
     )
     with pytest.raises(RuntimeConfigError, match="launch with torchrun --nnodes 2 --nproc-per-node 8"):
         check_launch(Layout(ring=2, ulysses=8), 8, device_type="cuda", local_world_size=8, visible_devices=8)
-    with pytest.raises(RuntimeConfigError, match="torchrun started 8 processes on this node but only 4 GPUs are visible"):
+    with pytest.raises(RuntimeConfigError, match="started 8 processes on this node but only 4 GPUs are visible"):
         check_launch(Layout(ulysses=8), 8, device_type="cuda", local_world_size=8, visible_devices=4)
     with pytest.raises(RuntimeConfigError, match="no GPU is visible"):
         check_launch(Layout(ulysses=2), 2, device_type="cuda", local_world_size=2, visible_devices=0)
@@ -107,7 +107,6 @@ def test_mesh_groups_follow_the_dim_order():
     assert [t["tp"] for t in tp] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [t["ring"] for t in tp] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert [t["fsdp"] for t in tp] == [[0, 2], [1, 3], [0, 2], [1, 3]]  # TP ranks hold different shards
-    assert [r["mismatch"] for r in per_rank] == [
-        "plan needs 8 ranks (ulysses=8) but torchrun launched 4: launch with torchrun --nproc-per-node 8 ..., "
-        "or make a plan for 4 GPUs"
-    ] * 4
+    expected = ("plan needs 8 ranks (ulysses=8) but torchrun launched 4: launch with torchrun --nproc-per-node 8 ..., "
+                "or make a plan for 4 GPUs")
+    assert [r["mismatch"] for r in per_rank] == [expected] * 4

@@ -95,8 +95,10 @@ def test_zigzag_schedule_covers_each_causal_pair_exactly_once(world):
     """Pure combinatorics: the blocks the schedule computes tile the causal mask with no overlap or gap."""
     chunk = 3
     local = 2 * chunk
-    positions = {r: list(range(r * chunk, (r + 1) * chunk)) + list(range((2 * world - 1 - r) * chunk, (2 * world - r) * chunk))
-                 for r in range(world)}
+    positions = {
+        r: list(range(r * chunk, (r + 1) * chunk)) + list(range((2 * world - 1 - r) * chunk, (2 * world - r) * chunk))
+        for r in range(world)
+    }
     covered: dict[tuple[int, int], int] = {}
     for rank, step in itertools.product(range(world), range(world)):
         plan = block_plan(step, rank, world, True, local)

@@ -169,7 +169,7 @@ class KernelWork:
         return self.forward_flops + self.backward_flops
 
 
-_WORK_COUNTERS: list["KernelWorkCounter"] = []
+_WORK_COUNTERS: list[KernelWorkCounter] = []
 
 
 class KernelWorkCounter:
@@ -441,7 +441,6 @@ def _probabilities(scores, lse_grouped):
 
 def _math_forward(q, k, v, causal, scale):
     batch, seq_q, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
     scores = _scores(q, k, causal, scale)
     lse = torch.logsumexp(scores, dim=-1)  # (B, KVH, G, Sq); -inf on fully masked rows
     probs = _probabilities(scores, lse)

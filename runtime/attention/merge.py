@@ -24,6 +24,7 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, bl
     anchor = torch.where(torch.isfinite(merged), merged, torch.zeros_like(merged))
     keep = torch.exp(lse - anchor).transpose(1, 2).unsqueeze(-1)  # (B, S, H, 1), 0 where lse = -inf
     take = torch.exp(block_lse - anchor).transpose(1, 2).unsqueeze(-1)
-    contribution = torch.where(take > 0, block_out.to(out.dtype) * take, torch.zeros((), dtype=out.dtype, device=out.device))
+    zero = torch.zeros((), dtype=out.dtype, device=out.device)
+    contribution = torch.where(take > 0, block_out.to(out.dtype) * take, zero)
     out.mul_(keep).add_(contribution)
     lse.copy_(merged)

@@ -15,7 +15,7 @@ replicas' gradients locally; no extra communication. Query heads must divide by 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -75,7 +75,8 @@ def seq_to_head(tensors: list[torch.Tensor], group, world: int, phase: str = "fo
     send = torch.empty((world, batch, seq, sum(widths), head_dim), dtype=tensors[0].dtype, device=tensors[0].device)
     offset = 0
     for x, width in zip(tensors, widths):
-        send[..., offset : offset + width, :].copy_(x.reshape(batch, seq, world, width, head_dim).permute(2, 0, 1, 3, 4))
+        chunks = x.reshape(batch, seq, world, width, head_dim).permute(2, 0, 1, 3, 4)  # dim 0: destination
+        send[..., offset : offset + width, :].copy_(chunks)
         offset += width
     recv = _all_to_all(send, group, world, phase)
     outs, offset = [], 0
@@ -94,7 +95,8 @@ def head_to_seq(tensors: list[torch.Tensor], group, world: int, phase: str = "fo
     send = torch.empty((world, batch, local, sum(widths), head_dim), dtype=tensors[0].dtype, device=tensors[0].device)
     offset = 0
     for y, width in zip(tensors, widths):
-        send[..., offset : offset + width, :].copy_(y.reshape(batch, world, local, width, head_dim).permute(1, 0, 2, 3, 4))
+        chunks = y.reshape(batch, world, local, width, head_dim).permute(1, 0, 2, 3, 4)  # dim 0: destination
+        send[..., offset : offset + width, :].copy_(chunks)
         offset += width
     recv = _all_to_all(send, group, world, phase)
     outs, offset = [], 0
