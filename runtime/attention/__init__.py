@@ -1,0 +1,33 @@
+"""Exact sequence-parallel attention: the local kernel, Ulysses, zigzag Ring and 2D USP.
+
+All functions take (batch, seq, heads, head_dim) tensors and explicit process groups; the
+:class:`runtime.context.SequenceParallel` context picks the right one for a mesh.
+"""
+
+from runtime.attention.kernel import (
+    BACKENDS,
+    KernelWorkCounter,
+    attention_backward,
+    attention_forward,
+    local_attention,
+    reference_attention,
+    select_backend,
+)
+from runtime.attention.ring import ring_attention
+from runtime.attention.ulysses import ulysses_attention, ulysses_kv_replication, valid_ulysses_degrees
+from runtime.attention.usp import usp_attention
+
+__all__ = [
+    "BACKENDS",
+    "KernelWorkCounter",
+    "attention_backward",
+    "attention_forward",
+    "local_attention",
+    "reference_attention",
+    "ring_attention",
+    "select_backend",
+    "ulysses_attention",
+    "ulysses_kv_replication",
+    "usp_attention",
+    "valid_ulysses_degrees",
+]

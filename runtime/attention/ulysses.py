@@ -1,0 +1,177 @@
+"""DeepSpeed-Ulysses attention: all-to-all from sequence-split to head-split and back.
+
+Each of the U ranks holds a contiguous 1/U of the sequence with all (local) heads. One all-to-all
+turns that into the whole sequence for 1/U of the heads, attention runs locally (or, in USP, as ring
+attention across the outer ring group), and a second all-to-all brings the output back to the
+sequence split. Q, K and V travel in ONE all-to-all (packed per destination), so the forward issues
+two all-to-alls per layer and the backward their mirror images (dO, then dQ/dK/dV packed), with the
+same bytes: (U-1)/U x (|Q| + |K| + |V|) and (U-1)/U x |O| in each direction.
+
+KV heads: when U divides the KV heads each rank gets KV/U of them. When the KV heads are fewer than
+U (GQA/MQA at high degree), each KV head is repeated ``rep = U / KV`` times BEFORE the all-to-all
+(``repeat_interleave``, so query head h still meets KV head h // group), and autograd sums the
+replicas' gradients locally; no extra communication. Query heads must divide by U.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from runtime import comm_counter
+from runtime.attention.kernel import check_qkv, default_scale, local_attention
+from runtime.errors import RuntimeConfigError
+
+
+def valid_ulysses_degrees(q_heads: int, kv_heads: int) -> list[int]:
+    """Degrees that split ``q_heads`` evenly and either split or replicate ``kv_heads``."""
+    return [
+        d for d in range(1, q_heads + 1) if q_heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)
+    ]
+
+
+def ulysses_kv_replication(q_heads: int, kv_heads: int, degree: int) -> int:
+    """How many times each (local) KV head is repeated before the all-to-all; raises if impossible.
+
+    Mirrors :meth:`cost_models.model_spec.ModelSpec.kv_replication` for the heads one TP rank holds.
+    """
+    if q_heads % degree:
+        valid = ", ".join(map(str, valid_ulysses_degrees(q_heads, kv_heads)))
+        raise RuntimeConfigError(
+            f"ulysses={degree} does not divide {q_heads} query heads; valid Ulysses degrees for these heads: "
+            f"{valid}, or move the extra degree to ring"
+        )
+    if kv_heads % degree == 0:
+        return 1
+    if degree % kv_heads == 0:
+        return degree // kv_heads
+    valid = ", ".join(map(str, valid_ulysses_degrees(q_heads, kv_heads)))
+    raise RuntimeConfigError(
+        f"ulysses={degree} neither divides nor is a multiple of {kv_heads} KV heads, so KV heads can be "
+        f"neither split nor replicated evenly; valid Ulysses degrees: {valid}, or move the extra degree to ring"
+    )
+
+
+# ----- the two all-to-alls (each the other's adjoint) --------------------------------------------
+
+
+def _all_to_all(send: torch.Tensor, group, world: int, phase: str) -> torch.Tensor:
+    recv = torch.empty_like(send)
+    comm_counter.record_all_to_all(send, world, phase)  # type: ignore[arg-type]
+    dist.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def seq_to_head(tensors: list[torch.Tensor], group, world: int, phase: str = "forward") -> list[torch.Tensor]:
+    """Each ``(B, s, H_i, D)`` -> ``(B, world*s, H_i/world, D)``, all in one all-to-all.
+
+    Destination j receives heads ``[j*H_i/world, (j+1)*H_i/world)`` of every tensor; the gathered
+    sequence is ordered by source rank.
+    """
+    batch, seq, _, head_dim = tensors[0].shape
+    widths = [x.shape[2] // world for x in tensors]
+    send = torch.empty((world, batch, seq, sum(widths), head_dim), dtype=tensors[0].dtype, device=tensors[0].device)
+    offset = 0
+    for x, width in zip(tensors, widths):
+        chunks = x.reshape(batch, seq, world, width, head_dim).permute(2, 0, 1, 3, 4)  # dim 0: destination
+        send[..., offset : offset + width, :].copy_(chunks)
+        offset += width
+    recv = _all_to_all(send, group, world, phase)
+    outs, offset = [], 0
+    for width in widths:
+        part = recv[..., offset : offset + width, :]  # (world, B, s, w, D), dim 0 = sequence chunk
+        outs.append(part.permute(1, 0, 2, 3, 4).reshape(batch, world * seq, width, head_dim))
+        offset += width
+    return outs
+
+
+def head_to_seq(tensors: list[torch.Tensor], group, world: int, phase: str = "forward") -> list[torch.Tensor]:
+    """Each ``(B, S, h_i, D)`` -> ``(B, S/world, world*h_i, D)``: the inverse of :func:`seq_to_head`."""
+    batch, seq, _, head_dim = tensors[0].shape
+    local = seq // world
+    widths = [y.shape[2] for y in tensors]
+    send = torch.empty((world, batch, local, sum(widths), head_dim), dtype=tensors[0].dtype, device=tensors[0].device)
+    offset = 0
+    for y, width in zip(tensors, widths):
+        chunks = y.reshape(batch, world, local, width, head_dim).permute(1, 0, 2, 3, 4)  # dim 0: destination
+        send[..., offset : offset + width, :].copy_(chunks)
+        offset += width
+    recv = _all_to_all(send, group, world, phase)
+    outs, offset = [], 0
+    for width in widths:
+        part = recv[..., offset : offset + width, :]  # (world, B, s, w, D), dim 0 = head group
+        outs.append(part.permute(1, 2, 0, 3, 4).reshape(batch, local, world * width, head_dim))
+        offset += width
+    return outs
+
+
+class _SeqToHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, world, *tensors):
+        ctx.group, ctx.world = group, world
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in tensors]
+        return tuple(seq_to_head(list(tensors), group, world, "forward"))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # An output that did not reach the loss has no gradient: send zeros in its place.
+        grads = [
+            g if g is not None else torch.zeros(_head_split_shape(shape, ctx.world), dtype=dtype, device=device)
+            for g, (shape, dtype, device) in zip(grads, ctx.shapes)
+        ]
+        return (None, None, *head_to_seq(grads, ctx.group, ctx.world, "backward"))
+
+
+def _head_split_shape(seq_split_shape: torch.Size, world: int) -> tuple[int, int, int, int]:
+    batch, seq, heads, head_dim = seq_split_shape
+    return (batch, seq * world, heads // world, head_dim)
+
+
+class _HeadToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, world, *tensors):
+        ctx.group, ctx.world = group, world
+        return tuple(head_to_seq(list(tensors), group, world, "forward"))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *seq_to_head(list(grads), ctx.group, ctx.world, "backward"))
+
+
+InnerAttention = Callable[..., torch.Tensor]
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    backend: str | None = None,
+    inner: InnerAttention | None = None,
+) -> torch.Tensor:
+    """Exact attention over the sequence split contiguously across ``group`` (Ulysses degree U).
+
+    q ``(B, s, H, D)`` and k/v ``(B, s, KVH, D)`` hold this rank's s = S/U consecutive tokens with all
+    local heads; returns this rank's output ``(B, s, H, D)``. ``inner(q, k, v, causal=, scale=,
+    backend=)`` computes attention on the head-split, full-sequence tensors (default: the local
+    kernel; USP passes ring attention over the outer group).
+    """
+    check_qkv(q, k, v, causal=False)
+    world = dist.get_world_size(group)
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    if inner is None:
+        inner = local_attention
+    if world == 1:
+        return inner(q, k, v, causal=causal, scale=scale, backend=backend)
+    rep = ulysses_kv_replication(q.shape[2], k.shape[2], world)
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    qh, kh, vh = _SeqToHead.apply(group, world, q, k, v)
+    out = inner(qh, kh, vh, causal=causal, scale=scale, backend=backend)
+    (out,) = _HeadToSeq.apply(group, world, out)
+    return out

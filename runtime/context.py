@@ -1,0 +1,223 @@
+"""The small API user code needs for sequence parallelism: shard, gather, positions, attention.
+
+One shard function defines the whole data layout (DESIGN/BRIEF "Zigzag layout"): with R ring ranks
+and U Ulysses ranks, the sequence is cut into 2R chunks when R > 1, ring rank r takes chunks r and
+2R-1-r (its ring-local sequence, in that order; the whole sequence when R = 1), and Ulysses rank u
+takes the u-th contiguous 1/U slice of that. Token ids, position ids and (pre-shifted) labels must
+all be sharded with it; :meth:`SequenceParallel.positions` gives the global position of every local
+token, which is what RoPE needs (never a 4-D mask).
+
+Example::
+
+    mesh = build_mesh("plan.yaml")               # runtime.mesh
+    sp = SequenceParallel.from_mesh(mesh)
+    x = sp.shard(hidden_states, dim=1)           # (B, S/(R*U), hidden)
+    pos = sp.positions(seq_len)                  # global position ids of the local tokens
+    out = sp.attention(q, k, v, causal=True)     # q, k, v: (B, local_seq, heads, head_dim)
+    full = sp.gather(out, dim=1)                 # back to the whole sequence (differentiable)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from runtime import comm_counter
+from runtime.attention.kernel import local_attention
+from runtime.attention.ring import ring_attention
+from runtime.attention.ulysses import ulysses_attention
+from runtime.attention.usp import usp_attention
+from runtime.errors import RuntimeConfigError
+
+Segment = tuple[int, int]  # (global start, length)
+
+
+def seq_multiple(ring: int, ulysses: int) -> int:
+    """The sequence length must be a multiple of this: U x R, times 2 for zigzag when R > 1."""
+    return ulysses * ring * (2 if ring > 1 else 1)
+
+
+def check_seq_len(seq_len: int, ring: int, ulysses: int) -> None:
+    multiple = seq_multiple(ring, ulysses)
+    if seq_len < 1 or seq_len % multiple:
+        lower = seq_len - seq_len % multiple
+        upper = lower + multiple
+        why = f"ulysses x ring = {ulysses} x {ring}" + (" x 2 (zigzag ring)" if ring > 1 else "")
+        suggestion = f"{lower} or {upper}" if lower > 0 else f"{upper}"
+        raise RuntimeConfigError(
+            f"sequence length {seq_len} is not divisible by {why} = {multiple}; use {suggestion} "
+            "(or pad the data to that multiple)"
+        )
+
+
+def _take(runs: list[Segment], start: int, length: int) -> list[Segment]:
+    """Sub-runs covering positions [start, start+length) of the concatenation of ``runs``."""
+    taken, offset = [], 0
+    for run_start, run_len in runs:
+        lo, hi = max(start, offset), min(start + length, offset + run_len)
+        if lo < hi:
+            taken.append((run_start + lo - offset, hi - lo))
+        offset += run_len
+    return taken
+
+
+def ring_local_segments(seq_len: int, ring: int, ring_rank: int) -> list[Segment]:
+    """The ring-local sequence of ``ring_rank``: chunks r and 2R-1-r of 2R (everything when R = 1)."""
+    if ring == 1:
+        return [(0, seq_len)]
+    chunk = seq_len // (2 * ring)
+    return [(ring_rank * chunk, chunk), ((2 * ring - 1 - ring_rank) * chunk, chunk)]
+
+
+def shard_segments(seq_len: int, ring: int, ring_rank: int, ulysses: int, ulysses_rank: int) -> list[Segment]:
+    """Global (start, length) runs of the tokens this rank holds, in local order (the shard function)."""
+    check_seq_len(seq_len, ring, ulysses)
+    piece = seq_len // ring // ulysses
+    return _take(ring_local_segments(seq_len, ring, ring_rank), ulysses_rank * piece, piece)
+
+
+class _AllGather(torch.autograd.Function):
+    """Concatenate equal shards from every rank of ``group`` along ``dim``; backward sums and slices."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        world = dist.get_world_size(group)
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(world)]
+        comm_counter.record_all_gather(x, world, "forward")
+        dist.all_gather(parts, x, group=group)
+        ctx.group, ctx.dim, ctx.world = group, dim, world
+        ctx.rank, ctx.size = dist.get_rank(group), x.shape[dim]
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Every rank's copy of the gathered tensor depends on this shard: sum their gradients.
+        grad = grad.contiguous().clone()
+        comm_counter.record_all_reduce(grad, ctx.world, "backward")
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.narrow(ctx.dim, ctx.rank * ctx.size, ctx.size), None, None
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _group_rank(group: dist.ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+class SequenceParallel:
+    """Sequence-parallel context over a Ulysses group (inner) and a Ring group (outer).
+
+    ``None`` for a group means degree 1. Build it with :meth:`from_mesh` (a :class:`runtime.mesh.RuntimeMesh`
+    or a DeviceMesh with ``ring``/``ulysses`` dims) or :meth:`from_groups`.
+    """
+
+    def __init__(
+        self,
+        ulysses_group: dist.ProcessGroup | None = None,
+        ring_group: dist.ProcessGroup | None = None,
+        *,
+        backend: str | None = None,
+    ) -> None:
+        self.ulysses_group = ulysses_group if _group_size(ulysses_group) > 1 else None
+        self.ring_group = ring_group if _group_size(ring_group) > 1 else None
+        self.ulysses_size, self.ulysses_rank = _group_size(self.ulysses_group), _group_rank(self.ulysses_group)
+        self.ring_size, self.ring_rank = _group_size(self.ring_group), _group_rank(self.ring_group)
+        self.backend = backend
+
+    @classmethod
+    def from_groups(
+        cls,
+        ulysses_group: dist.ProcessGroup | None = None,
+        ring_group: dist.ProcessGroup | None = None,
+        *,
+        backend: str | None = None,
+    ) -> SequenceParallel:
+        return cls(ulysses_group, ring_group, backend=backend)
+
+    @classmethod
+    def from_mesh(cls, mesh, *, backend: str | None = None) -> SequenceParallel:
+        """From a :class:`runtime.mesh.RuntimeMesh` or a DeviceMesh naming ``ulysses`` and/or ``ring`` dims."""
+        device_mesh = getattr(mesh, "device_mesh", mesh)
+        names = tuple(device_mesh.mesh_dim_names or ())
+        if "ulysses" not in names and "ring" not in names:
+            raise RuntimeConfigError(
+                f"the device mesh has dims {names or '(unnamed)'} but no 'ulysses' or 'ring' dim: build it with "
+                "runtime.mesh.build_mesh or name the sequence-parallel dims 'ulysses' and 'ring'"
+            )
+        groups = {name: device_mesh[name].get_group() if name in names else None for name in ("ulysses", "ring")}
+        return cls(groups["ulysses"], groups["ring"], backend=backend)
+
+    # ----- layout ----------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """Sequence-parallel degree R x U."""
+        return self.ring_size * self.ulysses_size
+
+    @property
+    def rank(self) -> int:
+        """Rank within the SP group, ring-major (Ulysses innermost), as in the flattened ``sp`` mesh dim."""
+        return self.ring_rank * self.ulysses_size + self.ulysses_rank
+
+    @property
+    def seq_multiple(self) -> int:
+        return seq_multiple(self.ring_size, self.ulysses_size)
+
+    def segments(self, seq_len: int) -> list[Segment]:
+        return shard_segments(seq_len, self.ring_size, self.ring_rank, self.ulysses_size, self.ulysses_rank)
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's shard of the full-sequence tensor ``x`` (sequence along ``dim``); differentiable."""
+        runs = self.segments(x.shape[dim])
+        pieces = [x.narrow(dim, start, length) for start, length in runs]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+    def positions(self, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """Global position ids (int64) of this rank's local tokens, in local order."""
+        return torch.cat([torch.arange(s, s + n, device=device) for s, n in self.segments(seq_len)])
+
+    def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Inverse of :meth:`shard`: the full sequence on every rank (differentiable, all-gathers)."""
+        local = x.shape[dim]
+        if self.ulysses_group is not None:
+            x = _AllGather.apply(x, self.ulysses_group, dim)  # the ring-local sequence, in order
+        if self.ring_group is None:
+            return x
+        ring_local = _AllGather.apply(x, self.ring_group, dim)  # ring-local sequences by ring rank
+        seq_len = local * self.size
+        placed: list[tuple[int, torch.Tensor]] = []
+        for ring_rank in range(self.ring_size):
+            offset = ring_rank * local * self.ulysses_size
+            for start, length in ring_local_segments(seq_len, self.ring_size, ring_rank):
+                placed.append((start, ring_local.narrow(dim, offset, length)))
+                offset += length
+        placed.sort(key=lambda item: item[0])
+        return torch.cat([piece for _, piece in placed], dim=dim)
+
+    # ----- attention ---------------------------------------------------------------------------
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool = True,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Exact attention on local shards ``(batch, local_seq, heads, head_dim)`` in this context's layout."""
+        if self.ulysses_group is not None and self.ring_group is not None:
+            return usp_attention(
+                q, k, v, self.ulysses_group, self.ring_group, causal=causal, scale=scale, backend=self.backend
+            )
+        if self.ulysses_group is not None:
+            return ulysses_attention(q, k, v, self.ulysses_group, causal=causal, scale=scale, backend=self.backend)
+        if self.ring_group is not None:
+            return ring_attention(q, k, v, self.ring_group, causal=causal, scale=scale, backend=self.backend)
+        return local_attention(q, k, v, causal=causal, scale=scale, backend=self.backend)
+
+    def __repr__(self) -> str:
+        return (
+            f"SequenceParallel(ring={self.ring_size} (rank {self.ring_rank}), "
+            f"ulysses={self.ulysses_size} (rank {self.ulysses_rank}))"
+        )

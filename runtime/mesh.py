@@ -1,0 +1,228 @@
+"""Process groups from a plan: a 5-D DeviceMesh (dp_replicate, dp_shard, ring, ulysses, tp).
+
+All five dims are always present, size 1 included, so code can index any of them without checking
+which parallelisms a plan uses. Rank order follows the mesh order (tp innermost), so consecutive
+ranks, which torchrun places on the same node, share the innermost dims and their fast links.
+
+Two flattened dims are added on top of the five:
+
+* ``sp`` = ring x ulysses, the sequence-parallel group (Ulysses innermost, as the USP layout expects);
+* ``fsdp`` = dp_shard x ring x ulysses, the group ZeRO/FSDP shards parameters over
+  (:attr:`cost_models.layout.Layout.shard_group`).
+
+Before creating any group, the launch is checked against the plan: world size, and on CUDA the
+processes per node against the visible GPUs, each mismatch with a one-line fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+from pydantic import ValidationError
+
+from cost_models.errors import explain_validation_error
+from cost_models.layout import MESH_DIMS, Layout
+from runtime.errors import RuntimeConfigError
+
+#: Plan files are a few KB; anything much larger is not a plan (and is not parsed).
+PLAN_FILE_MAX_BYTES = 4 << 20
+SP_DIM = "sp"
+FSDP_DIM = "fsdp"
+SP_DIMS: tuple[str, ...] = ("ring", "ulysses")
+FSDP_DIMS: tuple[str, ...] = ("dp_shard", "ring", "ulysses")
+
+
+# ----- plan -> Layout ----------------------------------------------------------------------------
+
+
+def _layout_from_mapping(data: Mapping, where: str) -> Layout:
+    try:
+        return Layout(**dict(data))
+    except ValidationError as exc:
+        raise RuntimeConfigError(str(explain_validation_error(exc, f"layout in {where}"))) from None
+    except TypeError as exc:  # non-string keys
+        raise RuntimeConfigError(f"invalid layout in {where}: {exc}") from None
+
+
+def _read_plan_file(path: Path) -> object:
+    if not path.is_file():
+        raise RuntimeConfigError(f"plan file {path} does not exist: pass the path of a plan written by sp-plan")
+    size = path.stat().st_size
+    if size > PLAN_FILE_MAX_BYTES:
+        raise RuntimeConfigError(
+            f"plan file {path} is {size} bytes, more than the {PLAN_FILE_MAX_BYTES} a plan can be: "
+            "is it the right file?"
+        )
+    text = path.read_text()
+    try:
+        return json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        kind = "JSON" if path.suffix.lower() == ".json" else "YAML"
+        raise RuntimeConfigError(f"plan file {path} is not valid {kind}: {first}") from None
+
+
+def load_layout(plan: Layout | Mapping | str | os.PathLike) -> Layout:
+    """The Layout of a plan: a Layout, a mapping (a plan with a ``layout`` key, or the degrees), or a file.
+
+    Plan files are YAML or JSON (by suffix) with a ``layout:`` mapping of the five degrees; other
+    top-level keys (the planner's estimate, reasons, ...) are ignored here.
+    """
+    if isinstance(plan, Layout):
+        return plan
+    if isinstance(plan, Mapping):
+        data = plan.get("layout", plan)
+        where = "the plan"
+    else:
+        path = Path(plan)
+        where = str(path)
+        document = _read_plan_file(path)
+        if not isinstance(document, Mapping) or not isinstance(document.get("layout"), Mapping):
+            raise RuntimeConfigError(
+                f"plan file {path} has no 'layout:' mapping; expected e.g. 'layout: {{ulysses: 4, ring: 2}}' "
+                f"with keys among {', '.join(MESH_DIMS)}"
+            )
+        data = document["layout"]
+    if not isinstance(data, Mapping):
+        raise RuntimeConfigError(f"the layout in {where} must be a mapping of {', '.join(MESH_DIMS)} to degrees")
+    return _layout_from_mapping(data, where)
+
+
+# ----- launch checks -------------------------------------------------------------------------------
+
+
+def _launch_hint(layout: Layout, gpus_per_node: int | None) -> str:
+    world = layout.world
+    if gpus_per_node and world > gpus_per_node and world % gpus_per_node == 0:
+        return f"torchrun --nnodes {world // gpus_per_node} --nproc-per-node {gpus_per_node} ..."
+    return f"torchrun --nproc-per-node {world} ..."
+
+
+def check_launch(
+    layout: Layout,
+    world_size: int,
+    *,
+    device_type: str,
+    local_world_size: int,
+    visible_devices: int,
+) -> None:
+    """Raise a one-line RuntimeConfigError when the launched job cannot run ``layout``.
+
+    Pure (no torch.distributed calls), so every branch is unit-testable without a cluster.
+    """
+    gpus = visible_devices if device_type == "cuda" else None
+    if world_size != layout.world:
+        raise RuntimeConfigError(
+            f"plan needs {layout.world} ranks ({layout.describe()}) but torchrun launched {world_size}: launch "
+            f"with {_launch_hint(layout, gpus)}, or make a plan for {world_size} GPUs"
+        )
+    if device_type == "cuda":
+        if visible_devices < 1:
+            raise RuntimeConfigError(
+                "device 'cuda' requested but no GPU is visible (check CUDA_VISIBLE_DEVICES and the driver), "
+                "or run on CPU with device_type='cpu'"
+            )
+        if local_world_size > visible_devices:
+            shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+            where = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
+            raise RuntimeConfigError(
+                f"torchrun started {local_world_size} processes on this node but only {visible_devices} GPUs are "
+                f"visible{where}: use --nproc-per-node {visible_devices} with more nodes, or expose more GPUs"
+            )
+
+
+# ----- mesh ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RuntimeMesh:
+    """The plan's layout, its 5-D DeviceMesh, and the flattened ``sp`` and ``fsdp`` 1-D meshes.
+
+    The flattened meshes are kept here rather than looked up on the root mesh, which PyTorch is
+    deprecating (2.11+).
+    """
+
+    layout: Layout
+    device_mesh: dist.device_mesh.DeviceMesh
+    sp_mesh: dist.device_mesh.DeviceMesh
+    fsdp_mesh: dist.device_mesh.DeviceMesh
+    device: torch.device
+
+    def __getitem__(self, name: str):
+        """The 1-D mesh of a mesh dim (``dp_replicate`` ... ``tp``) or a flattened dim (``sp``, ``fsdp``)."""
+        if name == SP_DIM:
+            return self.sp_mesh
+        if name == FSDP_DIM:
+            return self.fsdp_mesh
+        if name not in MESH_DIMS:
+            raise RuntimeConfigError(
+                f"unknown mesh dim {name!r}; use one of {', '.join(MESH_DIMS + (SP_DIM, FSDP_DIM))}"
+            )
+        return self.device_mesh[name]
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        return self[name].get_group()
+
+    def size(self, name: str) -> int:
+        return self[name].size()
+
+    def local_rank(self, name: str) -> int:
+        return self[name].get_local_rank()
+
+
+def _flatten(sub_mesh, name: str):
+    # DeviceMesh._flatten (torch >= 2.4) is private, but it is how torchtitan builds its flattened dims too.
+    return sub_mesh._flatten(name)
+
+
+def _init_process_group(layout: Layout, device_type: str) -> None:
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if "WORLD_SIZE" not in os.environ:
+        if layout.world != 1:
+            raise RuntimeConfigError(
+                f"plan needs {layout.world} ranks ({layout.describe()}) but this process was not started by "
+                f"torchrun: launch with {_launch_hint(layout, None)}"
+            )
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return
+    dist.init_process_group(backend)
+
+
+def build_mesh(plan: Layout | Mapping | str | os.PathLike, *, device_type: str | None = None) -> RuntimeMesh:
+    """Check the launch against ``plan`` and build its 5-D DeviceMesh plus the ``sp``/``fsdp`` dims.
+
+    Initialises the default process group from torchrun's environment when needed (NCCL on CUDA,
+    gloo on CPU) and, on CUDA, selects GPU ``LOCAL_RANK``. ``device_type`` defaults to CUDA when
+    available.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    layout = load_layout(plan)
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type not in ("cuda", "cpu"):
+        raise RuntimeConfigError(f"device_type {device_type!r} is not supported: use 'cuda' or 'cpu'")
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    visible = torch.cuda.device_count() if device_type == "cuda" else 0
+    check_launch(layout, world, device_type=device_type, local_world_size=local_world, visible_devices=visible)
+    if device_type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        _init_process_group(layout, device_type)
+    shape = tuple(layout.degrees()[dim] for dim in MESH_DIMS)
+    device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    sp_mesh = _flatten(device_mesh[SP_DIMS], SP_DIM)
+    fsdp_mesh = _flatten(device_mesh[FSDP_DIMS], FSDP_DIM)
+    return RuntimeMesh(layout=layout, device_mesh=device_mesh, sp_mesh=sp_mesh, fsdp_mesh=fsdp_mesh, device=device)
