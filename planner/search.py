@@ -1,0 +1,390 @@
+"""Find the fastest layout and memory options that fit.
+
+Search, per layout, is a best-first walk of the option lattice (:mod:`planner.options`) in order of
+predicted seconds per token: because step time never decreases and memory never increases up the
+lattice, the first combination popped that fits is the fastest one that fits. Across layouts the
+search is branch-and-bound: a layout's fastest conceivable combination (the lattice bottom, timed
+without checking memory) bounds everything it can do, so once K plans are known, layouts whose bound
+is worse are pruned without a memory evaluation (and reported as such).
+
+Objective: seconds per token for the same global token budget (every layout processes
+``ceil(B / dp) x dp`` sequences per step, with B from ``global_batch_tokens``), multiplied by
+``1 + tie_penalty x moving parts`` so that near-ties go to the simpler plan.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time as wallclock
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cost_models.estimate import Estimate, estimate, offload_traffic
+from cost_models.layout import Layout
+from cost_models.memory import MemoryAssumptions, memory_report
+from cost_models.memory.report import MemoryReport
+from cost_models.model_spec import ModelSpec
+from cost_models.time_model import TimeEstimate, time_estimate
+from cost_models.topology import Topology
+from cost_models.train_spec import TrainSpec
+
+from .errors import PlannerError
+from .options import Combo, OptionLattice, build_lattice, invalid_reason, moving_parts
+from .space import LayoutSpace, StructuralRejection, enumerate_layouts
+
+#: Default tokens per optimizer step (Llama 3 pre-training used 4M-16M tokens per batch).
+DEFAULT_GLOBAL_BATCH_TOKENS = 1 << 22
+
+
+class PlanSettings(BaseModel):
+    """What the search may change, and how it scores."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    top_k: int = Field(default=5, ge=1, le=1000)
+    #: Fraction of device capacity left free on top of the memory model's own overheads (allocator
+    #: fragmentation, CUDA context, NCCL), to absorb what no model predicts.
+    headroom: float = Field(default=0.03, ge=0.0, lt=0.9)
+    global_batch_tokens: int = Field(default=DEFAULT_GLOBAL_BATCH_TOKENS, ge=1, le=1 << 40)
+    #: Relative score penalty per moving part (extra parallel dim or optional mechanism): a tie-break.
+    tie_penalty: float = Field(default=0.002, ge=0.0, le=0.1)
+    #: Layout degrees the user pinned (e.g. {"ulysses": 8}).
+    fixed_layout: dict[str, int] = Field(default_factory=dict)
+    #: Memory options the user pinned (TrainSpec field -> value).
+    fixed_options: dict[str, Any] = Field(default_factory=dict)
+    micro_batch_fixed: bool = False
+
+
+class RankedPlan(BaseModel):
+    """One feasible plan: a layout, its options and everything predicted for it."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    rank: int
+    layout: Layout
+    options: dict[str, Any]
+    train: TrainSpec
+    estimate: Estimate
+    score: float = Field(description="objective: seconds per token x (1 + tie penalty x moving parts)")
+    moving_parts: int
+
+    def to_json_dict(self) -> dict[str, Any]:
+        est = self.estimate.to_json_dict()
+        return {
+            "rank": self.rank,
+            "layout": self.layout.degrees(),
+            "options": self.options,
+            "memory": est["memory"],
+            "host_memory": est["host_memory"],
+            "comm": est["comm"],
+            "time": est["time"],
+            "fits": est["fits"],
+            "placement": est["placement"],
+            "score": self.score,
+            "moving_parts": self.moving_parts,
+        }
+
+
+RejectionKind = Literal["structure", "memory", "bound", "slower"]
+
+
+class Rejection(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    layout: dict[str, int]
+    options: dict[str, Any] | None = None
+    kind: RejectionKind
+    reason: str
+    #: For memory rejections: bytes over the usable capacity with every allowed memory option on.
+    shortfall_bytes: float | None = None
+    #: For slower plans: their seconds per token and tokens/s.
+    score: float | None = None
+
+    def describe_layout(self) -> str:
+        parts = [f"{k}={v}" for k, v in self.layout.items() if v > 1]
+        return " x ".join(parts) or "single GPU"
+
+
+class SearchStats(BaseModel):
+    layouts: int
+    structural_rejections: int
+    memory_evaluations: int
+    time_evaluations: int
+    pruned_by_bound: int
+    seconds: float
+
+
+class SearchResult(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    plans: list[RankedPlan]
+    rejected: list[Rejection]
+    stats: SearchStats
+    global_batch_sequences: int
+    usable_bytes: float
+
+    @property
+    def best(self) -> RankedPlan:
+        if not self.plans:
+            raise PlannerError("no plan fits")
+        return self.plans[0]
+
+
+@dataclass(order=True)
+class _Scored:
+    score: float
+    combo: Combo = field(compare=False)
+    train: TrainSpec = field(compare=False)
+    report: MemoryReport = field(compare=False)
+    time: TimeEstimate = field(compare=False)
+
+
+class _Searcher:
+    """One search; holds the caches and counters."""
+
+    def __init__(self, model: ModelSpec, base: TrainSpec, topology: Topology, settings: PlanSettings,
+                 assumptions: MemoryAssumptions | None):
+        self.model, self.base, self.topology, self.settings = model, base, topology, settings
+        self.assumptions = assumptions or MemoryAssumptions()
+        self.gpu = topology.gpu
+        self.usable = topology.gpu.memory_bytes * (1.0 - settings.headroom)
+        self.host_capacity = topology.host_ram_per_gpu
+        self.memory_evals = 0
+        self.time_evals = 0
+        if base.is_training:
+            self.batch_sequences = max(1, settings.global_batch_tokens // base.seq_len)
+        else:
+            self.batch_sequences = base.micro_batch
+
+    # ----- evaluation ---------------------------------------------------------------------------
+    def sequences_per_rank(self, layout: Layout) -> int:
+        if not self.base.is_training:
+            return self.base.micro_batch
+        return max(1, math.ceil(self.batch_sequences / layout.dp))
+
+    def lattice(self, layout: Layout) -> OptionLattice:
+        return build_lattice(self.base, self.settings.fixed_options, self.sequences_per_rank(layout),
+                             self.settings.micro_batch_fixed)
+
+    def train_for(self, layout: Layout, options: dict[str, Any]) -> TrainSpec:
+        update = dict(options)
+        if self.base.is_training:
+            update["grad_accum"] = max(1, self.sequences_per_rank(layout) // update["micro_batch"])
+        # Values come from the validated lattice, so skip re-validation (thousands of specs).
+        return self.base.model_copy(update=update)
+
+    def memory(self, layout: Layout, train: TrainSpec) -> MemoryReport:
+        self.memory_evals += 1
+        return memory_report(self.model, train, layout, self.gpu, self.assumptions)
+
+    def fits(self, report: MemoryReport) -> bool:
+        return report.memory.total <= self.usable and report.host_memory.total <= self.host_capacity
+
+    def score(self, layout: Layout, options: dict[str, Any], t: TimeEstimate) -> float:
+        parts = layout_moving_parts(layout) + moving_parts(options)
+        return t.step_s / t.tokens_per_step * (1.0 + self.settings.tie_penalty * parts)
+
+    def timed(self, layout: Layout, combo: Combo, lattice: OptionLattice) -> _Scored | None:
+        options = lattice.values(combo)
+        if invalid_reason(options):
+            return None
+        train = self.train_for(layout, options)
+        report = self.memory(layout, train)
+        self.time_evals += 1
+        t = time_estimate(self.model, train, layout, self.topology, offload_traffic(report.host_memory))
+        return _Scored(self.score(layout, options, t), combo, train, report, t)
+
+    # ----- per layout ---------------------------------------------------------------------------
+    def most_saving_valid(self, lattice: OptionLattice) -> Combo:
+        """The top of the lattice, stepped down on axes that would make it invalid."""
+        combo = list(lattice.top)
+        names = [a.name for a in lattice.axes]
+        for _ in range(len(combo) + 1):
+            options = lattice.values(tuple(combo))
+            reason = invalid_reason(options)
+            if reason is None:
+                return tuple(combo)
+            if "ZeRO-3" in reason:
+                combo[names.index("offload_params")] = 0
+            elif "checkpoint offload" in reason:
+                combo[names.index("offload_checkpoints")] = 0
+            else:
+                combo[names.index("offload_optimizer")] = len(lattice.axes[names.index("offload_optimizer")].values) - 1
+        return tuple(combo)
+
+    def best_for(self, layout: Layout, lattice: OptionLattice, start: _Scored, bound: float) -> _Scored | None:
+        """Best-first walk from the lattice bottom: the first fitting combination popped is optimal.
+
+        Returns None once every remaining combination scores worse than ``bound`` (the K-th best plan
+        so far): nothing this layout can still offer would make the top K.
+        """
+        tiebreak = itertools.count()
+        queue: list[tuple[float, int, _Scored]] = [(start.score, next(tiebreak), start)]
+        seen = {start.combo}
+        closure_fits: dict[Combo, bool] = {}
+
+        def push(combo: Combo) -> None:
+            if combo in seen:
+                return
+            seen.add(combo)
+            scored = self.timed(layout, combo, lattice)
+            if scored is None:  # invalid combination: walk through it to its successors
+                for deeper in lattice.successors(combo):
+                    push(deeper)
+                return
+            heapq.heappush(queue, (scored.score, next(tiebreak), scored))
+
+        while queue:
+            score, _, item = heapq.heappop(queue)
+            if score > bound:
+                return None
+            if self.fits(item.report):
+                return item
+            # If even the cheap axes at their most saving values do not fit, no combination that
+            # differs from this one only in cheap axes fits: expand along expensive axes only.
+            closure = lattice.cheap_closure(item.combo)
+            if closure not in closure_fits:
+                train = self.train_for(layout, lattice.values(closure))
+                closure_fits[closure] = self.fits(self.memory(layout, train))
+            successors = lattice.successors if closure_fits[closure] else lattice.expensive_successors
+            for nxt in successors(item.combo):
+                push(nxt)
+        return None
+
+
+def layout_moving_parts(layout: Layout) -> int:
+    """Parallel dimensions beyond plain sharded data parallelism."""
+    return sum(d > 1 for d in (layout.tp, layout.ulysses, layout.ring, layout.dp_replicate))
+
+
+def _matches(layout: Layout, fixed: dict[str, int]) -> bool:
+    return all(getattr(layout, k) == v for k, v in fixed.items())
+
+
+def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: PlanSettings | None = None,
+           assumptions: MemoryAssumptions | None = None, *, world: int | None = None) -> SearchResult:
+    """Rank every feasible (layout, options) for ``model`` on ``topology`` (``world`` GPUs of it)."""
+    settings = settings or PlanSettings()
+    started = wallclock.perf_counter()
+    world = world or topology.num_gpus
+    if world > topology.num_gpus:
+        raise PlannerError(f"{world} GPUs requested but topology {topology.name} has {topology.num_gpus}")
+    s = _Searcher(model, base, topology, settings, assumptions)
+    space: LayoutSpace = enumerate_layouts(world, model, base.seq_len, topology.gpus_per_node,
+                                           tp_splits_sequence=base.tp_sequence_parallel)
+    rejected: list[Rejection] = [_structural(r) for r in space.rejected]
+    layouts = [layout for layout in space.layouts if _matches(layout, settings.fixed_layout)]
+    if not layouts:
+        raise PlannerError(_no_layout_message(world, settings.fixed_layout, space))
+
+    # Bound every layout by its lattice bottom (fastest conceivable options), then visit best-first.
+    bounded: list[tuple[float, int, Layout, OptionLattice, _Scored]] = []
+    for i, layout in enumerate(layouts):
+        lattice = s.lattice(layout)
+        bottom = s.timed(layout, lattice.bottom, lattice)
+        if bottom is None:  # bottom is always valid, but stay safe
+            bottom = s.timed(layout, s.most_saving_valid(lattice), lattice)
+        bounded.append((bottom.score, i, layout, lattice, bottom))
+    bounded.sort(key=lambda item: (item[0], item[1]))
+
+    found: list[tuple[float, Layout, _Scored]] = []
+    kth_best = math.inf
+    pruned = 0
+    for bound, _, layout, lattice, bottom in bounded:
+        if len(found) >= settings.top_k and bound > kth_best:
+            pruned += 1
+            rejected.append(Rejection(
+                layout=layout.degrees(), kind="bound", score=bound,
+                reason=f"not evaluated: even its fastest options ({_per_token(bound)}) are slower than the "
+                       f"top {settings.top_k} plans (slowest {_per_token(kth_best)})"))
+            continue
+        top = s.most_saving_valid(lattice)
+        top_scored = bottom if top == bottom.combo else s.timed(layout, top, lattice)
+        if not s.fits(top_scored.report):
+            rejected.append(_memory_rejection(layout, lattice.values(top), top_scored.report, s))
+            continue
+        best = s.best_for(layout, lattice, bottom, kth_best)
+        if best is None:  # every fitting option set is slower than the top K
+            pruned += 1
+            rejected.append(Rejection(
+                layout=layout.degrees(), kind="bound",
+                reason=f"fits only with options slower than the top {settings.top_k} plans "
+                       f"(slowest {_per_token(kth_best)})"))
+            continue
+        found.append((best.score, layout, best))
+        found.sort(key=lambda item: item[0])
+        if len(found) >= settings.top_k:
+            kth_best = found[settings.top_k - 1][0]
+
+    plans = []
+    for rank, (score, layout, best) in enumerate(found[: settings.top_k], start=1):
+        options = {k: v for k, v in best.train.model_dump().items() if k in _OPTION_KEYS}
+        full = estimate(model, best.train, layout, topology, s.assumptions, with_placement=True)
+        plans.append(RankedPlan(rank=rank, layout=layout, options=options, train=best.train, estimate=full,
+                                score=score, moving_parts=layout_moving_parts(layout) + moving_parts(options)))
+    best_score = found[0][0] if found else None
+    for score, layout, best in found[settings.top_k:]:
+        rejected.append(Rejection(
+            layout=layout.degrees(), options={k: getattr(best.train, k) for k in _OPTION_KEYS}, kind="slower",
+            score=score, reason=f"fits, but {_per_token(score)} vs {_per_token(best_score)} for the best plan "
+                                f"({score / best_score - 1:+.1%})"))
+    stats = SearchStats(layouts=len(layouts), structural_rejections=len(space.rejected),
+                        memory_evaluations=s.memory_evals, time_evaluations=s.time_evals, pruned_by_bound=pruned,
+                        seconds=wallclock.perf_counter() - started)
+    return SearchResult(plans=plans, rejected=rejected, stats=stats, global_batch_sequences=s.batch_sequences,
+                        usable_bytes=s.usable)
+
+
+_OPTION_KEYS = ("zero_stage", "checkpointing", "offload_checkpoints", "tiled_loss", "tiled_mlp",
+                "offload_optimizer", "offload_params", "micro_batch", "grad_accum")
+
+
+def _per_token(score: float | None) -> str:
+    if score is None:
+        return "n/a"
+    return f"{1.0 / score:,.0f} tokens/s-equivalent"
+
+
+def _structural(r: StructuralRejection) -> Rejection:
+    return Rejection(layout={"tp": r.tp, "ulysses": r.ulysses, "ring": r.ring}, kind="structure", reason=r.reason)
+
+
+def _memory_rejection(layout: Layout, options: dict[str, Any], report: MemoryReport, s: _Searcher) -> Rejection:
+    total, host = report.memory.total, report.host_memory.total
+    if total > s.usable:
+        reason = (f"needs {total / 1e9:.1f} GB per GPU even with every allowed memory option "
+                  f"({_describe_options(options)}); usable {s.usable / 1e9:.1f} GB "
+                  f"(capacity minus {s.settings.headroom:.0%} headroom)")
+        shortfall = total - s.usable
+    else:
+        reason = (f"offloaded state needs {host / 1e9:.1f} GB of host RAM per GPU; the node has "
+                  f"{s.host_capacity / 1e9:.1f} GB per GPU")
+        shortfall = host - s.host_capacity
+    return Rejection(layout=layout.degrees(), options=options, kind="memory", reason=reason, shortfall_bytes=shortfall)
+
+
+def _describe_options(options: dict[str, Any]) -> str:
+    parts = []
+    for key, value in options.items():
+        if value is True:
+            parts.append(key.replace("_", " "))
+        elif key == "zero_stage":
+            parts.append(f"ZeRO-{value}")
+        elif key == "checkpointing":
+            parts.append(f"{value} checkpointing")
+        elif key == "micro_batch":
+            parts.append(f"micro-batch {value}")
+    return ", ".join(parts)
+
+
+def _no_layout_message(world: int, fixed: dict[str, int], space: LayoutSpace) -> str:
+    if fixed:
+        pinned = " x ".join(f"{k}={v}" for k, v in fixed.items())
+        reasons = "; ".join(sorted({r.reason for r in space.rejected})[:3])
+        return (f"no valid layout of {world} GPUs has {pinned}" + (f" ({reasons})" if reasons else "")
+                + "; drop or change the pinned degrees")
+    return f"no valid layout for {world} GPUs: " + "; ".join(sorted({r.reason for r in space.rejected})[:3])
