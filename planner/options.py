@@ -28,8 +28,11 @@ MAX_MICRO_BATCH = 8
 MAX_MICRO_BATCH_TOKENS = 1 << 16
 
 #: Axes in training mode, each from fastest to most memory-saving.
+#: ZeRO: 2 and 3 only, the two modes FSDP2 runs (reshard_after_forward False / True); ZeRO-0/1 need a
+#: different engine and save less memory for the same traffic, so the search does not propose them
+#: (the user may still pin them with --zero).
 TRAIN_AXES: dict[str, tuple[Any, ...]] = {
-    "zero_stage": (1, 2, 3),
+    "zero_stage": (2, 3),
     "checkpointing": ("none", "selective", "full"),
     "offload_checkpoints": (False, True),
     "tiled_loss": (False, True),
@@ -83,6 +86,41 @@ class OptionLattice:
             if combo[k] + 1 < len(axis.values):
                 yield combo[:k] + (combo[k] + 1,) + combo[k + 1:]
 
+    def index(self, name: str) -> int:
+        return [a.name for a in self.axes].index(name)
+
+    def repair_down(self, combo: Combo, keep: int | None = None) -> Combo:
+        """The largest valid combination at or below ``combo`` that leaves axis ``keep`` unchanged:
+        lowers whichever other axis makes it invalid."""
+        out = list(combo)
+        for _ in range(len(out) + 1):
+            reason = invalid_reason(self.values(tuple(out)))
+            if reason is None:
+                return tuple(out)
+            for name in _offenders(reason):
+                k = self.index(name)
+                if k != keep and out[k] > 0 and name != "offload_optimizer":
+                    out[k] = 0
+                    break
+                if name == "offload_optimizer" and k != keep:
+                    out[k] = len(self.axes[k].values) - 1
+                    break
+            else:
+                return tuple(out)  # cannot repair without touching ``keep``: caller sees it invalid
+        return tuple(out)
+
+    def repair_up(self, combo: Combo) -> Combo:
+        """The smallest valid combination at or above ``combo``: raises what an enabled option needs."""
+        out = list(combo)
+        values = self.values(tuple(out))
+        if values.get("offload_params"):
+            out[self.index("zero_stage")] = len(self.axes[self.index("zero_stage")].values) - 1
+            if "offload_optimizer" in values:
+                out[self.index("offload_optimizer")] = len(self.axes[self.index("offload_optimizer")].values) - 1
+        if values.get("offload_checkpoints") and values.get("checkpointing") == "none":
+            out[self.index("checkpointing")] = 1
+        return tuple(out)
+
     def cheap_closure(self, combo: Combo) -> Combo:
         """``combo`` with every cheap axis at its most saving value that keeps the combination valid."""
         out = list(combo)
@@ -116,6 +154,15 @@ def invalid_reason(options: dict[str, Any]) -> str | None:
         # combination without optimizer offload is the same run under another name.
         return "parameter offload already offloads the optimizer"
     return None
+
+
+def _offenders(reason: str) -> tuple[str, ...]:
+    """Axes that can be lowered (or, for the optimizer, raised) to fix an invalid combination."""
+    if "ZeRO-3" in reason:
+        return ("offload_params",)
+    if "checkpoint offload" in reason:
+        return ("offload_checkpoints",)
+    return ("offload_optimizer", "offload_params")
 
 
 def micro_batch_values(sequences_per_rank: int, seq_len: int) -> tuple[int, ...]:

@@ -25,8 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cost_models.estimate import Estimate, estimate, offload_traffic
 from cost_models.layout import Layout
-from cost_models.memory import MemoryAssumptions, memory_report
-from cost_models.memory.report import MemoryReport
+from cost_models.memory import MemoryAssumptions, MemoryCore, memory_core
 from cost_models.model_spec import ModelSpec
 from cost_models.time_model import TimeEstimate, time_estimate
 from cost_models.topology import Topology
@@ -139,7 +138,7 @@ class _Scored:
     score: float
     combo: Combo = field(compare=False)
     train: TrainSpec = field(compare=False)
-    report: MemoryReport = field(compare=False)
+    report: MemoryCore = field(compare=False)
     time: TimeEstimate = field(compare=False)
 
 
@@ -177,12 +176,12 @@ class _Searcher:
         # Values come from the validated lattice, so skip re-validation (thousands of specs).
         return self.base.model_copy(update=update)
 
-    def memory(self, layout: Layout, train: TrainSpec) -> MemoryReport:
+    def memory(self, layout: Layout, train: TrainSpec) -> MemoryCore:
         self.memory_evals += 1
-        return memory_report(self.model, train, layout, self.gpu, self.assumptions)
+        return memory_core(self.model, train, layout, self.assumptions)
 
-    def fits(self, report: MemoryReport) -> bool:
-        return report.memory.total <= self.usable and report.host_memory.total <= self.host_capacity
+    def fits(self, core: MemoryCore) -> bool:
+        return core.total <= self.usable and core.host_total <= self.host_capacity
 
     def score(self, layout: Layout, options: dict[str, Any], t: TimeEstimate) -> float:
         parts = layout_moving_parts(layout) + moving_parts(options)
@@ -195,7 +194,7 @@ class _Searcher:
         train = self.train_for(layout, options)
         report = self.memory(layout, train)
         self.time_evals += 1
-        t = time_estimate(self.model, train, layout, self.topology, offload_traffic(report.host_memory))
+        t = time_estimate(self.model, train, layout, self.topology, offload_traffic(report.host))
         return _Scored(self.score(layout, options, t), combo, train, report, t)
 
     # ----- per layout ---------------------------------------------------------------------------
@@ -215,6 +214,25 @@ class _Searcher:
             else:
                 combo[names.index("offload_optimizer")] = len(lattice.axes[names.index("offload_optimizer")].values) - 1
         return tuple(combo)
+
+    def floor(self, layout: Layout, lattice: OptionLattice, top: Combo) -> Combo:
+        """Per axis, the least value that fits with every other axis at its most saving (valid) value.
+
+        Memory is monotone, so no fitting combination lies below this floor on any axis: it is where
+        the walk starts, and its time bounds everything the layout can do.
+        """
+        start = []
+        for k, axis in enumerate(lattice.axes):
+            chosen = top[k]
+            for v in range(top[k]):
+                probe = lattice.repair_down(top[:k] + (v,) + top[k + 1:], keep=k)
+                if invalid_reason(lattice.values(probe)):
+                    continue
+                if self.fits(self.memory(layout, self.train_for(layout, lattice.values(probe)))):
+                    chosen = v
+                    break
+            start.append(chosen)
+        return lattice.repair_up(tuple(start))
 
     def best_for(self, layout: Layout, lattice: OptionLattice, start: _Scored, bound: float) -> _Scored | None:
         """Best-first walk from the lattice bottom: the first fitting combination popped is optimal.
@@ -281,33 +299,31 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
     if not layouts:
         raise PlannerError(_no_layout_message(world, settings.fixed_layout, space))
 
-    # Bound every layout by its lattice bottom (fastest conceivable options), then visit best-first.
+    # Bound every layout by its floor (see _Searcher.floor), then visit best-first (branch and bound).
     bounded: list[tuple[float, int, Layout, OptionLattice, _Scored]] = []
     for i, layout in enumerate(layouts):
         lattice = s.lattice(layout)
-        bottom = s.timed(layout, lattice.bottom, lattice)
-        if bottom is None:  # bottom is always valid, but stay safe
-            bottom = s.timed(layout, s.most_saving_valid(lattice), lattice)
-        bounded.append((bottom.score, i, layout, lattice, bottom))
+        top = s.most_saving_valid(lattice)
+        top_core = s.memory(layout, s.train_for(layout, lattice.values(top)))
+        if not s.fits(top_core):
+            rejected.append(_memory_rejection(layout, lattice.values(top), top_core, s))
+            continue
+        start = s.timed(layout, s.floor(layout, lattice, top), lattice)
+        bounded.append((start.score, i, layout, lattice, start))
     bounded.sort(key=lambda item: (item[0], item[1]))
 
     found: list[tuple[float, Layout, _Scored]] = []
     kth_best = math.inf
     pruned = 0
-    for bound, _, layout, lattice, bottom in bounded:
+    for bound, _, layout, lattice, start in bounded:
         if len(found) >= settings.top_k and bound > kth_best:
             pruned += 1
             rejected.append(Rejection(
                 layout=layout.degrees(), kind="bound", score=bound,
-                reason=f"not evaluated: even its fastest options ({_per_token(bound)}) are slower than the "
-                       f"top {settings.top_k} plans (slowest {_per_token(kth_best)})"))
+                reason=f"not evaluated: even its fastest fitting options could reach only {_per_token(bound)}, "
+                       f"slower than the top {settings.top_k} plans (slowest {_per_token(kth_best)})"))
             continue
-        top = s.most_saving_valid(lattice)
-        top_scored = bottom if top == bottom.combo else s.timed(layout, top, lattice)
-        if not s.fits(top_scored.report):
-            rejected.append(_memory_rejection(layout, lattice.values(top), top_scored.report, s))
-            continue
-        best = s.best_for(layout, lattice, bottom, kth_best)
+        best = s.best_for(layout, lattice, start, kth_best)
         if best is None:  # every fitting option set is slower than the top K
             pruned += 1
             rejected.append(Rejection(
@@ -353,8 +369,8 @@ def _structural(r: StructuralRejection) -> Rejection:
     return Rejection(layout={"tp": r.tp, "ulysses": r.ulysses, "ring": r.ring}, kind="structure", reason=r.reason)
 
 
-def _memory_rejection(layout: Layout, options: dict[str, Any], report: MemoryReport, s: _Searcher) -> Rejection:
-    total, host = report.memory.total, report.host_memory.total
+def _memory_rejection(layout: Layout, options: dict[str, Any], core: MemoryCore, s: _Searcher) -> Rejection:
+    total, host = core.total, core.host_total
     if total > s.usable:
         reason = (f"needs {total / 1e9:.1f} GB per GPU even with every allowed memory option "
                   f"({_describe_options(options)}); usable {s.usable / 1e9:.1f} GB "

@@ -10,6 +10,7 @@ sequence-parallel group (ring x ulysses) and the world. Groups with the same ran
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..layout import MESH_DIMS, Layout
 from .assumptions import MemoryAssumptions
@@ -29,7 +30,8 @@ class ProcessGroup:
     size: int
 
 
-def process_groups(layout: Layout) -> list[ProcessGroup]:
+@lru_cache(maxsize=4096)
+def process_groups(layout: Layout) -> tuple[ProcessGroup, ...]:
     """Distinct communicators one rank belongs to (deduplicated by their set of non-trivial dims)."""
     degrees = layout.degrees()
     seen: set[frozenset[str]] = set()
@@ -44,14 +46,14 @@ def process_groups(layout: Layout) -> list[ProcessGroup]:
         for d in active:
             size *= degrees[d]
         groups.append(ProcessGroup(name, tuple(d for d in MESH_DIMS if d in active), size))
-    return groups
+    return tuple(groups)
 
 
 @dataclass(frozen=True)
 class Overhead:
     cuda_context: int
     nccl: int
-    communicators: list[ProcessGroup]
+    communicators: tuple[ProcessGroup, ...]
     fragmentation: int
 
     @property

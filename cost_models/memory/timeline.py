@@ -34,7 +34,7 @@ from .block import block_graph, kv_cache_bytes_per_layer
 from .dims import LocalDims, local_dims
 from .liveness import GraphMemory, Peak, simulate
 from .output_layer import output_graph
-from .overhead import overhead
+from .overhead import Overhead, overhead
 from .report import (
     ALLOCATED_COMPONENTS,
     BufferDetail,
@@ -115,13 +115,53 @@ def _larger(a: Peak, b: Peak | None) -> Peak:
     return a if b is None or a.total >= b.total else b
 
 
-def memory_report(model: ModelSpec, train: TrainSpec, layout: Layout, gpu: GPUSpec,
-                  assumptions: MemoryAssumptions | None = None) -> MemoryReport:
-    """Per-GPU memory of ``model`` trained (or prefilled) with ``train`` on ``layout``.
+@dataclass(frozen=True)
+class MemoryCore:
+    """Everything the report is built from, as plain numbers and shared simulation results.
 
-    Call ``layout.check_against(model, train.seq_len, train.tp_sequence_parallel)`` first (``estimate``
-    does).
+    The planner calls :func:`memory_core` thousands of times and needs only :attr:`total` and
+    :attr:`host_total`; :func:`memory_report` dresses the same numbers up as the documented report.
     """
+
+    dims: LocalDims
+    states: ModelStates
+    block: GraphMemory
+    head: GraphMemory
+    phases: list[_Phase]
+    peak: _Phase
+    extra: Overhead
+    offloaded_per_layer: int
+    inputs: int
+    mode: str
+    host_weights: int
+    host_gradients: int
+    host_optimizer: int
+    host_checkpoints: int
+
+    @property
+    def peak_allocated(self) -> int:
+        return self.peak.allocated
+
+    @property
+    def total(self) -> int:
+        return self.peak.allocated + self.extra.total
+
+    @property
+    def host_total(self) -> int:
+        return self.host_weights + self.host_gradients + self.host_optimizer + self.host_checkpoints
+
+    @property
+    def host(self) -> HostMemory:
+        """Host-resident bytes as the report's type (built without re-validation: computed values)."""
+        return HostMemory.model_construct(weights=self.host_weights, gradients=self.host_gradients,
+                                          optimizer=self.host_optimizer, checkpoints=self.host_checkpoints,
+                                          total=self.host_total)
+
+
+def memory_core(model: ModelSpec, train: TrainSpec, layout: Layout,
+                assumptions: MemoryAssumptions | None = None) -> MemoryCore:
+    """Per-GPU memory of ``model`` trained (or prefilled) with ``train`` on ``layout``, without the
+    report objects (see :class:`MemoryCore`)."""
     a = assumptions or MemoryAssumptions()
     validate_options(train, layout)
     d = local_dims(model, train, layout)
@@ -139,22 +179,35 @@ def memory_report(model: ModelSpec, train: TrainSpec, layout: Layout, gpu: GPUSp
     else:
         phases = _prefill_phases(model, a, states, block, head, inputs, kv_cache_bytes_per_layer(d))
     peak = max(phases, key=lambda p: p.allocated)
+    return MemoryCore(
+        dims=d, states=states, block=block, head=head, phases=phases, peak=peak,
+        extra=overhead(layout, peak.allocated, a), offloaded_per_layer=offloaded, inputs=inputs, mode=mode,
+        host_weights=states.weights_host, host_gradients=states.gradients_host,
+        host_optimizer=states.optimizer_host, host_checkpoints=model.num_layers * offloaded,
+    )
+
+
+def memory_report(model: ModelSpec, train: TrainSpec, layout: Layout, gpu: GPUSpec,
+                  assumptions: MemoryAssumptions | None = None) -> MemoryReport:
+    """Per-GPU memory of ``model`` trained (or prefilled) with ``train`` on ``layout``.
+
+    Call ``layout.check_against(model, train.seq_len, train.tp_sequence_parallel)`` first (``estimate``
+    does).
+    """
+    a = assumptions or MemoryAssumptions()
+    core = memory_core(model, train, layout, a)
+    d, states, block, head, peak, extra = core.dims, core.states, core.block, core.head, core.peak, core.extra
+    phases, inputs, offloaded, mode = core.phases, core.inputs, core.offloaded_per_layer, core.mode
+    training = train.is_training
     peak_allocated = peak.allocated
-    extra = overhead(layout, peak_allocated, a)
     memory = MemoryBreakdown(
         **{c: getattr(peak, c) for c in ALLOCATED_COMPONENTS},
         overhead=extra.total,
-        total=peak_allocated + extra.total,
+        total=core.total,
         peak_allocated=peak_allocated,
         capacity=gpu.memory_bytes,
     )
-    host = HostMemory(
-        weights=states.weights_host,
-        gradients=states.gradients_host,
-        optimizer=states.optimizer_host,
-        checkpoints=model.num_layers * offloaded,
-    )
-    host = host.model_copy(update={"total": host.weights + host.gradients + host.optimizer + host.checkpoints})
+    host = core.host
 
     by_mode = {}
     if training:
