@@ -23,9 +23,9 @@ def explain_validation_error(error: ValidationError, what: str) -> CostModelErro
     """
     parts = []
     for item in error.errors():
-        location = ".".join(str(p) for p in item.get("loc", ())) or what
-        message = item.get("msg", "invalid value")
+        location = ".".join(str(p) for p in item.get("loc", ()))
+        message = str(item.get("msg", "invalid value")).removeprefix("Value error, ")
         if item.get("type") == "extra_forbidden":
             message = "unknown field (check the spelling)"
-        parts.append(f"{location}: {message}")
+        parts.append(f"{location}: {message}" if location else message)
     return CostModelError(f"invalid {what}: " + "; ".join(parts))

@@ -34,6 +34,7 @@ contention) and not to contend with exposed collectives on the same links.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -211,18 +212,13 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
     compute_s = accum * compute_mb
 
     # ----- communication ----------------------------------------------------------------------------
-    costed = []
+    costed = _costed_ops(model, _comm_train(train), layout, topology)
     comm_by = dict.fromkeys(STEP_STRATEGIES, 0.0)
     fabric_bytes = 0.0
-    memo: dict[tuple[str, float, str], object] = {}
-    for op in comm_ops(model, train, layout):
-        key = (op.collective, op.nbytes, op.group)
-        cost = memo.get(key)
-        if cost is None:
-            cost = memo[key] = collective_cost(op.collective, op.nbytes, spans[op.group])
-        costed.append(_Costed(op, cost.time_s, cost.fabric_bytes))
+    for c in costed:
+        op, cost = c.op, c
         times = op.count * (layers if op.scope == "layer" else 1) * (accum if op.per == "microbatch" else 1)
-        comm_by[op.strategy] += cost.time_s * times
+        comm_by[op.strategy] += cost.seconds * times
         fabric_bytes += cost.fabric_bytes * times
     comm_s = sum(comm_by.values())
 
@@ -376,6 +372,32 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
             "host_memory": eff.host_memory,
         },
     )
+
+
+#: TrainSpec fields the collectives of a step depend on (comm_volume.comm_ops reads only these).
+_COMM_NEUTRAL = {"grad_accum": 1, "offload_optimizer": False, "offload_params": False, "offload_checkpoints": False,
+                 "tiled_mlp": False, "tiled_loss": False, "optimizer": "adamw", "attention_kernel": "flash"}
+
+
+def _comm_train(train: TrainSpec) -> TrainSpec:
+    """``train`` with every field the collectives do not depend on set to a fixed value, so the priced
+    op list below is shared by all option combinations that move the same bytes."""
+    return train.model_copy(update=_COMM_NEUTRAL)
+
+
+@lru_cache(maxsize=16384)
+def _costed_ops(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology) -> tuple[_Costed, ...]:
+    """Every collective of a step priced on ``topology`` (one occurrence each; callers multiply)."""
+    spans = group_spans(layout, topology)
+    memo: dict[tuple[str, float, str], object] = {}
+    out = []
+    for op in comm_ops(model, train, layout):
+        key = (op.collective, op.nbytes, op.group)
+        cost = memo.get(key)
+        if cost is None:
+            cost = memo[key] = collective_cost(op.collective, op.nbytes, spans[op.group])
+        out.append(_Costed(op, cost.time_s, cost.fabric_bytes))
+    return tuple(out)
 
 
 def _merge(*tables: dict[str, float]) -> dict[str, float]:

@@ -51,6 +51,9 @@ class TrainSpec(BaseModel):
     def _offload_needs_sharding(self) -> "TrainSpec":
         if self.offload_params and self.zero_stage != 3:
             raise ValueError("offload_params needs zero_stage=3 (parameters are offloaded as FSDP shards)")
+        if self.mode == "train" and self.offload_checkpoints and self.checkpointing == "none":
+            raise ValueError("offload_checkpoints moves checkpointed block inputs to the host; it needs "
+                             "checkpointing 'selective' or 'full'")
         if self.mode == "prefill" and self.grad_accum != 1:
             raise ValueError("grad_accum applies to training only; use grad_accum=1 with mode=prefill")
         return self

@@ -88,3 +88,19 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
         return Plan(**data)
     except ValidationError as exc:
         raise explain_validation_error(exc, source) from exc
+
+
+def plan_from_ranked(ranked: Any, model: ModelSpec, topology: Any, world: int,
+                     explanation: list[str] | None = None) -> Plan:
+    """A plan file for one of the search's ranked plans (``planner.search.RankedPlan``)."""
+    est = ranked.estimate.to_json_dict()
+    return Plan(
+        model=model,
+        train=ranked.train,
+        layout=ranked.layout,
+        hardware=Hardware(num_gpus=world, gpus_per_node=min(topology.gpus_per_node, world), gpu=topology.gpu.name,
+                          topology=topology.name),
+        estimate={k: est[k] for k in ("memory", "host_memory", "fits", "comm", "time")},
+        placement=est.get("placement") or {},
+        explanation=explanation or [],
+    )

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cost_models.errors import CostModelError
 from cost_models.estimate import Estimate, estimate, offload_traffic
 from cost_models.layout import Layout
 from cost_models.memory import MemoryAssumptions, MemoryCore, memory_core
@@ -297,7 +298,7 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
     rejected: list[Rejection] = [_structural(r) for r in space.rejected]
     layouts = [layout for layout in space.layouts if _matches(layout, settings.fixed_layout)]
     if not layouts:
-        raise PlannerError(_no_layout_message(world, settings.fixed_layout, space))
+        raise PlannerError(_no_layout_message(world, settings.fixed_layout, space, model, base))
 
     # Bound every layout by its floor (see _Searcher.floor), then visit best-first (branch and bound).
     bounded: list[tuple[float, int, Layout, OptionLattice, _Scored]] = []
@@ -362,7 +363,7 @@ _OPTION_KEYS = ("zero_stage", "checkpointing", "offload_checkpoints", "tiled_los
 def _per_token(score: float | None) -> str:
     if score is None:
         return "n/a"
-    return f"{1.0 / score:,.0f} tokens/s-equivalent"
+    return f"{1.0 / score:,.0f} tokens/s (score incl. tie penalty)"
 
 
 def _structural(r: StructuralRejection) -> Rejection:
@@ -397,10 +398,37 @@ def _describe_options(options: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _no_layout_message(world: int, fixed: dict[str, int], space: LayoutSpace) -> str:
+def _no_layout_message(world: int, fixed: dict[str, int], space: LayoutSpace, model: ModelSpec,
+                       base: TrainSpec) -> str:
     if fixed:
+        # The pinned degrees themselves are the usual culprit: let the layout check say exactly why.
+        try:
+            Layout.for_world(world, **fixed).check_against(model, base.seq_len, base.tp_sequence_parallel)
+        except CostModelError as exc:
+            return str(exc)
         pinned = " x ".join(f"{k}={v}" for k, v in fixed.items())
         reasons = "; ".join(sorted({r.reason for r in space.rejected})[:3])
         return (f"no valid layout of {world} GPUs has {pinned}" + (f" ({reasons})" if reasons else "")
                 + "; drop or change the pinned degrees")
     return f"no valid layout for {world} GPUs: " + "; ".join(sorted({r.reason for r in space.rejected})[:3])
+
+
+def brute_force_best(model: ModelSpec, base: TrainSpec, topology: Topology, settings: PlanSettings | None = None,
+                     assumptions: MemoryAssumptions | None = None) -> tuple[float, Layout, dict[str, Any], int]:
+    """Every layout x every valid option combination, timed and memory-checked: the reference the
+    search's pruning is tested and benchmarked against. Returns (best score, layout, options,
+    evaluations); score is ``inf`` when nothing fits."""
+    settings = settings or PlanSettings()
+    s = _Searcher(model, base, topology, settings, assumptions)
+    space = enumerate_layouts(topology.num_gpus, model, base.seq_len, topology.gpus_per_node,
+                              tp_splits_sequence=base.tp_sequence_parallel)
+    best: tuple[float, Layout | None, dict[str, Any]] = (math.inf, None, {})
+    for layout in space.layouts:
+        if not _matches(layout, settings.fixed_layout):
+            continue
+        lattice = s.lattice(layout)
+        for combo in itertools.product(*(range(len(a.values)) for a in lattice.axes)):
+            scored = s.timed(layout, combo, lattice)
+            if scored is not None and s.fits(scored.report) and scored.score < best[0]:
+                best = (scored.score, layout, lattice.values(combo))
+    return best[0], best[1], best[2], s.time_evals

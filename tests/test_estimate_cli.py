@@ -69,7 +69,7 @@ BAD_INPUTS = [
     (["--model", "llama3-70b", "--seq-len", "1M", "--gpus", "8", "--ring", "8", "--attention", "materialized"],
      "materialized attention cannot run with ring"),
     (["--model", "llama3-70b", "--seq-len", "1M", "--gpus", "8", "--checkpointing", "none", "--offload-checkpoints"],
-     "checkpointing is 'none'"),
+     "needs checkpointing 'selective' or 'full'"),
     (["--model", "llama3-70b", "--seq-len", "1M", "--gpus", "8", "--offload-params", "--zero", "2"],
      "offload_params needs zero_stage=3"),
     (["--model", "llama3-70b", "--seq-len", "1M", "--gpus", "12", "--gpus-per-node", "8"], "whole nodes"),

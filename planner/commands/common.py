@@ -40,10 +40,20 @@ SEQ_LEN = SeqLenType()
 
 
 def model_options(func: Callable) -> Callable:
-    """--model, --seq-len, --mode, --micro-batch, --dtype and the memory options."""
+    """--model, --seq-len (required), --mode, --micro-batch, --dtype and the memory options."""
+    return _model_options(func, seq_len_required=True)
+
+
+def model_options_optional_seq(func: Callable) -> Callable:
+    """As :func:`model_options`, with --seq-len optional (capacity questions)."""
+    return _model_options(func, seq_len_required=False)
+
+
+def _model_options(func: Callable, seq_len_required: bool) -> Callable:
     options = [
         click.option("--model", "model_name", required=True, help="Preset name or path to a HF config.json."),
-        click.option("--seq-len", type=SEQ_LEN, required=True, help="Tokens per sequence: 131072, 128K, 1M."),
+        click.option("--seq-len", type=SEQ_LEN, required=seq_len_required, default=None,
+                     help="Tokens per sequence: 131072, 128K, 1M."),
         click.option("--mode", type=click.Choice(["train", "prefill"]), default="train", show_default=True),
         click.option("--micro-batch", type=click.IntRange(1, 1 << 16), default=1, show_default=True),
         click.option("--grad-accum", type=click.IntRange(1, 1 << 16), default=1, show_default=True),
@@ -82,9 +92,19 @@ def model_options(func: Callable) -> Callable:
 
 
 def hardware_options(func: Callable) -> Callable:
-    """--gpus, --gpus-per-node, --gpu."""
+    """--gpus (required), --gpus-per-node, --gpu, --topology."""
+    return _hardware_options(func, gpus_required=True)
+
+
+def hardware_options_optional_gpus(func: Callable) -> Callable:
+    """As :func:`hardware_options`, with --gpus optional (capacity questions)."""
+    return _hardware_options(func, gpus_required=False)
+
+
+def _hardware_options(func: Callable, gpus_required: bool) -> Callable:
     options = [
-        click.option("--gpus", type=click.IntRange(1, 1 << 20), required=True, help="Total number of GPUs."),
+        click.option("--gpus", type=click.IntRange(1, 1 << 20), required=gpus_required, default=None,
+                     help="Total number of GPUs."),
         click.option(
             "--gpus-per-node",
             type=click.IntRange(1, 1 << 10),
@@ -175,6 +195,22 @@ TRAIN_KEYS = (
     "attention_kernel",
 )
 LAYOUT_KEYS = ("tp", "ulysses", "ring", "dp_shard", "dp_replicate")
+
+
+#: Memory options the planner searches unless the user pins them on the command line.
+SEARCHABLE_OPTIONS = ("zero_stage", "checkpointing", "offload_checkpoints", "tiled_loss", "tiled_mlp",
+                      "offload_optimizer", "offload_params")
+
+
+def pinned(ctx: click.Context, names: tuple[str, ...]) -> dict[str, Any]:
+    """The options among ``names`` the user set explicitly (command line or environment), with values.
+
+    Planning commands search everything the user left at its default; what they typed is a constraint.
+    """
+    from click.core import ParameterSource
+
+    explicit = {ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT}
+    return {n: ctx.params[n] for n in names if n in ctx.params and ctx.get_parameter_source(n) in explicit}
 
 
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

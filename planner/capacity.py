@@ -1,0 +1,198 @@
+"""What-if questions: the longest sequence a cluster can train, the fewest GPUs for a sequence, sweeps.
+
+Feasibility ("does any plan fit?") needs no timing: a layout can run iff its most memory-saving
+allowed options fit, so each probe costs one memory evaluation per layout and stops at the first
+fit. Both questions are monotone (longer sequences need more memory per GPU; more GPUs never need
+more), so they are answered by galloping + binary search over feasibility, and the plan that reaches
+the answer comes from a full :func:`planner.search.search` at that point.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from cost_models.errors import CostModelError
+from cost_models.memory import MemoryAssumptions, memory_core
+from cost_models.model_spec import ModelSpec
+from cost_models.topology import Topology
+from cost_models.train_spec import TrainSpec
+from cost_models.units import MAX_SEQ_LEN
+
+from .errors import PlannerError
+from .search import PlanSettings, RankedPlan, SearchResult, _Searcher, search
+from .space import enumerate_layouts
+
+#: Largest cluster the GPU-count search considers.
+MAX_GPUS = 1 << 16
+#: Sequence lengths are searched in steps of at least this many tokens.
+SEQ_GRANULE = 1024
+
+TopologyFactory = Callable[[int], Topology]
+
+
+class FeasibilityProbe(BaseModel):
+    """The nearest miss of a feasibility check: the layout that came closest, and by how much."""
+
+    model_config = ConfigDict(frozen=True)
+
+    fits: bool
+    layout: dict[str, int] | None = None
+    options: dict[str, Any] | None = None
+    total_bytes: float | None = None
+    usable_bytes: float | None = None
+    host_bytes: float | None = None
+    host_capacity_bytes: float | None = None
+
+    @property
+    def shortfall_bytes(self) -> float:
+        if self.fits or self.total_bytes is None:
+            return 0.0
+        return max(self.total_bytes - self.usable_bytes, (self.host_bytes or 0) - (self.host_capacity_bytes or 0))
+
+
+def probe_feasibility(model: ModelSpec, base: TrainSpec, topology: Topology, settings: PlanSettings,
+                      assumptions: MemoryAssumptions | None = None, world: int | None = None) -> FeasibilityProbe:
+    """Whether any layout fits with its most saving allowed options; if none, the nearest miss."""
+    world = world or topology.num_gpus
+    s = _Searcher(model, base, topology, settings, assumptions)
+    space = enumerate_layouts(world, model, base.seq_len, topology.gpus_per_node,
+                              tp_splits_sequence=base.tp_sequence_parallel)
+    nearest: FeasibilityProbe | None = None
+    for layout in space.layouts:
+        if any(getattr(layout, k) != v for k, v in settings.fixed_layout.items()):
+            continue
+        lattice = s.lattice(layout)
+        options = lattice.values(s.most_saving_valid(lattice))
+        core = memory_core(model, s.train_for(layout, options), layout, s.assumptions)
+        probe = FeasibilityProbe(fits=s.fits(core), layout=layout.degrees(), options=options,
+                                 total_bytes=core.total, usable_bytes=s.usable, host_bytes=core.host_total,
+                                 host_capacity_bytes=s.host_capacity)
+        if probe.fits:
+            return probe
+        if nearest is None or probe.shortfall_bytes < nearest.shortfall_bytes:
+            nearest = probe
+    return nearest or FeasibilityProbe(fits=False)
+
+
+def seq_granule(world: int) -> int:
+    """Step for sequence lengths: every layout of ``world`` GPUs can split a multiple of it
+    (2 x world covers ulysses x ring x tp x 2 for zigzag)."""
+    step = 2 * world
+    return step * math.ceil(SEQ_GRANULE / step) if step < SEQ_GRANULE else step
+
+
+class MaxSeqAnswer(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    max_seq_len: int
+    plan: RankedPlan | None
+    granule: int
+
+
+def max_seq_len(model: ModelSpec, base: TrainSpec, topology: Topology, settings: PlanSettings,
+                assumptions: MemoryAssumptions | None = None) -> MaxSeqAnswer:
+    """Longest sequence (a multiple of :func:`seq_granule`) for which some plan fits on ``topology``."""
+    world = topology.num_gpus
+    step = seq_granule(world)
+
+    def feasible(n_steps: int) -> bool:
+        train = base.model_copy(update={"seq_len": n_steps * step})
+        return probe_feasibility(model, train, topology, settings, assumptions).fits
+
+    if not feasible(1):
+        raise PlannerError(
+            f"{model.name} does not fit on {world} x {topology.gpu.name} even at {step} tokens; "
+            "use more GPUs (see `sp-plan capacity --seq-len ...`) or allow offloading"
+        )
+    lo, hi = 1, 2
+    limit = MAX_SEQ_LEN // step
+    while hi <= limit and feasible(hi):
+        lo, hi = hi, min(hi * 2, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if feasible(mid) else (lo, mid)
+    best_len = lo * step
+    result = search(model, base.model_copy(update={"seq_len": best_len}), topology,
+                    settings.model_copy(update={"top_k": 1}), assumptions)
+    return MaxSeqAnswer(max_seq_len=best_len, plan=result.plans[0] if result.plans else None, granule=step)
+
+
+def candidate_gpu_counts(gpus_per_node: int, max_gpus: int) -> list[int]:
+    """Cluster sizes worth asking about: divisors of a node, then whole nodes."""
+    small = [g for g in range(1, gpus_per_node) if gpus_per_node % g == 0]
+    return small + list(range(gpus_per_node, max_gpus + 1, gpus_per_node))
+
+
+class MinGpusAnswer(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    min_gpus: int
+    plan: RankedPlan | None
+
+
+def min_gpus(model: ModelSpec, base: TrainSpec, topology_for: TopologyFactory, gpus_per_node: int,
+             settings: PlanSettings, assumptions: MemoryAssumptions | None = None,
+             max_gpus: int = MAX_GPUS) -> MinGpusAnswer:
+    """Fewest GPUs (whole nodes beyond one node) on which some plan fits ``base``."""
+    counts = candidate_gpu_counts(gpus_per_node, max_gpus)
+
+    def feasible(i: int) -> bool:
+        world = counts[i]
+        try:
+            topology = topology_for(world)
+        except CostModelError:
+            return False
+        return probe_feasibility(model, base, topology, settings, assumptions).fits
+
+    # Gallop over the candidate list, then bisect.
+    hi = 0
+    while hi < len(counts) and not feasible(hi):
+        hi = hi * 2 + 1
+    if hi >= len(counts):
+        if not feasible(len(counts) - 1):
+            raise PlannerError(
+                f"{model.name} at {base.seq_len:,} tokens does not fit on up to {max_gpus} x "
+                f"{topology_for(gpus_per_node).gpu.name}; shorten the sequence or allow more memory options"
+            )
+        hi = len(counts) - 1
+    lo = (hi - 1) // 2 if hi > 0 else -1  # last index known (or assumed) infeasible
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
+    world = counts[hi]
+    result = search(model, base, topology_for(world), settings.model_copy(update={"top_k": 1}), assumptions)
+    return MinGpusAnswer(min_gpus=world, plan=result.plans[0] if result.plans else None)
+
+
+class SweepPoint(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    gpus: int
+    seq_len: int
+    plan: RankedPlan | None
+    nearest: FeasibilityProbe | None = None
+
+
+def sweep(model: ModelSpec, base: TrainSpec, topology_for: TopologyFactory, points: list[tuple[int, int]],
+          settings: PlanSettings, assumptions: MemoryAssumptions | None = None) -> list[SweepPoint]:
+    """The best plan at each (gpus, seq_len) point, or the nearest miss where none fits."""
+    out = []
+    for gpus, seq in points:
+        train = base.model_copy(update={"seq_len": seq})
+        topology = topology_for(gpus)
+        try:
+            result: SearchResult = search(model, train, topology, settings.model_copy(update={"top_k": 1}),
+                                          assumptions)
+        except PlannerError:
+            result = None
+        if result is not None and result.plans:
+            out.append(SweepPoint(gpus=gpus, seq_len=seq, plan=result.plans[0]))
+        else:
+            out.append(SweepPoint(gpus=gpus, seq_len=seq, plan=None,
+                                  nearest=probe_feasibility(model, train, topology, settings, assumptions)))
+    return out
+

@@ -1,0 +1,180 @@
+"""``sp-plan capacity``: the longest trainable sequence, the fewest GPUs, and sweeps."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from cost_models.errors import CostModelError
+from cost_models.units import GB, format_tokens, parse_seq_len
+
+from ..capacity import MAX_GPUS, SweepPoint, max_seq_len, min_gpus, sweep
+from ..errors import PlannerError
+from ..report import describe_options
+from .common import build_model, build_topology, build_train, hardware_options_optional_gpus, layout_options, \
+    model_options_optional_seq
+from .plan import planning_options, settings_from
+
+
+def parse_sweep(text: str) -> tuple[str, list[int]]:
+    """``gpus=8,16,32`` or ``seq=128K,256K,1M``."""
+    key, _, values = text.partition("=")
+    key = key.strip().lower().replace("-", "_")
+    if key not in ("gpus", "seq", "seq_len") or not values:
+        raise PlannerError(f"cannot read --sweep {text!r}: use gpus=8,16,32 or seq=128K,256K,1M")
+    try:
+        if key == "gpus":
+            points = [int(v) for v in values.split(",")]
+            if any(p < 1 or p > MAX_GPUS for p in points):
+                raise ValueError
+        else:
+            points = [parse_seq_len(v.strip()) for v in values.split(",")]
+    except (ValueError, CostModelError) as exc:
+        raise PlannerError(f"cannot read the values of --sweep {text!r}: {exc or 'expected positive integers'}") from exc
+    return ("gpus" if key == "gpus" else "seq"), points
+
+
+def _plan_json(plan) -> dict[str, Any] | None:
+    return plan.to_json_dict() if plan is not None else None
+
+
+@click.command("capacity")
+@model_options_optional_seq
+@hardware_options_optional_gpus
+@layout_options
+@planning_options
+@click.option("--max-gpus", type=click.IntRange(1, MAX_GPUS), default=MAX_GPUS, show_default=True,
+              help="Upper bound for the fewest-GPUs search.")
+@click.option("--sweep", "sweep_spec", default=None, help="gpus=8,16,32 (needs --seq-len) or seq=128K,1M (needs --gpus).")
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False), default=None,
+              help="With --sweep: draw memory breakdown bars and tokens/s to this PNG (needs matplotlib).")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node: int | None, gpu_name: str,
+            topology_ref: str | None, max_gpus: int, sweep_spec: str | None, plot_file: str | None, as_json: bool,
+            **options: Any) -> None:
+    """What-if capacity questions.
+
+    Without --seq-len: the longest sequence --gpus can train (and the plan that reaches it).
+    With --seq-len: the fewest GPUs that can train it. --sweep prints the best plan at each point.
+    """
+    settings, train_kwargs, _ = settings_from(ctx, options, top=1)
+    model = build_model(model_name)
+    seq_len = train_kwargs.pop("seq_len", None)
+    per_node = gpus_per_node
+
+    def topology_for(n: int):
+        return build_topology(n, per_node, gpu_name, topology_ref)
+
+    if plot_file and not sweep_spec:
+        raise PlannerError("--plot draws a sweep: add --sweep gpus=... or --sweep seq=...")
+    if sweep_spec:
+        key, values = parse_sweep(sweep_spec)
+        if key == "gpus":
+            if seq_len is None:
+                raise PlannerError("--sweep gpus=... needs --seq-len")
+            points = [(g, seq_len) for g in values]
+        else:
+            if gpus is None:
+                raise PlannerError("--sweep seq=... needs --gpus")
+            points = [(gpus, s) for s in values]
+        base = build_train(seq_len=points[0][1], **train_kwargs)
+        results = sweep(model, base, topology_for, points, settings)
+        if plot_file:
+            draw_sweep(results, key, plot_file, model.name)
+        if as_json:
+            click.echo(json.dumps({"sweep": [
+                {"gpus": p.gpus, "seq_len": p.seq_len, "plan": _plan_json(p.plan),
+                 "nearest": p.nearest.model_dump(exclude_none=True) if p.nearest else None} for p in results]},
+                indent=2))
+        else:
+            click.echo(render_sweep(results, base.mode))
+        if plot_file:
+            click.echo(f"wrote {plot_file}", err=True)
+        return
+    if seq_len is None:
+        if gpus is None:
+            raise PlannerError("give --gpus (for the longest sequence) or --seq-len (for the fewest GPUs)")
+        topology = topology_for(gpus)
+        base = build_train(seq_len=seq_granule_start(gpus), **train_kwargs)
+        answer = max_seq_len(model, base, topology, settings)
+        data = {"max_seq_len": answer.max_seq_len, "granule": answer.granule, "gpus": gpus,
+                "plan": _plan_json(answer.plan)}
+        text = (f"{model.name} on {gpus} x {topology.gpu.name}: longest sequence {answer.max_seq_len:,} tokens "
+                f"({format_tokens(answer.max_seq_len)}; searched in steps of {answer.granule:,})")
+        plan = answer.plan
+    else:
+        base = build_train(seq_len=seq_len, **train_kwargs)
+        if per_node is None:
+            per_node = topology_for(min(8, max_gpus)).gpus_per_node
+        answer = min_gpus(model, base, topology_for, per_node, settings, max_gpus=max_gpus)
+        data = {"min_gpus": answer.min_gpus, "seq_len": seq_len, "plan": _plan_json(answer.plan)}
+        text = f"{model.name} at {seq_len:,} tokens needs at least {answer.min_gpus} x {topology_for(answer.min_gpus).gpu.name}"
+        plan = answer.plan
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    click.echo(text)
+    if plan is not None:
+        t, m = plan.estimate.time, plan.estimate.memory
+        click.echo(f"  plan: {plan.layout.describe()} with {describe_options(plan.options, plan.train.mode)}; "
+                   f"{m.total / GB:.1f} GB per GPU, step {t.step_s:.2f} s, {t.tokens_per_s:,.0f} tokens/s, "
+                   f"MFU {t.mfu:.1%}")
+
+
+def seq_granule_start(gpus: int) -> int:
+    from ..capacity import seq_granule
+
+    return seq_granule(gpus)
+
+
+def render_sweep(points: list[SweepPoint], mode: str) -> str:
+    rows = [f"{'GPUs':>6} {'seq':>10}  {'layout':<32} {'options':<48} {'mem/GPU':>9} {'step':>10} {'tokens/s':>11} "
+            f"{'MFU':>6}"]
+    for p in points:
+        if p.plan is None:
+            short = p.nearest.shortfall_bytes / GB if p.nearest else float("nan")
+            rows.append(f"{p.gpus:>6} {format_tokens(p.seq_len):>10}  does not fit (closest is short by {short:.1f} GB)")
+            continue
+        t, m = p.plan.estimate.time, p.plan.estimate.memory
+        rows.append(f"{p.gpus:>6} {format_tokens(p.seq_len):>10}  {p.plan.layout.describe():<32} "
+                    f"{describe_options(p.plan.options, mode):<48} {m.total / GB:>6.1f} GB {t.step_s:>8.2f} s "
+                    f"{t.tokens_per_s:>11,.0f} {t.mfu:>6.1%}")
+    return "\n".join(rows)
+
+
+COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "kv_cache", "buffers", "overhead")
+
+
+def draw_sweep(points: list[SweepPoint], key: str, path: str, title: str) -> None:
+    """Stacked memory-breakdown bars per point and the tokens/s curve on a second axis."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise PlannerError("--plot needs matplotlib: pip install 'sp-plan[plot]'") from exc
+    labels = [str(p.gpus) if key == "gpus" else format_tokens(p.seq_len) for p in points]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(points) + 3), 4.5))
+    bottoms = [0.0] * len(points)
+    for comp in COMPONENTS:
+        heights = [getattr(p.plan.estimate.memory, comp) / GB if p.plan else 0.0 for p in points]
+        ax.bar(labels, heights, bottom=bottoms, label=comp)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    capacity = next((p.plan.estimate.memory.capacity / GB for p in points if p.plan), None)
+    if capacity:
+        ax.axhline(capacity, color="black", linestyle="--", linewidth=1, label="capacity")
+    ax.set_xlabel("GPUs" if key == "gpus" else "sequence length")
+    ax.set_ylabel("memory per GPU (GB)")
+    ax2 = ax.twinx()
+    ax2.plot(labels, [p.plan.estimate.time.tokens_per_s if p.plan else float("nan") for p in points],
+             color="black", marker="o", label="tokens/s")
+    ax2.set_ylabel("tokens/s (cluster)")
+    ax.legend(loc="upper left", fontsize=7, ncol=2)
+    ax.set_title(f"{title}: best plan per point")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

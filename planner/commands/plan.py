@@ -1,0 +1,175 @@
+"""``sp-plan plan``: search every layout and memory option, recommend the fastest that fits."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+from pydantic import ValidationError
+
+from cost_models.errors import explain_validation_error
+
+from ..capacity import probe_feasibility
+from ..errors import PlannerError
+from ..plan import plan_from_ranked
+from ..report import explain_rejections, explain_winner, family_champions, headline, render_table, compare
+from ..search import DEFAULT_GLOBAL_BATCH_TOKENS, PlanSettings, SearchResult, search
+from .common import (
+    LAYOUT_KEYS,
+    SEARCHABLE_OPTIONS,
+    build_model,
+    build_topology,
+    build_train,
+    hardware_options,
+    layout_options,
+    model_options,
+    pinned,
+    split_options,
+)
+
+
+def planning_options(func):
+    """Flags shared by plan and capacity: --top, --headroom, --global-batch-tokens."""
+    for option in reversed([
+        click.option("--headroom", type=click.FloatRange(0.0, 0.9, max_open=True), default=0.03, show_default=True,
+                     help="Fraction of GPU memory kept free beyond the modelled overheads."),
+        click.option("--global-batch-tokens", type=click.IntRange(1, 1 << 40), default=DEFAULT_GLOBAL_BATCH_TOKENS,
+                     show_default=True, help="Tokens per optimizer step every layout is compared at."),
+    ]):
+        func = option(func)
+    return func
+
+
+def settings_from(ctx: click.Context, options: dict[str, Any], top: int = 5) -> tuple[PlanSettings, dict, dict]:
+    """PlanSettings from the command line: explicit layout degrees and memory options are pinned."""
+    if "grad_accum" in pinned(ctx, ("grad_accum",)):
+        raise PlannerError("plan derives gradient accumulation from --global-batch-tokens; drop --grad-accum")
+    fixed_layout = {k: v for k, v in pinned(ctx, LAYOUT_KEYS).items() if v is not None}
+    fixed_options = pinned(ctx, SEARCHABLE_OPTIONS)
+    micro_fixed = "micro_batch" in pinned(ctx, ("micro_batch",))
+    try:
+        settings = PlanSettings(top_k=top, headroom=options["headroom"],
+                                global_batch_tokens=options["global_batch_tokens"], fixed_layout=fixed_layout,
+                                fixed_options=fixed_options, micro_batch_fixed=micro_fixed)
+    except ValidationError as exc:
+        raise explain_validation_error(exc, "planner settings") from exc
+    train_kwargs, _ = split_options(options)
+    return settings, train_kwargs, fixed_layout
+
+
+def result_json(result: SearchResult, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    data = {
+        "plans": [p.to_json_dict() for p in result.plans],
+        "rejected": [r.model_dump(exclude_none=True) for r in result.rejected],
+        "stats": result.stats.model_dump(),
+        "global_batch_sequences": result.global_batch_sequences,
+    }
+    data.update(extra or {})
+    return data
+
+
+@click.command("plan")
+@model_options
+@hardware_options
+@layout_options
+@planning_options
+@click.option("--top", type=click.IntRange(1, 100), default=5, show_default=True, help="How many plans to show.")
+@click.option("--explain", is_flag=True, help="Also explain why the main alternatives lost or were rejected.")
+@click.option("--json", "as_json", is_flag=True, help="Print plans and rejections as JSON.")
+@click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None,
+              help="Write the winning plan to this YAML file (for the runtime and `sp-plan export`).")
+@click.pass_context
+def command(ctx: click.Context, model_name: str, gpus: int, gpus_per_node: int | None, gpu_name: str,
+            topology_ref: str | None, top: int, explain: bool, as_json: bool, out_file: str | None,
+            **options: Any) -> None:
+    """Recommend the fastest layout and memory options that fit.
+
+    Layout degrees (--tp, --ulysses, ...) and memory options (--zero, --checkpointing, --tiled-mlp, ...)
+    given on the command line are pinned; everything else is searched.
+    """
+    settings, train_kwargs, _ = settings_from(ctx, options, top)
+    model = build_model(model_name)
+    train = build_train(**train_kwargs)
+    topology = build_topology(gpus, gpus_per_node, gpu_name, topology_ref)
+    result = search(model, train, topology, settings, world=gpus)
+    if not result.plans:
+        report = no_fit_report(model, train, topology, settings, result, gpus)
+        if as_json:
+            click.echo(json.dumps(result_json(result, {"nearest": report["nearest"],
+                                                       "suggestions": report["suggestions"]}), indent=2))
+        else:
+            click.echo(headline(model, train, topology, gpus, result))
+            click.echo("\n".join(report["lines"]))
+        ctx.exit(1)
+    explanation = explain_winner(result, model)
+    if out_file:
+        plan_from_ranked(result.plans[0], model, topology, gpus, explanation).save(out_file)
+    if as_json:
+        click.echo(json.dumps(result_json(result), indent=2))
+    else:
+        lines = [headline(model, train, topology, gpus, result), *render_table(result.plans, train.mode), "",
+                 *explanation]
+        if explain:
+            lines += ["", *explain_alternatives(model, train, topology, settings, result, gpus)]
+        s = result.stats
+        lines.append(
+            f"searched {s.layouts} layouts ({s.structural_rejections} structurally invalid combinations skipped, "
+            f"{s.memory_evaluations} memory / {s.time_evaluations} time evaluations, {s.pruned_by_bound} pruned "
+            f"by bound) in {s.seconds:.2f} s")
+        click.echo("\n".join(lines))
+    if out_file:
+        click.echo(f"wrote plan to {out_file}", err=True)
+
+
+def explain_alternatives(model, train, topology, settings: PlanSettings, result: SearchResult, world: int) -> list[str]:
+    """Why the main alternatives lost: each other family's best layout is planned on its own and compared
+    with the winner; then the grouped rejection reasons."""
+    lines = ["Alternatives:"]
+    best = result.plans[0]
+    for fam, layout in sorted(family_champions(result).items()):
+        fixed = settings.model_copy(update={"fixed_layout": layout, "top_k": 1})
+        alt = search(model, train, topology, fixed, world=world)
+        if alt.plans:
+            first, *rest = compare(best, alt.plans[0])
+            lines += [f"  best {fam} plan: {first}", *rest]
+    lines += explain_rejections(result)
+    return lines
+
+
+def no_fit_report(model, train, topology, settings: PlanSettings, result: SearchResult, world: int) -> dict:
+    """What came closest and what would make the run fit: more GPUs, memory options, a shorter sequence."""
+    from ..capacity import max_seq_len, min_gpus
+    from cost_models.topology import load_topology
+
+    nearest = probe_feasibility(model, train, topology, settings, world=world)
+    lines = ["No plan fits."]
+    if nearest.layout:
+        lines.append(
+            f"  closest: {' x '.join(f'{k}={v}' for k, v in nearest.layout.items() if v > 1) or 'single GPU'} needs "
+            f"{nearest.total_bytes / 1e9:.1f} GB per GPU (usable {nearest.usable_bytes / 1e9:.1f} GB), short by "
+            f"{nearest.shortfall_bytes / 1e9:.1f} GB, with every allowed memory option on")
+    suggestions: list[str] = []
+    if settings.fixed_options or settings.fixed_layout:
+        free = settings.model_copy(update={"fixed_options": {}, "fixed_layout": {}})
+        if probe_feasibility(model, train, topology, free, world=world).fits:
+            pins = ", ".join(f"{k}={v}" for k, v in {**settings.fixed_layout, **settings.fixed_options}.items())
+            suggestions.append(f"drop the pinned choices ({pins}): the planner finds a fitting plan without them")
+    try:
+        answer = min_gpus(model, train, lambda n: load_topology(topology.name, n, topology.gpus_per_node)
+                          if topology.name else topology, topology.gpus_per_node, settings)
+        suggestions.append(f"use at least {answer.min_gpus} GPUs" + (
+            f" ({answer.plan.layout.describe()})" if answer.plan else ""))
+    except Exception as exc:  # noqa: BLE001 - advice is best effort; the error text is the advice
+        suggestions.append(str(exc))
+    try:
+        seq = max_seq_len(model, train, topology, settings)
+        suggestions.append(f"or shorten the sequence to at most {seq.max_seq_len:,} tokens on these {world} GPUs")
+    except PlannerError as exc:
+        suggestions.append(str(exc))
+    if train.is_training and not settings.fixed_options:
+        suggestions.append("every memory option (ZeRO-3, full checkpointing, checkpoint/optimizer/parameter offload, "
+                           "tiled MLP and loss) was already considered")
+    lines += [f"  suggestion: {s}" for s in suggestions]
+    return {"lines": lines, "suggestions": suggestions,
+            "nearest": nearest.model_dump(exclude_none=True)}

@@ -1,0 +1,184 @@
+"""Human-readable planner output: the plan table, why the winner won, why alternatives lost, and what
+would make an infeasible run fit. Every sentence is built from the estimates' numbers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from cost_models.layout import Layout
+from cost_models.model_spec import ModelSpec
+from cost_models.topology import Topology
+from cost_models.train_spec import TrainSpec
+from cost_models.units import GB, format_tokens
+
+from .search import RankedPlan, Rejection, SearchResult
+
+STRATEGIES = ("tp", "ulysses", "ring", "fsdp", "dp")
+
+
+def family(layout: Layout | dict[str, int]) -> str:
+    """The kind of model/sequence parallelism a layout uses (data parallelism aside)."""
+    degrees = layout.degrees() if isinstance(layout, Layout) else layout
+    parts = [name for name in ("tp", "ulysses", "ring") if degrees.get(name, 1) > 1]
+    if parts == ["ulysses", "ring"] or parts == ["ring", "ulysses"]:
+        return "ulysses x ring (USP)"
+    return " x ".join(parts) or "data parallel only"
+
+
+def describe_options(options: dict[str, Any], mode: str) -> str:
+    parts = [f"ZeRO-{options['zero_stage']}"] if "zero_stage" in options else []
+    if mode == "train":
+        parts.append(f"{options.get('checkpointing', 'none')} ckpt")
+    for key, label in (("offload_checkpoints", "offload ckpt"), ("tiled_mlp", "tiled MLP"),
+                       ("tiled_loss", "tiled loss"), ("offload_optimizer", "offload optim"),
+                       ("offload_params", "offload params")):
+        if options.get(key):
+            parts.append(label)
+    if mode == "train":
+        parts.append(f"mb {options.get('micro_batch', 1)} x GA {options.get('grad_accum', 1)}")
+    return ", ".join(parts)
+
+
+def headline(model: ModelSpec, train: TrainSpec, topology: Topology, world: int, result: SearchResult) -> str:
+    nodes = max(1, -(-world // topology.gpus_per_node))
+    batch = ""
+    if train.is_training:
+        batch = (f" | global batch {result.global_batch_sequences} x {format_tokens(train.seq_len)} tokens "
+                 f"(per layout rounded up to whole sequences per data-parallel rank)")
+    return (f"{model.name} | {train.mode} | {format_tokens(train.seq_len)} tokens | {train.dtype} | {world} x "
+            f"{topology.gpu.name} ({topology.name}, {nodes} node{'s' if nodes > 1 else ''}){batch}")
+
+
+def render_table(plans: Iterable[RankedPlan], mode: str) -> list[str]:
+    rows = [f"{'#':>2}  {'layout':<34} {'options':<52} {'mem/GPU':>9} {'step':>10} {'tokens/s':>11} "
+            f"{'MFU':>6} {'exposed comm':>13}"]
+    for p in plans:
+        t, m = p.estimate.time, p.estimate.memory
+        rows.append(
+            f"{p.rank:>2}  {p.layout.describe():<34} {describe_options(p.options, mode):<52} "
+            f"{m.total / GB:>6.1f} GB {t.step_s:>8.2f} s {t.tokens_per_s:>11,.0f} {t.mfu:>6.1%} "
+            f"{t.exposed_comm_s:>11.3f} s"
+        )
+    return rows
+
+
+def _placement_text(plan: RankedPlan) -> str:
+    placement = plan.estimate.placement
+    if placement is None:
+        return ""
+    parts = []
+    for dim in ("tp", "ulysses", "ring", "dp_shard", "dp_replicate"):
+        group = placement.groups.get(dim)
+        if group is None or group.size <= 1:
+            continue
+        where = f"{group.link_class}" + (f", spans {group.nodes_spanned} nodes" if group.nodes_spanned > 1 else
+                                         ", inside one node")
+        parts.append(f"{dim} x{group.size} on {where}")
+    return "; ".join(parts)
+
+
+def _exposed(plan: RankedPlan) -> dict[str, float]:
+    return plan.estimate.time.exposed_comm_s_by_strategy
+
+
+def _layer_bytes(plan: RankedPlan, strategy: str, phase: str = "forward") -> float:
+    entry = plan.estimate.comm.per_layer_bytes.get(strategy)
+    return float(getattr(entry, phase, 0.0) or 0.0) if entry is not None else 0.0
+
+
+def compare(winner: RankedPlan, other: RankedPlan, indent: str = "    ") -> list[str]:
+    """What separates two plans, one aligned line each: per-layer traffic by strategy, exposed
+    communication per step, compute, memory options."""
+    slower = other.score / winner.score - 1
+    width = max(len(winner.layout.describe()), len(other.layout.describe()))
+    lines = [f"{other.layout.describe()} is {slower:+.2%} slower:"]
+    for plan in (winner, other):
+        traffic = ", ".join(
+            f"{s} {_layer_bytes(plan, s) / GB:.2f} GB" for s in ("tp", "ulysses", "ring") if _layer_bytes(plan, s) > 0)
+        exposed = ", ".join(f"{s} {v:.3f}" for s, v in sorted(_exposed(plan).items(), key=lambda kv: -kv[1])
+                            if v > 1e-4)
+        t = plan.estimate.time
+        lines.append(
+            f"{indent}{plan.layout.describe():<{width}} | per layer (fwd): {traffic or 'no SP/TP traffic'} | exposed "
+            f"comm {t.exposed_comm_s:.3f} s/step" + (f" ({exposed})" if exposed else "")
+            + f" | compute {t.compute_s:.2f} s | {describe_options(plan.options, plan.train.mode)}")
+    return lines
+
+
+def explain_winner(result: SearchResult, model: ModelSpec) -> list[str]:
+    best = result.plans[0]
+    est, t, m = best.estimate, best.estimate.time, best.estimate.memory
+    lines = [f"Recommended: {best.layout.describe()} with {describe_options(best.options, best.train.mode)}."]
+    lines.append(
+        f"  step {t.step_s:.3f} s = compute {t.compute_s:.3f} s + exposed communication {t.exposed_comm_s:.3f} s"
+        f" + optimizer {t.optimizer_s:.3f} s + offload {t.offload_s:.3f} s; {t.tokens_per_s:,.0f} tokens/s, "
+        f"MFU {t.mfu:.1%}")
+    lines.append(
+        f"  memory {m.total / GB:.1f} GB per GPU of {m.capacity / GB:.1f} GB (usable {result.usable_bytes / GB:.1f} GB "
+        f"after headroom), peak in {est.detail.peak_phase}"
+        + (f"; host {est.host_memory.total / GB:.1f} GB per GPU" if est.host_memory.total else ""))
+    placement = _placement_text(best)
+    if placement:
+        lines.append(f"  placement: {placement}")
+    rep = model.kv_replication(best.layout.head_split)
+    if rep > 1:
+        lines.append(f"  KV heads replicated x{rep}: {model.num_kv_heads} KV heads < tp x ulysses = "
+                     f"{best.layout.head_split}; each rank holds a copy of its KV head")
+    other = next((p for p in result.plans[1:] if family(p.layout) != family(best.layout)), None)
+    if other is not None:
+        first, *rest = compare(best, other)
+        lines += [f"  vs the best {family(other.layout)} plan: {first}", *rest]
+    return lines
+
+
+def explain_rejections(result: SearchResult, limit: int = 12) -> list[str]:
+    """Grouped reasons the other layouts lost or were never viable."""
+    lines: list[str] = []
+    by_kind: dict[str, list[Rejection]] = {}
+    for r in result.rejected:
+        by_kind.setdefault(r.kind, []).append(r)
+    titles = {
+        "slower": "fit but ranked lower",
+        "bound": "pruned: cannot beat the plans shown",
+        "memory": "out of memory even with every allowed memory option",
+        "structure": "invalid for this model / sequence / machine",
+    }
+    for kind in ("slower", "bound", "memory", "structure"):
+        items = by_kind.get(kind, [])
+        if not items:
+            continue
+        lines.append(f"{titles[kind]} ({len(items)}):")
+        if kind == "memory":
+            items = sorted(items, key=lambda r: r.shortfall_bytes or 0.0)
+        elif kind in ("slower", "bound"):
+            items = sorted(items, key=lambda r: r.score if r.score is not None else float("inf"))
+        seen_families: set[str] = set()
+        shown = 0
+        for r in items:
+            fam = family(r.layout) if kind != "structure" else r.describe_layout()
+            if fam in seen_families and kind != "structure":
+                continue
+            seen_families.add(fam)
+            lines.append(f"  {r.describe_layout():<36} {r.reason}")
+            shown += 1
+            if shown >= limit:
+                break
+        if len(items) > shown:
+            lines.append(f"  ... and {len(items) - shown} more (see --json)")
+    return lines
+
+
+def family_champions(result: SearchResult) -> dict[str, dict[str, int]]:
+    """Best-scoring layout of each family that is not among the plans shown (for --explain)."""
+    shown = {family(p.layout) for p in result.plans}
+    champions: dict[str, tuple[float, dict[str, int]]] = {}
+    for r in result.rejected:
+        if r.kind not in ("slower", "bound") or r.score is None:
+            continue
+        fam = family(r.layout)
+        if fam in shown:
+            continue
+        if fam not in champions or r.score < champions[fam][0]:
+            champions[fam] = (r.score, r.layout)
+    return {fam: layout for fam, (_, layout) in champions.items()}
