@@ -65,16 +65,21 @@ def probe_feasibility(model: ModelSpec, base: TrainSpec, topology: Topology, set
     for layout in space.layouts:
         if any(getattr(layout, k) != v for k, v in settings.fixed_layout.items()):
             continue
-        lattice = s.lattice(layout)
-        options = lattice.values(s.most_saving_valid(lattice))
-        core = memory_core(model, s.train_for(layout, options), layout, s.assumptions)
-        probe = FeasibilityProbe(fits=s.fits(core), layout=layout.degrees(), options=options,
-                                 total_bytes=core.total, usable_bytes=s.usable, host_bytes=core.host_total,
-                                 host_capacity_bytes=s.host_capacity)
-        if probe.fits:
-            return probe
-        if nearest is None or probe.shortfall_bytes < nearest.shortfall_bytes:
-            nearest = probe
+        for lattice in s.lattices(layout):
+            options = lattice.values(s.most_saving_valid(lattice))
+            core = memory_core(model, s.train_for(layout, options), layout, s.assumptions)
+            fits = s.fits(core)
+            if s.device_fits(core) and not fits:
+                # Offloading everything overflows the host: a combination with less offload may fit both.
+                start = s.timed(layout, s.floor(layout, lattice, s.most_saving_valid(lattice)), lattice)
+                fits = s.best_for(layout, lattice, start, math.inf) is not None
+            probe = FeasibilityProbe(fits=fits, layout=layout.degrees(), options=options,
+                                     total_bytes=core.total, usable_bytes=s.usable, host_bytes=core.host_total,
+                                     host_capacity_bytes=s.host_capacity)
+            if probe.fits:
+                return probe
+            if nearest is None or probe.shortfall_bytes < nearest.shortfall_bytes:
+                nearest = probe
     return nearest or FeasibilityProbe(fits=False)
 
 

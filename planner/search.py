@@ -33,7 +33,7 @@ from cost_models.topology import Topology
 from cost_models.train_spec import TrainSpec
 
 from .errors import PlannerError
-from .options import Combo, OptionLattice, build_lattice, invalid_reason, moving_parts
+from .options import Axis, Combo, OptionLattice, build_lattice, invalid_reason, moving_parts
 from .space import LayoutSpace, StructuralRejection, enumerate_layouts
 
 #: Default tokens per optimizer step (Llama 3 pre-training used 4M-16M tokens per batch).
@@ -170,6 +170,21 @@ class _Searcher:
         return build_lattice(self.base, self.settings.fixed_options, self.sequences_per_rank(layout),
                              self.settings.micro_batch_fixed)
 
+    def lattices(self, layout: Layout) -> list[OptionLattice]:
+        """One lattice per ZeRO stage to try (the stage is a branch, not a lattice axis).
+
+        ZeRO is the one option that is not monotone in time: ZeRO-2's once-per-step parameter
+        all-gather is exposed while ZeRO-3's re-gathers hide behind compute, so either can be faster;
+        and with a shard group of one it changes nothing but buffers. Searching each stage as its own
+        branch keeps the lattice's monotone properties exact.
+        """
+        full = self.lattice(layout)
+        k = full.index("zero_stage")
+        stages = full.axes[k].values
+        if layout.shard_group == 1 and "zero_stage" not in self.settings.fixed_options:
+            stages = stages[:1]  # nothing to shard: the lowest stage is the same run without gathers
+        return [OptionLattice(full.axes[:k] + (Axis("zero_stage", (z,)),) + full.axes[k + 1:]) for z in stages]
+
     def train_for(self, layout: Layout, options: dict[str, Any]) -> TrainSpec:
         update = dict(options)
         if self.base.is_training:
@@ -181,7 +196,14 @@ class _Searcher:
         self.memory_evals += 1
         return memory_core(self.model, train, layout, self.assumptions)
 
+    def device_fits(self, core: MemoryCore) -> bool:
+        """Device memory within capacity minus headroom. Monotone: never lost by moving up the lattice,
+        which is what the floors and closures rely on."""
+        return core.total <= self.usable
+
     def fits(self, core: MemoryCore) -> bool:
+        """Device memory and offloaded host memory both fit (host use only grows with offloading, so
+        this is not monotone; the search prunes on :meth:`device_fits` and filters on this)."""
         return core.total <= self.usable and core.host_total <= self.host_capacity
 
     def score(self, layout: Layout, options: dict[str, Any], t: TimeEstimate) -> float:
@@ -229,7 +251,7 @@ class _Searcher:
                 probe = lattice.repair_down(top[:k] + (v,) + top[k + 1:], keep=k)
                 if invalid_reason(lattice.values(probe)):
                     continue
-                if self.fits(self.memory(layout, self.train_for(layout, lattice.values(probe)))):
+                if self.device_fits(self.memory(layout, self.train_for(layout, lattice.values(probe)))):
                     chosen = v
                     break
             start.append(chosen)
@@ -239,8 +261,10 @@ class _Searcher:
         """Best-first walk from the lattice bottom: the first fitting combination popped is optimal.
 
         Returns None once every remaining combination scores worse than ``bound`` (the K-th best plan
-        so far): nothing this layout can still offer would make the top K.
+        so far): nothing this layout can still offer would make the top K. Sets ``self.exhausted`` when
+        the walk ran out of combinations instead (none fits device and host memory together).
         """
+        self.exhausted = False
         tiebreak = itertools.count()
         queue: list[tuple[float, int, _Scored]] = [(start.score, next(tiebreak), start)]
         seen = {start.combo}
@@ -268,10 +292,11 @@ class _Searcher:
             closure = lattice.cheap_closure(item.combo)
             if closure not in closure_fits:
                 train = self.train_for(layout, lattice.values(closure))
-                closure_fits[closure] = self.fits(self.memory(layout, train))
+                closure_fits[closure] = self.device_fits(self.memory(layout, train))
             successors = lattice.successors if closure_fits[closure] else lattice.expensive_successors
             for nxt in successors(item.combo):
                 push(nxt)
+        self.exhausted = True
         return None
 
 
@@ -300,42 +325,54 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
     if not layouts:
         raise PlannerError(_no_layout_message(world, settings.fixed_layout, space, model, base))
 
-    # Bound every layout by its floor (see _Searcher.floor), then visit best-first (branch and bound).
+    # Bound every (layout, ZeRO stage) branch by its floor (see _Searcher.floor), then visit the
+    # branches best-first (branch and bound); a layout's result is its best branch.
     bounded: list[tuple[float, int, Layout, OptionLattice, _Scored]] = []
+    nearest_miss: dict[Layout, Rejection] = {}
     for i, layout in enumerate(layouts):
-        lattice = s.lattice(layout)
-        top = s.most_saving_valid(lattice)
-        top_core = s.memory(layout, s.train_for(layout, lattice.values(top)))
-        if not s.fits(top_core):
-            rejected.append(_memory_rejection(layout, lattice.values(top), top_core, s))
-            continue
-        start = s.timed(layout, s.floor(layout, lattice, top), lattice)
-        bounded.append((start.score, i, layout, lattice, start))
+        for lattice in s.lattices(layout):
+            top = s.most_saving_valid(lattice)
+            top_core = s.memory(layout, s.train_for(layout, lattice.values(top)))
+            if not s.device_fits(top_core):
+                miss = _memory_rejection(layout, lattice.values(top), top_core, s)
+                if layout not in nearest_miss or miss.shortfall_bytes < nearest_miss[layout].shortfall_bytes:
+                    nearest_miss[layout] = miss
+                continue
+            start = s.timed(layout, s.floor(layout, lattice, top), lattice)
+            bounded.append((start.score, i, layout, lattice, start))
     bounded.sort(key=lambda item: (item[0], item[1]))
+    viable = {layout for _, _, layout, _, _ in bounded}
+    rejected += [miss for layout, miss in nearest_miss.items() if layout not in viable]
 
-    found: list[tuple[float, Layout, _Scored]] = []
+    best_of: dict[Layout, tuple[float, _Scored]] = {}
     kth_best = math.inf
-    pruned = 0
+    pruned_reason: dict[Layout, Rejection] = {}
     for bound, _, layout, lattice, start in bounded:
-        if len(found) >= settings.top_k and bound > kth_best:
-            pruned += 1
-            rejected.append(Rejection(
+        if len(best_of) >= settings.top_k and bound > kth_best:
+            pruned_reason.setdefault(layout, Rejection(
                 layout=layout.degrees(), kind="bound", score=bound,
                 reason=f"not evaluated: even its fastest fitting options could reach only {_per_token(bound)}, "
                        f"slower than the top {settings.top_k} plans (slowest {_per_token(kth_best)})"))
             continue
-        best = s.best_for(layout, lattice, start, kth_best)
-        if best is None:  # every fitting option set is slower than the top K
-            pruned += 1
-            rejected.append(Rejection(
+        limit = min(kth_best, best_of[layout][0]) if layout in best_of else kth_best
+        best = s.best_for(layout, lattice, start, limit)
+        if best is None and s.exhausted:  # device memory fits somewhere, but never with the host RAM too
+            miss = _memory_rejection(layout, lattice.values(lattice.top), start.report, s, host_bound=True)
+            pruned_reason.setdefault(layout, miss)
+            continue
+        if best is None:  # every fitting option set is slower than the top K (or this layout's best)
+            pruned_reason.setdefault(layout, Rejection(
                 layout=layout.degrees(), kind="bound",
                 reason=f"fits only with options slower than the top {settings.top_k} plans "
                        f"(slowest {_per_token(kth_best)})"))
             continue
-        found.append((best.score, layout, best))
-        found.sort(key=lambda item: item[0])
-        if len(found) >= settings.top_k:
-            kth_best = found[settings.top_k - 1][0]
+        best_of[layout] = (best.score, best)
+        if len(best_of) >= settings.top_k:
+            kth_best = sorted(score for score, _ in best_of.values())[settings.top_k - 1]
+    pruned = sum(1 for layout, r in pruned_reason.items() if layout not in best_of and r.kind == "bound")
+    rejected += [r for layout, r in pruned_reason.items() if layout not in best_of]
+    found = sorted(((score, layout, best) for layout, (score, best) in best_of.items()),
+                   key=lambda item: item[0])
 
     plans = []
     for rank, (score, layout, best) in enumerate(found[: settings.top_k], start=1):
@@ -370,8 +407,14 @@ def _structural(r: StructuralRejection) -> Rejection:
     return Rejection(layout={"tp": r.tp, "ulysses": r.ulysses, "ring": r.ring}, kind="structure", reason=r.reason)
 
 
-def _memory_rejection(layout: Layout, options: dict[str, Any], core: MemoryCore, s: _Searcher) -> Rejection:
+def _memory_rejection(layout: Layout, options: dict[str, Any], core: MemoryCore, s: _Searcher,
+                      host_bound: bool = False) -> Rejection:
     total, host = core.total, core.host_total
+    if host_bound:
+        reason = ("device memory fits only with offloading, and then the offloaded state exceeds the host RAM "
+                  f"({s.host_capacity / 1e9:.1f} GB per GPU)")
+        return Rejection(layout=layout.degrees(), options=options, kind="memory", reason=reason,
+                         shortfall_bytes=max(0.0, host - s.host_capacity))
     if total > s.usable:
         reason = (f"needs {total / 1e9:.1f} GB per GPU even with every allowed memory option "
                   f"({_describe_options(options)}); usable {s.usable / 1e9:.1f} GB "

@@ -107,3 +107,39 @@ def test_search_finds_the_brute_force_optimum(name, seq, gpus, mode):
     result = search(model, train, topology, PlanSettings(top_k=3))
     assert result.plans[0].score == pytest.approx(best_score, rel=1e-12)
     assert result.stats.time_evaluations < evaluations
+
+
+@pytest.mark.parametrize("name, seq, gpus, layout_kw, mode", [
+    ("llama3-8b", 128 * 1024, 8, {"ring": 8}, "train"),
+    ("llama3-8b", 8192, 8, {"dp_shard": 4, "tp": 2}, "train"),
+    ("llama3-70b", 256 * 1024, 16, {"ulysses": 8, "ring": 2}, "train"),
+    ("qwen3-4b", 32 * 1024, 8, {"dp_replicate": 2, "dp_shard": 2, "ulysses": 2}, "train"),
+    ("llama3-70b", 1_000_000, 8, {"ulysses": 8}, "prefill"),
+])
+def test_lattice_monotonicity_the_search_relies_on(name, seq, gpus, layout_kw, mode):
+    """Up every lattice axis (ZeRO is a separate branch): device memory never grows and the step never
+    gets faster. The floors, closures and the best-first order are exact only while this holds."""
+    import itertools
+
+    from cost_models import get_model_preset
+    from planner.options import invalid_reason
+    from planner.search import _Searcher
+
+    model = get_model_preset(name)
+    topology = default_topology("h100-80gb", gpus, min(8, gpus))
+    layout = Layout.for_world(gpus, **layout_kw)
+    s = _Searcher(model, TrainSpec(seq_len=seq, mode=mode), topology, PlanSettings(), None)
+    for lattice in s.lattices(layout):
+        scored = {}
+        for combo in itertools.product(*(range(len(a.values)) for a in lattice.axes)):
+            if invalid_reason(lattice.values(combo)) is None:
+                scored[combo] = s.timed(layout, combo, lattice)
+        for combo, low in scored.items():
+            for nxt in lattice.successors(combo):
+                high = scored.get(nxt)
+                if high is None:
+                    continue
+                step = {a.name for a, i, j in zip(lattice.axes, combo, nxt) if i != j}
+                assert high.report.total <= low.report.total, (step, lattice.values(combo))
+                assert high.time.step_s / high.time.tokens_per_step >= \
+                    low.time.step_s / low.time.tokens_per_step * (1 - 1e-12), (step, lattice.values(combo))
