@@ -51,12 +51,12 @@ def headline(model: ModelSpec, train: TrainSpec, topology: Topology, world: int,
 
 
 def render_table(plans: Iterable[RankedPlan], mode: str) -> list[str]:
-    rows = [f"{'#':>2}  {'layout':<34} {'options':<52} {'mem/GPU':>9} {'step':>10} {'tokens/s':>11} "
+    rows = [f"{'#':>2}  {'layout':<34} {'options':<62} {'mem/GPU':>9} {'step':>10} {'tokens/s':>11} "
             f"{'MFU':>6} {'exposed comm':>13}"]
     for p in plans:
         t, m = p.estimate.time, p.estimate.memory
         rows.append(
-            f"{p.rank:>2}  {p.layout.describe():<34} {describe_options(p.options, mode):<52} "
+            f"{p.rank:>2}  {p.layout.describe():<34} {describe_options(p.options, mode):<62} "
             f"{m.total / GB:>6.1f} GB {t.step_s:>8.2f} s {t.tokens_per_s:>11,.0f} {t.mfu:>6.1%} "
             f"{t.exposed_comm_s:>11.3f} s"
         )
