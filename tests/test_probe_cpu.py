@@ -1,3 +1,4 @@
+import json
 """The CPU probe end to end: single process, and 2 gloo ranks under torchrun writing a usable topology."""
 
 import os
@@ -54,6 +55,13 @@ def test_probe_under_torchrun_with_two_gloo_ranks(tmp_path):
     shown = subprocess.run([sys.executable, "-m", "planner.cli", "topo", "show", str(out)], cwd=ROOT, env=_env(),
                            capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0 and "loopback" in shown.stdout
+    # ... and `sp-plan estimate --topology` accepts it (issue 3's done-when).
+    est = subprocess.run([sys.executable, "-m", "planner.cli", "estimate", "--model", "qwen3-4b", "--seq-len", "2048",
+                          "--gpus", "2", "--ulysses", "2", "--dtype", "fp32", "--topology", str(out), "--json"],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    assert est.returncode == 0, est.stderr
+    data = json.loads(est.stdout)
+    assert data["time"]["step_s"] > 0 and data["comm"]["per_layer_bytes"]["ulysses"]["forward"] > 0
 
 
 def test_probe_single_process_in_process(tmp_path, monkeypatch):
