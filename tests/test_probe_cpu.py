@@ -1,6 +1,6 @@
-import json
 """The CPU probe end to end: single process, and 2 gloo ranks under torchrun writing a usable topology."""
 
+import json
 import os
 import pathlib
 import subprocess
