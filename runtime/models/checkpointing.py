@@ -104,12 +104,27 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def run_checkpointed(fn: Callable[..., torch.Tensor], mode: str, *args: Any) -> torch.Tensor:
-    """Run ``fn(*args)`` (one transformer block) under the given checkpointing mode."""
+def run_checkpointed(fn: Callable[..., torch.Tensor], mode: str, *args: Any, offload: Any = None) -> torch.Tensor:
+    """Run ``fn(*args)`` (one transformer block) under the given checkpointing mode.
+
+    ``offload`` (a :class:`runtime.offload.CheckpointOffload`) moves the block input the checkpoint keeps
+    (``args[0]``) to host memory until backward; it needs ``selective`` or ``full``.
+    """
     if mode == "none" or not torch.is_grad_enabled():
+        if offload is not None and mode == "none" and torch.is_grad_enabled():
+            raise RuntimeConfigError(
+                "checkpoint offload moves each block's checkpointed input to host memory, but checkpointing is "
+                "'none'; use checkpointing 'full' or 'selective'"
+            )
         return fn(*args)
     if mode == "full":
-        return checkpoint(fn, *args, use_reentrant=False)
-    if mode == "selective":
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=_selective_context)
-    raise RuntimeConfigError(f"unknown checkpointing mode {mode!r}; use one of {', '.join(CHECKPOINT_MODES)}")
+        context_fn = None
+    elif mode == "selective":
+        context_fn = _selective_context
+    else:
+        raise RuntimeConfigError(f"unknown checkpointing mode {mode!r}; use one of {', '.join(CHECKPOINT_MODES)}")
+    kwargs = {"use_reentrant": False} if context_fn is None else {"use_reentrant": False, "context_fn": context_fn}
+    if offload is None:
+        return checkpoint(fn, *args, **kwargs)
+    with offload.saving(args[0]):
+        return checkpoint(fn, *args, **kwargs)

@@ -13,7 +13,13 @@ stays generic:
   Megatron-style, for activation-accounting checks);
 - :class:`RMSNorm` is a custom autograd function that saves only its input and the fp32 rstd;
 - every block runs under a checkpointing mode (none / selective / full; see
-  :mod:`runtime.models.checkpointing`).
+  :mod:`runtime.models.checkpointing`), optionally with its checkpointed input offloaded to host memory
+  (:mod:`runtime.offload`);
+- the MLP can run tiled over the sequence (:mod:`runtime.tiled_mlp`), and the model exposes the final
+  hidden states for a chunked loss (:meth:`LlamaModel.hidden_states`, :mod:`runtime.tiled_loss`);
+- tensor parallelism (:mod:`runtime.tp`) swaps in sharded projections and sets the ``tp_enter`` hooks
+  (the all-gather / identity that opens a TP region); without it they are ``None`` and the default
+  path, and what it saves for backward, are untouched.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from torch import nn
 from cost_models.model_spec import ModelSpec
 
 from ..errors import RuntimeConfigError
+from ..tiled_mlp import tile_tokens_for, tiled_mlp
 from .checkpointing import check_mode, keep_for_selective, run_checkpointed
 
 AttentionFn = Callable[..., torch.Tensor]
@@ -229,12 +236,17 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(d, eps, **factory) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, eps, **factory) if spec.qk_norm else None
         self.attention_fn = attention_fn
+        #: Opens a tensor-parallel region (all-gather over the sequence, or identity with an all-reduce in
+        #: backward); None without TP. Heads below are whatever the (possibly sharded) projections give.
+        self.tp_enter: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.tp_enter is not None:
+            x = self.tp_enter(x)
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x).view(b, s, -1, self.head_dim)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -242,11 +254,15 @@ class LlamaAttention(nn.Module):
         k = apply_rope(k, cos, sin)
         out = self.attention_fn(q, k, v, causal=True)
         del q, k, v  # free what autograd did not save before the output projection runs
-        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(b, s, -1))
 
 
 class LlamaMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)): saves gate, silu(gate), up and their product (eager SwiGLU)."""
+    """down(silu(gate(x)) * up(x)): saves gate, silu(gate), up and their product (eager SwiGLU).
+
+    With ``tiled`` set (:func:`runtime.tiled_mlp.apply_tiled_mlp`) the same computation runs over tiles
+    of ``tile_tokens`` tokens (None: the memory model's default rule) and saves only its input.
+    """
 
     def __init__(self, spec: ModelSpec, **factory) -> None:
         super().__init__()
@@ -254,9 +270,28 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(h, f, bias=spec.mlp_bias, **factory)
         self.up_proj = nn.Linear(h, f, bias=spec.mlp_bias, **factory)
         self.down_proj = nn.Linear(f, h, bias=spec.mlp_bias, **factory)
+        self.tp_enter: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.tiled = False
+        self.tile_tokens: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.tp_enter is not None:
+            x = self.tp_enter(x)
+        if not self.tiled:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        tile = tile_tokens_for(x.shape[-1], x.numel() // x.shape[-1], self.tile_tokens)
+        y = tiled_mlp(self._tile_forward, x, self._tile_parameters(), tile)
+        finish = getattr(self.down_proj, "finish", None)  # a row-parallel projection's reduction + bias
+        return finish(y) if finish is not None else y
+
+    def _tile_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP on one tile, up to (not including) a row-parallel projection's reduction."""
+        partial = getattr(self.down_proj, "partial", self.down_proj)
+        return partial(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def _tile_parameters(self) -> list[nn.Parameter]:
+        down = getattr(self.down_proj, "partial_parameters", self.down_proj.parameters)
+        return [*self.gate_proj.parameters(), *self.up_proj.parameters(), *down()]
 
 
 class LlamaBlock(nn.Module):
@@ -271,6 +306,9 @@ class LlamaBlock(nn.Module):
         self.mlp = LlamaMLP(spec, **factory)
         self.hidden_dropout = spec.hidden_dropout
         self.checkpointing = check_mode(checkpointing)
+        #: Moves the checkpointed block input to host memory between forward and backward
+        #: (:class:`runtime.offload.CheckpointOffload`); None keeps it on the device.
+        self.checkpoint_offload = None
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and self.hidden_dropout > 0:
@@ -282,7 +320,7 @@ class LlamaBlock(nn.Module):
         return h + self._dropout(self.mlp(self.post_attention_norm(h)))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return run_checkpointed(self._forward, self.checkpointing, x, cos, sin)
+        return run_checkpointed(self._forward, self.checkpointing, x, cos, sin, offload=self.checkpoint_offload)
 
 
 def check_llama_spec(spec: ModelSpec) -> None:
@@ -300,7 +338,11 @@ def check_llama_spec(spec: ModelSpec) -> None:
 
 
 class LlamaModel(nn.Module):
-    """Decoder-only Llama-style LM. ``forward(input_ids, position_ids=None) -> logits``."""
+    """Decoder-only Llama-style LM. ``forward(input_ids, position_ids=None) -> logits``.
+
+    :meth:`hidden_states` stops before the lm_head (the input of a chunked loss, which multiplies by
+    ``lm_head.weight`` chunk by chunk).
+    """
 
     def __init__(
         self,
@@ -327,6 +369,9 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, **factory)
         if spec.tied_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        #: Opens the lm_head's tensor-parallel region (all-gather of the sequence-parallel hidden states, or
+        #: identity with an all-reduce in backward); None without TP.
+        self.head_tp_enter: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def set_checkpointing(self, mode: str) -> None:
         check_mode(mode)
@@ -344,11 +389,16 @@ class LlamaModel(nn.Module):
                 else:
                     param.copy_(torch.randn(param.shape, generator=generator) * std)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The final-norm output the lm_head multiplies (all tokens of this rank's sequence shard)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
-        return self.lm_head(self.norm(x))
+        x = self.norm(x)
+        return self.head_tp_enter(x) if self.head_tp_enter is not None else x
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(input_ids, position_ids))
