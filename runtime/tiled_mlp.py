@@ -62,18 +62,19 @@ class _TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn: TileFn, tile: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        out = None
+        out = out_rows = None
         with torch.no_grad():
             for start in range(0, rows.shape[0], tile):
                 y = fn(rows[start : start + tile])
-                if out is None:
-                    out = torch.empty((rows.shape[0], y.shape[-1]), dtype=y.dtype, device=y.device)
-                out[start : start + tile] = y
+                if out is None:  # the output is a base tensor (not a view), so it may be reduced in place
+                    out = torch.empty((*x.shape[:-1], y.shape[-1]), dtype=y.dtype, device=y.device)
+                    out_rows = out.view(-1, y.shape[-1])
+                out_rows[start : start + tile] = y
                 del y
         ctx.fn, ctx.tile = fn, tile
         ctx.fn_params = params  # parameters, not activations: referenced, not saved for backward
         ctx.save_for_backward(x)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

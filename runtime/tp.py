@@ -172,10 +172,11 @@ class TensorParallel:
     sequence_parallel: bool
     vocab_start: int = 0
     vocab_end: int = 0
-    #: Parameters every TP rank holds in full whose gradients are partial sums across TP ranks.
-    replicated: list[nn.Parameter] = field(default_factory=list)
-    #: K/V weights replicated per KV head (tp > KV heads): (param, this rank's KV head, KV heads).
-    head_replicated: list[tuple[nn.Parameter, int, int]] = field(default_factory=list)
+    #: Parameters every TP rank holds in full whose gradients are partial sums across TP ranks, as
+    #: (module, parameter name): looked up at sync time, since FSDP2 replaces the parameter objects.
+    replicated: list[tuple[nn.Module, str]] = field(default_factory=list)
+    #: K/V weights replicated per KV head (tp > KV heads): (module, name, this rank's KV head, KV heads).
+    head_replicated: list[tuple[nn.Module, str, int, int]] = field(default_factory=list)
     #: This rank's [start, stop) along the split dim of each kind of sharded tensor (set by apply).
     bounds: dict[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -238,7 +239,7 @@ class TensorParallel:
         if self.size == 1:
             return 0
         sent = 0
-        full = [g for g in (_local_grad(p) for p in self.replicated) if g is not None]
+        full = [g for g in (_local_grad(getattr(m, name)) for m, name in self.replicated) if g is not None]
         if full:  # one coalesced all-reduce, in the gradients' dtype (fp32 under FSDP2's reduce dtype)
             flat = torch.cat([g.reshape(-1) for g in full])
             sent += _ring_bytes(flat, self.size)
@@ -247,8 +248,8 @@ class TensorParallel:
             for g in full:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
-        for param, head, heads in self.head_replicated:
-            g = _local_grad(param)
+        for module, name, head, heads in self.head_replicated:
+            g = _local_grad(getattr(module, name))
             if g is None:
                 continue
             slots = torch.zeros((heads, *g.shape), dtype=g.dtype, device=g.device)
@@ -426,13 +427,14 @@ def apply_tensor_parallel(model: nn.Module, mesh_or_group, *, sequence_parallel:
         mlp.tp_enter = tp.enter
         if kv_rep > 1:
             for proj in (attn.k_proj, attn.v_proj):
-                tp.head_replicated += [(p, kv_first, spec.num_kv_heads) for p in proj.parameters()]
-        tp.replicated += [p for norm in (attn.q_norm, attn.k_norm) if norm is not None for p in norm.parameters()]
+                tp.head_replicated += [(proj, name, kv_first, spec.num_kv_heads) for name, _ in proj.named_parameters()]
+        replicated = [attn.q_norm, attn.k_norm]
         if tp.sequence_parallel:
-            tp.replicated += [*layer.input_norm.parameters(), *layer.post_attention_norm.parameters()]
-            tp.replicated += [b for b in (attn.o_proj.bias, mlp.down_proj.bias) if b is not None]
+            replicated += [layer.input_norm, layer.post_attention_norm]
+            tp.replicated += [(m, "bias") for m in (attn.o_proj, mlp.down_proj) if m.bias is not None]
+        tp.replicated += [(m, name) for m in replicated if m is not None for name, _ in m.named_parameters()]
     if tp.sequence_parallel:
-        tp.replicated += list(model.norm.parameters())
+        tp.replicated += [(model.norm, name) for name, _ in model.norm.named_parameters()]
     with torch.no_grad():
         embedding = model.embed_tokens.weight[v_start:v_end].clone()
         head = None if spec.tied_embeddings else model.lm_head.weight[v_start:v_end].clone()
