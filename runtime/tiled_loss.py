@@ -6,7 +6,9 @@ the final hidden states and the output matrix instead and runs the lm_head matmu
 loop (``MemoryAssumptions.loss_chunk_tokens`` tokens at a time):
 
 - forward: per chunk, logits = h_c W^T in the compute dtype, upcast to fp32, log-sum-exp and target
-  logit, ``sum(lse - target)`` over the chunk's valid tokens; only the hidden states are saved;
+  logit, ``sum(lse - target)`` over the chunk's valid tokens; saved for backward: the hidden states and
+  the per-token LSE (4 bytes per token, so backward needs neither a max/sum pass nor, under TP,
+  communication);
 - backward: per chunk, the logits are recomputed, ``softmax - onehot`` (scaled by the incoming
   gradient) is cast to the compute dtype and multiplied back: ``dh_c = G W`` and ``dW += G^T h_c``
   (accumulated in W's dtype, as autograd and Liger's fused linear cross-entropy do);
@@ -19,17 +21,17 @@ different numbers of valid labels, or none).
 Tensor parallelism (vocab-parallel lm_head, :mod:`runtime.tp`): with ``tp_group`` each rank holds rows
 ``[vocab_start, vocab_start + V_local)`` of the output matrix. Per chunk the target logit, the global
 max and the sum of exponentials are all-reduced over ``tp_group`` (Megatron's vocab-parallel
-cross-entropy: three fp32 values per token, the comm model's figure); the per-token LSE is kept for
-backward (4 bytes per token), so backward needs no communication.
+cross-entropy: three fp32 values per token, the comm model's figure).
 
-Working set per chunk (what the memory model budgets): forward, the chunk's logits in the compute
-dtype while they are upcast, then the fp32 logits and one fp32 temporary (``exp(x - max)``, in place);
-backward, the same upcast, then the softmax gradient in place in the fp32 buffer and its cast to the
-compute dtype, plus one chunk of hidden-state gradient.
+Working set per chunk (what the memory model budgets, ``chunk x vocab x (compute bytes + 4)``): the
+chunk's logits in the compute dtype while they are upcast to fp32; everything after that happens in
+place in the fp32 buffer (``exp(x - max)`` and its sum in forward; the softmax and its gradient in
+backward), and backward adds the cast of that gradient to the compute dtype (the fp32 buffer
+dies after it) plus one chunk of hidden-state gradient.
 
 Numerics: each logit and each row of ``dh`` is computed by the same ops on the same values as the
-plain path (lm_head in the compute dtype, loss in fp32), so per-token losses agree to rounding of the
-reductions; the loss sum and ``dW`` differ only by summation order over chunks (fp32: ~1e-6
+plain path (lm_head in the compute dtype, softmax as ``exp(logit - lse)`` in fp32), so per-token
+losses agree to rounding of the reductions and ``dh`` is identical in bf16; the loss sum and ``dW`` differ only by summation order over chunks (fp32: ~1e-6
 relative; bf16 ``dW``: about one bf16 ulp per chunk).
 """
 
@@ -67,15 +69,17 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(h, weight).float()
 
 
-def _lse(logits: torch.Tensor, group) -> torch.Tensor:
-    """Per-token log-sum-exp over the whole vocabulary (all-reduced under TP), one fp32 temporary."""
+def _exp_in_place(logits: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn the fp32 ``logits`` into ``exp(logits - max)`` in place (max over the whole vocabulary: all-reduced
+    under TP); returns ``(max, sum of exponentials)`` per token, the sum all-reduced under TP. No temporary
+    of the chunk's size is allocated."""
     peak = logits.amax(dim=-1)
     if group is not None:
         _all_reduce(peak, group, dist.ReduceOp.MAX)
-    sumexp = (logits - peak[:, None]).exp_().sum(-1)
+    sumexp = logits.sub_(peak[:, None]).exp_().sum(-1)
     if group is not None:
         _all_reduce(sumexp, group)
-    return peak + sumexp.log()
+    return peak, sumexp
 
 
 def _target(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
@@ -101,7 +105,7 @@ class _TiledCrossEntropy(torch.autograd.Function):
             )
         valid = y != ignore_index
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        lse_all = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device) if group is not None else None
+        lse_all = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
         active = []
         for start in range(0, h.shape[0], chunk):
             keep = valid[start : start + chunk]
@@ -110,22 +114,21 @@ class _TiledCrossEntropy(torch.autograd.Function):
             active.append(start)
             logits = _chunk_logits(h[start : start + chunk], weight)
             target = _target(logits, y[start : start + chunk], vocab_start, group)
-            lse = _lse(logits, group)
+            peak, sumexp = _exp_in_place(logits, group)
             del logits
+            lse = peak + sumexp.log()
             loss += torch.where(keep, lse - target, torch.zeros((), device=h.device)).sum()
-            if lse_all is not None:
-                lse_all[start : start + chunk] = lse
+            lse_all[start : start + chunk] = lse
         ctx.chunk, ctx.group, ctx.vocab_start, ctx.active = chunk, group, vocab_start, active
         ctx.ignore_index = ignore_index
-        ctx.save_for_backward(hidden, weight, labels, *(() if lse_all is None else (lse_all,)))
+        ctx.save_for_backward(hidden, weight, labels, lse_all)
         count = valid.sum()
         ctx.mark_non_differentiable(count)
         return loss, count
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_count):
-        hidden, weight, labels, *stored = ctx.saved_tensors
-        lse_all = stored[0] if stored else None
+        hidden, weight, labels, lse_all = ctx.saved_tensors
         h = hidden.reshape(-1, hidden.shape[-1])
         y = labels.reshape(-1)
         grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
@@ -134,12 +137,8 @@ class _TiledCrossEntropy(torch.autograd.Function):
         for start in ctx.active:
             hc = h[start : start + ctx.chunk]
             yc = y[start : start + ctx.chunk]
-            logits = _chunk_logits(hc, weight)
-            if lse_all is None:
-                lse = _lse(logits, None)
-            else:
-                lse = lse_all[start : start + ctx.chunk]
-            grad = logits.sub_(lse[:, None]).exp_()  # softmax over the (local) vocabulary, in place
+            # exp(logits - lse): the softmax, computed in place as the plain path's log-softmax backward does
+            grad = _chunk_logits(hc, weight).sub_(lse_all[start : start + ctx.chunk, None]).exp_()
             local = yc - ctx.vocab_start
             mine = (local >= 0) & (local < grad.shape[-1]) & (yc != ctx.ignore_index)
             rows = torch.nonzero(mine).squeeze(-1)

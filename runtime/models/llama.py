@@ -47,29 +47,64 @@ class _RMSNormFunction(torch.autograd.Function):
     """y = weight * (x * rstd).to(x.dtype), rstd = 1 / sqrt(mean(x^2) + eps), computed in (at least) fp32.
 
     Saves x (compute dtype) and rstd (fp32, one value per row) - what a fused kernel keeps - instead of
-    the fp32 copies an eager implementation would leave to autograd.
+    the fp32 copies an eager implementation would leave to autograd. With ``chunk_elements`` the rows
+    are processed in chunks of about that many elements, so the fp32 temporaries of the eager math
+    (about 5 fp32 copies of the input in backward) exist for one chunk only: the working set stays
+    bounded like a fused kernel's (which the memory model assumes: ``norm_implementation='fused'``)
+    instead of growing with the sequence. Results are the same per row; the weight gradient is summed
+    over chunks in fp32.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.to(_accumulate_dtype(x))
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        y = weight * (xf * rstd).to(x.dtype)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, *chunking: int | None):
+        chunk_elements = chunking[0] if chunking else None  # optional 4th argument
+        acc = _accumulate_dtype(x)
+        width = x.shape[-1]
+        rows = x.reshape(-1, width)
+        chunk = _chunk_rows(rows.shape[0], width, chunk_elements)
+        y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+        rstd = torch.empty((*x.shape[:-1], 1), dtype=acc, device=x.device)
+        y_rows, rstd_rows = y.view(-1, width), rstd.view(-1, 1)
+        for start in range(0, rows.shape[0], chunk):
+            xf = rows[start : start + chunk].to(acc)
+            r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            y_rows[start : start + chunk] = weight * (xf * r).to(x.dtype)
+            rstd_rows[start : start + chunk] = r
+            del xf, r
         ctx.save_for_backward(x, weight, rstd)
+        ctx.chunk, ctx.n_inputs = chunk, 3 + len(chunking)
         return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
         acc = _accumulate_dtype(x)
-        xhat = x.to(acc) * rstd
-        g = grad.to(acc)
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = (g * xhat.to(x.dtype).to(acc)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        gx = g * weight.to(acc)
-        grad_x = rstd * (gx - xhat * (gx * xhat).mean(-1, keepdim=True))
-        return grad_x.to(x.dtype), grad_weight, None
+        width = x.shape[-1]
+        rows, rstd_rows = x.reshape(-1, width), rstd.reshape(-1, 1)
+        grad_rows = grad.reshape(-1, width)
+        grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        grad_x_rows = grad_x.view(-1, width)
+        grad_weight = torch.zeros(width, dtype=acc, device=x.device) if ctx.needs_input_grad[1] else None
+        w = weight.to(acc)
+        for start in range(0, rows.shape[0], ctx.chunk):
+            stop = start + ctx.chunk
+            r = rstd_rows[start:stop]
+            xhat = rows[start:stop].to(acc) * r
+            g = grad_rows[start:stop].to(acc)
+            if grad_weight is not None:
+                grad_weight += (g * xhat.to(x.dtype).to(acc)).sum(0)
+            gx = g * w
+            grad_x_rows[start:stop] = r * (gx - xhat * (gx * xhat).mean(-1, keepdim=True))
+            del xhat, g, gx
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return (grad_x, grad_weight) + (None,) * (ctx.n_inputs - 2)
+
+
+def _chunk_rows(rows: int, width: int, chunk_elements: int | None) -> int:
+    if chunk_elements is None:
+        return max(rows, 1)
+    return max(1, min(rows, chunk_elements // width))
 
 
 def _accumulate_dtype(x: torch.Tensor) -> torch.dtype:
@@ -77,15 +112,25 @@ def _accumulate_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def norm_chunk_elements(spec: ModelSpec) -> int:
+    """Elements per RMSNorm chunk: one tiled-MLP tile of hidden states (hidden_size tokens x hidden_size)."""
+    return spec.hidden_size * spec.hidden_size
+
+
 class RMSNorm(nn.Module):
+    """RMSNorm over the last dim. ``chunk_elements`` bounds the eager fp32 working set (see
+    :class:`_RMSNormFunction`); the Llama model sets it to ``hidden_size**2``: one tiled-MLP tile of hidden
+    states (``hidden_size`` tokens), so the norm's temporaries stay below the MLP tile's."""
+
     def __init__(self, dim: int, eps: float = 1e-5, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, chunk_elements: int | None = None) -> None:
         super().__init__()
         self.eps = eps
+        self.chunk_elements = chunk_elements
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        return _RMSNormFunction.apply(x, self.weight, self.eps, self.chunk_elements)
 
 
 # ----- rotary position embedding -----------------------------------------------------------------------
@@ -233,8 +278,9 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias, **factory)
         self.v_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias, **factory)
         self.o_proj = nn.Linear(spec.num_heads * d, h, bias=spec.attn_out_bias, **factory)
-        self.q_norm = RMSNorm(d, eps, **factory) if spec.qk_norm else None
-        self.k_norm = RMSNorm(d, eps, **factory) if spec.qk_norm else None
+        chunk = norm_chunk_elements(spec)
+        self.q_norm = RMSNorm(d, eps, chunk_elements=chunk, **factory) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d, eps, chunk_elements=chunk, **factory) if spec.qk_norm else None
         self.attention_fn = attention_fn
         #: Opens a tensor-parallel region (all-gather over the sequence, or identity with an all-reduce in
         #: backward); None without TP. Heads below are whatever the (possibly sharded) projections give.
@@ -300,9 +346,9 @@ class LlamaBlock(nn.Module):
     def __init__(self, spec: ModelSpec, attention_fn: AttentionFn, checkpointing: str = "none",
                  eps: float = 1e-5, **factory) -> None:
         super().__init__()
-        self.input_norm = RMSNorm(spec.hidden_size, eps, **factory)
+        self.input_norm = RMSNorm(spec.hidden_size, eps, chunk_elements=norm_chunk_elements(spec), **factory)
         self.attn = LlamaAttention(spec, attention_fn, eps, **factory)
-        self.post_attention_norm = RMSNorm(spec.hidden_size, eps, **factory)
+        self.post_attention_norm = RMSNorm(spec.hidden_size, eps, chunk_elements=norm_chunk_elements(spec), **factory)
         self.mlp = LlamaMLP(spec, **factory)
         self.hidden_dropout = spec.hidden_dropout
         self.checkpointing = check_mode(checkpointing)
@@ -365,7 +411,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaBlock(spec, self.attention_fn, checkpointing, norm_eps, **factory) for _ in range(spec.num_layers)
         )
-        self.norm = RMSNorm(spec.hidden_size, norm_eps, **factory)
+        self.norm = RMSNorm(spec.hidden_size, norm_eps, chunk_elements=norm_chunk_elements(spec), **factory)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, **factory)
         if spec.tied_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
