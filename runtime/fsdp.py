@@ -69,7 +69,8 @@ def fully_shard_kwargs(train: TrainSpec, mesh, *, params_in_compute_dtype: bool 
     if train.offload_optimizer and not train.offload_params and not params_in_compute_dtype:
         raise RuntimeConfigError(
             "offload_optimizer keeps fp32 master weights on the host: create the model in the compute dtype "
-            f"({train.dtype}) and pass params_in_compute_dtype=True, then use runtime.host_optimizer.HostOffloadOptimizer"
+            f"({train.dtype}) and pass params_in_compute_dtype=True, then use "
+            "runtime.host_optimizer.HostOffloadOptimizer"
         )
     compute = DTYPES[train.dtype]
     cast = compute != torch.float32 and not params_in_compute_dtype
@@ -85,15 +86,18 @@ def fully_shard_kwargs(train: TrainSpec, mesh, *, params_in_compute_dtype: bool 
 
 
 def apply_fsdp(model: nn.Module, train: TrainSpec, mesh, *, params_in_compute_dtype: bool = False) -> nn.Module:
-    """``fully_shard`` every block of ``model`` (a runtime LlamaModel), then the model itself; returns it."""
+    """``fully_shard`` ``model`` (a runtime LlamaModel) in units; returns it.
+
+    Units, as the comm model assumes: each block; an untied input embedding on its own (resharded after
+    forward like the blocks, gathered again for its gradient); the root with the final norm and the
+    lm_head (and a tied embedding), which backward uses first, so it stays gathered after forward.
+    """
     from torch.distributed.fsdp import fully_shard
 
     kwargs = fully_shard_kwargs(train, mesh, params_in_compute_dtype=params_in_compute_dtype)
+    if not model.spec.tied_embeddings:
+        fully_shard(model.embed_tokens, **kwargs)
     for layer in model.layers:
         fully_shard(layer, **kwargs)
-    root = dict(kwargs)
-    # The root's parameters (embedding, final norm, lm_head) are used first in backward: keep them
-    # gathered after forward, as the comm model assumes.
-    root["reshard_after_forward"] = False
-    fully_shard(model, **root)
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     return model

@@ -31,8 +31,9 @@ dies after it) plus one chunk of hidden-state gradient.
 
 Numerics: each logit and each row of ``dh`` is computed by the same ops on the same values as the
 plain path (lm_head in the compute dtype, softmax as ``exp(logit - lse)`` in fp32), so per-token
-losses agree to rounding of the reductions and ``dh`` is identical in bf16; the loss sum and ``dW`` differ only by summation order over chunks (fp32: ~1e-6
-relative; bf16 ``dW``: about one bf16 ulp per chunk).
+losses agree to rounding of the reductions and ``dh`` is identical in bf16; the loss sum and ``dW``
+differ only by summation order over chunks (fp32: ~1e-6 relative; bf16 ``dW``: about one bf16 ulp per
+chunk).
 """
 
 from __future__ import annotations

@@ -397,6 +397,12 @@ def apply_tensor_parallel(model: nn.Module, mesh_or_group, *, sequence_parallel:
     rank = dist.get_rank(group) if group is not None else 0
     spec = model.spec
     kv_rep = _check_tp(spec, size)
+    if size > 1 and (spec.hidden_dropout > 0 or spec.attention_dropout > 0):
+        raise RuntimeConfigError(
+            f"{spec.name} uses dropout, which under tensor parallelism needs per-region RNG streams (Megatron's "
+            "RNG tracker: identical masks on replicated activations, different ones on sharded activations); the "
+            "runtime does not implement them: set hidden_dropout and attention_dropout to 0 or use tp=1"
+        )
     v_start, v_end = _split_bounds(spec.vocab_size, size, rank)
     tp = TensorParallel(group, size, rank, sequence_parallel and size > 1, v_start, v_end)
     model.tensor_parallel = tp

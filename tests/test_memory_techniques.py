@@ -27,7 +27,12 @@ from runtime.errors import RuntimeConfigError  # noqa: E402
 from runtime.models import LlamaModel  # noqa: E402
 from runtime.offload import CheckpointOffload, apply_checkpoint_offload  # noqa: E402
 from runtime.saved_tensor_meter import SavedTensorMeter  # noqa: E402
-from runtime.tiled_loss import DEFAULT_CHUNK_TOKENS, chunk_tokens_for, plain_cross_entropy, tiled_cross_entropy  # noqa: E402
+from runtime.tiled_loss import (  # noqa: E402
+    DEFAULT_CHUNK_TOKENS,
+    chunk_tokens_for,
+    plain_cross_entropy,
+    tiled_cross_entropy,
+)
 from runtime.tiled_mlp import apply_tiled_mlp, tile_tokens_for, tiled_mlp  # noqa: E402
 
 BF16_ULP = 2.0**-7  # spacing of bf16 numbers relative to the leading power of two (8 significant bits)

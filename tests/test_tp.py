@@ -113,7 +113,17 @@ def _equivalence_rank(rank: int, world: int, ulysses: int, cases) -> list[dict]:
 
     mesh = build_mesh(Layout(tp=world // ulysses, ulysses=ulysses), device_type="cpu")
     sp = SequenceParallel.from_mesh(mesh)
-    return [_equivalence_case(mesh, sp, case) for case in cases]
+    results = [_equivalence_case(mesh, sp, case) for case in cases]
+    if ulysses == 1:  # refusals that need a real TP group
+        from runtime.errors import RuntimeConfigError
+        from runtime.models import LlamaModel
+        from runtime.tp import apply_tensor_parallel
+
+        try:
+            apply_tensor_parallel(LlamaModel(_spec().model_copy(update={"hidden_dropout": 0.1})), mesh)
+        except RuntimeConfigError as exc:
+            results.append({"dropout_error": str(exc)})
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +151,18 @@ def test_tp2_matches_the_unparallelised_model(tp2):
 
 def test_tp2_ulysses2_matches_the_unparallelised_model(tp2_ulysses2):
     _check_equivalence(tp2_ulysses2, CASES_TP2_ULYSSES2)
+
+
+def test_tp_refuses_what_it_cannot_split(tp2):
+    from runtime.errors import RuntimeConfigError
+    from runtime.tp import _check_tp
+
+    assert "RNG tracker" in tp2[0][-1]["dropout_error"]
+    assert _check_tp(_spec(kv=2), 4) == 2  # KV heads replicated 2x
+    with pytest.raises(RuntimeConfigError, match="does not divide 4 query heads"):
+        _check_tp(_spec(), 3)
+    with pytest.raises(RuntimeConfigError, match="neither divides nor is a multiple of 2 KV heads"):
+        _check_tp(_spec(kv=2).model_copy(update={"num_heads": 6}), 3)
 
 
 def test_parameters_are_sharded_as_megatron_does(tp2):
