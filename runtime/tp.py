@@ -55,29 +55,43 @@ SEQ_DIM = 1  # hidden states are (batch, seq, hidden)
 # ----- collectives along the sequence dimension ---------------------------------------------------------
 
 
+def _batch_one(x: torch.Tensor) -> bool:
+    """All dims before the sequence are 1 (the usual long-context micro-batch) and x is contiguous:
+    the sequence dim is then dim 0 of a free view, and collectives need no copies."""
+    return all(size == 1 for size in x.shape[:SEQ_DIM]) and x.is_contiguous()
+
+
 def _seq_major(x: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor whose dim 0 is the sequence: a free view when the batch is 1 (the usual
-    long-context micro-batch), else a transposed copy."""
-    if all(size == 1 for size in x.shape[:SEQ_DIM]) and x.is_contiguous():
-        return x.reshape(x.shape[SEQ_DIM:])
+    """A contiguous tensor whose dim 0 is the sequence: a view when the batch is 1, else a transposed copy."""
+    if _batch_one(x):
+        return x.view(x.shape[SEQ_DIM:])
     return x.movedim(SEQ_DIM, 0).contiguous()
 
 
-def _from_seq_major(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`_seq_major` for a result whose sequence length differs from ``like``'s."""
-    if all(size == 1 for size in like.shape[:SEQ_DIM]) and like.is_contiguous():
-        return y.reshape(*like.shape[:SEQ_DIM], *y.shape)
-    return y.movedim(0, SEQ_DIM)
+def _collective_into(x: torch.Tensor, seq_out: int, run) -> torch.Tensor:
+    """Allocate the (batch, seq_out, ...) result, let ``run(send, recv)`` fill it through seq-major views, and
+    return a base (not a view) tensor, so callers and FSDP2 hooks may treat it as a fresh activation."""
+    shape = list(x.shape)
+    shape[SEQ_DIM] = seq_out
+    send = _seq_major(x)
+    if _batch_one(x):
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        run(send, out.view(out.shape[SEQ_DIM:]))
+        return out
+    recv = torch.empty((seq_out, *send.shape[1:]), dtype=x.dtype, device=x.device)
+    run(send, recv)
+    return recv.movedim(0, SEQ_DIM).contiguous()
 
 
 def gather_seq(x: torch.Tensor, group: dist.ProcessGroup, phase: str = "forward") -> torch.Tensor:
     """Concatenate the ranks' equal shards along the sequence dim (an all-gather)."""
     world = dist.get_world_size(group)
-    send = _seq_major(x)
-    out = torch.empty((send.shape[0] * world, *send.shape[1:]), dtype=x.dtype, device=x.device)
-    comm_counter.record_all_gather(send, world, phase)  # type: ignore[arg-type]
-    _all_gather(out, send, group=group)
-    return _from_seq_major(out, x)
+
+    def run(send, recv):
+        comm_counter.record_all_gather(send, world, phase)  # type: ignore[arg-type]
+        _all_gather(recv, send, group=group)
+
+    return _collective_into(x, x.shape[SEQ_DIM] * world, run)
 
 
 def scatter_seq(x: torch.Tensor, group: dist.ProcessGroup, phase: str = "forward") -> torch.Tensor:
@@ -89,11 +103,12 @@ def scatter_seq(x: torch.Tensor, group: dist.ProcessGroup, phase: str = "forward
             f"tensor-parallel sequence parallelism splits the sequence over tp={world}, but this rank's "
             f"sequence has {seq} tokens; pad it to a multiple of {world} (Layout.seq_multiple)"
         )
-    send = _seq_major(x)
-    out = torch.empty((send.shape[0] // world, *send.shape[1:]), dtype=x.dtype, device=x.device)
-    comm_counter.record_reduce_scatter(send, world, phase)  # type: ignore[arg-type]
-    _reduce_scatter(out, send, group=group)
-    return _from_seq_major(out, x)
+
+    def run(send, recv):
+        comm_counter.record_reduce_scatter(send, world, phase)  # type: ignore[arg-type]
+        _reduce_scatter(recv, send, group=group)
+
+    return _collective_into(x, seq // world, run)
 
 
 def all_reduce_(x: torch.Tensor, group: dist.ProcessGroup, phase: str = "forward") -> torch.Tensor:

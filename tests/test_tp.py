@@ -119,10 +119,19 @@ def _equivalence_rank(rank: int, world: int, ulysses: int, cases) -> list[dict]:
         from runtime.models import LlamaModel
         from runtime.tp import apply_tensor_parallel
 
+        from runtime.tp import gather_seq, scatter_seq
+
+        checks = {}
         try:
             apply_tensor_parallel(LlamaModel(_spec().model_copy(update={"hidden_dropout": 0.1})), mesh)
         except RuntimeConfigError as exc:
-            results.append({"dropout_error": str(exc)})
+            checks["dropout_error"] = str(exc)
+        # Batch > 1 takes the transposing path of the sequence collectives.
+        shards = [torch.randn(2, 4, 3, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+        gathered = gather_seq(shards[rank], mesh.group("tp"))
+        checks["gather_ok"] = torch.equal(gathered, torch.cat(shards, dim=1)) and gathered.is_contiguous()
+        checks["scatter_ok"] = torch.allclose(scatter_seq(gathered, mesh.group("tp")), world * shards[rank])
+        results.append(checks)
     return results
 
 
@@ -153,11 +162,12 @@ def test_tp2_ulysses2_matches_the_unparallelised_model(tp2_ulysses2):
     _check_equivalence(tp2_ulysses2, CASES_TP2_ULYSSES2)
 
 
-def test_tp_refuses_what_it_cannot_split(tp2):
+def test_tp_refusals_and_batched_sequence_collectives(tp2):
     from runtime.errors import RuntimeConfigError
     from runtime.tp import _check_tp
 
     assert "RNG tracker" in tp2[0][-1]["dropout_error"]
+    assert all(r[-1]["gather_ok"] and r[-1]["scatter_ok"] for r in tp2)
     assert _check_tp(_spec(kv=2), 4) == 2  # KV heads replicated 2x
     with pytest.raises(RuntimeConfigError, match="does not divide 4 query heads"):
         _check_tp(_spec(), 3)
