@@ -222,22 +222,26 @@ def tiled_mlp_rows(seq: int = 4096, batch: int = 1, block_seq: int = 256) -> lis
         _drop_param_grads(mlp)
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(batch, seq, model.hidden_size, generator=gen).to(torch.bfloat16).requires_grad_()
-        dy = torch.randn(x.shape, generator=gen).to(torch.bfloat16)
+        weights = torch.randn(x.shape, generator=gen).to(torch.bfloat16)
         held = {}
         forward = live_peak(lambda: held.__setitem__("y", mlp(x)))
-        backward = live_peak(lambda: held["y"].backward(dy))
+        # The loss (y * weights).sum() makes autograd create the MLP's output gradient and free it once
+        # consumed, as the simulation does (a gradient passed to backward() stays referenced by the caller).
+        held["loss"] = (held["y"] * weights).sum()
+        backward = live_peak(lambda: held["loss"].backward())
         train = TrainSpec(seq_len=seq, micro_batch=batch, tiled_mlp=tiled)
         sim = simulate(_mlp_graph(model, train, tiled), "none")
         x_bytes = x.numel() * BF16
-        saved = sum(sim.saved.values())
+        # Before backward: the saved tensors, y (saved by the product), the weights and the loss existed.
+        saved = sum(sim.saved.values()) + 2 * x_bytes + BF16
         config = (f"MLP, {tokens} tokens, tile {tile_tokens_for(model.hidden_size, tokens)}" if tiled
                   else f"MLP, {tokens} tokens, untiled")
         rows.append(Row("tiled MLP", config, "forward peak", sim.forward_peak.total, forward + x_bytes))
         # Tiled: the op sums its weight gradients over tiles (running sums + one tile's gradients). The model
         # budgets them as gradient buffers (unsharded_grad_layers), not activations: added here.
         extra = 2 * weight_grads if tiled else 0
-        rows.append(Row("tiled MLP", config, "backward peak", sim.backward_peak.total + extra,
-                        backward + saved + x_bytes,
+        rows.append(Row("tiled MLP", config, "backward peak", sim.backward_peak.total + extra + 2 * x_bytes + BF16,
+                        backward + saved,
                         note="+ weight-gradient sums and one tile's weight gradients" if tiled else ""))
     return rows
 
