@@ -116,7 +116,8 @@ class MemoryAssumptions(BaseModel):
         le=1 << 24,
         description=(
             "Tokens per chunk of the tiled/fused cross-entropy (`tiled_loss`): its working set is one "
-            "chunk of logits (bf16, fp32 upcast, log-softmax and gradient), ~14 B x chunk x vocab/tp."
+            "chunk of logits in the compute dtype and in fp32 (the rest happens in place), "
+            "~6 B x chunk x vocab/tp in bf16."
         ),
     )
     hf_keeps_logits: bool = Field(

@@ -8,9 +8,14 @@ HF's causal-LM loss (``ForCausalLMLoss``) is what most training scripts run::
 
 so forward holds bf16 + fp32 + log-softmax (10 B per logit in bf16) and backward, at the log-softmax
 backward, holds the bf16 logits the caller keeps, the saved log-softmax output, its incoming gradient and
-the gradient it produces: 14 B per logit. A tiled (fused) loss runs the same chain on chunks of
-``loss_chunk_tokens`` tokens, saving only the hidden states and recomputing each chunk's logits in
-backward, so the logits never exist for the whole sequence.
+the gradient it produces: 14 B per logit. A tiled (fused) loss (the runtime's ``runtime.tiled_loss``)
+runs the lm_head inside a loop over chunks of ``loss_chunk_tokens`` tokens, saving only the hidden
+states and the per-token fp32 LSE and recomputing each chunk's logits in backward, so the logits never
+exist for the whole sequence. Its working set per chunk, mirrored here: the chunk's logits in the
+compute dtype while they are upcast to fp32, everything after in place in the fp32 buffer (forward:
+``exp(x - max)`` and its sum; backward: the softmax and its gradient), and in backward the cast of the
+gradient to the compute dtype (the fp32 buffer is freed after it) beside one chunk of hidden-state
+gradient.
 
 Prefill computes logits for the last token only unless ``prefill_logits_all_tokens``.
 """
@@ -39,13 +44,20 @@ def output_graph(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, *, traini
         b.simple("logits_fp32", [logits], tokens * d.vocab * FP32, kind="logits")
         return b.g.build(outputs=("logits_fp32",))
     if tiled_loss:
-        chunk = min(a.loss_chunk_tokens, d.tokens) * d.vocab
-        fwd = [Workspace(chunk * (B + 2 * FP32), "logits")]  # chunk logits, fp32 upcast, log-softmax
-        bwd = [  # recomputed chunk chain plus its gradients, and the chunk's hidden-state gradient
-            Workspace(chunk * (B + 3 * FP32), "logits"),
-            Workspace(min(a.loss_chunk_tokens, d.tokens) * d.hidden * B),
-        ]
-        b.simple("tiled_loss", [hidden], LOSS_BYTES, saves=[hidden], fwd_ws=fwd, bwd_ws=bwd)
+        chunk_tokens = min(a.loss_chunk_tokens, d.tokens)
+        chunk = chunk_tokens * d.vocab
+        upcast = chunk * (B + FP32)  # chunk logits in the compute dtype and their fp32 copy
+        fwd = [Workspace(upcast, "logits")]
+        # backward: the same upcast, later the gradient's cast (compute dtype) next to one chunk of
+        # hidden-state gradient; whichever moment is larger
+        grad_hidden = chunk_tokens * d.hidden * B
+        if chunk * B + grad_hidden > upcast:
+            bwd = [Workspace(chunk * B, "logits"), Workspace(grad_hidden)]
+        else:
+            bwd = [Workspace(upcast, "logits")]
+        lse = TensorSpec("tiled_loss.lse", d.tokens * FP32, requires_grad=False)
+        b.g.op("tiled_loss", [hidden], [TensorSpec("tiled_loss", LOSS_BYTES), lse], saves=[hidden, lse.name],
+               fwd_workspace=fwd, bwd_workspace=bwd)
         return b.g.build(outputs=("tiled_loss",))
     elems = d.tokens * d.vocab
     logits = b.linear("lm_head", hidden, elems * B, kind="logits")

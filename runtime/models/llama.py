@@ -13,7 +13,13 @@ stays generic:
   Megatron-style, for activation-accounting checks);
 - :class:`RMSNorm` is a custom autograd function that saves only its input and the fp32 rstd;
 - every block runs under a checkpointing mode (none / selective / full; see
-  :mod:`runtime.models.checkpointing`).
+  :mod:`runtime.models.checkpointing`), optionally with its checkpointed input offloaded to host memory
+  (:mod:`runtime.offload`);
+- the MLP can run tiled over the sequence (:mod:`runtime.tiled_mlp`), and the model exposes the final
+  hidden states for a chunked loss (:meth:`LlamaModel.hidden_states`, :mod:`runtime.tiled_loss`);
+- tensor parallelism (:mod:`runtime.tp`) swaps in sharded projections and sets the ``tp_enter`` hooks
+  (the all-gather / identity that opens a TP region); without it they are ``None`` and the default
+  path, and what it saves for backward, are untouched.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from torch import nn
 from cost_models.model_spec import ModelSpec
 
 from ..errors import RuntimeConfigError
+from ..tiled_mlp import tile_tokens_for, tiled_mlp
 from .checkpointing import check_mode, keep_for_selective, run_checkpointed
 
 AttentionFn = Callable[..., torch.Tensor]
@@ -40,29 +47,64 @@ class _RMSNormFunction(torch.autograd.Function):
     """y = weight * (x * rstd).to(x.dtype), rstd = 1 / sqrt(mean(x^2) + eps), computed in (at least) fp32.
 
     Saves x (compute dtype) and rstd (fp32, one value per row) - what a fused kernel keeps - instead of
-    the fp32 copies an eager implementation would leave to autograd.
+    the fp32 copies an eager implementation would leave to autograd. With ``chunk_elements`` the rows
+    are processed in chunks of about that many elements, so the fp32 temporaries of the eager math
+    (about 5 fp32 copies of the input in backward) exist for one chunk only: the working set stays
+    bounded like a fused kernel's (which the memory model assumes: ``norm_implementation='fused'``)
+    instead of growing with the sequence. Results are the same per row; the weight gradient is summed
+    over chunks in fp32.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.to(_accumulate_dtype(x))
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        y = weight * (xf * rstd).to(x.dtype)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, *chunking: int | None):
+        chunk_elements = chunking[0] if chunking else None  # optional 4th argument
+        acc = _accumulate_dtype(x)
+        width = x.shape[-1]
+        rows = x.reshape(-1, width)
+        chunk = _chunk_rows(rows.shape[0], width, chunk_elements)
+        y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+        rstd = torch.empty((*x.shape[:-1], 1), dtype=acc, device=x.device)
+        y_rows, rstd_rows = y.view(-1, width), rstd.view(-1, 1)
+        for start in range(0, rows.shape[0], chunk):
+            xf = rows[start : start + chunk].to(acc)
+            r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            y_rows[start : start + chunk] = weight * (xf * r).to(x.dtype)
+            rstd_rows[start : start + chunk] = r
+            del xf, r
         ctx.save_for_backward(x, weight, rstd)
+        ctx.chunk, ctx.n_inputs = chunk, 3 + len(chunking)
         return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
         acc = _accumulate_dtype(x)
-        xhat = x.to(acc) * rstd
-        g = grad.to(acc)
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = (g * xhat.to(x.dtype).to(acc)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        gx = g * weight.to(acc)
-        grad_x = rstd * (gx - xhat * (gx * xhat).mean(-1, keepdim=True))
-        return grad_x.to(x.dtype), grad_weight, None
+        width = x.shape[-1]
+        rows, rstd_rows = x.reshape(-1, width), rstd.reshape(-1, 1)
+        grad_rows = grad.reshape(-1, width)
+        grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        grad_x_rows = grad_x.view(-1, width)
+        grad_weight = torch.zeros(width, dtype=acc, device=x.device) if ctx.needs_input_grad[1] else None
+        w = weight.to(acc)
+        for start in range(0, rows.shape[0], ctx.chunk):
+            stop = start + ctx.chunk
+            r = rstd_rows[start:stop]
+            xhat = rows[start:stop].to(acc) * r
+            g = grad_rows[start:stop].to(acc)
+            if grad_weight is not None:
+                grad_weight += (g * xhat.to(x.dtype).to(acc)).sum(0)
+            gx = g * w
+            grad_x_rows[start:stop] = r * (gx - xhat * (gx * xhat).mean(-1, keepdim=True))
+            del xhat, g, gx
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return (grad_x, grad_weight) + (None,) * (ctx.n_inputs - 2)
+
+
+def _chunk_rows(rows: int, width: int, chunk_elements: int | None) -> int:
+    if chunk_elements is None:
+        return max(rows, 1)
+    return max(1, min(rows, chunk_elements // width))
 
 
 def _accumulate_dtype(x: torch.Tensor) -> torch.dtype:
@@ -70,15 +112,25 @@ def _accumulate_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def norm_chunk_elements(spec: ModelSpec) -> int:
+    """Elements per RMSNorm chunk: one tiled-MLP tile of hidden states (hidden_size tokens x hidden_size)."""
+    return spec.hidden_size * spec.hidden_size
+
+
 class RMSNorm(nn.Module):
+    """RMSNorm over the last dim. ``chunk_elements`` bounds the eager fp32 working set (see
+    :class:`_RMSNormFunction`); the Llama model sets it to ``hidden_size**2``: one tiled-MLP tile of hidden
+    states (``hidden_size`` tokens), so the norm's temporaries stay below the MLP tile's."""
+
     def __init__(self, dim: int, eps: float = 1e-5, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, chunk_elements: int | None = None) -> None:
         super().__init__()
         self.eps = eps
+        self.chunk_elements = chunk_elements
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        return _RMSNormFunction.apply(x, self.weight, self.eps, self.chunk_elements)
 
 
 # ----- rotary position embedding -----------------------------------------------------------------------
@@ -226,15 +278,21 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias, **factory)
         self.v_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias, **factory)
         self.o_proj = nn.Linear(spec.num_heads * d, h, bias=spec.attn_out_bias, **factory)
-        self.q_norm = RMSNorm(d, eps, **factory) if spec.qk_norm else None
-        self.k_norm = RMSNorm(d, eps, **factory) if spec.qk_norm else None
+        chunk = norm_chunk_elements(spec)
+        self.q_norm = RMSNorm(d, eps, chunk_elements=chunk, **factory) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d, eps, chunk_elements=chunk, **factory) if spec.qk_norm else None
         self.attention_fn = attention_fn
+        #: Opens a tensor-parallel region (all-gather over the sequence, or identity with an all-reduce in
+        #: backward); None without TP. Heads below are whatever the (possibly sharded) projections give.
+        self.tp_enter: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.tp_enter is not None:
+            x = self.tp_enter(x)
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x).view(b, s, -1, self.head_dim)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -242,11 +300,15 @@ class LlamaAttention(nn.Module):
         k = apply_rope(k, cos, sin)
         out = self.attention_fn(q, k, v, causal=True)
         del q, k, v  # free what autograd did not save before the output projection runs
-        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(b, s, -1))
 
 
 class LlamaMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)): saves gate, silu(gate), up and their product (eager SwiGLU)."""
+    """down(silu(gate(x)) * up(x)): saves gate, silu(gate), up and their product (eager SwiGLU).
+
+    With ``tiled`` set (:func:`runtime.tiled_mlp.apply_tiled_mlp`) the same computation runs over tiles
+    of ``tile_tokens`` tokens (None: the memory model's default rule) and saves only its input.
+    """
 
     def __init__(self, spec: ModelSpec, **factory) -> None:
         super().__init__()
@@ -254,9 +316,28 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(h, f, bias=spec.mlp_bias, **factory)
         self.up_proj = nn.Linear(h, f, bias=spec.mlp_bias, **factory)
         self.down_proj = nn.Linear(f, h, bias=spec.mlp_bias, **factory)
+        self.tp_enter: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.tiled = False
+        self.tile_tokens: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.tp_enter is not None:
+            x = self.tp_enter(x)
+        if not self.tiled:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        tile = tile_tokens_for(x.shape[-1], x.numel() // x.shape[-1], self.tile_tokens)
+        y = tiled_mlp(self._tile_forward, x, self._tile_parameters(), tile)
+        finish = getattr(self.down_proj, "finish", None)  # a row-parallel projection's reduction + bias
+        return finish(y) if finish is not None else y
+
+    def _tile_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP on one tile, up to (not including) a row-parallel projection's reduction."""
+        partial = getattr(self.down_proj, "partial", self.down_proj)
+        return partial(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def _tile_parameters(self) -> list[nn.Parameter]:
+        down = getattr(self.down_proj, "partial_parameters", self.down_proj.parameters)
+        return [*self.gate_proj.parameters(), *self.up_proj.parameters(), *down()]
 
 
 class LlamaBlock(nn.Module):
@@ -265,12 +346,15 @@ class LlamaBlock(nn.Module):
     def __init__(self, spec: ModelSpec, attention_fn: AttentionFn, checkpointing: str = "none",
                  eps: float = 1e-5, **factory) -> None:
         super().__init__()
-        self.input_norm = RMSNorm(spec.hidden_size, eps, **factory)
+        self.input_norm = RMSNorm(spec.hidden_size, eps, chunk_elements=norm_chunk_elements(spec), **factory)
         self.attn = LlamaAttention(spec, attention_fn, eps, **factory)
-        self.post_attention_norm = RMSNorm(spec.hidden_size, eps, **factory)
+        self.post_attention_norm = RMSNorm(spec.hidden_size, eps, chunk_elements=norm_chunk_elements(spec), **factory)
         self.mlp = LlamaMLP(spec, **factory)
         self.hidden_dropout = spec.hidden_dropout
         self.checkpointing = check_mode(checkpointing)
+        #: Moves the checkpointed block input to host memory between forward and backward
+        #: (:class:`runtime.offload.CheckpointOffload`); None keeps it on the device.
+        self.checkpoint_offload = None
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and self.hidden_dropout > 0:
@@ -282,7 +366,7 @@ class LlamaBlock(nn.Module):
         return h + self._dropout(self.mlp(self.post_attention_norm(h)))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return run_checkpointed(self._forward, self.checkpointing, x, cos, sin)
+        return run_checkpointed(self._forward, self.checkpointing, x, cos, sin, offload=self.checkpoint_offload)
 
 
 def check_llama_spec(spec: ModelSpec) -> None:
@@ -300,7 +384,11 @@ def check_llama_spec(spec: ModelSpec) -> None:
 
 
 class LlamaModel(nn.Module):
-    """Decoder-only Llama-style LM. ``forward(input_ids, position_ids=None) -> logits``."""
+    """Decoder-only Llama-style LM. ``forward(input_ids, position_ids=None) -> logits``.
+
+    :meth:`hidden_states` stops before the lm_head (the input of a chunked loss, which multiplies by
+    ``lm_head.weight`` chunk by chunk).
+    """
 
     def __init__(
         self,
@@ -323,10 +411,13 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaBlock(spec, self.attention_fn, checkpointing, norm_eps, **factory) for _ in range(spec.num_layers)
         )
-        self.norm = RMSNorm(spec.hidden_size, norm_eps, **factory)
+        self.norm = RMSNorm(spec.hidden_size, norm_eps, chunk_elements=norm_chunk_elements(spec), **factory)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, **factory)
         if spec.tied_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        #: Opens the lm_head's tensor-parallel region (all-gather of the sequence-parallel hidden states, or
+        #: identity with an all-reduce in backward); None without TP.
+        self.head_tp_enter: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def set_checkpointing(self, mode: str) -> None:
         check_mode(mode)
@@ -344,11 +435,16 @@ class LlamaModel(nn.Module):
                 else:
                     param.copy_(torch.randn(param.shape, generator=generator) * std)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The final-norm output the lm_head multiplies (all tokens of this rank's sequence shard)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
-        return self.lm_head(self.norm(x))
+        x = self.norm(x)
+        return self.head_tp_enter(x) if self.head_tp_enter is not None else x
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(input_ids, position_ids))

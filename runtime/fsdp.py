@@ -1,0 +1,103 @@
+"""FSDP2 (``fully_shard``) settings from a plan: mesh, mixed precision, parameter offload, resharding.
+
+:func:`fully_shard_kwargs` turns the plan's ZeRO stage and offload options into ``fully_shard``'s
+keyword arguments, and :func:`apply_fsdp` wraps a runtime Llama model with them (each block, then
+the root, the standard FSDP2 recipe). What the plan's options mean here:
+
+- the mesh is the ``fsdp`` dim (dp_shard x ring x ulysses, ``Layout.shard_group``); with
+  ``dp_replicate > 1`` it is the 2-D (dp_replicate, fsdp) mesh, i.e. HSDP;
+- ``zero_stage=3``: parameters resharded after forward (gathered again in backward);
+  ``zero_stage`` 1 or 2: kept gathered from forward to backward (``reshard_after_forward=False``);
+  FSDP2 always shards gradients and optimizer states, so 1 behaves as 2 (for ZeRO-1's single
+  reduce-scatter per step, skip gradient sync on all but the last micro-batch:
+  ``model.set_requires_gradient_sync(last)``); ``zero_stage=0`` is plain data parallelism (DDP), not
+  FSDP, and is refused here;
+- mixed precision: parameters are gathered in the compute dtype and gradients reduced in fp32
+  (``MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=fp32)``), the fp32 sharded parameters
+  being the master weights (bf16 training keeps 2 + 2 + 12 bytes per parameter, as the memory model);
+- ``offload_params``: ``CPUOffloadPolicy``: sharded parameters, their gradients and the optimizer
+  step live in host memory (pinned on CUDA), the memory model's
+  ``offload_params_moves_grads_and_optimizer`` semantics; build the optimizer on ``model.parameters()``
+  as usual (they are CPU tensors then);
+- ``offload_optimizer`` without ``offload_params``: FSDP2 has no such mode (its offload policy moves
+  parameters too). :class:`runtime.host_optimizer.HostOffloadOptimizer` provides it (ZeRO-Offload):
+  device-resident parameters in the compute dtype and fp32 master weights, moments and gradients on the
+  host. Create the model in the compute dtype for this mode (no parameter cast: ``param_dtype=None``).
+
+Order: tensor parallelism first (:func:`runtime.tp.apply_tensor_parallel`), then
+:func:`apply_fsdp`, then the optimizer. Activation checkpointing, checkpoint offload and the tiled MLP
+live inside each block's forward and may be set before or after.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from cost_models.train_spec import TrainSpec
+
+from .errors import RuntimeConfigError
+
+#: Compute dtypes of a TrainSpec.
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: Gradients are reduced in fp32 (the memory model's fp32 gradient shards under mixed precision).
+REDUCE_DTYPE = torch.float32
+
+
+def data_parallel_mesh(mesh) -> Any:
+    """The mesh FSDP2 shards over: ``fsdp`` (1-D), or (dp_replicate, fsdp) for HSDP."""
+    if mesh.layout.dp_replicate > 1:
+        return mesh.device_mesh[("dp_replicate", "fsdp")]
+    return mesh["fsdp"]
+
+
+def fully_shard_kwargs(train: TrainSpec, mesh, *, params_in_compute_dtype: bool = False) -> dict[str, Any]:
+    """``fully_shard`` keyword arguments for ``train`` (a TrainSpec) on ``mesh`` (a RuntimeMesh).
+
+    ``params_in_compute_dtype``: the model was created in the compute dtype (required for
+    ``offload_optimizer`` without ``offload_params``), so FSDP2 must not cast parameters.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    if train.zero_stage == 0:
+        raise RuntimeConfigError(
+            "zero_stage 0 replicates parameters (DDP), which FSDP2 does not do; use zero_stage 1-3 for fully_shard, "
+            "or wrap the model with DistributedDataParallel"
+        )
+    if train.offload_optimizer and not train.offload_params and not params_in_compute_dtype:
+        raise RuntimeConfigError(
+            "offload_optimizer keeps fp32 master weights on the host: create the model in the compute dtype "
+            f"({train.dtype}) and pass params_in_compute_dtype=True, then use "
+            "runtime.host_optimizer.HostOffloadOptimizer"
+        )
+    compute = DTYPES[train.dtype]
+    cast = compute != torch.float32 and not params_in_compute_dtype
+    mp = MixedPrecisionPolicy(param_dtype=compute if cast else None, reduce_dtype=REDUCE_DTYPE)
+    device_type = mesh.device.type
+    offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if train.offload_params else OffloadPolicy()
+    return {
+        "mesh": data_parallel_mesh(mesh),
+        "mp_policy": mp,
+        "offload_policy": offload,
+        "reshard_after_forward": train.zero_stage == 3,
+    }
+
+
+def apply_fsdp(model: nn.Module, train: TrainSpec, mesh, *, params_in_compute_dtype: bool = False) -> nn.Module:
+    """``fully_shard`` ``model`` (a runtime LlamaModel) in units; returns it.
+
+    Units, as the comm model assumes: each block; an untied input embedding on its own (resharded after
+    forward like the blocks, gathered again for its gradient); the root with the final norm and the
+    lm_head (and a tied embedding), which backward uses first, so it stays gathered after forward.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = fully_shard_kwargs(train, mesh, params_in_compute_dtype=params_in_compute_dtype)
+    if not model.spec.tied_embeddings:
+        fully_shard(model.embed_tokens, **kwargs)
+    for layer in model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+    return model
