@@ -100,6 +100,10 @@ class CommOp(NamedTuple):
 # ----- parameter counts seen by one TP rank ---------------------------------------------------------
 
 
+#: Gradient bytes per parameter after FSDP2's reduce-scatter (reduce_dtype=fp32 in runtime.fsdp).
+FSDP_GRAD_BYTES = 4
+
+
 def tp_local_layer_params(model: ModelSpec, tp: int) -> float:
     """Parameters of one transformer layer held by one TP rank (column/row-parallel split, KV heads
     replicated when tp exceeds them, norms and row-parallel biases replicated)."""
@@ -199,8 +203,11 @@ def comm_ops(model: ModelSpec, train: TrainSpec, layout: Layout) -> tuple[CommOp
         add_many("tp", "tp", "forward", fwd)
         if training:
             add_many("tp", "tp", "backward", bwd)
-            again = fwd if ckpt == "full" else fwd[:3] if (ckpt == "selective" and sp_tp) else \
-                fwd[:1] if ckpt == "selective" else []
+            # Recompute re-runs the block's TP collectives except the last one (the MLP output's
+            # reduce-scatter / all-reduce): PyTorch's non-reentrant checkpoint stops recomputing once the
+            # last tensor backward needs is rebuilt, and nothing in backward needs the block's output.
+            # Selective and full therefore repeat the same TP traffic.
+            again = fwd[:-1] if ckpt in ("selective", "full") else []
             add_many("tp", "tp", "backward", [(c, n, f"{lb} (recompute)") for c, n, lb in again], recompute=True)
 
     # --- ZeRO / FSDP / DDP ---------------------------------------------------------------------
@@ -275,10 +282,20 @@ def _parameter_ops(add, model: ModelSpec, train: TrainSpec, layout: Layout) -> N
                 label="gradient shard all-reduce across replicas")
             add("dp", "all_reduce", "dp_replicate", other / shard, "backward", scope="model", per=grad_per,
                 label="embedding/head gradient shard all-reduce across replicas")
+    # Gradients of weights every TP rank holds are summed over TP once per step. Under FSDP they are
+    # the sharded fp32 gradients (FSDP2's reduce dtype); without it, full gradients in the compute dtype.
+    grad_bytes, grad_shard = (FSDP_GRAD_BYTES, shard) if stage >= 1 else (d, 1)
     if tp > 1 and train.tp_sequence_parallel:
-        replicated = (tp_replicated_layer_params(model) * model.num_layers + model.norm_params()) * d
-        add("tp", "all_reduce", "tp", replicated, "step", scope="model", per="step",
+        # Norms (and row-parallel biases) see only this rank's sequence shard under Megatron SP.
+        replicated = (tp_replicated_layer_params(model) * model.num_layers + model.norm_params())
+        add("tp", "all_reduce", "tp", replicated * grad_bytes / grad_shard, "backward", scope="model", per="step",
             label="replicated-parameter gradient all-reduce (sequence parallel)")
+    if tp > 1 and model.kv_replication(tp) > 1:
+        # tp > KV heads: each KV head's K/V weights live on tp / kv ranks that each see other query heads;
+        # one all-reduce of a slot per KV head sums the replicas' gradients (runtime.tp).
+        kv_weights = 2 * model.num_kv_heads * model.head_dim * (model.hidden_size + model.qkv_bias)
+        add("tp", "all_reduce", "tp", kv_weights * model.num_layers * grad_bytes / grad_shard, "backward",
+            scope="model", per="step", label="replicated K/V-head gradient all-reduce (tp > KV heads)")
 
 
 # ----- the comm JSON section -----------------------------------------------------------------------
