@@ -248,24 +248,6 @@ def attention_backward(
     return _BACKWARD[name](dout, q, k, v, out, lse, causal, scale)
 
 
-class _LocalAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, backend):
-        out, lse = attention_forward(q, k, v, causal=causal, scale=scale, backend=backend)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(
-            dout, q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale, backend=ctx.backend
-        )
-        return dq, dk, dv, None, None, None
-
-
 def local_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -276,8 +258,14 @@ def local_attention(
     backend: str | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Single-device attention (autograd-aware); the LSE, if returned, carries no gradient."""
-    out, lse = _LocalAttention.apply(q, k, v, causal, scale, backend)
+    """Single-device attention (autograd-aware); the LSE, if returned, carries no gradient.
+
+    Runs as the ``sp_plan::attention`` custom op (:mod:`runtime.attention.ops`), so selective
+    checkpointing keeps its output and LSE instead of re-running the kernel.
+    """
+    from runtime.attention.ops import attention_op
+
+    out, lse = attention_op(q, k, v, causal, scale, backend)
     return (out, lse) if return_lse else out
 
 

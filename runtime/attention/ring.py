@@ -154,24 +154,6 @@ def _ring_backward(dout, q, k, v, out, lse, comm: RingComm, causal: bool, scale:
     return dq.to(q.dtype), dkv_spare[0].to(k.dtype), dkv_spare[1].to(v.dtype)
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, backend):
-        comm = RingComm(group)
-        out, lse = _ring_forward(q, k, v, comm, causal, scale, backend)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.causal, ctx.scale, ctx.backend = comm, causal, scale, backend
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.comm, ctx.causal, ctx.scale, ctx.backend)
-        return dq, dk, dv, None, None, None, None
-
-
 def check_ring_shapes(q: torch.Tensor, k: torch.Tensor, world: int, causal: bool) -> None:
     if q.shape[1] != k.shape[1]:
         raise RuntimeConfigError(
@@ -211,5 +193,9 @@ def ring_attention(
     if world == 1:
         return local_attention(q, k, v, causal=causal, scale=scale, backend=backend, return_lse=return_lse)
     check_ring_shapes(q, k, world, causal)
-    out, lse = _RingAttention.apply(q, k, v, group, causal, scale, backend)
+    from runtime.attention.ops import group_name, ring_attention_op
+
+    # One custom op (forward: the ring pass; backward: the dK/dV ring), so selective checkpointing keeps
+    # its output and LSE and never replays the ring in the recompute.
+    out, lse = ring_attention_op(q, k, v, group_name(group), causal, scale, backend)
     return (out, lse) if return_lse else out

@@ -129,17 +129,6 @@ def _head_split_shape(seq_split_shape: torch.Size, world: int) -> tuple[int, int
     return (batch, seq * world, heads // world, head_dim)
 
 
-class _HeadToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, group, world, *tensors):
-        ctx.group, ctx.world = group, world
-        return tuple(head_to_seq(list(tensors), group, world, "forward"))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None, None, *seq_to_head(list(grads), ctx.group, ctx.world, "backward"))
-
-
 InnerAttention = Callable[..., torch.Tensor]
 
 
@@ -173,5 +162,8 @@ def ulysses_attention(
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     qh, kh, vh = _SeqToHead.apply(group, world, q, k, v)
     out = inner(qh, kh, vh, causal=causal, scale=scale, backend=backend)
-    (out,) = _HeadToSeq.apply(group, world, out)
-    return out
+    from runtime.attention.ops import group_name, ulysses_head_to_seq_op
+
+    # The output all-to-all is one custom op so that selective checkpointing keeps its result (the Q/K/V
+    # all-to-all above is an ordinary autograd function and is recomputed).
+    return ulysses_head_to_seq_op(out, group_name(group), world)

@@ -4,12 +4,14 @@
   the whole block is recomputed in backward.
 - ``selective``: the same checkpoint with a selective-checkpoint policy
   (``create_selective_checkpoint_contexts``) that keeps the outputs of the attention op (output and
-  LSE) and recomputes everything else. The attention op is recognised two ways: kernel ops listed in a
-  registry (PyTorch's flash/efficient/cuDNN attention ops; sequence-parallel kernels can register
-  theirs), and any op executed inside :func:`keep_for_selective` (used by composite attention
-  implementations, e.g. the output product of materialized attention or the output all-to-all of
-  Ulysses). Outputs of those ops are cached by the checkpoint and the ops are not re-run; their inputs
-  (q, k, v) are recomputed from the block input because their backward needs them.
+  LSE) and recomputes everything else. The attention op is recognised two ways: ops listed in a
+  registry (PyTorch's flash/efficient/cuDNN attention ops, and the sequence-parallel custom ops of
+  :mod:`runtime.attention.ops`: the local kernel, the whole ring pass and the Ulysses output
+  all-to-all; other kernels can register theirs), and any op executed inside
+  :func:`keep_for_selective` (used by composite attention implementations, e.g. the output product of
+  materialized attention). Outputs of those ops are cached by the checkpoint and the ops are not re-run
+  (no ring pass, no output all-to-all in the recompute); their inputs (q, k, v) are recomputed from
+  the block input because their backward needs them (under Ulysses that re-runs the Q/K/V all-to-all).
 
 Recomputation is exact: the same ops run on the same inputs with the forward's RNG state restored, so
 gradients equal the non-checkpointed ones bit for bit.
@@ -33,7 +35,11 @@ CHECKPOINT_MODES: tuple[str, ...] = ("none", "selective", "full")
 
 
 def _attention_kernel_ops() -> set[Any]:
-    """PyTorch's fused attention ops that exist in this build (their outputs are out, LSE, RNG state)."""
+    """Attention ops whose outputs selective keeps: PyTorch's fused attention ops that exist in this build
+    (their outputs are out, LSE, RNG state) and the sequence-parallel attention steps of
+    :mod:`runtime.attention.ops` (local kernel, ring pass, Ulysses output all-to-all)."""
+    from runtime.attention.ops import KEPT_BY_SELECTIVE
+
     names = (
         "_scaled_dot_product_flash_attention_for_cpu",
         "_scaled_dot_product_flash_attention",
@@ -45,7 +51,7 @@ def _attention_kernel_ops() -> set[Any]:
         packet = getattr(torch.ops.aten, name, None)
         if packet is not None and hasattr(packet, "default"):
             ops.add(packet.default)
-    return ops
+    return ops | set(KEPT_BY_SELECTIVE)
 
 
 _SAVE_OPS: set[Any] = _attention_kernel_ops()
