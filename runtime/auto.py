@@ -170,7 +170,7 @@ def describe_plan(plan) -> list[str]:
     if memory and timing:
         lines.append(
             f"  predicted on {plan.hardware.topology}: {memory.get('total', 0) / 1e9:.2f} GB per rank, "
-            f"step {timing.get('step_s', 0):.3f} s, {timing.get('tokens_per_s', 0):,.0f} tokens/s"
+            f"step {timing.get('step_s', 0):.3g} s, {timing.get('tokens_per_s', 0):,.0f} tokens/s"
         )
     lines += [f"  why: {reason}" for reason in plan.explanation[:3]]
     return lines

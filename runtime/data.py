@@ -196,7 +196,8 @@ class BatchSharder:
         out = {}
         for key in BATCH_KEYS:
             local = self.sp.shard(full[key], dim=1)
-            out[key] = local.to(self.device, non_blocking=True) if self.device is not None else local.contiguous()
+            # Always a copy: a narrow view would keep the whole batch alive (autograd saves the token ids).
+            out[key] = local.to(self.device if self.device is not None else local.device, copy=True)
         return out
 
     def __call__(self, batch: Any) -> dict[str, torch.Tensor]:
