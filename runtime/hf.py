@@ -58,7 +58,8 @@ def hf_model_spec(model: nn.Module) -> ModelSpec:
     model_type = str(config.get("model_type", "")).lower()
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise RuntimeConfigError(
-            f"HF model_type {model_type!r} is not supported by the runtime: use one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"HF model_type {model_type!r} is not supported by the runtime: use one of "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     name = f"{model_type}-{config.get('num_hidden_layers')}l-{config.get('hidden_size')}h"
     return model_from_hf_dict(config, name=name)
@@ -106,8 +107,8 @@ def sequence_parallel_attention_forward(
         )
     if attention_mask is not None:
         raise RuntimeConfigError(
-            f"a {tuple(attention_mask.shape)} attention mask reached sequence-parallel attention; the runtime never uses "
-            "masks (position_ids carry the layout, padding becomes ignored labels): do not pass attention_mask"
+            f"a {tuple(attention_mask.shape)} attention mask reached sequence-parallel attention; the runtime never "
+            "uses masks (position_ids carry the layout, padding becomes ignored labels): do not pass attention_mask"
         )
     if dropout:
         raise RuntimeConfigError(f"attention dropout {dropout} is not supported: set config.attention_dropout = 0")
@@ -169,6 +170,8 @@ def set_hf_checkpointing(model: nn.Module, mode: str) -> None:
 
     for layer in hf_decoder_layers(model):
         if not isinstance(layer, layer_type):
-            raise RuntimeConfigError(f"{type(layer).__name__} does not support checkpointing (not a GradientCheckpointingLayer)")
+            raise RuntimeConfigError(
+                f"{type(layer).__name__} does not support checkpointing (not a GradientCheckpointingLayer)"
+            )
         layer._gradient_checkpointing_func = checkpointed
         layer.gradient_checkpointing = mode != "none"

@@ -35,12 +35,6 @@ class StepResult:
     grad_norm: float | None = None
 
 
-def _fsdp_modules(model: torch.nn.Module) -> list:
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
 def _set_micro_batch_flags(model: torch.nn.Module, zero_stage: int, last: bool) -> None:
     from torch.distributed.fsdp import FSDPModule
 

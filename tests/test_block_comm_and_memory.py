@@ -6,9 +6,10 @@ attention runs forward and backward in bf16 under a ``CommCounter`` and a ``Save
 - communication: bytes sent per collective and phase (forward, backward, recompute) must equal
   ``comm_estimate(model, train, layout).per_layer_by_collective`` (forward; backward incl. recompute;
   recompute alone) EXACTLY for the SP collectives (all-to-all, send/recv), and nothing else is sent
-  (the estimate's FSDP traffic belongs to the sharded model, checked by ``sp-plan validate``). Selective checkpointing re-sends only the Q/K/V all-to-all (never the ring
-  pass or the output all-to-all: the attention steps are custom ops the checkpoint keeps); full
-  re-runs the whole block's forward traffic;
+  (the estimate's FSDP traffic belongs to the sharded model, checked by ``sp-plan validate``).
+  Selective checkpointing re-sends only the Q/K/V all-to-all (never the ring pass or the output
+  all-to-all: the attention steps are custom ops the checkpoint keeps); full re-runs the whole
+  block's forward traffic;
 - activations: bytes saved for backward must equal the memory model's per-layer saved bytes exactly.
 
 GQA with 4 query and 2 KV heads, so Ulysses 4 replicates KV heads before the all-to-all.
