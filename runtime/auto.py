@@ -341,10 +341,13 @@ def refuse_unsupported(plan) -> None:
 
 
 def _data_group(mesh: RuntimeMesh) -> dist.ProcessGroup | None:
-    """Every rank that holds different tokens: all mesh dims but tp."""
+    """Every rank that holds different tokens: all mesh dims but tp (the whole world without TP, which
+    needs no extra communicator)."""
     dims = ("dp_replicate", "dp_shard", "ring", "ulysses")
     if all(mesh.size(d) == 1 for d in dims):
         return None
+    if mesh.size("tp") == 1:
+        return dist.group.WORLD
     return mesh.device_mesh[dims]._flatten("data").get_group()
 
 

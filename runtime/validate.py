@@ -254,7 +254,13 @@ def prediction_topology(plan, topology: Any, device_type: str):
     if topology is not None:
         return load_topology(str(topology), world), f"topology {topology}"
     if device_type == "cuda":
-        return load_topology(plan.hardware.topology, world), f"the plan's topology ({plan.hardware.topology})"
+        from cost_models.errors import CostModelError
+        from cost_models.topology import default_topology
+
+        try:
+            return load_topology(plan.hardware.topology, world), f"the plan's topology ({plan.hardware.topology})"
+        except CostModelError:  # a topology file from another machine: the GPU's natural node instead
+            return default_topology(plan.hardware.gpu, world), f"the natural node of {plan.hardware.gpu}"
     from runtime.auto import AUTO_PROBE_BUDGETS
     from runtime.probe.run import run_probe
 
@@ -287,10 +293,12 @@ def run_validation(plan, *, steps: int = 3, topology: Any = None, seed: int = 0)
     if device_type == "cpu":
         notes.append("peak memory: not measured on CPU (no allocator statistics); the activation row is the "
                      "measured saved-tensor total")
-    if prediction.comm_bytes.get("all_gather") or prediction.comm_bytes.get("reduce_scatter"):
-        notes.append("FSDP2 bytes differ from the model by its padding of each parameter's first dim to the shard "
-                     "count" + ("" if plan.train.dtype == "fp32" else
-                                " and by reducing gradients in fp32 (the model assumes compute-dtype gradients)"))
+    fsdp_differs = any(r.comm_bytes[c] != prediction.comm_bytes[c] for r in gathered for c in FSDP_COLLECTIVES)
+    if fsdp_differs:
+        notes.append("FSDP2 bytes differ from the model where FSDP2 pads a parameter's first dim to a multiple of "
+                     "the shard count" + ("" if plan.train.dtype == "fp32" else
+                                          ", and because it reduce-scatters gradients in fp32 (reduce_dtype) where "
+                                          "the model assumes compute-dtype gradients (2x)"))
     return ValidationReport(plan_lines=describe_plan(plan), prediction=prediction, ranks=gathered,
                             device=device_type, notes=notes)
 
