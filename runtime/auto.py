@@ -218,21 +218,22 @@ def model_spec_of(model: nn.Module) -> tuple[ModelSpec, str]:
     )
 
 
-def _resolve_topology(topology: Any, world: int, device_type: str):
-    """A Topology on rank 0 (None elsewhere). ``topology`` None means: probe this machine (collective)."""
+def load_topology_for(topology: Any, world: int):
+    """A Topology from a Topology, a preset (``dgx-h100``, ``dgx-h100@roce-400:8``) or a topology file."""
     from cost_models.topology import Topology, load_topology
 
-    rank = dist.get_rank()
-    if isinstance(topology, Topology):
-        return topology if rank == 0 else None
-    if topology is not None:
-        return load_topology(str(topology), world) if rank == 0 else None
+    return topology if isinstance(topology, Topology) else load_topology(str(topology), world)
+
+
+def probe_topology(world: int, device_type: str):
+    """Measure this machine with a quick probe (collective: every rank runs it); the Topology on rank 0."""
+    from cost_models.topology import load_topology
     from runtime.probe.run import run_probe
 
     compute_s, link_s = AUTO_PROBE_BUDGETS[device_type]
     with tempfile.TemporaryDirectory() as tmp:
         result = run_probe(Path(tmp) / "topology.yaml", compute_budget_s=compute_s, link_budget_s=link_s)
-        return load_topology(str(result.path), world) if rank == 0 else None
+        return load_topology(str(result.path), world) if dist.get_rank() == 0 else None
 
 
 def plan_for(spec: ModelSpec, base: TrainSpec, topology, world: int, *, global_batch: int | None = None,
@@ -501,9 +502,14 @@ def auto_configure(
                              dtype=dtype or ("bf16" if device_type == "cuda" else "fp32"), optimizer=optimizer)
         except ValueError as exc:
             raise RuntimeConfigError(f"invalid training options: {exc}".splitlines()[0]) from None
-        topo = _resolve_topology(topology, world, device_type)
-        the_plan = agree_on_plan(lambda: plan_for(spec, base, topo, world, global_batch=global_batch,
-                                                  fixed_layout=fixed_layout, fixed_options=fixed_options))
+        probed = probe_topology(world, device_type) if topology is None else None  # collective
+
+        def make_plan():  # rank 0 only: its errors (a bad topology name, no plan fits) reach every rank
+            topo = probed if topology is None else load_topology_for(topology, world)
+            return plan_for(spec, base, topo, world, global_batch=global_batch, fixed_layout=fixed_layout,
+                            fixed_options=fixed_options)
+
+        the_plan = agree_on_plan(make_plan)
     else:
         the_plan = _plan_from_argument(plan)
         check_same_plan(the_plan)
