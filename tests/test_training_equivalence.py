@@ -1,6 +1,6 @@
 """The field's standard A/B: sequence-parallel training equals single-device / data-parallel training.
 
-Same seed, same data order, same token budget per optimizer step (GLOBAL_BATCH sequences), 12 AdamW
+Same seed, same data order, same token budget per optimizer step (GLOBAL_BATCH sequences), 10 AdamW
 steps in fp32 on CPU. The reference is a plain single-process run of the same LlamaModel (no runtime
 code: its own cross-entropy over every valid token of the step). Every configuration goes through
 ``runtime.auto_configure`` (planner with pinned degrees and options, FSDP2, SP attention, checkpointing)
@@ -28,7 +28,7 @@ from tests.distributed import run_ranks
 
 pytestmark = pytest.mark.multiproc
 
-STEPS = 12
+STEPS = 10
 GLOBAL_BATCH = 4  # sequences per optimizer step
 RAW_SEQ = 60  # tokens per sequence before padding to the layout's multiple
 VOCAB = 96
