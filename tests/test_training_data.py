@@ -212,3 +212,17 @@ def test_plan_for_another_model_or_length_is_refused():
         check_plan_matches(plan, spec.model_copy(update={"hidden_size": 128}), None)
     with pytest.raises(RuntimeConfigError, match="seq_len=512"):
         check_plan_matches(plan, spec, 512)
+
+
+def test_sharded_loader_over_a_dataloader_of_hf_dicts():
+    from torch.utils.data import DataLoader
+
+    from runtime.data import ShardedLoader
+
+    rows = [{"input_ids": torch.arange(i, i + 12), "attention_mask": torch.ones(12, dtype=torch.long)}
+            for i in range(4)]
+    loader = ShardedLoader(DataLoader(rows, batch_size=2), BatchSharder(FakeSP(1, 2, 0, 1)))
+    shards = list(loader)
+    assert len(shards) == len(loader) == 2
+    assert shards[0]["input_ids"].shape == (2, 6) and shards[0]["position_ids"][0].tolist() == list(range(6, 12))
+    assert shards[1]["labels"][1].tolist() == [10, 11, 12, 13, 14, IGNORE_INDEX]
