@@ -19,17 +19,29 @@ _LAZY = {
     "ring_attention": "runtime.attention",
     "ulysses_attention": "runtime.attention",
     "usp_attention": "runtime.attention",
+    "auto_configure": "runtime.auto",
+    "AutoConfigured": "runtime.auto",
+    "BatchSharder": "runtime.data",
+    "TokenLoss": "runtime.loss",
+    "train_step": "runtime.step",
+    "unsupported_reasons": "runtime.capabilities",
 }
 
 __all__ = [
+    "AutoConfigured",
+    "BatchSharder",
     "CommCounter",
     "RuntimeMesh",
     "SequenceParallel",
+    "TokenLoss",
+    "auto_configure",
     "build_mesh",
     "load_layout",
     "local_attention",
     "ring_attention",
+    "train_step",
     "ulysses_attention",
+    "unsupported_reasons",
     "usp_attention",
 ]
 

@@ -1,0 +1,165 @@
+"""``sp-plan validate``: run a few steps of a plan and print measured vs predicted, per rank.
+
+The plan comes from ``--plan plan.yaml`` or from the same flags as ``sp-plan estimate``. Under
+torchrun the command measures in place (rank 0 prints); otherwise it launches the plan's ranks itself
+(``torch.distributed.run --standalone``; gloo on CPU, NCCL on GPUs) and prints their report. torch is
+imported only when the command runs, so ``sp-plan --help`` stays torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import click
+
+from cost_models.errors import CostModelError
+
+from .common import (
+    build_layout,
+    build_model,
+    build_topology,
+    build_train,
+    layout_options,
+    split_options,
+)
+
+#: Wall-clock bound for the launched ranks (start-up, planning of nothing, a few steps).
+LAUNCH_TIMEOUT_S = 1800
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _plan_from_flags(model_name: str | None, gpus: int | None, gpus_per_node: int | None, gpu_name: str,
+                     topology_ref: str | None, layers: int | None, options: dict[str, Any]):
+    from cost_models.estimate import estimate
+    from planner.plan import Hardware, Plan
+
+    if not model_name or options.get("seq_len") is None or gpus is None:
+        raise click.UsageError("give --plan FILE, or --model, --seq-len and --gpus (plus layout flags)")
+    train_kwargs, layout_kwargs = split_options(options)
+    model = build_model(model_name)
+    if layers is not None:
+        model = model.model_copy(update={"num_layers": layers})
+    train = build_train(**train_kwargs)
+    topology = build_topology(gpus, gpus_per_node, gpu_name, topology_ref)
+    layout = build_layout(gpus, **layout_kwargs)
+    est = estimate(model, train, layout, topology)
+    hardware = Hardware(num_gpus=gpus, gpus_per_node=min(topology.gpus_per_node, gpus), gpu=topology.gpu.name,
+                        topology=topology_ref or topology.name)
+    return Plan(model=model, train=train, layout=layout, hardware=hardware, estimate=est.to_json_dict(),
+                explanation=["layout and options given on the command line"])
+
+
+def _launch(plan_path: Path, world: int, steps: int, time_topology: str | None) -> dict:
+    """Run the ranks under torch.distributed.run and return rank 0's report (JSON)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "report.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               "-m", "planner.cli", "validate", "--plan", str(plan_path), "--steps", str(steps),
+               "--result-file", str(result)]
+        if time_topology:
+            cmd += ["--time-topology", time_topology]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+        if done.returncode != 0 or not result.exists():
+            lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
+            errors = [ln for ln in lines if "error:" in ln or "Error" in ln]
+            tail = "\n".join((errors or lines)[-12:])
+            raise CostModelError(f"the validation ranks failed (exit {done.returncode}):\n{tail}")
+        return json.loads(result.read_text())
+
+
+@click.command("validate")
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Plan file (sp-plan plan --out); otherwise describe the run with the flags below.")
+@click.option("--model", "model_name", default=None, help="Preset name or path to a HF config.json.")
+@click.option("--seq-len", default=None, help="Tokens per sequence: 4096, 8K, ...")
+@click.option("--micro-batch", type=click.IntRange(1, 1 << 16), default=1, show_default=True)
+@click.option("--grad-accum", type=click.IntRange(1, 1 << 16), default=1, show_default=True)
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
+@click.option("--optimizer", type=click.Choice(["adamw", "adamw_bf16"]), default="adamw", show_default=True)
+@click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=3, show_default=True)
+@click.option("--checkpointing", type=click.Choice(["none", "selective", "full"]), default="full",
+              show_default=True)
+@click.option("--gpus", type=click.IntRange(1, 1 << 20), default=None, help="Ranks to run (the plan's world).")
+@click.option("--gpus-per-node", type=click.IntRange(1, 1 << 10), default=None)
+@click.option("--gpu", "gpu_name", default="h100-80gb", show_default=True, help="GPU preset (planning only).")
+@click.option("--topology", "topology_ref", default=None, help="Topology preset or file the plan is for.")
+@layout_options
+@click.option("--layers", type=click.IntRange(1, 10_000), default=None,
+              help="Run the model with this many layers (per-layer figures are unchanged; whole-model ones scale).")
+@click.option("--steps", type=click.IntRange(1, 1000), default=3, show_default=True,
+              help="Optimizer steps: the first is measured for bytes, the rest are timed.")
+@click.option("--time-topology", default=None,
+              help="Topology for the step-time prediction (default: the plan's on GPUs, a quick probe on CPU).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (bytes, seconds).")
+@click.option("--result-file", type=click.Path(dir_okay=False, path_type=Path), default=None, hidden=True)
+def command(plan_path: Path | None, model_name: str | None, seq_len: str | None, gpus: int | None,
+            gpus_per_node: int | None, gpu_name: str, topology_ref: str | None, layers: int | None, steps: int,
+            time_topology: str | None, as_json: bool, result_file: Path | None, **options: Any) -> None:
+    """Run a few steps of the planned configuration and compare with the cost models, per rank:
+    activation bytes saved for backward, communication bytes by collective, peak memory (CUDA) and
+    step time. On a CPU-only machine the ranks are CPU processes over gloo."""
+    from cost_models.units import parse_seq_len
+    from planner.plan import load_plan
+    from runtime.capabilities import unsupported_reasons
+
+    if plan_path is not None:
+        plan = load_plan(plan_path)
+        if layers is not None:
+            plan = plan.model_copy(update={"model": plan.model.model_copy(update={"num_layers": layers})})
+    else:
+        if seq_len is not None:
+            options["seq_len"] = parse_seq_len(seq_len)
+        plan = _plan_from_flags(model_name, gpus, gpus_per_node, gpu_name, topology_ref, layers, options)
+    reasons = unsupported_reasons(plan)
+    if reasons:
+        raise CostModelError("the runtime cannot execute this plan: " + " | ".join(reasons))
+    world = plan.layout.world
+    if "WORLD_SIZE" in os.environ or world == 1:
+        _run_here(plan, steps, time_topology, as_json, result_file)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "plan.yaml"
+        plan.save(path)
+        click.echo(f"launching {world} rank(s) for {plan.layout.describe()} ...", err=True)
+        report = _launch(path, world, steps, time_topology)
+    _emit(report, as_json)
+
+
+def _run_here(plan, steps: int, time_topology: str | None, as_json: bool, result_file: Path | None) -> None:
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:
+        raise CostModelError(f"sp-plan validate needs torch ({exc.name} is missing): pip install 'sp-plan[runtime]'")
+    import torch.distributed as dist
+
+    from runtime.validate import run_validation
+
+    try:
+        report = run_validation(plan, steps=steps, topology=time_topology)
+        if report is not None:
+            data = report.to_json_dict()
+            if result_file is not None:
+                result_file.write_text(json.dumps(data))
+            else:
+                _emit(data, as_json)
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def _emit(report: dict, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    from runtime.validate import render
+
+    click.echo(render(report))

@@ -1,0 +1,533 @@
+"""``auto_configure``: from "this model, this sequence length, these GPUs" to a sequence-parallel run.
+
+Inside a torchrun launch (or a single process), one call::
+
+    setup = auto_configure(model, seq_len=131072)
+    for batch in loader:                                   # full-sequence batches (see runtime.data)
+        shard = setup.shard(batch)                         # pre-shifted, padded, this rank's shard
+        out = setup.loss(setup.forward(shard), shard["labels"])
+        out.loss.backward()
+
+does, in order (each step a function below, so later techniques slot in locally):
+
+1. **plan**: a :class:`planner.plan.Plan`, a plan file, or None: rank 0 asks the planner, for the
+   topology given (a Topology, a preset/file name) or probed on the spot, restricted to what this
+   runtime can execute (:mod:`runtime.capabilities`); the plan is broadcast and every rank checks
+   that it holds the same plan (a hash of its JSON);
+2. **refuse** options the runtime cannot execute (:func:`runtime.capabilities.unsupported_reasons`),
+   and a plan made for another model or sequence length;
+3. **mesh**: :func:`runtime.mesh.build_mesh` (5-D DeviceMesh + ``sp``/``fsdp`` dims) and a ``data``
+   group (every rank but TP) for the loss;
+4. **attention**: the model's attention becomes the planned SP attention
+   (:class:`runtime.context.SequenceParallel`): our :class:`~runtime.models.LlamaModel` through its
+   ``attention_fn``, HF models through transformers' attention registry (:mod:`runtime.hf`);
+5. **activation checkpointing** per plan (none / selective / full, per block);
+6. **memory techniques** (tensor parallelism, tiled MLP/loss, offloads): the hook where issue 7 wires
+   them in (today the capability check refuses them);
+7. **FSDP2** ``fully_shard`` per block, the untied embedding, and the root, over the ``fsdp`` dim
+   (HSDP over ``dp_replicate x fsdp`` when dp_replicate > 1), with a MixedPrecisionPolicy from the
+   plan's dtype and optimizer; gradients are summed (divide factor 1) because the loss is normalised by
+   the global token count (:mod:`runtime.loss`).
+
+ZeRO stages with FSDP2 (what :func:`runtime.step.train_step` toggles per micro-batch):
+
+- 3: ``reshard_after_forward=True``: parameters gathered for forward and again for backward,
+  gradients reduce-scattered every micro-batch;
+- 2: ``reshard_after_forward=False`` and no resharding between micro-batches of a step: parameters
+  gathered once per step, gradients reduce-scattered every micro-batch;
+- 1: as 2, but gradients accumulate unsharded and are reduce-scattered once per step.
+
+Between steps parameters stay sharded (FSDP2 always reshards after the last backward), so ZeRO-1/2
+hold less than the memory model's full replica of the weights; communication follows the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import tempfile
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cost_models.layout import Layout
+from cost_models.model_spec import ModelSpec
+from cost_models.train_spec import TrainSpec
+from runtime.capabilities import merge_constraints, unsupported_reasons
+from runtime.context import SequenceParallel
+from runtime.data import BatchSharder, data_parallel_coordinates, data_parallel_sampler
+from runtime.errors import RuntimeConfigError
+from runtime.loss import LossOutput, TokenLoss
+from runtime.mesh import RuntimeMesh, build_mesh
+
+#: Probe budgets (seconds per compute measurement, seconds for all link timings) when auto_configure has
+#: to measure the machine itself: enough for a usable topology, short enough to run before every job.
+AUTO_PROBE_BUDGETS = {"cpu": (0.05, 0.5), "cuda": (0.2, 5.0)}
+#: Architecture fields a plan's model must share with the model being trained (names and published
+#: totals may differ).
+ARCHITECTURE_FIELDS: tuple[str, ...] = (
+    "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size", "vocab_size",
+    "tied_embeddings", "activation", "norm", "position_embedding", "qkv_bias", "attn_out_bias", "mlp_bias",
+    "qk_norm",
+)
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# ----- the result ------------------------------------------------------------------------------------------
+
+
+class SequenceParallelAttention(nn.Module):
+    """``attention_fn`` for :class:`runtime.models.LlamaModel`: the planned SP attention on local shards."""
+
+    def __init__(self, sp: SequenceParallel) -> None:
+        super().__init__()
+        self.sp = sp
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
+        return self.sp.attention(q, k, v, causal=causal)
+
+    def extra_repr(self) -> str:
+        return repr(self.sp)
+
+
+@dataclass
+class AutoConfigured:
+    """What :func:`auto_configure` built. ``model`` is the wrapped (FSDP2) model."""
+
+    model: nn.Module
+    plan: Any  # planner.plan.Plan
+    mesh: RuntimeMesh
+    sp: SequenceParallel
+    sharder: BatchSharder
+    loss_fn: TokenLoss
+    data_group: dist.ProcessGroup | None
+    kind: str  # "llama" | "hf"
+    compute_dtype: torch.dtype
+    notes: list[str] = field(default_factory=list)
+
+    # -- convenience -----------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.mesh.device
+
+    @property
+    def layout(self) -> Layout:
+        return self.plan.layout
+
+    @property
+    def train(self) -> TrainSpec:
+        return self.plan.train
+
+    @property
+    def dp_rank(self) -> int:
+        return data_parallel_coordinates(self.mesh)[0]
+
+    @property
+    def dp_size(self) -> int:
+        return data_parallel_coordinates(self.mesh)[1]
+
+    def shard(self, batch: Any) -> dict[str, torch.Tensor]:
+        """This rank's shard of a full-sequence batch (see :class:`runtime.data.BatchSharder`)."""
+        return self.sharder(batch)
+
+    def forward(self, shard: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Logits of this rank's tokens for a sharded batch (global position ids, no mask)."""
+        if self.kind == "hf":
+            from runtime.hf import hf_logits
+
+            return hf_logits(self.model, shard["input_ids"], shard["position_ids"])
+        return self.model(shard["input_ids"], shard["position_ids"])
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items: int | None = None) -> LossOutput:
+        return self.loss_fn(logits, labels, num_items)
+
+    def sampler(self, dataset, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True):
+        """A DistributedSampler over the data-parallel ranks (SP ranks share samples)."""
+        return data_parallel_sampler(dataset, self.mesh, shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+    def describe(self) -> list[str]:
+        """Human-readable lines: the layout, options and the prediction the plan was chosen on."""
+        return describe_plan(self.plan) + [f"note: {n}" for n in self.notes]
+
+
+def describe_plan(plan) -> list[str]:
+    t, layout = plan.train, plan.layout
+    lines = [
+        f"plan: {layout.describe()} on {layout.world} rank(s) for {plan.model.name} "
+        f"({plan.model.num_params / 1e6:,.1f}M params)",
+        f"  seq_len {t.seq_len:,} x micro-batch {t.micro_batch} x grad-accum {t.grad_accum} | {t.dtype} | "
+        f"ZeRO-{t.zero_stage} (FSDP2) | checkpointing {t.checkpointing} | optimizer {t.optimizer}",
+    ]
+    est = plan.estimate or {}
+    memory, timing = est.get("memory") or {}, est.get("time") or {}
+    if memory and timing:
+        lines.append(
+            f"  predicted on {plan.hardware.topology}: {memory.get('total', 0) / 1e9:.2f} GB per rank, "
+            f"step {timing.get('step_s', 0):.3g} s, {timing.get('tokens_per_s', 0):,.0f} tokens/s"
+        )
+    lines += [f"  why: {reason}" for reason in plan.explanation[:3]]
+    return lines
+
+
+# ----- 0. process group -------------------------------------------------------------------------------------
+
+
+def init_distributed(device_type: str | None = None) -> str:
+    """Initialise the default process group from torchrun's environment (or a 1-rank group); returns
+    the device type. NCCL on CUDA, gloo on CPU."""
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type not in ("cuda", "cpu"):
+        raise RuntimeConfigError(f"device_type {device_type!r} is not supported: use 'cuda' or 'cpu'")
+    if dist.is_initialized():
+        return device_type
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if "WORLD_SIZE" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend)
+    return device_type
+
+
+# ----- 1. the plan ------------------------------------------------------------------------------------------
+
+
+def model_spec_of(model: nn.Module) -> tuple[ModelSpec, str]:
+    """The cost models' ModelSpec of ``model`` and its kind (``llama``: runtime.models.LlamaModel, ``hf``)."""
+    from runtime.models import LlamaModel
+
+    if isinstance(model, LlamaModel):
+        return model.spec, "llama"
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        from runtime.hf import hf_model_spec
+
+        return hf_model_spec(model), "hf"
+    raise RuntimeConfigError(
+        f"auto_configure does not know how to parallelise a {type(model).__name__}: pass a runtime.models.LlamaModel "
+        "or a transformers Llama/Qwen2/Qwen3/Mistral causal LM"
+    )
+
+
+def load_topology_for(topology: Any, world: int):
+    """A Topology from a Topology, a preset (``dgx-h100``, ``dgx-h100@roce-400:8``) or a topology file."""
+    from cost_models.topology import Topology, load_topology
+
+    return topology if isinstance(topology, Topology) else load_topology(str(topology), world)
+
+
+def probe_topology(world: int, device_type: str):
+    """Measure this machine with a quick probe (collective: every rank runs it); the Topology on rank 0."""
+    from cost_models.topology import load_topology
+    from runtime.probe.run import run_probe
+
+    compute_s, link_s = AUTO_PROBE_BUDGETS[device_type]
+    with tempfile.TemporaryDirectory() as tmp:
+        result = run_probe(Path(tmp) / "topology.yaml", compute_budget_s=compute_s, link_budget_s=link_s)
+        return load_topology(str(result.path), world) if dist.get_rank() == 0 else None
+
+
+def plan_for(spec: ModelSpec, base: TrainSpec, topology, world: int, *, global_batch: int | None = None,
+             fixed_layout: Mapping[str, int] | None = None, fixed_options: Mapping[str, Any] | None = None):
+    """Ask the planner for the fastest plan this runtime can execute (no torch.distributed involved)."""
+    from planner.plan import Hardware, Plan
+    from planner.search import PlanSettings, search
+
+    layout_pins, option_pins = merge_constraints(fixed_layout or {}, fixed_options or {})
+    sequences = global_batch if global_batch is not None else base.micro_batch
+    settings = PlanSettings(global_batch_tokens=sequences * base.seq_len, micro_batch_fixed=True,
+                            fixed_layout=layout_pins, fixed_options=option_pins)
+    result = search(spec, base, topology, settings, world=world)
+    best = result.best
+    hardware = Hardware(num_gpus=world, gpus_per_node=min(topology.gpus_per_node, world), gpu=topology.gpu.name,
+                        topology=topology.name)
+    runner_up = result.plans[1] if len(result.plans) > 1 else None
+    explanation = [f"fastest of {result.stats.layouts} layouts the runtime can execute "
+                   f"({best.estimate.time.tokens_per_s:,.0f} tokens/s predicted)"]
+    if runner_up is not None:
+        explanation.append(f"next best: {runner_up.layout.describe()} "
+                           f"({runner_up.estimate.time.tokens_per_s:,.0f} tokens/s)")
+    est = best.estimate.to_json_dict()
+    return Plan(model=spec, train=best.train, layout=best.layout, hardware=hardware, estimate=est,
+                placement=est.get("placement") or {}, explanation=explanation)
+
+
+def _plan_from_argument(plan: Any):
+    from planner.plan import Plan, load_plan, plan_from_dict
+
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, Mapping):
+        return plan_from_dict(dict(plan), "plan")
+    if isinstance(plan, (str, os.PathLike)):
+        return load_plan(plan)
+    raise RuntimeConfigError(f"plan must be a Plan, a mapping or a path to a plan file, got {type(plan).__name__}")
+
+
+def _plan_digest(plan) -> str:
+    return hashlib.sha256(plan.model_dump_json().encode()).hexdigest()
+
+
+def agree_on_plan(make_plan) -> Any:
+    """Run ``make_plan()`` on rank 0, broadcast the result (or its error) and check every rank holds it."""
+    from planner.plan import plan_from_dict
+
+    world = dist.get_world_size()
+    if world == 1:
+        return make_plan()
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            payload[0] = ("ok", make_plan().model_dump(mode="json"))
+        except Exception as exc:  # every rank must learn why, not hang in the broadcast
+            payload[0] = ("error", f"{type(exc).__name__}: {exc}")
+    dist.broadcast_object_list(payload, src=0)
+    status, value = payload[0]
+    if status == "error":
+        raise RuntimeConfigError(f"rank 0 could not make a plan: {value}")
+    plan = plan_from_dict(value, "the plan broadcast by rank 0")
+    check_same_plan(plan)
+    return plan
+
+
+def check_same_plan(plan) -> None:
+    """Raise on every rank if the ranks do not hold identical plans (e.g. different plan files per node)."""
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    digests: list[Any] = [None] * world
+    dist.all_gather_object(digests, _plan_digest(plan))
+    if len(set(digests)) > 1:
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise RuntimeConfigError(
+            f"ranks {differ} hold a different plan than rank 0: give every rank the same plan file (or plan=None "
+            "to let rank 0 decide)"
+        )
+
+
+def check_plan_matches(plan, spec: ModelSpec, seq_len: int | None) -> None:
+    """A plan made for another architecture or sequence length would mis-size everything: refuse it."""
+    differ = [f"{name}: plan {getattr(plan.model, name)!r} vs model {getattr(spec, name)!r}"
+              for name in ARCHITECTURE_FIELDS if getattr(plan.model, name) != getattr(spec, name)]
+    if differ:
+        raise RuntimeConfigError(
+            f"the plan was made for {plan.model.name}, not this model ({'; '.join(differ[:3])}): re-plan for this "
+            "model (or pass plan=None)"
+        )
+    if seq_len is not None and seq_len != plan.train.seq_len:
+        raise RuntimeConfigError(
+            f"seq_len={seq_len} but the plan is for {plan.train.seq_len} tokens: pass seq_len={plan.train.seq_len} "
+            "(or omit it), or re-plan"
+        )
+
+
+def refuse_unsupported(plan) -> None:
+    reasons = unsupported_reasons(plan)
+    if reasons:
+        raise RuntimeConfigError(
+            f"the runtime cannot execute this plan ({len(reasons)} option(s)): " + " | ".join(reasons)
+        )
+
+
+# ----- 3-7. model surgery -------------------------------------------------------------------------------
+
+
+def _data_group(mesh: RuntimeMesh) -> dist.ProcessGroup | None:
+    """Every rank that holds different tokens: all mesh dims but tp (the whole world without TP, which
+    needs no extra communicator)."""
+    dims = ("dp_replicate", "dp_shard", "ring", "ulysses")
+    if all(mesh.size(d) == 1 for d in dims):
+        return None
+    if mesh.size("tp") == 1:
+        return dist.group.WORLD
+    return mesh.device_mesh[dims]._flatten("data").get_group()
+
+
+def swap_attention(model: nn.Module, kind: str, sp: SequenceParallel, seq_len: int) -> None:
+    if kind == "hf":
+        from runtime.hf import use_sequence_parallel_attention
+
+        use_sequence_parallel_attention(model, sp, seq_len)
+        return
+    attention = SequenceParallelAttention(sp)
+    model.attention_fn = attention
+    for layer in model.layers:
+        layer.attn.attention_fn = attention
+
+
+def apply_checkpointing(model: nn.Module, kind: str, mode: str) -> None:
+    if kind == "hf":
+        from runtime.hf import set_hf_checkpointing
+
+        set_hf_checkpointing(model, mode)
+    else:
+        model.set_checkpointing(mode)
+
+
+def _apply_memory_techniques(model: nn.Module, kind: str, plan, mesh: RuntimeMesh) -> list[str]:
+    """Tensor parallelism, tiled MLP, tiled loss, checkpoint offload, FSDP CPU offload: where they plug in.
+
+    Runs after the attention swap and checkpointing, before FSDP2 (TP must shard the projections before
+    FSDP shards the TP-local weights). Each is refused by :mod:`runtime.capabilities` until its module
+    lands; returns notes for the user.
+    """
+    refuse_unsupported(plan)  # nothing here executes a technique the capability table does not list
+    return []
+
+
+def transformer_blocks(model: nn.Module, kind: str) -> list[nn.Module]:
+    if kind == "hf":
+        from runtime.hf import hf_decoder_layers
+
+        return hf_decoder_layers(model)
+    return list(model.layers)
+
+
+def input_embedding(model: nn.Module, kind: str) -> nn.Module:
+    return model.get_input_embeddings() if kind == "hf" else model.embed_tokens
+
+
+def _fsdp_mesh(mesh: RuntimeMesh):
+    """``fsdp`` (1-D), or ``(dp_replicate, fsdp)`` for HSDP."""
+    if mesh.size("dp_replicate") == 1:
+        return mesh.fsdp_mesh
+    with warnings.catch_warnings():  # slicing a flattened dim from the root mesh: still the way in 2.13
+        warnings.simplefilter("ignore", UserWarning)
+        return mesh.device_mesh["dp_replicate", "fsdp"]
+
+
+def mixed_precision(train: TrainSpec):
+    """FSDP2 MixedPrecisionPolicy for the plan: bf16/fp16 compute with fp32 master weights and fp32
+    gradient reduction (``adamw``), or pure low precision (``adamw_bf16``: no master copy)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    compute = COMPUTE_DTYPES[train.dtype]
+    if compute == torch.float32:
+        return MixedPrecisionPolicy()
+    if train.optimizer == "adamw_bf16":
+        return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=compute)
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+
+
+def shard_model(model: nn.Module, kind: str, plan, mesh: RuntimeMesh) -> nn.Module:
+    """FSDP2 per block, untied input embedding, and root (norm + LM head kept gathered for backward)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    train = plan.train
+    if train.optimizer == "adamw_bf16" and train.dtype != "fp32":
+        model.to(COMPUTE_DTYPES[train.dtype])  # no fp32 master copy: the parameters themselves are low precision
+    fsdp_mesh = _fsdp_mesh(mesh)
+    policy = mixed_precision(train)
+    reshard = train.zero_stage == 3
+    for block in transformer_blocks(model, kind):
+        fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    embedding = input_embedding(model, kind)
+    if not plan.model.tied_embeddings:
+        fully_shard(embedding, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # Sum, not average: the loss already divides by the global token count. Plain SUM collectives
+            # (no PREMUL_SUM), which every backend has (gloo included).
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def broadcast_parameters(model: nn.Module, device: torch.device) -> None:
+    """Make every rank start from rank 0's weights (FSDP2 keeps each rank's own slice of its own copy)."""
+    if dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
+            if tensor.device.type == "meta":
+                raise RuntimeConfigError(
+                    "the model has meta-device tensors: materialise it (same seed on every rank) before "
+                    "auto_configure, or pass sync_weights=False and initialise after sharding"
+                )
+            staged = tensor.detach().to(device)
+            dist.broadcast(staged, src=0)
+            tensor.copy_(staged)
+
+
+# ----- the one call -------------------------------------------------------------------------------------
+
+
+def auto_configure(
+    model: nn.Module,
+    *,
+    seq_len: int | None = None,
+    micro_batch: int = 1,
+    plan: Any = None,
+    topology: Any = None,
+    dtype: str | None = None,
+    optimizer: str = "adamw",
+    global_batch: int | None = None,
+    fixed_layout: Mapping[str, int] | None = None,
+    fixed_options: Mapping[str, Any] | None = None,
+    device_type: str | None = None,
+    pad_token_id: int = 0,
+    labels_shifted: bool = False,
+    cross_document_attention: bool = False,
+    sync_weights: bool = True,
+) -> AutoConfigured:
+    """Plan (or load the plan), build the mesh, swap in SP attention, checkpoint, shard with FSDP2.
+
+    ``model``: a :class:`runtime.models.LlamaModel` or an HF Llama/Qwen2/Qwen3/Mistral causal LM, on CPU
+    (it is moved to the rank's device), identically initialised on every rank (``sync_weights``
+    broadcasts rank 0's weights to make sure). ``plan``: a Plan, a plan file or None (plan here).
+    When planning: ``seq_len``, ``micro_batch``, ``dtype`` (default bf16 on CUDA, fp32 on CPU) and
+    ``optimizer`` describe the run; ``global_batch`` is the number of sequences per optimizer step
+    (default: one micro-batch, no accumulation); ``fixed_layout``/``fixed_options`` pin degrees or
+    options (e.g. ``{"ulysses": 4}``); ``topology`` is a Topology, a preset or topology file, or None to
+    probe this machine. The data arguments configure the :class:`runtime.data.BatchSharder`.
+    """
+    device_type = init_distributed(device_type)
+    world = dist.get_world_size()
+    spec, kind = model_spec_of(model)
+    if plan is None:
+        if seq_len is None:
+            raise RuntimeConfigError("auto_configure needs seq_len=... (or a plan) to plan the run")
+        try:
+            base = TrainSpec(seq_len=seq_len, micro_batch=micro_batch,
+                             dtype=dtype or ("bf16" if device_type == "cuda" else "fp32"), optimizer=optimizer)
+        except ValueError as exc:
+            raise RuntimeConfigError(f"invalid training options: {exc}".splitlines()[0]) from None
+        probed = probe_topology(world, device_type) if topology is None else None  # collective
+
+        def make_plan():  # rank 0 only: its errors (a bad topology name, no plan fits) reach every rank
+            topo = probed if topology is None else load_topology_for(topology, world)
+            return plan_for(spec, base, topo, world, global_batch=global_batch, fixed_layout=fixed_layout,
+                            fixed_options=fixed_options)
+
+        the_plan = agree_on_plan(make_plan)
+    else:
+        the_plan = _plan_from_argument(plan)
+        check_same_plan(the_plan)
+    check_plan_matches(the_plan, spec, seq_len)
+    refuse_unsupported(the_plan)
+
+    mesh = build_mesh(the_plan.layout, device_type=device_type)
+    sp = SequenceParallel.from_mesh(mesh)
+    model.to(mesh.device)
+    if sync_weights:
+        broadcast_parameters(model, mesh.device)
+    swap_attention(model, kind, sp, the_plan.train.seq_len)
+    apply_checkpointing(model, kind, the_plan.train.checkpointing)
+    notes = _apply_memory_techniques(model, kind, the_plan, mesh)
+    model = shard_model(model, kind, the_plan, mesh)
+    data_group = _data_group(mesh)
+    sharder = BatchSharder(sp, pad_token_id=pad_token_id, labels_shifted=labels_shifted,
+                           cross_document_attention=cross_document_attention, device=mesh.device)
+    return AutoConfigured(model=model, plan=the_plan, mesh=mesh, sp=sp, sharder=sharder,
+                          loss_fn=TokenLoss(data_group), data_group=data_group, kind=kind,
+                          compute_dtype=COMPUTE_DTYPES[the_plan.train.dtype], notes=notes)

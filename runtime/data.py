@@ -1,0 +1,306 @@
+"""The data path of sequence-parallel training: pre-shift, pad, shard; and data-parallel sampling.
+
+Order matters (DESIGN.md section 4):
+
+1. **Pre-shift labels on the full sequence.** ``labels[t]`` becomes the token at ``t + 1`` (the last
+   position gets :data:`IGNORE_INDEX`). Shifting after sharding would lose one label per shard: the
+   next token of a shard's last position lives on another rank.
+2. **Pad** the sequence to the layout's multiple (``ulysses x ring``, times 2 for zigzag ring):
+   padded tokens get label :data:`IGNORE_INDEX`, so they add nothing to the loss or the gradients.
+3. **Shard** input ids, position ids and labels with the ONE shard function of
+   :class:`runtime.context.SequenceParallel` (zigzag / USP layout). Position ids are the global
+   positions, which is all RoPE needs: no attention mask is ever built (a 4-D mask at 128K tokens is
+   about a terabyte).
+
+Padding masks (HF ``attention_mask``) are accepted only as right padding: padded positions become
+ignored labels and the mask is dropped (causal attention never lets a real token see a later pad).
+
+**Packed sequences.** A row may hold several documents, marked HF-style by ``position_ids`` that
+restart at 0 at each document start. The sharder then (a) keeps those positions for RoPE and (b)
+ignores the label that would predict a document's first token from the previous document. The
+attention kernels of this runtime have no variable-length (document-masked) path, so attention stays
+causal over the whole packed row: tokens DO attend to earlier documents of the same row. That is a
+different objective from training on the documents separately, so the sharder refuses restarting
+position ids unless ``cross_document_attention=True`` says this is intended (Megatron-LM's
+``reset_position_ids`` without ``reset_attention_mask`` trains exactly this way). GPT-style packing
+(documents joined by an EOS token, positions continuous) needs no opt-in: see :func:`pack_documents`.
+
+**Data parallelism.** Ranks of one sequence-parallel group (and, later, one TP group) must see the
+same sample; different data-parallel ranks (``dp_replicate x dp_shard``) different samples.
+:func:`data_parallel_sampler` is a ``DistributedSampler`` keyed by the data-parallel rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DistributedSampler
+
+from runtime.errors import RuntimeConfigError
+
+#: Label value PyTorch's cross-entropy (and HF) skip.
+IGNORE_INDEX = -100
+#: Keys of a batch the sharder produces.
+BATCH_KEYS: tuple[str, ...] = ("input_ids", "position_ids", "labels")
+
+
+# ----- full-sequence preparation -----------------------------------------------------------------------
+
+
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """Bool (batch, seq): True where a packed document starts after the first token (positions restart)."""
+    starts = torch.zeros_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] <= position_ids[:, :-1]
+    return starts
+
+
+def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Pre-shift ``labels`` (batch, seq) so position t holds the target of token t: ``labels[t + 1]``.
+
+    The last position, and (for packed rows) every position followed by a document start, get
+    :data:`IGNORE_INDEX`: nothing is predicted across a document boundary.
+    """
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    shifted[:, :-1] = labels[:, 1:]
+    if position_ids is not None:
+        shifted[:, :-1].masked_fill_(document_starts(position_ids)[:, 1:], IGNORE_INDEX)
+    return shifted
+
+
+def _right_padding_only(mask: torch.Tensor) -> bool:
+    """True when each row of the 0/1 mask is ones followed by zeros."""
+    m = mask.to(torch.int64)
+    return bool((m[:, 1:] <= m[:, :-1]).all())
+
+
+def pad_to_multiple(batch: dict[str, torch.Tensor], multiple: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad input ids (``pad_token_id``), labels (:data:`IGNORE_INDEX`) and positions (continuing)."""
+    seq = batch["input_ids"].shape[1]
+    extra = -seq % multiple
+    if extra == 0:
+        return batch
+    out = dict(batch)
+    out["input_ids"] = torch.nn.functional.pad(batch["input_ids"], (0, extra), value=pad_token_id)
+    out["labels"] = torch.nn.functional.pad(batch["labels"], (0, extra), value=IGNORE_INDEX)
+    last = batch["position_ids"][:, -1:]
+    steps = torch.arange(1, extra + 1, device=last.device, dtype=last.dtype)
+    out["position_ids"] = torch.cat([batch["position_ids"], last + steps], dim=1)
+    return out
+
+
+def as_batch_dict(batch: Any) -> dict[str, torch.Tensor]:
+    """Accept a (batch, seq) tensor of token ids, a tuple/list ``(input_ids[, labels])`` or an HF-style mapping."""
+    if isinstance(batch, torch.Tensor):
+        return {"input_ids": batch}
+    if isinstance(batch, Mapping):
+        if "input_ids" not in batch:
+            raise RuntimeConfigError(
+                f"batch mapping has keys {sorted(batch)} but no 'input_ids': give token ids as 'input_ids'"
+            )
+        unknown = set(batch) - {"input_ids", "labels", "position_ids", "attention_mask"}
+        if unknown:
+            raise RuntimeConfigError(
+                f"batch keys {sorted(unknown)} are not supported by the sequence-parallel data path (it takes "
+                "input_ids, labels, position_ids and a right-padding attention_mask); drop them in the collate_fn"
+            )
+        return dict(batch)
+    if isinstance(batch, (tuple, list)) and 1 <= len(batch) <= 2 and all(isinstance(t, torch.Tensor) for t in batch):
+        return dict(zip(("input_ids", "labels"), batch))
+    raise RuntimeConfigError(
+        f"cannot read a batch of type {type(batch).__name__}: yield a (batch, seq) tensor of token ids, a tuple "
+        "(input_ids, labels) or a dict with input_ids[, labels, position_ids, attention_mask]"
+    )
+
+
+# ----- the sharder --------------------------------------------------------------------------------------
+
+
+@dataclass
+class BatchSharder:
+    """Turns a full-sequence batch into this rank's shard: ``{"input_ids", "position_ids", "labels"}``.
+
+    ``sp`` is the :class:`runtime.context.SequenceParallel` context (anything with ``shard(x, dim)``,
+    ``size`` and ``seq_multiple``). ``labels_shifted``: the batch's labels are already aligned with the
+    inputs (position t holds the target of token t); by default they are HF-style (labels = the input
+    ids, the model shifts) and are pre-shifted here. ``device``: where the shards go.
+    """
+
+    sp: Any
+    pad_token_id: int = 0
+    labels_shifted: bool = False
+    cross_document_attention: bool = False
+    device: torch.device | str | None = None
+
+    @property
+    def seq_multiple(self) -> int:
+        return self.sp.seq_multiple
+
+    def prepare(self, batch: Any) -> dict[str, torch.Tensor]:
+        """The full-sequence batch, labels pre-shifted and padded to the layout's multiple (not sharded)."""
+        data = as_batch_dict(batch)
+        input_ids = data["input_ids"]
+        if input_ids.dim() != 2:
+            raise RuntimeConfigError(
+                f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}: add a batch dimension"
+            )
+        if input_ids.dtype.is_floating_point:
+            raise RuntimeConfigError(f"input_ids must be integer token ids, got {input_ids.dtype}")
+        batch_size, seq = input_ids.shape
+        position_ids = data.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=input_ids.device).expand(batch_size, seq)
+        else:
+            position_ids = position_ids.expand(batch_size, seq) if position_ids.dim() == 1 else position_ids
+            if position_ids.shape != input_ids.shape:
+                raise RuntimeConfigError(
+                    f"position_ids {tuple(position_ids.shape)} and input_ids {tuple(input_ids.shape)} differ in shape"
+                )
+            if document_starts(position_ids).any() and not self.cross_document_attention:
+                raise RuntimeConfigError(
+                    "position_ids restart inside a row (packed documents), but the runtime's attention has no "
+                    "document masking, so tokens would attend across documents: pass cross_document_attention=True "
+                    "to train that way (Megatron reset_position_ids), or do not pack documents"
+                )
+        labels = data.get("labels")
+        if labels is None:
+            labels = input_ids
+        if labels.shape != input_ids.shape:
+            raise RuntimeConfigError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} differ")
+        if not self.labels_shifted:
+            labels = shift_labels(labels, position_ids)
+        mask = data.get("attention_mask")
+        if mask is not None:
+            if mask.dim() != 2 or mask.shape != input_ids.shape:
+                raise RuntimeConfigError(
+                    f"attention_mask must be a (batch, seq) padding mask like input_ids, got {tuple(mask.shape)}; "
+                    "4-D masks are never used (position_ids carry the layout)"
+                )
+            if not _right_padding_only(mask):
+                raise RuntimeConfigError(
+                    "attention_mask has zeros before ones (left padding or holes); the runtime passes no mask to "
+                    "attention, so only right padding is exact: pad on the right (tokenizer.padding_side='right')"
+                )
+            pad = mask == 0
+            labels = labels.masked_fill(pad, IGNORE_INDEX)
+            if not self.labels_shifted:  # the last real token must not predict the first pad
+                labels[:, :-1].masked_fill_(pad[:, 1:], IGNORE_INDEX)
+        full = {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
+        return pad_to_multiple(full, self.seq_multiple, self.pad_token_id)
+
+    def shard(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's shard of an already prepared (shifted, padded) full batch."""
+        out = {}
+        for key in BATCH_KEYS:
+            local = self.sp.shard(full[key], dim=1)
+            # Always a copy: a narrow view would keep the whole batch alive (autograd saves the token ids).
+            out[key] = local.to(self.device if self.device is not None else local.device, copy=True)
+        return out
+
+    def __call__(self, batch: Any) -> dict[str, torch.Tensor]:
+        return self.shard(self.prepare(batch))
+
+
+def valid_tokens(labels: torch.Tensor) -> int:
+    """Number of labels that count in the loss."""
+    return int((labels != IGNORE_INDEX).sum())
+
+
+class ShardedLoader:
+    """Wrap an iterable of full-sequence batches (e.g. a DataLoader) to yield this rank's shards."""
+
+    def __init__(self, loader: Iterable, sharder: BatchSharder) -> None:
+        self.loader, self.sharder = loader, sharder
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for batch in self.loader:
+            yield self.sharder(batch)
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+
+# ----- data parallelism ---------------------------------------------------------------------------------
+
+
+def data_parallel_coordinates(mesh) -> tuple[int, int]:
+    """``(dp_rank, dp_size)`` of this rank over ``dp_replicate x dp_shard`` (SP and TP ranks share one)."""
+    replicate, shard = mesh.size("dp_replicate"), mesh.size("dp_shard")
+    rank = mesh.local_rank("dp_replicate") * shard + mesh.local_rank("dp_shard")
+    return rank, replicate * shard
+
+
+def data_parallel_sampler(dataset, mesh, *, shuffle: bool = True, seed: int = 0,
+                          drop_last: bool = True) -> DistributedSampler:
+    """A ``DistributedSampler`` over the data-parallel ranks: one sample stream per SP (and TP) group.
+
+    ``drop_last`` defaults to True: every data-parallel rank must run the same number of steps.
+    """
+    rank, size = data_parallel_coordinates(mesh)
+    return DistributedSampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+
+# ----- corpora ------------------------------------------------------------------------------------------
+
+
+class TokenWindows(torch.utils.data.Dataset):
+    """Fixed-length windows of a long token stream (a 1-D tensor), each ``seq_len`` tokens.
+
+    Sample i covers tokens ``[i * seq_len, (i + 1) * seq_len)``; labels are the inputs (HF-style) and are
+    pre-shifted by the sharder. Documents inside a window are joined GPT-style (separator token,
+    continuous positions), so attention across them is the intended objective.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
+        if tokens.dim() != 1:
+            raise RuntimeConfigError(f"token stream must be 1-D, got shape {tuple(tokens.shape)}")
+        if seq_len < 2:
+            raise RuntimeConfigError(f"seq_len must be at least 2, got {seq_len}")
+        if tokens.numel() < seq_len:
+            raise RuntimeConfigError(
+                f"the corpus has {tokens.numel()} tokens, fewer than one sequence of {seq_len}: use a shorter "
+                "--seq-len or a larger corpus"
+            )
+        self.tokens, self.seq_len = tokens, seq_len
+
+    def __len__(self) -> int:
+        return self.tokens.numel() // self.seq_len
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.tokens[index * self.seq_len : (index + 1) * self.seq_len]
+
+
+def pack_documents(documents: Iterable[Sequence[int]], seq_len: int, *, separator: int | None = None,
+                   reset_positions: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+    """Pack token lists into rows of ``seq_len`` tokens: ``{"input_ids", "position_ids"}`` of shape (seq_len,).
+
+    Documents are concatenated (``separator`` appended to each, if given) and cut into rows; a document
+    may continue in the next row. With ``reset_positions`` positions restart at 0 at each document start
+    (HF packed format; the sharder then needs ``cross_document_attention=True``, see the module doc);
+    otherwise they run 0 .. seq_len-1 in every row (GPT-style packing). A final partial row is dropped.
+    """
+    buffer: list[int] = []
+    positions: list[int] = []
+    for doc in documents:
+        tokens = list(doc) + ([separator] if separator is not None else [])
+        buffer.extend(tokens)
+        positions.extend(range(len(tokens)))
+        while len(buffer) >= seq_len:
+            row, buffer = buffer[:seq_len], buffer[seq_len:]
+            row_pos, positions = positions[:seq_len], positions[seq_len:]
+            if reset_positions:  # a document continued from the previous row restarts at 0 in this one
+                lead = _first_restart(row_pos)
+                pos = [p - row_pos[0] for p in row_pos[:lead]] + row_pos[lead:]
+            else:
+                pos = list(range(seq_len))
+            yield {"input_ids": torch.tensor(row, dtype=torch.int64), "position_ids": torch.tensor(pos)}
+
+
+def _first_restart(positions: list[int]) -> int:
+    """Index of the first document start after position 0 (len(positions) if none)."""
+    return next((i for i, (a, b) in enumerate(itertools.pairwise(positions), start=1) if b <= a), len(positions))

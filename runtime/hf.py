@@ -1,0 +1,177 @@
+"""Hugging Face transformers models (Llama, Qwen2, Qwen3, Mistral) on the sequence-parallel runtime.
+
+Optional: ``transformers`` is imported lazily (``pip install 'sp-plan[hf]'``). Pieces:
+
+- :func:`hf_model_spec`: the cost models' ModelSpec of a model, via
+  :func:`cost_models.model_spec.model_from_hf_dict` on its config (for planning);
+- attention: :data:`ATTENTION_NAME` is registered in transformers' ``AttentionInterface`` and set as the
+  model's ``attn_implementation``. Each attention module carries its
+  :class:`runtime.context.SequenceParallel` context; the registered function transposes HF's
+  ``(batch, heads, seq, head_dim)`` to the runtime's ``(batch, seq, heads, head_dim)``, runs the
+  planned Ulysses / Ring / USP attention on the local shards (GQA handled natively, KV heads never
+  repeated by HF) and returns ``(batch, seq, heads, head_dim)`` as HF's own kernels do;
+- masks: the name is deliberately NOT registered in ``AttentionMaskInterface``, so transformers builds
+  no mask for it; the attention function refuses any mask it is given. Positions come from the
+  ``position_ids`` the sharder produced (global positions of the local tokens, RoPE only);
+- checkpointing: each decoder layer (a ``GradientCheckpointingLayer``) checkpoints its ``forward``
+  through :func:`runtime.models.checkpointing.run_checkpointed`, so ``none``/``selective``/``full``
+  mean exactly what they mean for the runtime's own Llama (FSDP2's hooks stay outside the checkpoint).
+
+Create models with random weights from a config, no download::
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=256, num_hidden_layers=4, ...))
+    setup = runtime.auto_configure(model, seq_len=4096)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from cost_models.model_spec import ModelSpec, model_from_hf_dict
+from runtime.errors import RuntimeConfigError
+
+#: The attention implementation name registered with transformers.
+ATTENTION_NAME = "sp_plan"
+#: Attribute of each HF attention module holding its SequenceParallel context.
+CONTEXT_ATTRIBUTE = "_sp_plan_context"
+#: Decoder-layer containers of the supported families (``model.model.layers``).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise RuntimeConfigError(
+            f"HF models need transformers ({exc.name} is missing): pip install 'sp-plan[hf]'"
+        ) from None
+    return transformers
+
+
+def hf_model_spec(model: nn.Module) -> ModelSpec:
+    """The ModelSpec of an HF causal LM (from its config; the name is its model_type and size)."""
+    config = model.config.to_dict()
+    model_type = str(config.get("model_type", "")).lower()
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise RuntimeConfigError(
+            f"HF model_type {model_type!r} is not supported by the runtime: use one of "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    name = f"{model_type}-{config.get('num_hidden_layers')}l-{config.get('hidden_size')}h"
+    return model_from_hf_dict(config, name=name)
+
+
+def hf_decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (``model.model.layers`` for the supported families)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise RuntimeConfigError(
+            f"{type(model).__name__} has no model.layers: pass a *ForCausalLM of a supported family "
+            f"({', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    return list(layers)
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    modules = [getattr(layer, "self_attn", None) for layer in hf_decoder_layers(model)]
+    if any(m is None for m in modules):
+        raise RuntimeConfigError(f"{type(model).__name__}: a decoder layer has no self_attn module")
+    return modules
+
+
+# ----- attention ------------------------------------------------------------------------------------------
+
+
+def sequence_parallel_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface function: SP attention on this rank's shards, no mask."""
+    sp = getattr(module, CONTEXT_ATTRIBUTE, None)
+    if sp is None:
+        raise RuntimeConfigError(
+            f"attn_implementation={ATTENTION_NAME!r} on a module without a sequence-parallel context: configure the "
+            "model with runtime.auto_configure (or runtime.hf.use_sequence_parallel_attention)"
+        )
+    if attention_mask is not None:
+        raise RuntimeConfigError(
+            f"a {tuple(attention_mask.shape)} attention mask reached sequence-parallel attention; the runtime never "
+            "uses masks (position_ids carry the layout, padding becomes ignored labels): do not pass attention_mask"
+        )
+    if dropout:
+        raise RuntimeConfigError(f"attention dropout {dropout} is not supported: set config.attention_dropout = 0")
+    for unsupported in ("softcap", "sliding_window", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise RuntimeConfigError(
+                f"{unsupported}={kwargs[unsupported]!r} is not supported by the runtime's attention kernels"
+            )
+    causal = module.is_causal if is_causal is None else is_causal
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (b, h, s, d) -> (b, s, h, d)
+    return sp.attention(q, k, v, causal=causal, scale=scaling), None
+
+
+def register_attention() -> None:
+    """Register :data:`ATTENTION_NAME` in transformers' attention registry (idempotent)."""
+    transformers = _transformers()
+    transformers.AttentionInterface.register(ATTENTION_NAME, sequence_parallel_attention_forward)
+
+
+def use_sequence_parallel_attention(model: nn.Module, sp, seq_len: int) -> None:
+    """Route every attention of ``model`` through ``sp`` (a :class:`runtime.context.SequenceParallel`)."""
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and window < seq_len:
+        raise RuntimeConfigError(
+            f"{config.model_type}: sliding-window attention ({window} tokens) is not supported by the runtime's "
+            f"kernels at seq_len {seq_len}; set config.sliding_window = None (full causal attention)"
+        )
+    if getattr(config, "attention_dropout", 0.0):
+        raise RuntimeConfigError(f"attention_dropout={config.attention_dropout} is not supported: set it to 0")
+    register_attention()
+    for module in _attention_modules(model):
+        object.__setattr__(module, CONTEXT_ATTRIBUTE, sp)  # a plain attribute, not a submodule
+        if hasattr(module, "sliding_window"):
+            module.sliding_window = None  # checked above: equivalent to full attention at this length
+    model.set_attn_implementation(ATTENTION_NAME)
+    config.use_cache = False  # training: no KV cache
+
+
+def hf_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Logits of the local tokens: global ``position_ids`` for RoPE, no mask, no cache."""
+    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    return out.logits
+
+
+# ----- checkpointing ------------------------------------------------------------------------------------
+
+
+def set_hf_checkpointing(model: nn.Module, mode: str) -> None:
+    """Checkpoint every decoder layer with the runtime's ``none``/``selective``/``full`` modes."""
+    from runtime.models.checkpointing import check_mode, run_checkpointed
+
+    check_mode(mode)
+    transformers = _transformers()
+    layer_type = transformers.modeling_layers.GradientCheckpointingLayer
+
+    def checkpointed(function, *args):
+        return run_checkpointed(function, mode, *args)
+
+    for layer in hf_decoder_layers(model):
+        if not isinstance(layer, layer_type):
+            raise RuntimeConfigError(
+                f"{type(layer).__name__} does not support checkpointing (not a GradientCheckpointingLayer)"
+            )
+        layer._gradient_checkpointing_func = checkpointed
+        layer.gradient_checkpointing = mode != "none"

@@ -1,0 +1,80 @@
+"""One optimizer step over this rank's micro-batches: token-normalised loss, ZeRO-stage gradient sync.
+
+:func:`train_step` is what the example, ``sp-plan validate`` and the equivalence tests run, so they
+exercise one code path:
+
+1. shard every micro-batch and count the step's valid tokens over the data group (one int64
+   all-reduce), so each micro-batch's loss is ``local token-loss sum / step tokens`` (the
+   data-parallel baseline's normalisation with gradient accumulation);
+2. per micro-batch, tell FSDP2 what the plan's ZeRO stage does (see :mod:`runtime.auto`): ZeRO-1
+   syncs gradients only on the last micro-batch; ZeRO-1/2 keep parameters gathered until then;
+3. forward, loss, backward; then clip (optional), ``optimizer.step()`` and ``zero_grad()``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from runtime.loss import global_token_count
+
+
+@dataclass
+class StepResult:
+    """``loss``: the step's global token-mean loss; ``tokens``: valid tokens in the step (all ranks);
+    ``micro_batch_losses``: each micro-batch's global token-mean loss; ``seconds``: wall time."""
+
+    loss: float
+    tokens: int
+    micro_batch_losses: list[float]
+    seconds: float
+    grad_norm: float | None = None
+
+
+def _set_micro_batch_flags(model: torch.nn.Module, zero_stage: int, last: bool) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return
+    if zero_stage in (1, 2):
+        model.set_reshard_after_backward(last)  # keep parameters gathered between micro-batches of a step
+    if zero_stage == 1:
+        model.set_requires_gradient_sync(last)  # accumulate unsharded; reduce-scatter once per step
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_step(setup, micro_batches: Sequence[Any], optimizer: torch.optim.Optimizer | None = None, *,
+               max_grad_norm: float | None = None, sharded: bool = False) -> StepResult:
+    """Run one optimizer step of ``setup`` (an :class:`runtime.auto.AutoConfigured`) over ``micro_batches``.
+
+    ``micro_batches`` are this data-parallel rank's full-sequence batches (or shards, with
+    ``sharded=True``). With ``optimizer=None`` only gradients are accumulated (for inspection).
+    """
+    synchronize(setup.device)
+    started = time.perf_counter()
+    shards = list(micro_batches) if sharded else [setup.shard(b) for b in micro_batches]
+    step_tokens = global_token_count((s["labels"] for s in shards), setup.data_group, setup.device)
+    losses, weighted = [], 0.0
+    for i, shard in enumerate(shards):
+        _set_micro_batch_flags(setup.model, setup.train.zero_stage, last=i == len(shards) - 1)
+        out = setup.loss(setup.forward(shard), shard["labels"], num_items=step_tokens)
+        out.loss.backward()
+        losses.append(out.value)
+        weighted += out.value * out.global_tokens
+    grad_norm = None
+    if max_grad_norm is not None:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(setup.model.parameters(), max_grad_norm))
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    synchronize(setup.device)
+    return StepResult(loss=weighted / step_tokens if step_tokens else 0.0, tokens=step_tokens,
+                      micro_batch_losses=losses, seconds=time.perf_counter() - started, grad_norm=grad_norm)

@@ -1,0 +1,349 @@
+"""Measured vs predicted for a plan: run a few steps of the planned configuration and compare.
+
+Every rank measures (one micro-batch, or one optimizer step, of :func:`runtime.step.train_step`):
+
+- **activation bytes saved for backward** during one micro-batch's forward: autograd's saved tensors
+  plus the selective checkpoint's cache (:class:`runtime.saved_tensor_meter.SavedTensorMeter`),
+  deduplicated by storage, parameters excluded (FSDP2's gathered parameters too, by module hooks).
+  Predicted: ``layers x per-layer saved bytes + output layer + inputs - position ids`` from the memory
+  model (position ids live on the device but autograd does not save them);
+- **communication bytes by collective, one optimizer step**: the SP collectives and the loss
+  reduction from :class:`runtime.comm_counter.CommCounter` (exact per the cost model's conventions);
+  FSDP2's all-gathers and reduce-scatters counted at the c10d dispatcher (:class:`C10dTrace`).
+  Predicted: :func:`cost_models.comm_volume.comm_estimate` per step (FSDP2 pads each parameter's
+  first dim to the shard count, and reduce-scatters in the reduce dtype: small, explained differences);
+- **peak memory**: CUDA ``max_memory_allocated`` over a step vs the memory model's peak allocated (on
+  CPU there is no allocator counter: not measured);
+- **step time**: median of the timed steps vs the time model on the prediction topology (on CPU a
+  probed CPU topology, so the prediction is for this machine).
+
+Rank 0 gathers everything; :func:`render` prints the table. ``sp-plan validate`` drives this.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cost_models.units import GB
+from runtime.comm_counter import CommCounter
+from runtime.saved_tensor_meter import SavedTensorMeter
+
+#: Collectives compared with the cost model. SP and loss ones come from CommCounter, FSDP ones from C10dTrace.
+SP_COLLECTIVES = ("all_to_all", "send_recv")
+FSDP_COLLECTIVES = ("all_gather", "reduce_scatter")
+#: Step-time measurement: one warm-up step, then at least this many timed steps.
+MIN_TIMED_STEPS = 2
+#: Agreement bounds shown as verdicts (the tests enforce them on CPU).
+ACTIVATION_TOLERANCE = 0.05
+
+
+# ----- FSDP traffic at the dispatcher ---------------------------------------------------------------------
+
+
+class C10dTrace(TorchDispatchMode):
+    """Bytes this rank sends in c10d all-gathers and reduce-scatters (FSDP2's), by the project's conventions.
+
+    FSDP2 issues them from its hooks through ``torch.distributed``; they reach the dispatcher as c10d ops
+    (``_allgather_base_``, ``_reduce_scatter_base_`` and coalesced variants), where this mode sees them.
+    All-gather: the local shard goes to P-1 peers; reduce-scatter: (P-1)/P of the full input. P follows
+    from the output/input sizes, so no process group lookup is needed.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = dict.fromkeys(FSDP_COLLECTIVES, 0)
+        self.calls = dict.fromkeys(FSDP_COLLECTIVES, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        if name.startswith("c10d::"):
+            self._record(name, args)
+        return func(*args, **(kwargs or {}))
+
+    def _record(self, name: str, args: tuple) -> None:
+        tensors = [a for a in args[:2]]
+        outs = tensors[0] if isinstance(tensors[0], (list, tuple)) else [tensors[0]]
+        ins = tensors[1] if isinstance(tensors[1], (list, tuple)) else [tensors[1]]
+        if not all(isinstance(t, torch.Tensor) for t in [*outs, *ins]):
+            return
+        out_bytes = sum(t.numel() * t.element_size() for t in outs)
+        in_bytes = sum(t.numel() * t.element_size() for t in ins)
+        if "allgather" in name and in_bytes:
+            world = out_bytes // in_bytes
+            self.bytes["all_gather"] += in_bytes * (world - 1)
+            self.calls["all_gather"] += 1
+        elif "reduce_scatter" in name and out_bytes:
+            world = in_bytes // out_bytes
+            self.bytes["reduce_scatter"] += in_bytes * (world - 1) // world
+            self.calls["reduce_scatter"] += 1
+
+
+# ----- saved activations under FSDP2 ----------------------------------------------------------------------
+
+
+class ParameterAwareMeter(SavedTensorMeter):
+    """A SavedTensorMeter that also skips the parameters FSDP2 gathers for a module's forward.
+
+    FSDP2 swaps each module's sharded parameters for freshly gathered full ones just before the
+    module runs and frees them after, so their storages are unknown in advance and their addresses are
+    reused later: a forward pre-hook excludes a module's parameter storages while the module runs and a
+    forward hook lifts the exclusion (parameters a linear layer saves for backward are the weights,
+    not activations).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        # FSDP2's sharded parameters are DTensors: their local shards own the storage.
+        super().__init__(exclude=[getattr(p, "_local_tensor", p) for p in model.parameters()])
+        self._model = model
+        self._module_hooks: list = []
+        self._permanent = set(self._excluded)
+        self._running: dict[int, int] = {}
+        self._by_module: dict[int, list[int]] = {}
+
+    def _pre(self, module, _args) -> None:
+        # Remembered per module: after the forward FSDP2 has freed (resharded) these parameters.
+        ptrs = [p.untyped_storage().data_ptr() for p in module.parameters(recurse=False)]
+        self._by_module[id(module)] = ptrs
+        for ptr in ptrs:
+            self._running[ptr] = self._running.get(ptr, 0) + 1
+            self._excluded.add(ptr)
+
+    def _post(self, module, _args, _output) -> None:
+        for ptr in self._by_module.pop(id(module), []):
+            self._running[ptr] -= 1
+            if self._running[ptr] == 0:
+                del self._running[ptr]
+                if ptr not in self._permanent:
+                    self._excluded.discard(ptr)
+
+    def __enter__(self) -> ParameterAwareMeter:
+        for module in self._model.modules():
+            if any(True for _ in module.parameters(recurse=False)):
+                self._module_hooks.append(module.register_forward_pre_hook(self._pre))
+                self._module_hooks.append(module.register_forward_hook(self._post))
+        return super().__enter__()  # type: ignore[return-value]
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        for hook in self._module_hooks:
+            hook.remove()
+        self._module_hooks.clear()
+
+
+# ----- results --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RankMeasurement:
+    rank: int
+    activation_bytes: int
+    comm_bytes: dict[str, int]
+    comm_calls: dict[str, int]
+    peak_allocated: int | None
+    step_seconds: list[float]
+    loss: float
+
+
+@dataclass
+class Prediction:
+    activation_bytes: int
+    per_layer_saved_bytes: int
+    comm_bytes: dict[str, float]
+    peak_allocated: int
+    step_seconds: float
+    tokens_per_s: float
+    topology: str
+    topology_note: str
+
+
+@dataclass
+class ValidationReport:
+    plan_lines: list[str]
+    prediction: Prediction
+    ranks: list[RankMeasurement]
+    device: str
+    notes: list[str] = field(default_factory=list)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ----- prediction -----------------------------------------------------------------------------------------
+
+
+def predict(plan, topology) -> Prediction:
+    """Memory, communication and time predicted for ``plan``'s configuration on ``topology``."""
+    from cost_models.comm_volume import comm_estimate
+    from cost_models.estimate import estimate
+    from cost_models.memory.timeline import INDEX_BYTES
+
+    model, train, layout = plan.model, plan.train, plan.layout
+    est = estimate(model, train, layout, topology, with_placement=False)
+    detail = est.detail
+    local_tokens = train.micro_batch * train.seq_len // layout.sp
+    position_ids = local_tokens * INDEX_BYTES  # on the device, never saved by autograd
+    activations = (model.num_layers * detail.per_layer.saved_bytes + detail.output_layer.saved_bytes
+                   + detail.inputs_bytes - position_ids)
+    comm = comm_estimate(model, train, layout)
+    by_collective = {name: comm.by_collective.get(name, 0.0) for name in (*SP_COLLECTIVES, *FSDP_COLLECTIVES)}
+    by_collective["all_reduce (loss)"] = comm.per_step_by_strategy.get("loss", 0.0)
+    return Prediction(activation_bytes=activations, per_layer_saved_bytes=detail.per_layer.saved_bytes,
+                      comm_bytes=by_collective, peak_allocated=est.memory.peak_allocated,
+                      step_seconds=est.time.step_s, tokens_per_s=est.time.tokens_per_s, topology=topology.name,
+                      topology_note="")
+
+
+# ----- measurement (every rank) ---------------------------------------------------------------------------
+
+
+def _micro_batches(setup, generator: torch.Generator) -> list[torch.Tensor]:
+    t = setup.train
+    vocab = setup.plan.model.vocab_size
+    return [torch.randint(0, vocab, (t.micro_batch, t.seq_len), generator=generator) for _ in range(t.grad_accum)]
+
+
+def measure(setup, steps: int, seed: int = 0) -> RankMeasurement:
+    """Run ``steps`` optimizer steps (the first one measured for bytes, the rest timed) on random tokens."""
+    from runtime.step import synchronize, train_step
+
+    generator = torch.Generator().manual_seed(seed + setup.dp_rank)  # same sample on the SP ranks
+    optimizer = torch.optim.AdamW(setup.model.parameters(), lr=1e-4)
+
+    # Activations: one micro-batch forward under the meter, then its backward (the saved tensors are used).
+    shard = setup.shard(_micro_batches(setup, generator)[0])
+    with ParameterAwareMeter(setup.model) as meter:
+        out = setup.loss(setup.forward(shard), shard["labels"])
+    out.loss.backward()
+    optimizer.zero_grad(set_to_none=True)
+
+    # Communication and peak memory: one whole optimizer step.
+    if setup.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(setup.device)
+    synchronize(setup.device)
+    with CommCounter() as counter, C10dTrace() as trace:
+        result = train_step(setup, _micro_batches(setup, generator), optimizer)
+    peak = torch.cuda.max_memory_allocated(setup.device) if setup.device.type == "cuda" else None
+    comm = {name: counter.bytes(name) for name in SP_COLLECTIVES}
+    comm["all_reduce (loss)"] = counter.bytes("all_reduce")
+    comm.update(trace.bytes)
+    calls = {name: counter.calls(name) for name in SP_COLLECTIVES}
+    calls["all_reduce (loss)"] = counter.calls("all_reduce")
+    calls.update(trace.calls)
+
+    # Time: the remaining steps (the step above was the warm-up).
+    seconds = [train_step(setup, _micro_batches(setup, generator), optimizer).seconds
+               for _ in range(max(steps - 1, MIN_TIMED_STEPS))]
+    return RankMeasurement(rank=dist.get_rank(), activation_bytes=meter.total_bytes, comm_bytes=comm,
+                           comm_calls=calls, peak_allocated=peak, step_seconds=seconds, loss=result.loss)
+
+
+def prediction_topology(plan, topology: Any, device_type: str):
+    """The topology step time is predicted on: the given one, the plan's on GPUs, a quick probe on CPU."""
+    from cost_models.topology import load_topology
+
+    world = plan.layout.world
+    if topology is not None:
+        return load_topology(str(topology), world), f"topology {topology}"
+    if device_type == "cuda":
+        from cost_models.errors import CostModelError
+        from cost_models.topology import default_topology
+
+        try:
+            return load_topology(plan.hardware.topology, world), f"the plan's topology ({plan.hardware.topology})"
+        except CostModelError:  # a topology file from another machine: the GPU's natural node instead
+            return default_topology(plan.hardware.gpu, world), f"the natural node of {plan.hardware.gpu}"
+    from runtime.auto import AUTO_PROBE_BUDGETS
+    from runtime.probe.run import run_probe
+
+    compute_s, link_s = AUTO_PROBE_BUDGETS["cpu"]
+    with tempfile.TemporaryDirectory() as tmp:
+        result = run_probe(Path(tmp) / "cpu.yaml", compute_budget_s=compute_s, link_budget_s=link_s)
+        topo = load_topology(str(result.path), world) if dist.get_rank() == 0 else None
+    return topo, "probed on this machine: CPU ranks over gloo, so the time prediction is for this CPU"
+
+
+def run_validation(plan, *, steps: int = 3, topology: Any = None, seed: int = 0) -> ValidationReport | None:
+    """Build the plan's model (random weights), auto-configure it, measure; the report on rank 0 only."""
+    from runtime.auto import auto_configure, describe_plan, init_distributed
+    from runtime.models import LlamaModel
+
+    device_type = init_distributed()
+    topo, note = prediction_topology(plan, topology, device_type)
+    torch.manual_seed(seed)
+    model = LlamaModel(plan.model)
+    model.init_weights(generator=torch.Generator().manual_seed(seed))
+    setup = auto_configure(model, plan=plan)
+    mine = measure(setup, steps, seed)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if dist.get_rank() != 0:
+        return None
+    prediction = predict(plan, topo)
+    prediction.topology_note = note
+    notes = []
+    if device_type == "cpu":
+        notes.append("peak memory: not measured on CPU (no allocator statistics); the activation row is the "
+                     "measured saved-tensor total")
+    fsdp_differs = any(r.comm_bytes[c] != prediction.comm_bytes[c] for r in gathered for c in FSDP_COLLECTIVES)
+    if fsdp_differs:
+        notes.append("FSDP2 bytes differ from the model where FSDP2 pads a parameter's first dim to a multiple of "
+                     "the shard count" + ("" if plan.train.dtype == "fp32" else
+                                          ", and because it reduce-scatters gradients in fp32 (reduce_dtype) where "
+                                          "the model assumes compute-dtype gradients (2x)"))
+    return ValidationReport(plan_lines=describe_plan(plan), prediction=prediction, ranks=gathered,
+                            device=device_type, notes=notes)
+
+
+# ----- rendering ------------------------------------------------------------------------------------------
+
+
+def _ratio(measured: float, predicted: float) -> str:
+    if not predicted:
+        return "exact" if not measured else "n/a"
+    error = measured / predicted - 1
+    return "exact" if measured == predicted else f"{error:+.2%}"
+
+
+def render(report: ValidationReport | dict) -> str:
+    """The comparison table: one column per rank, predicted first, worst relative error last."""
+    if isinstance(report, dict):
+        report = _from_dict(report)
+    p = report.prediction
+    ranks = report.ranks
+    header = f"{'':34}{'predicted':>14}" + "".join(f"{'rank ' + str(r.rank):>14}" for r in ranks) + f"{'worst':>10}"
+    rows = [*report.plan_lines, f"time prediction: {p.topology} ({p.topology_note})", header]
+
+    def row(label: str, predicted: float | None, measured: list[float | None], scale: float, fmt: str) -> None:
+        cells = "".join(f"{'n/a' if m is None else format(m / scale, fmt):>14}" for m in measured)
+        worst = "n/a"
+        if predicted is not None and all(m is not None for m in measured):
+            errors = [_ratio(m, predicted) for m in measured]  # type: ignore[arg-type]
+            worst = max(errors, key=lambda e: 0 if e == "exact" else abs(float(e.rstrip("%"))) if e != "n/a" else 1e9)
+        pred = "n/a" if predicted is None else format(predicted / scale, fmt)
+        rows.append(f"{label:34}{pred:>14}{cells}{worst:>10}")
+
+    row("activations saved for backward MB", p.activation_bytes, [r.activation_bytes for r in ranks], 1e6, ".3f")
+    for name in (*SP_COLLECTIVES, "all_reduce (loss)", *FSDP_COLLECTIVES):
+        scale, fmt = (1.0, ",.0f") if name == "all_reduce (loss)" else (1e6, ".3f")
+        unit = "B" if scale == 1.0 else "MB"
+        row(f"comm {name} {unit}/step", p.comm_bytes.get(name, 0.0), [r.comm_bytes.get(name, 0) for r in ranks],
+            scale, fmt)
+    row("peak allocated GB", p.peak_allocated, [r.peak_allocated for r in ranks], GB, ".3f")
+    row("step time s (median)", p.step_seconds, [statistics.median(r.step_seconds) for r in ranks], 1.0, ".4f")
+    rows += [f"note: {n}" for n in report.notes]
+    return "\n".join(rows)
+
+
+def _from_dict(data: dict) -> ValidationReport:
+    return ValidationReport(plan_lines=data["plan_lines"], prediction=Prediction(**data["prediction"]),
+                            ranks=[RankMeasurement(**r) for r in data["ranks"]], device=data["device"],
+                            notes=data.get("notes", []))

@@ -1,0 +1,145 @@
+"""HF transformers models (random weights from a config, no download) train with our SP attention.
+
+On 4 gloo ranks, for Llama, Qwen2 (QKV bias), Qwen3 (q/k norm) and Mistral configs under USP, Ulysses 4
+(KV heads replicated), Ring 4 and data x sequence parallelism, through ``runtime.auto_configure``:
+
+- the model's attention is ours (``attn_implementation == "sp_plan"``) and NO mask is ever built:
+  transformers' mask builders are replaced by functions that fail the test if called, and our
+  attention refuses any mask it is given;
+- 3 AdamW steps match a single-process run of the same HF model with its own SDPA attention on the
+  full sequences (default position ids there, our sharded global position ids here): loss curves
+  within 1e-4, which also shows the position ids are respected (local positions would not match);
+- the cost models see the same architecture (``model_from_hf_dict``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests.distributed import run_ranks  # noqa: E402
+
+pytestmark = pytest.mark.multiproc
+
+STEPS, BATCH, SEQ, VOCAB, LR = 3, 2, 64, 128, 1e-3
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, attention_dropout=0.0,
+              tie_word_embeddings=False)
+#: (family, config overrides, layout pins, option pins)
+CASES = [
+    ("llama", {}, {"ring": 2, "ulysses": 2}, {"zero_stage": 3, "checkpointing": "selective"}),
+    ("qwen2", {"use_sliding_window": False}, {"dp_shard": 2, "ulysses": 2}, {"zero_stage": 2, "checkpointing": "none"}),
+    ("qwen3", {"head_dim": 16}, {"ulysses": 4}, {"zero_stage": 1, "checkpointing": "full"}),
+    ("mistral", {"sliding_window": None}, {"ring": 4}, {"zero_stage": 3, "checkpointing": "full"}),
+]
+
+
+def _hf_model(family: str, overrides: dict, attn: str):
+    import transformers
+
+    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                  "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}[family]
+    config = config_cls(**COMMON, **overrides)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    return model.float()
+
+
+def _data() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    start = torch.randint(0, VOCAB, (STEPS, BATCH, 1), generator=gen)
+    stride = torch.randint(1, 4, (STEPS, BATCH, 1), generator=gen)
+    return list((start + stride * torch.arange(SEQ)) % VOCAB)
+
+
+def _reference(family: str, overrides: dict) -> list[float]:
+    import torch.nn.functional as F
+
+    model = _hf_model(family, overrides, "sdpa")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for ids in _data():
+        logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _fail_mask(*args, **kwargs):
+    raise AssertionError("transformers built an attention mask for the sequence-parallel model")
+
+
+def _rank(rank: int, world: int) -> dict:
+    from transformers import masking_utils
+
+    from runtime.auto import auto_configure
+    from runtime.hf import ATTENTION_NAME, hf_model_spec
+    from runtime.step import train_step
+
+    for name in list(masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping):
+        masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[name] = _fail_mask
+    results = {}
+    for family, overrides, layout, options in CASES:
+        model = _hf_model(family, overrides, "eager")
+        spec = hf_model_spec(model)
+        setup = auto_configure(model, seq_len=SEQ, micro_batch=BATCH, global_batch=BATCH, dtype="fp32",
+                               topology="dgx-h100", fixed_layout=layout, fixed_options=options)
+        assert setup.model.config._attn_implementation == ATTENTION_NAME
+        optimizer = torch.optim.AdamW(setup.model.parameters(), lr=LR)
+        per_rank = BATCH // setup.dp_size
+        losses = []
+        for ids in _data():
+            mine = ids[setup.dp_rank * per_rank:(setup.dp_rank + 1) * per_rank]
+            micro = [mine[i:i + setup.train.micro_batch] for i in range(0, per_rank, setup.train.micro_batch)]
+            losses.append(train_step(setup, micro, optimizer).loss)
+        refused = None
+        try:
+            shard = setup.shard(_data()[0][:per_rank])
+            setup.model(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
+                        attention_mask=torch.zeros(per_rank, 1, shard["input_ids"].shape[1],
+                                                   shard["input_ids"].shape[1], dtype=torch.bool), use_cache=False)
+        except Exception as exc:  # noqa: BLE001 - the message is what is checked
+            refused = str(exc)
+        results[family] = {"losses": losses, "spec": spec.model_dump(), "layout": setup.layout.describe(),
+                           "refused": refused}
+    return results
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return run_ranks(4, _rank, timeout=180)
+
+
+@pytest.mark.parametrize("family", [c[0] for c in CASES])
+def test_hf_model_trains_like_single_process_hf(family, trained):
+    overrides = next(c[1] for c in CASES if c[0] == family)
+    reference = _reference(family, overrides)
+    for rank in trained:
+        got = rank[family]["losses"]
+        diff = sum(abs(a - b) for a, b in zip(got, reference)) / STEPS
+        assert diff < 1e-4, (family, rank[family]["layout"], got, reference)
+
+
+@pytest.mark.parametrize("family", [c[0] for c in CASES])
+def test_hf_attention_refuses_a_4d_mask_and_maps_the_architecture(family, trained):
+    result = trained[0][family]
+    assert "mask" in (result["refused"] or "")
+    spec = result["spec"]
+    assert spec["num_layers"] == 2 and spec["num_heads"] == 4 and spec["num_kv_heads"] == 2
+    assert spec["qk_norm"] == (family == "qwen3") and spec["qkv_bias"] == (family == "qwen2")
+
+
+def test_sliding_window_configs_are_refused():
+    import transformers
+
+    from runtime.errors import RuntimeConfigError
+    from runtime.hf import use_sequence_parallel_attention
+
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=16))
+    with pytest.raises(RuntimeConfigError, match="sliding-window"):
+        use_sequence_parallel_attention(model, sp=None, seq_len=SEQ)
