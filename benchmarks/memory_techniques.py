@@ -406,10 +406,7 @@ def state_offload_rows(world: int = 2) -> list[Row]:
                 if variant == "fsdp":
                     note = "split differs: FSDP2 keeps fp32 params+grads (4+4 B) vs model 2+2, moments 8 vs 12"
                 if variant == "offload_params" and where == "host":
-                    # Model deviation (reported): it counts compute-dtype host weights (2 B/param) beside the
-                    # fp32 master in the optimizer's 12 B; under FSDP2's CPUOffloadPolicy the fp32 shard is both.
-                    note, explained = "model: +2 B/param bf16 host weights; FSDP2's fp32 shard is the master", \
-                        -st.weights_host
+                    note = "fp32 shard = parameter and master (4) + fp32 grads (4) + moments (8)"
                 rows.append(Row("param/optimizer offload", f"{variant}, dp_shard={world}, rank {rank}",
                                 f"model states on {where}", predicted[where], measured, exact=True, note=note,
                                 explained=explained))

@@ -100,7 +100,9 @@ class CommOp(NamedTuple):
 # ----- parameter counts seen by one TP rank ---------------------------------------------------------
 
 
-#: Gradient bytes per parameter after FSDP2's reduce-scatter (reduce_dtype=fp32 in runtime.fsdp).
+#: Gradient bytes per parameter in FSDP's reduce-scatter and everything downstream of it (runtime.fsdp
+#: uses MixedPrecisionPolicy(reduce_dtype=fp32), torchtitan's default: summing bf16 gradients over
+#: many ranks loses precision).
 FSDP_GRAD_BYTES = 4
 
 
@@ -239,10 +241,13 @@ def comm_ops(model: ModelSpec, train: TrainSpec, layout: Layout) -> tuple[CommOp
 
 
 def _parameter_ops(add, model: ModelSpec, train: TrainSpec, layout: Layout) -> None:
-    d = train.dtype_bytes  # bf16 weights and gradients (fp32 when training in fp32)
+    d = train.dtype_bytes  # parameters travel in the compute dtype (bf16; fp32 when training in fp32)
     tp = layout.tp
     layer = tp_local_layer_params(model, tp) * d
     other = tp_local_other_params(model, tp) * d
+    # Gradients are reduced in fp32 under FSDP (runtime.fsdp: MixedPrecisionPolicy(reduce_dtype=fp32)).
+    layer_grads = tp_local_layer_params(model, tp) * FSDP_GRAD_BYTES
+    other_grads = tp_local_other_params(model, tp) * FSDP_GRAD_BYTES
     shard = layout.shard_group
     replicate = layout.dp_replicate
     stage = train.zero_stage
@@ -270,17 +275,17 @@ def _parameter_ops(add, model: ModelSpec, train: TrainSpec, layout: Layout) -> N
                 if not model.tied_embeddings:
                     add("fsdp", "all_gather", "shard", embedding, "backward", scope="model",
                         label="embedding re-gather")
-            add("fsdp", "reduce_scatter", "shard", layer, "backward", per=grad_per,
+            add("fsdp", "reduce_scatter", "shard", layer_grads, "backward", per=grad_per,
                 overlap="prefetch" if stage == 3 else "grad", label="gradient reduce-scatter")
-            add("fsdp", "reduce_scatter", "shard", other, "backward", scope="model", per=grad_per,
+            add("fsdp", "reduce_scatter", "shard", other_grads, "backward", scope="model", per=grad_per,
                 label="embedding/head gradient reduce-scatter")
             if stage in (1, 2):
                 add("fsdp", "all_gather", "shard", layer * model.num_layers + other, "step", scope="model",
                     per="step", label="updated parameter all-gather")
         if replicate > 1:
-            add("dp", "all_reduce", "dp_replicate", layer / shard, "backward", per=grad_per, overlap="grad",
+            add("dp", "all_reduce", "dp_replicate", layer_grads / shard, "backward", per=grad_per, overlap="grad",
                 label="gradient shard all-reduce across replicas")
-            add("dp", "all_reduce", "dp_replicate", other / shard, "backward", scope="model", per=grad_per,
+            add("dp", "all_reduce", "dp_replicate", other_grads / shard, "backward", scope="model", per=grad_per,
                 label="embedding/head gradient shard all-reduce across replicas")
     # Gradients of weights every TP rank holds are summed over TP once per step. Under FSDP they are
     # the sharded fp32 gradients (FSDP2's reduce dtype); without it, full gradients in the compute dtype.

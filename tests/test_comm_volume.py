@@ -138,12 +138,14 @@ def test_tp_megatron_and_sequence_parallel(sp, ckpt, recompute_collectives):
 def test_zero3_fsdp_regathers_in_backward():
     train = TrainSpec(seq_len=4096, zero_stage=3, grad_accum=2)
     est = comm_estimate(LLAMA8, train, Layout(dp_shard=8))
-    w = LLAMA8.params_per_layer() * 2
+    w = LLAMA8.params_per_layer() * 2  # bf16 parameters
+    g = LLAMA8.params_per_layer() * 4  # fp32 gradients (FSDP2 reduce dtype)
     assert est.per_layer_bytes["fsdp"].forward == pytest.approx(7 / 8 * w)
-    assert est.per_layer_bytes["fsdp"].backward == pytest.approx(2 * 7 / 8 * w)  # re-gather + reduce-scatter
-    other = (LLAMA8.embedding_params() + LLAMA8.lm_head_params() + LLAMA8.norm_params()) * 2
+    assert est.per_layer_bytes["fsdp"].backward == pytest.approx(7 / 8 * (w + g))  # re-gather + reduce-scatter
+    params_other = LLAMA8.embedding_params() + LLAMA8.lm_head_params() + LLAMA8.norm_params()
     embedding = LLAMA8.embedding_params() * 2  # re-gathered for its gradient; the head stays gathered
-    per_step = 2 * (32 * 3 * 7 / 8 * w + 7 / 8 * (2 * other + embedding))  # every micro-batch
+    per_micro = 32 * 7 / 8 * (2 * w + g) + 7 / 8 * (params_other * 2 + embedding + params_other * 4)
+    per_step = 2 * per_micro  # every micro-batch
     assert est.per_step_by_strategy["fsdp"] == pytest.approx(per_step)
     assert est.per_step_by_strategy["dp"] == 0
 
@@ -160,18 +162,20 @@ def test_hsdp_reduce_scatter_then_all_reduce_across_replicas():
     train = TrainSpec(seq_len=4096, zero_stage=3)
     est = comm_estimate(LLAMA8, train, Layout(dp_replicate=2, dp_shard=4))
     w = LLAMA8.params_per_layer() * 2
+    g = LLAMA8.params_per_layer() * 4  # fp32 gradient shards are all-reduced across replicas
     assert est.per_layer_bytes["fsdp"].forward == pytest.approx(3 / 4 * w)
-    assert est.per_layer_bytes["dp"].backward == pytest.approx(2 * 1 / 2 * w / 4)
+    assert est.per_layer_bytes["dp"].backward == pytest.approx(2 * 1 / 2 * g / 4)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero12_reduce_scatter_and_parameter_all_gather(stage):
     train = TrainSpec(seq_len=4096, zero_stage=stage, grad_accum=3)
     est = comm_estimate(LLAMA8, train, Layout(dp_shard=8))
-    total = LLAMA8.num_params * 2
+    params = LLAMA8.num_params * 2  # updated bf16 parameters, gathered once per step
+    grads = LLAMA8.num_params * 4  # fp32 gradients (FSDP2 reduce dtype)
     rs_times = 1 if stage == 1 else 3  # ZeRO-2 reduces every micro-batch
     assert est.per_layer_bytes["fsdp"].forward == 0
-    assert est.per_step_by_strategy["fsdp"] == pytest.approx(7 / 8 * total * (rs_times + 1))
+    assert est.per_step_by_strategy["fsdp"] == pytest.approx(7 / 8 * (grads * rs_times + params))
 
 
 def test_sequence_parallel_ranks_share_the_fsdp_shard_group():

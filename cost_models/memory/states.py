@@ -135,6 +135,10 @@ class ModelStates:
         return self.params.output_matrix * self.per_param.gradients
 
 
+#: Bytes of the fp32 master copy inside ``adamw``'s 12 B/param of optimizer state.
+MASTER_BYTES = 4
+
+
 def model_states(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions) -> ModelStates:
     params = tp_params(model, layout.tp)
     per = bytes_per_param(train)
@@ -154,6 +158,11 @@ def model_states(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAs
                            stage >= 2, False, False, 0)
     optimizer = shard(total * per.optimizer, stage >= 1)
     optimizer_on_device = not (train.offload_optimizer or moves_everything)
+    if moves_everything and train.optimizer == "adamw":
+        # FSDP2's CPUOffloadPolicy keeps one fp32 shard on the host that is both the parameter and the
+        # optimizer's master copy: count it once, as weights (4 B/param), and only m and v as optimizer.
+        weights_host = shard(total * MASTER_BYTES, True)
+        optimizer = shard(total * (per.optimizer - MASTER_BYTES), stage >= 1)
     opt_params = shard(total, stage >= 1)
     host_grads = 0 if optimizer_on_device else int(opt_params * a.host_grad_bytes_per_param)
     return ModelStates(
