@@ -106,6 +106,12 @@ class CommOp(NamedTuple):
 FSDP_GRAD_BYTES = 4
 
 
+def fsdp_grad_bytes(train: TrainSpec) -> int:
+    """Bytes per gradient element in FSDP's reductions: fp32 (:data:`FSDP_GRAD_BYTES`), except under
+    ``adamw_bf16``, whose parameters, gradients and reductions all stay in the compute dtype."""
+    return train.dtype_bytes if train.optimizer == "adamw_bf16" else FSDP_GRAD_BYTES
+
+
 def tp_local_layer_params(model: ModelSpec, tp: int) -> float:
     """Parameters of one transformer layer held by one TP rank (column/row-parallel split, KV heads
     replicated when tp exceeds them, norms and row-parallel biases replicated)."""
@@ -246,8 +252,9 @@ def _parameter_ops(add, model: ModelSpec, train: TrainSpec, layout: Layout) -> N
     layer = tp_local_layer_params(model, tp) * d
     other = tp_local_other_params(model, tp) * d
     # Gradients are reduced in fp32 under FSDP (runtime.fsdp: MixedPrecisionPolicy(reduce_dtype=fp32)).
-    layer_grads = tp_local_layer_params(model, tp) * FSDP_GRAD_BYTES
-    other_grads = tp_local_other_params(model, tp) * FSDP_GRAD_BYTES
+    grad_bytes = fsdp_grad_bytes(train)
+    layer_grads = tp_local_layer_params(model, tp) * grad_bytes
+    other_grads = tp_local_other_params(model, tp) * grad_bytes
     shard = layout.shard_group
     replicate = layout.dp_replicate
     stage = train.zero_stage
@@ -289,7 +296,7 @@ def _parameter_ops(add, model: ModelSpec, train: TrainSpec, layout: Layout) -> N
                 label="embedding/head gradient shard all-reduce across replicas")
     # Gradients of weights every TP rank holds are summed over TP once per step. Under FSDP they are
     # the sharded fp32 gradients (FSDP2's reduce dtype); without it, full gradients in the compute dtype.
-    grad_bytes, grad_shard = (FSDP_GRAD_BYTES, shard) if stage >= 1 else (d, 1)
+    grad_bytes, grad_shard = (grad_bytes, shard) if stage >= 1 else (d, 1)
     if tp > 1 and train.tp_sequence_parallel:
         # Norms (and row-parallel biases) see only this rank's sequence shard under Megatron SP.
         replicated = (tp_replicated_layer_params(model) * model.num_layers + model.norm_params())

@@ -52,6 +52,7 @@ from .comm_volume import (
 from .errors import CostModelError
 from .flops import hardware_flops_per_step, microbatch_work
 from .layout import Layout
+from .memory.states import host_optimizer_bytes_per_param
 from .model_spec import ModelSpec
 from .placement import Placement, group_spans, place
 from .topology.topology import Topology
@@ -99,7 +100,8 @@ class OffloadTraffic(BaseModel):
         d = train.dtype_bytes
         params = tp_local_layer_params(model, layout.tp) * model.num_layers + tp_local_other_params(model, layout.tp)
         shard = layout.shard_group if train.zero_stage >= 1 else 1
-        optimizer = params / shard * OPTIMIZER_STATE_BYTES[train.optimizer] if train.offload_optimizer else 0.0
+        on_host = train.offload_optimizer or train.offload_params  # FSDP2's parameter offload moves the step too
+        optimizer = params / shard * host_optimizer_bytes_per_param(train) if on_host else 0.0
         param = params / layout.shard_group * d if train.offload_params else 0.0
         checkpoint = 0.0
         if train.offload_checkpoints and train.checkpointing != "none":
@@ -316,7 +318,7 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
         params = tp_local_layer_params(model, layout.tp) * layers + tp_local_other_params(model, layout.tp)
         local = params / (layout.shard_group if train.zero_stage >= 1 else 1)
         traffic = optimizer_step_traffic(train.optimizer, d)
-        cpu_params = offload.optimizer_bytes / OPTIMIZER_STATE_BYTES[train.optimizer]
+        cpu_params = offload.optimizer_bytes / host_optimizer_bytes_per_param(train)
         gpu_params = max(0.0, local - cpu_params)
         optimizer_s = gpu_params * traffic / hbm
         if cpu_params > 0:

@@ -135,8 +135,25 @@ class ModelStates:
         return self.params.output_matrix * self.per_param.gradients
 
 
-#: Bytes of the fp32 master copy inside ``adamw``'s 12 B/param of optimizer state.
+#: Bytes of the fp32 master copy inside mixed-precision ``adamw``'s 12 B/param of optimizer state.
 MASTER_BYTES = 4
+
+
+def separate_master_bytes(train: TrainSpec) -> int:
+    """Bytes per parameter of an fp32 master copy kept apart from the parameters: mixed-precision
+    ``adamw`` only (fp32 training updates the parameters themselves; ``adamw_bf16`` has none)."""
+    return MASTER_BYTES if train.optimizer == "adamw" and train.dtype_bytes < FP32 else 0
+
+
+def host_optimizer_bytes_per_param(train: TrainSpec, moves_everything: bool = True) -> int:
+    """Optimizer-state bytes per parameter in host memory when the optimizer runs there.
+
+    With FSDP2's parameter offload (``moves_everything``: the memory assumption
+    ``offload_params_moves_grads_and_optimizer``) the fp32 parameter shard on the host *is* the master
+    copy, counted once as weights: only the moments remain optimizer state.
+    """
+    per = bytes_per_param(train).optimizer
+    return per - separate_master_bytes(train) if train.offload_params and moves_everything else per
 
 
 def model_states(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions) -> ModelStates:
@@ -158,11 +175,11 @@ def model_states(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAs
                            stage >= 2, False, False, 0)
     optimizer = shard(total * per.optimizer, stage >= 1)
     optimizer_on_device = not (train.offload_optimizer or moves_everything)
-    if moves_everything and train.optimizer == "adamw":
+    if moves_everything and separate_master_bytes(train):
         # FSDP2's CPUOffloadPolicy keeps one fp32 shard on the host that is both the parameter and the
         # optimizer's master copy: count it once, as weights (4 B/param), and only m and v as optimizer.
         weights_host = shard(total * MASTER_BYTES, True)
-        optimizer = shard(total * (per.optimizer - MASTER_BYTES), stage >= 1)
+        optimizer = shard(total * host_optimizer_bytes_per_param(train), stage >= 1)
     opt_params = shard(total, stage >= 1)
     host_grads = 0 if optimizer_on_device else int(opt_params * a.host_grad_bytes_per_param)
     return ModelStates(
