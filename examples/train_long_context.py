@@ -12,6 +12,7 @@ Let the planner also consider data parallelism, pin a layout, or run a plan file
 
     torchrun --nproc-per-node 4 examples/train_long_context.py --no-sp-only
     torchrun --nproc-per-node 4 examples/train_long_context.py --ulysses 2 --ring 2 --seq-len 8K
+    torchrun --nproc-per-node 4 examples/train_long_context.py --tp 2 --ulysses 2 --tiled-mlp --tiled-loss
     sp-plan export --plan plan.yaml --to torchrun      # prints: torchrun ... train_long_context.py --plan plan.yaml
 
 The same script runs on GPUs (NCCL, bf16 by default there). Without ``--plan``, rank 0 plans for the
@@ -51,6 +52,11 @@ DEFAULT_CORPUS_BYTES = 8 << 20
 WARMUP_STEPS = 5
 
 
+#: Layout degrees and memory techniques the command line can pin.
+LAYOUT_PINS = ("ulysses", "ring", "tp", "dp_shard", "dp_replicate")
+TECHNIQUE_PINS = ("tiled_mlp", "tiled_loss", "offload_checkpoints", "offload_optimizer", "offload_params")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--plan", help="plan file written by `sp-plan plan --out` (fixes model, layout and options)")
@@ -75,10 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pins.add_argument("--sp-only", action=argparse.BooleanOptionalAction, default=True,
                       help="split every sequence over all ranks (no data parallelism); --no-sp-only lets the "
                            "planner choose any layout")
-    for dim in ("ulysses", "ring", "dp_shard", "dp_replicate"):
+    for dim in LAYOUT_PINS:
         pins.add_argument(f"--{dim.replace('_', '-')}", dest=dim, type=int, default=None)
     pins.add_argument("--checkpointing", choices=["none", "selective", "full"], default=None)
     pins.add_argument("--zero", dest="zero_stage", type=int, choices=[1, 2, 3], default=None)
+    for option in TECHNIQUE_PINS:
+        pins.add_argument(f"--{option.replace('_', '-')}", dest=option, action="store_true", default=None,
+                          help=f"use {option} (default: the planner decides)")
     p.add_argument("--corpus", type=Path, default=None,
                    help="directory of .py files (default: this Python's standard library)")
     p.add_argument("--corpus-bytes", type=int, default=DEFAULT_CORPUS_BYTES)
@@ -160,11 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     if plan is not None:
         setup = auto_configure(model, plan=plan, pad_token_id=PAD)
     else:
-        pins = {k: getattr(args, k) for k in ("ulysses", "ring", "dp_shard", "dp_replicate") if getattr(args, k)}
+        pins = {k: getattr(args, k) for k in LAYOUT_PINS if getattr(args, k)}
         if args.sp_only:
-            pins.setdefault("dp_shard", 1)
-            pins.setdefault("dp_replicate", 1)
-        options = {k: getattr(args, k) for k in ("checkpointing", "zero_stage") if getattr(args, k) is not None}
+            for dim in ("dp_shard", "dp_replicate", "tp"):
+                pins.setdefault(dim, 1)
+        options = {k: getattr(args, k) for k in ("checkpointing", "zero_stage", *TECHNIQUE_PINS)
+                   if getattr(args, k) is not None}
         setup = auto_configure(model, seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=args.dtype,
                                global_batch=args.global_batch, topology=args.topology, fixed_layout=pins,
                                fixed_options=options, pad_token_id=PAD)
@@ -185,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"data: {tokens.numel():,} byte tokens of Python stdlib source, {len(dataset)} sequences of "
               f"{train.seq_len:,}; {setup.dp_size} data-parallel group(s); {train.grad_accum} micro-batch(es) "
               f"of {train.micro_batch} per step", flush=True)
-    optimizer = torch.optim.AdamW(setup.model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = setup.make_optimizer(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS))
     progress = Progress(args.steps, rank0)
     step, epoch, first_loss, loss = 0, 0, math.nan, math.nan

@@ -21,13 +21,21 @@ does, in order (each step a function below, so later techniques slot in locally)
 4. **attention**: the model's attention becomes the planned SP attention
    (:class:`runtime.context.SequenceParallel`): our :class:`~runtime.models.LlamaModel` through its
    ``attention_fn``, HF models through transformers' attention registry (:mod:`runtime.hf`);
-5. **activation checkpointing** per plan (none / selective / full, per block);
-6. **memory techniques** (tensor parallelism, tiled MLP/loss, offloads): the hook where issue 7 wires
-   them in (today the capability check refuses them);
+5. **tensor parallelism** (:mod:`runtime.tp`, Megatron column/row split with sequence parallelism
+   per the plan's ``tp_sequence_parallel``) on the full, rank-0-synchronised weights, before anything
+   shards them further;
+6. **activation checkpointing** per plan (none / selective / full, per block), with the checkpointed
+   block inputs offloaded to host memory when the plan says ``offload_checkpoints``
+   (:mod:`runtime.offload`), and the **tiled MLP** (:mod:`runtime.tiled_mlp`);
 7. **FSDP2** ``fully_shard`` per block, the untied embedding, and the root, over the ``fsdp`` dim
-   (HSDP over ``dp_replicate x fsdp`` when dp_replicate > 1), with a MixedPrecisionPolicy from the
-   plan's dtype and optimizer; gradients are summed (divide factor 1) because the loss is normalised by
-   the global token count (:mod:`runtime.loss`).
+   (HSDP over ``dp_replicate x fsdp`` when dp_replicate > 1), with the plan's mixed precision and
+   ``offload_params`` (CPUOffloadPolicy) from :func:`runtime.fsdp.fully_shard_kwargs`; gradients are
+   summed (divide factor 1) because the loss is normalised by the global token count
+   (:mod:`runtime.loss`);
+8. the **loss** the plan asks for (:meth:`AutoConfigured.compute_loss`: tiled cross-entropy from the
+   final hidden states, vocab-parallel under TP) and the **optimizer** (:meth:`AutoConfigured.make_optimizer`:
+   AdamW, or :class:`runtime.host_optimizer.HostOffloadOptimizer` for ``offload_optimizer``; TP's
+   replicated-gradient all-reduce runs before every step).
 
 ZeRO stages with FSDP2 (what :func:`runtime.step.train_step` toggles per micro-batch):
 
@@ -39,6 +47,15 @@ ZeRO stages with FSDP2 (what :func:`runtime.step.train_step` toggles per micro-b
 
 Between steps parameters stay sharded (FSDP2 always reshards after the last backward), so ZeRO-1/2
 hold less than the memory model's full replica of the weights; communication follows the model.
+
+A training loop written by hand (rather than :func:`runtime.step.train_step`)::
+
+    optimizer = setup.make_optimizer(lr=3e-4)
+    for batch in loader:
+        out = setup.compute_loss(setup.shard(batch))
+        out.loss.backward()
+        setup.clip_grad_norm_(1.0)          # optional; syncs TP-replicated gradients first
+        optimizer.step(); optimizer.zero_grad()
 """
 
 from __future__ import annotations
@@ -47,7 +64,6 @@ import hashlib
 import itertools
 import os
 import tempfile
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +77,7 @@ from cost_models.layout import Layout
 from cost_models.model_spec import ModelSpec
 from cost_models.train_spec import TrainSpec
 from runtime.capabilities import merge_constraints, unsupported_reasons
+from runtime.fsdp import DTYPES, fully_shard_kwargs, fully_shard_units, needs_compute_dtype_params
 from runtime.context import SequenceParallel
 from runtime.data import BatchSharder, data_parallel_coordinates, data_parallel_sampler
 from runtime.errors import RuntimeConfigError
@@ -77,7 +94,9 @@ ARCHITECTURE_FIELDS: tuple[str, ...] = (
     "tied_embeddings", "activation", "norm", "position_embedding", "qkv_bias", "attn_out_bias", "mlp_bias",
     "qk_norm",
 )
-COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+COMPUTE_DTYPES = DTYPES
+#: Memory techniques a plan may switch on (shown when on).
+TECHNIQUES = ("tiled_mlp", "tiled_loss", "offload_checkpoints", "offload_optimizer", "offload_params")
 
 
 # ----- the result ------------------------------------------------------------------------------------------
@@ -111,6 +130,12 @@ class AutoConfigured:
     kind: str  # "llama" | "hf"
     compute_dtype: torch.dtype
     notes: list[str] = field(default_factory=list)
+    #: The TP state (runtime.tp.TensorParallel) when the plan has tp > 1, else None.
+    tensor_parallel: Any = None
+    #: The checkpoint offload (runtime.offload.CheckpointOffload) when the plan offloads checkpoints.
+    checkpoint_offload: Any = None
+    #: Set when TP-replicated gradients were all-reduced; cleared by every forward (new gradients).
+    _grads_synced: bool = field(default=False, repr=False)
 
     # -- convenience -----------------------------------------------------------------------------------
     @property
@@ -138,7 +163,10 @@ class AutoConfigured:
         return self.sharder(batch)
 
     def forward(self, shard: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Logits of this rank's tokens for a sharded batch (global position ids, no mask)."""
+        """Logits of this rank's tokens for a sharded batch (global position ids, no mask); under tensor
+        parallelism this rank's vocabulary slice (:meth:`loss` knows). Materialises the logits even when
+        the plan has ``tiled_loss``: train with :meth:`compute_loss`."""
+        self._grads_synced = False
         if self.kind == "hf":
             from runtime.hf import hf_logits
 
@@ -146,7 +174,72 @@ class AutoConfigured:
         return self.model(shard["input_ids"], shard["position_ids"])
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items: int | None = None) -> LossOutput:
+        """Token-weighted loss of :meth:`forward`'s logits (see :class:`runtime.loss.TokenLoss`)."""
         return self.loss_fn(logits, labels, num_items)
+
+    def compute_loss(self, shard: Mapping[str, torch.Tensor], num_items: int | None = None) -> LossOutput:
+        """Forward and loss of a sharded batch the way the plan says: with ``tiled_loss`` the
+        cross-entropy runs chunk by chunk from the final hidden states (the logits never exist whole);
+        otherwise :meth:`forward` then :meth:`loss`. ``num_items``: the step's global valid-token count
+        under gradient accumulation (:func:`runtime.loss.global_token_count`)."""
+        if not self.train.tiled_loss:
+            return self.loss(self.forward(shard), shard["labels"], num_items)
+        from runtime.tiled_loss import tiled_cross_entropy
+
+        self._grads_synced = False
+        hidden = getattr(self.model, hidden_states_method(self.kind))(shard["input_ids"], shard["position_ids"])
+        tp = self.tensor_parallel
+        local_sum, count = tiled_cross_entropy(
+            hidden, self.model.lm_head.weight, shard["labels"],
+            tp_group=tp.group if tp is not None else None, vocab_start=tp.vocab_start if tp is not None else 0,
+        )
+        return self.loss_fn.reduce(local_sum, int(count), num_items)
+
+    def sync_gradients(self) -> None:
+        """All-reduce the gradients of TP-replicated parameters (norms, replicated K/V) over TP, once per
+        optimizer step after the last backward (a no-op without TP or when already done)."""
+        if self.tensor_parallel is not None and not self._grads_synced:
+            self.tensor_parallel.sync_replicated_grads()
+        self._grads_synced = True
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip gradients to a global 2-norm (over FSDP shards and TP shards alike); returns the norm."""
+        self.sync_gradients()
+        if self.tensor_parallel is not None:
+            return float(self.tensor_parallel.clip_grad_norm_(self.model, max_norm))
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unparallelised model's parameters (collective: every rank gets all of them), gathered
+        over the FSDP shards and the TP shards, keyed like the original model's ``named_parameters``:
+        for checkpoints an unparallelised model (or another plan) loads."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            tensor = p.full_tensor() if hasattr(p, "full_tensor") else p
+            if self.tensor_parallel is not None:
+                tensor = self.tensor_parallel.full_tensor(name, tensor)
+            out[name] = tensor.detach()
+        return out
+
+    def make_optimizer(self, optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                       **kwargs: Any) -> torch.optim.Optimizer:
+        """The plan's optimizer over the wrapped model's parameters (``kwargs`` go to ``optimizer_cls``).
+
+        ``offload_optimizer`` alone: :class:`runtime.host_optimizer.HostOffloadOptimizer` (fp32 masters
+        and states on the host); with ``offload_params`` FSDP2 already keeps parameters, gradients and
+        the step on the host, so a plain optimizer runs there. Under TP, :meth:`sync_gradients` runs
+        before every ``step()``.
+        """
+        train = self.train
+        if train.offload_optimizer and not train.offload_params:
+            from runtime.host_optimizer import HostOffloadOptimizer
+
+            optimizer = HostOffloadOptimizer(self.model.parameters(), optimizer_cls, **kwargs)
+        else:
+            optimizer = optimizer_cls(self.model.parameters(), **kwargs)
+        if self.tensor_parallel is not None:
+            optimizer.register_step_pre_hook(lambda *_: self.sync_gradients())
+        return optimizer
 
     def sampler(self, dataset, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True):
         """A DistributedSampler over the data-parallel ranks (SP ranks share samples)."""
@@ -163,7 +256,8 @@ def describe_plan(plan) -> list[str]:
         f"plan: {layout.describe()} on {layout.world} rank(s) for {plan.model.name} "
         f"({plan.model.num_params / 1e6:,.1f}M params)",
         f"  seq_len {t.seq_len:,} x micro-batch {t.micro_batch} x grad-accum {t.grad_accum} | {t.dtype} | "
-        f"ZeRO-{t.zero_stage} (FSDP2) | checkpointing {t.checkpointing} | optimizer {t.optimizer}",
+        f"ZeRO-{t.zero_stage} (FSDP2) | checkpointing {t.checkpointing} | optimizer {t.optimizer}"
+        + "".join(f" | {name}" for name in TECHNIQUES if getattr(t, name)),
     ]
     est = plan.estimate or {}
     memory, timing = est.get("memory") or {}, est.get("time") or {}
@@ -237,12 +331,14 @@ def probe_topology(world: int, device_type: str):
 
 
 def plan_for(spec: ModelSpec, base: TrainSpec, topology, world: int, *, global_batch: int | None = None,
-             fixed_layout: Mapping[str, int] | None = None, fixed_options: Mapping[str, Any] | None = None):
-    """Ask the planner for the fastest plan this runtime can execute (no torch.distributed involved)."""
+             fixed_layout: Mapping[str, int] | None = None, fixed_options: Mapping[str, Any] | None = None,
+             kind: str = "llama"):
+    """Ask the planner for the fastest plan this runtime can execute for a model of ``kind`` (no
+    torch.distributed involved)."""
     from planner.plan import Hardware, Plan
     from planner.search import PlanSettings, search
 
-    layout_pins, option_pins = merge_constraints(fixed_layout or {}, fixed_options or {})
+    layout_pins, option_pins = merge_constraints(fixed_layout or {}, fixed_options or {}, kind, spec)
     sequences = global_batch if global_batch is not None else base.micro_batch
     settings = PlanSettings(global_batch_tokens=sequences * base.seq_len, micro_batch_fixed=True,
                             fixed_layout=layout_pins, fixed_options=option_pins)
@@ -330,8 +426,8 @@ def check_plan_matches(plan, spec: ModelSpec, seq_len: int | None) -> None:
         )
 
 
-def refuse_unsupported(plan) -> None:
-    reasons = unsupported_reasons(plan)
+def refuse_unsupported(plan, kind: str = "llama") -> None:
+    reasons = unsupported_reasons(plan, kind)
     if reasons:
         raise RuntimeConfigError(
             f"the runtime cannot execute this plan ({len(reasons)} option(s)): " + " | ".join(reasons)
@@ -364,24 +460,46 @@ def swap_attention(model: nn.Module, kind: str, sp: SequenceParallel, seq_len: i
         layer.attn.attention_fn = attention
 
 
-def apply_checkpointing(model: nn.Module, kind: str, mode: str) -> None:
+def apply_tensor_parallelism(model: nn.Module, kind: str, plan, mesh: RuntimeMesh):
+    """Shard the projections, vocabulary and loss over the ``tp`` dim; the TensorParallel state or None."""
+    if plan.layout.tp == 1:
+        return None
+    refuse_unsupported(plan, kind)  # HF models: TP needs module surgery they do not get
+    from runtime.tp import apply_tensor_parallel
+
+    return apply_tensor_parallel(model, mesh, sequence_parallel=plan.train.tp_sequence_parallel)
+
+
+def apply_checkpointing(model: nn.Module, kind: str, train: TrainSpec):
+    """Checkpointing mode per block and, with ``offload_checkpoints``, the host offload of each block's
+    checkpointed input; returns the CheckpointOffload or None."""
+    from runtime.offload import CheckpointOffload, apply_checkpoint_offload
+
     if kind == "hf":
         from runtime.hf import set_hf_checkpointing
 
-        set_hf_checkpointing(model, mode)
-    else:
-        model.set_checkpointing(mode)
+        offload = CheckpointOffload() if train.offload_checkpoints else None
+        set_hf_checkpointing(model, train.checkpointing, offload)
+        return offload
+    model.set_checkpointing(train.checkpointing)
+    return apply_checkpoint_offload(model) if train.offload_checkpoints else None
 
 
-def _apply_memory_techniques(model: nn.Module, kind: str, plan, mesh: RuntimeMesh) -> list[str]:
-    """Tensor parallelism, tiled MLP, tiled loss, checkpoint offload, FSDP CPU offload: where they plug in.
+def apply_tiled_mlp_if_planned(model: nn.Module, kind: str, plan) -> None:
+    if plan.train.tiled_mlp:
+        refuse_unsupported(plan, kind)
+        from runtime.tiled_mlp import apply_tiled_mlp
 
-    Runs after the attention swap and checkpointing, before FSDP2 (TP must shard the projections before
-    FSDP shards the TP-local weights). Each is refused by :mod:`runtime.capabilities` until its module
-    lands; returns notes for the user.
-    """
-    refuse_unsupported(plan)  # nothing here executes a technique the capability table does not list
-    return []
+        apply_tiled_mlp(model)
+
+
+def hidden_states_method(kind: str) -> str:
+    """The model method returning the final hidden states (the tiled loss's input)."""
+    if kind == "hf":
+        from runtime.hf import HIDDEN_STATES_METHOD
+
+        return HIDDEN_STATES_METHOD
+    return "hidden_states"
 
 
 def transformer_blocks(model: nn.Module, kind: str) -> list[nn.Module]:
@@ -396,50 +514,26 @@ def input_embedding(model: nn.Module, kind: str) -> nn.Module:
     return model.get_input_embeddings() if kind == "hf" else model.embed_tokens
 
 
-def _fsdp_mesh(mesh: RuntimeMesh):
-    """``fsdp`` (1-D), or ``(dp_replicate, fsdp)`` for HSDP."""
-    if mesh.size("dp_replicate") == 1:
-        return mesh.fsdp_mesh
-    with warnings.catch_warnings():  # slicing a flattened dim from the root mesh: still the way in 2.13
-        warnings.simplefilter("ignore", UserWarning)
-        return mesh.device_mesh["dp_replicate", "fsdp"]
-
-
-def mixed_precision(train: TrainSpec):
-    """FSDP2 MixedPrecisionPolicy for the plan: bf16/fp16 compute with fp32 master weights and fp32
-    gradient reduction (``adamw``), or pure low precision (``adamw_bf16``: no master copy)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    compute = COMPUTE_DTYPES[train.dtype]
-    if compute == torch.float32:
-        return MixedPrecisionPolicy()
-    if train.optimizer == "adamw_bf16":
-        return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=compute)
-    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-
-
 def shard_model(model: nn.Module, kind: str, plan, mesh: RuntimeMesh) -> nn.Module:
-    """FSDP2 per block, untied input embedding, and root (norm + LM head kept gathered for backward)."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    """FSDP2 per block, untied input embedding, and root (:func:`runtime.fsdp.fully_shard_units`), with
+    the plan's mixed precision, ZeRO stage and parameter offload; the tiled loss's hidden-states method
+    registered as an FSDP forward method (so the root's norm and lm_head are gathered around it)."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
 
     train = plan.train
-    if train.optimizer == "adamw_bf16" and train.dtype != "fp32":
-        model.to(COMPUTE_DTYPES[train.dtype])  # no fp32 master copy: the parameters themselves are low precision
-    fsdp_mesh = _fsdp_mesh(mesh)
-    policy = mixed_precision(train)
-    reshard = train.zero_stage == 3
-    for block in transformer_blocks(model, kind):
-        fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard)
-    embedding = input_embedding(model, kind)
-    if not plan.model.tied_embeddings:
-        fully_shard(embedding, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=False)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            # Sum, not average: the loss already divides by the global token count. Plain SUM collectives
-            # (no PREMUL_SUM), which every backend has (gloo included).
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
+    in_compute_dtype = needs_compute_dtype_params(train)
+    if in_compute_dtype:
+        # No fp32 master copy on the device: adamw_bf16 has none, offload_optimizer keeps it on the host.
+        model.to(COMPUTE_DTYPES[train.dtype])
+    if train.tiled_loss and kind == "hf":
+        from runtime.hf import add_hidden_states_method
+
+        add_hidden_states_method(model)
+    kwargs = fully_shard_kwargs(train, mesh, params_in_compute_dtype=in_compute_dtype)
+    embedding = None if plan.model.tied_embeddings else input_embedding(model, kind)
+    fully_shard_units(model, transformer_blocks(model, kind), embedding, kwargs, sum_gradients=True)
+    if train.tiled_loss:
+        register_fsdp_forward_method(model, hidden_states_method(kind))
     return model
 
 
@@ -479,6 +573,7 @@ def auto_configure(
     labels_shifted: bool = False,
     cross_document_attention: bool = False,
     sync_weights: bool = True,
+    tp_sequence_parallel: bool = True,
 ) -> AutoConfigured:
     """Plan (or load the plan), build the mesh, swap in SP attention, checkpoint, shard with FSDP2.
 
@@ -488,8 +583,9 @@ def auto_configure(
     When planning: ``seq_len``, ``micro_batch``, ``dtype`` (default bf16 on CUDA, fp32 on CPU) and
     ``optimizer`` describe the run; ``global_batch`` is the number of sequences per optimizer step
     (default: one micro-batch, no accumulation); ``fixed_layout``/``fixed_options`` pin degrees or
-    options (e.g. ``{"ulysses": 4}``); ``topology`` is a Topology, a preset or topology file, or None to
-    probe this machine. The data arguments configure the :class:`runtime.data.BatchSharder`.
+    options (e.g. ``{"ulysses": 4}``, ``{"tiled_loss": True}``); ``tp_sequence_parallel``: Megatron
+    sequence parallelism when the plan uses TP; ``topology`` is a Topology, a preset or topology file, or
+    None to probe this machine. The data arguments configure the :class:`runtime.data.BatchSharder`.
     """
     device_type = init_distributed(device_type)
     world = dist.get_world_size()
@@ -499,7 +595,8 @@ def auto_configure(
             raise RuntimeConfigError("auto_configure needs seq_len=... (or a plan) to plan the run")
         try:
             base = TrainSpec(seq_len=seq_len, micro_batch=micro_batch,
-                             dtype=dtype or ("bf16" if device_type == "cuda" else "fp32"), optimizer=optimizer)
+                             dtype=dtype or ("bf16" if device_type == "cuda" else "fp32"), optimizer=optimizer,
+                             tp_sequence_parallel=tp_sequence_parallel)
         except ValueError as exc:
             raise RuntimeConfigError(f"invalid training options: {exc}".splitlines()[0]) from None
         probed = probe_topology(world, device_type) if topology is None else None  # collective
@@ -507,27 +604,33 @@ def auto_configure(
         def make_plan():  # rank 0 only: its errors (a bad topology name, no plan fits) reach every rank
             topo = probed if topology is None else load_topology_for(topology, world)
             return plan_for(spec, base, topo, world, global_batch=global_batch, fixed_layout=fixed_layout,
-                            fixed_options=fixed_options)
+                            fixed_options=fixed_options, kind=kind)
 
         the_plan = agree_on_plan(make_plan)
     else:
         the_plan = _plan_from_argument(plan)
         check_same_plan(the_plan)
     check_plan_matches(the_plan, spec, seq_len)
-    refuse_unsupported(the_plan)
+    refuse_unsupported(the_plan, kind)
 
+    train = the_plan.train
     mesh = build_mesh(the_plan.layout, device_type=device_type)
     sp = SequenceParallel.from_mesh(mesh)
     model.to(mesh.device)
     if sync_weights:
         broadcast_parameters(model, mesh.device)
-    swap_attention(model, kind, sp, the_plan.train.seq_len)
-    apply_checkpointing(model, kind, the_plan.train.checkpointing)
-    notes = _apply_memory_techniques(model, kind, the_plan, mesh)
+    tp = apply_tensor_parallelism(model, kind, the_plan, mesh)  # on the full, synchronised weights
+    swap_attention(model, kind, sp, train.seq_len)
+    offload = apply_checkpointing(model, kind, train)
+    apply_tiled_mlp_if_planned(model, kind, the_plan)
     model = shard_model(model, kind, the_plan, mesh)
     data_group = _data_group(mesh)
+    tp_splits_sequence = tp is not None and tp.sequence_parallel
     sharder = BatchSharder(sp, pad_token_id=pad_token_id, labels_shifted=labels_shifted,
-                           cross_document_attention=cross_document_attention, device=mesh.device)
+                           cross_document_attention=cross_document_attention, device=mesh.device,
+                           tp_multiple=the_plan.layout.tp if tp_splits_sequence else 1)
+    cross_entropy = tp.cross_entropy if tp is not None else None  # vocab-parallel logits under TP
     return AutoConfigured(model=model, plan=the_plan, mesh=mesh, sp=sp, sharder=sharder,
-                          loss_fn=TokenLoss(data_group), data_group=data_group, kind=kind,
-                          compute_dtype=COMPUTE_DTYPES[the_plan.train.dtype], notes=notes)
+                          loss_fn=TokenLoss(data_group, cross_entropy), data_group=data_group, kind=kind,
+                          compute_dtype=COMPUTE_DTYPES[train.dtype], tensor_parallel=tp,
+                          checkpoint_offload=offload)

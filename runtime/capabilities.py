@@ -4,8 +4,14 @@
 :func:`unsupported_reasons` returns anything, and asks the planner only for plans it can run
 (:func:`planner_constraints`), so a plan the runtime cannot execute is never silently approximated.
 
-Adding a technique (tensor parallelism, tiled MLP/loss, offloads) is a local change: delete its
-entry from :data:`NOT_YET_SUPPORTED` and apply it in ``runtime.auto._apply_memory_techniques``.
+What runs depends on the model: the runtime's own :class:`runtime.models.LlamaModel` (``kind``
+``"llama"``) executes every option ``sp-plan plan`` can output for training (tensor parallelism, tiled
+MLP and loss, checkpoint/optimizer/parameter offload, ZeRO-1/2/3, every checkpointing mode); a
+Hugging Face transformers model (``"hf"``) is driven through transformers' attention registry and
+checkpointing hooks, which cover sequence parallelism, checkpointing, its offload, the tiled loss and
+the FSDP2 offloads, but not the module surgery tensor parallelism and the tiled MLP need.
+Plans the runtime never executes: ``prefill`` (for inference engines), the materialised-attention
+kernel, and ZeRO-0 (plain DDP), which the planner does not recommend for training.
 """
 
 from __future__ import annotations
@@ -16,22 +22,22 @@ from typing import Any
 from cost_models.layout import Layout
 from cost_models.train_spec import TrainSpec
 
-#: TrainSpec boolean options the runtime does not execute yet -> why (the option is refused when True).
-NOT_YET_SUPPORTED: dict[str, str] = {
-    "tiled_mlp": "the runtime has no tiled MLP yet (runtime/tiled_mlp.py, issue 7); re-plan without --tiled-mlp",
-    "tiled_loss": "the runtime has no tiled cross-entropy yet (runtime/tiled_loss.py, issue 7); "
-                  "re-plan without --tiled-loss",
-    "offload_checkpoints": "checkpointed hidden states cannot be offloaded to host memory yet (runtime/offload.py, "
-                           "issue 7); re-plan without --offload-checkpoints",
-    "offload_optimizer": "FSDP2 CPU offload is not wired into auto_configure yet (issue 7); re-plan without "
-                         "--offload-optimizer",
-    "offload_params": "FSDP2 CPU offload is not wired into auto_configure yet (issue 7); re-plan without "
-                      "--offload-params",
+MODEL_KINDS: tuple[str, ...] = ("llama", "hf")
+
+_HF_SURGERY = ("transformers models are run through the attention registry, without module surgery; "
+               "train a runtime.models.LlamaModel of the same architecture to use it")
+
+#: TrainSpec boolean options a model kind does not execute -> why (the option is refused when True).
+UNSUPPORTED_OPTIONS: dict[str, dict[str, str]] = {
+    "llama": {},
+    "hf": {"tiled_mlp": f"the tiled MLP replaces each block's MLP forward: {_HF_SURGERY}; re-plan without "
+                        "--tiled-mlp"},
 }
 
-#: Layout degrees the runtime executes only at 1 -> why.
-UNSUPPORTED_DEGREES: dict[str, str] = {
-    "tp": "tensor parallelism is not wired into auto_configure yet (runtime/tp.py, issue 7); re-plan with --tp 1",
+#: Layout degrees a model kind executes only at 1 -> why.
+UNSUPPORTED_DEGREES: dict[str, dict[str, str]] = {
+    "llama": {},
+    "hf": {"tp": f"tensor parallelism shards the projections: {_HF_SURGERY}; re-plan with --tp 1"},
 }
 
 #: ZeRO stages auto_configure runs, all with FSDP2 (see runtime.auto for how each is reproduced).
@@ -50,20 +56,40 @@ _VALUE_REASONS: dict[str, str] = {
 }
 
 
-def unsupported_reasons(plan: Any) -> list[str]:
-    """One line per plan option the runtime cannot execute (empty: the plan runs as planned).
+_TP_DROPOUT = ("the model uses dropout, which under tensor parallelism needs per-region RNG streams (Megatron's "
+               "RNG tracker) the runtime does not implement; set hidden_dropout and attention_dropout to 0, or "
+               "re-plan with --tp 1")
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"unknown model kind {kind!r}: expected one of {', '.join(MODEL_KINDS)}")
+
+
+def _degrees_blocked(kind: str, model: Any) -> dict[str, str]:
+    """Degrees held at 1 for this kind (and, with the model's spec, for its architecture)."""
+    blocked = dict(UNSUPPORTED_DEGREES[kind])
+    if model is not None and (getattr(model, "hidden_dropout", 0) or getattr(model, "attention_dropout", 0)):
+        blocked.setdefault("tp", _TP_DROPOUT)
+    return blocked
+
+
+def unsupported_reasons(plan: Any, kind: str = "llama") -> list[str]:
+    """One line per plan option the runtime cannot execute for a model of ``kind`` (empty: the plan
+    runs as planned).
 
     ``plan`` is a :class:`planner.plan.Plan` or anything with ``train`` (TrainSpec) and ``layout``
     (Layout) attributes.
     """
+    _check_kind(kind)
     train: TrainSpec = plan.train
     layout: Layout = plan.layout
     reasons = []
-    for dim, why in UNSUPPORTED_DEGREES.items():
+    for dim, why in _degrees_blocked(kind, getattr(plan, "model", None)).items():
         degree = getattr(layout, dim)
         if degree > 1:
             reasons.append(f"{dim}={degree}: {why}")
-    for option, why in NOT_YET_SUPPORTED.items():
+    for option, why in UNSUPPORTED_OPTIONS[kind].items():
         if getattr(train, option):
             reasons.append(f"{option}: {why}")
     for option, allowed in SUPPORTED_VALUES.items():
@@ -77,25 +103,32 @@ def unsupported_reasons(plan: Any) -> list[str]:
     return reasons
 
 
-def planner_constraints() -> tuple[dict[str, int], dict[str, Any]]:
+def planner_constraints(kind: str = "llama", model: Any = None) -> tuple[dict[str, int], dict[str, Any]]:
     """``(fixed_layout, fixed_options)`` for :class:`planner.search.PlanSettings` so that the planner only
-    returns plans :func:`unsupported_reasons` accepts."""
-    fixed_layout = {dim: 1 for dim in UNSUPPORTED_DEGREES}
-    fixed_options: dict[str, Any] = {option: False for option in NOT_YET_SUPPORTED}
+    returns plans :func:`unsupported_reasons` accepts for a model of ``kind`` (and ``model``, a
+    ModelSpec, when given)."""
+    _check_kind(kind)
+    fixed_layout = {dim: 1 for dim in _degrees_blocked(kind, model)}
+    fixed_options: dict[str, Any] = {option: False for option in UNSUPPORTED_OPTIONS[kind]}
     return fixed_layout, fixed_options
 
 
-def merge_constraints(user_layout: Mapping[str, int], user_options: Mapping[str, Any]
-                      ) -> tuple[dict[str, int], dict[str, Any]]:
+def merge_constraints(user_layout: Mapping[str, int], user_options: Mapping[str, Any], kind: str = "llama",
+                      model: Any = None) -> tuple[dict[str, int], dict[str, Any]]:
     """The user's pinned degrees/options plus the runtime's constraints; a pin the runtime cannot run is
     refused here (before any search) with the reason."""
     from runtime.errors import RuntimeConfigError
 
-    fixed_layout, fixed_options = planner_constraints()
+    fixed_layout, fixed_options = planner_constraints(kind, model)
+    blocked = _degrees_blocked(kind, model)
     for dim, value in user_layout.items():
         if dim in fixed_layout and value != fixed_layout[dim]:
-            raise RuntimeConfigError(f"{dim}={value}: {UNSUPPORTED_DEGREES[dim]}")
+            raise RuntimeConfigError(f"{dim}={value}: {blocked[dim]}")
     for option, value in user_options.items():
         if option in fixed_options and value != fixed_options[option]:
-            raise RuntimeConfigError(f"{option}: {NOT_YET_SUPPORTED[option]}")
+            raise RuntimeConfigError(f"{option}: {UNSUPPORTED_OPTIONS[kind][option]}")
+        if option == "zero_stage" and value not in SUPPORTED_ZERO_STAGES:
+            raise RuntimeConfigError(
+                f"zero_stage={value}: plain DDP is not wired (FSDP2 runs ZeRO-1/2/3); pin zero_stage 1, 2 or 3"
+            )
     return {**fixed_layout, **user_layout}, {**fixed_options, **user_options}

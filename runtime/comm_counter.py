@@ -13,7 +13,10 @@ reports itself here at the call site, with the number of bytes that leave this r
 Counting is off unless a :class:`CommCounter` is active, so the hot path pays one list check.
 Records are split by the pass that issued them: ``forward``, ``backward``, and ``recompute`` (a
 forward-pass collective executed while autograd runs a backward pass, as activation checkpointing
-does), so a model with checkpointing can be compared term by term with the cost model.
+does), so a model with checkpointing can be compared term by term with the cost model. Call sites
+may also name the strategy a record belongs to (``tp`` for tensor parallelism's collectives, ``loss``
+for the loss reduction), where the collective type alone does not say it: TP and FSDP both
+all-gather, TP and the loss both all-reduce.
 """
 
 from __future__ import annotations
@@ -47,8 +50,8 @@ class CommCounter:
     """
 
     def __init__(self) -> None:
-        self._bytes: dict[tuple[str, str], int] = defaultdict(int)
-        self._calls: dict[tuple[str, str], int] = defaultdict(int)
+        self._bytes: dict[tuple[str, str, str | None], int] = defaultdict(int)
+        self._calls: dict[tuple[str, str, str | None], int] = defaultdict(int)
 
     def __enter__(self) -> CommCounter:
         _ACTIVE.append(self)
@@ -57,29 +60,30 @@ class CommCounter:
     def __exit__(self, *exc: object) -> None:
         _ACTIVE.remove(self)
 
-    def _add(self, collective: str, phase: str, nbytes: int) -> None:
-        self._bytes[(collective, phase)] += nbytes
-        self._calls[(collective, phase)] += 1
+    def _add(self, collective: str, phase: str, strategy: str | None, nbytes: int) -> None:
+        self._bytes[(collective, phase, strategy)] += nbytes
+        self._calls[(collective, phase, strategy)] += 1
 
-    def bytes(self, collective: str | None = None, phase: str | None = None) -> int:
-        """Bytes sent, summed over the collectives and phases that match (None matches all)."""
+    @staticmethod
+    def _sum(table: dict, collective: str | None, phase: str | None, strategy: str | None) -> int:
         return sum(
             n
-            for (c, p), n in self._bytes.items()
+            for (c, p, s), n in table.items()
             if (collective is None or c == collective) and (phase is None or p == phase)
+            and (strategy is None or s == strategy)
         )
 
-    def calls(self, collective: str | None = None, phase: str | None = None) -> int:
+    def bytes(self, collective: str | None = None, phase: str | None = None, strategy: str | None = None) -> int:
+        """Bytes sent, summed over the collectives, phases and strategies that match (None matches all)."""
+        return self._sum(self._bytes, collective, phase, strategy)
+
+    def calls(self, collective: str | None = None, phase: str | None = None, strategy: str | None = None) -> int:
         """Number of collective calls (a send/recv step counts once) that match."""
-        return sum(
-            n
-            for (c, p), n in self._calls.items()
-            if (collective is None or c == collective) and (phase is None or p == phase)
-        )
+        return self._sum(self._calls, collective, phase, strategy)
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         """``{phase: {collective: bytes}}`` with every phase and collective present (zeros included)."""
-        return {p: {c: self._bytes.get((c, p), 0) for c in COLLECTIVES} for p in PHASES}
+        return {p: {c: self.bytes(c, p) for c in COLLECTIVES} for p in PHASES}
 
     def reset(self) -> None:
         self._bytes.clear()
@@ -102,40 +106,46 @@ def _in_backward_pass() -> bool:
     return task_id is not None and task_id() != -1
 
 
-def record(collective: Collective, nbytes: int, phase: Literal["forward", "backward"]) -> None:
-    """Report ``nbytes`` sent by this rank in one ``collective`` call issued by a ``phase`` call site."""
+def record(collective: Collective, nbytes: int, phase: Literal["forward", "backward"],
+           strategy: str | None = None) -> None:
+    """Report ``nbytes`` sent by this rank in one ``collective`` call issued by a ``phase`` call site
+    (of ``strategy``, when the call site names one)."""
     if not _ACTIVE:
         return
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; use one of {', '.join(COLLECTIVES)}")
     effective = "recompute" if phase == "forward" and _in_backward_pass() else phase
     for counter in _ACTIVE:
-        counter._add(collective, effective, int(nbytes))
+        counter._add(collective, effective, strategy, int(nbytes))
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def record_all_to_all(buffer: torch.Tensor, world: int, phase: Literal["forward", "backward"]) -> None:
+def record_all_to_all(buffer: torch.Tensor, world: int, phase: Literal["forward", "backward"],
+                      strategy: str | None = None) -> None:
     """An all-to-all of ``buffer`` split in ``world`` equal chunks: this rank's own chunk stays home."""
     if _ACTIVE:
-        record("all_to_all", tensor_bytes(buffer) * (world - 1) // world, phase)
+        record("all_to_all", tensor_bytes(buffer) * (world - 1) // world, phase, strategy)
 
 
-def record_all_gather(shard: torch.Tensor, world: int, phase: Literal["forward", "backward"]) -> None:
+def record_all_gather(shard: torch.Tensor, world: int, phase: Literal["forward", "backward"],
+                      strategy: str | None = None) -> None:
     """An all-gather of equal ``shard``s: the shard goes to each of the other ``world - 1`` ranks."""
     if _ACTIVE:
-        record("all_gather", tensor_bytes(shard) * (world - 1), phase)
+        record("all_gather", tensor_bytes(shard) * (world - 1), phase, strategy)
 
 
-def record_all_reduce(tensor: torch.Tensor, world: int, phase: Literal["forward", "backward"]) -> None:
+def record_all_reduce(tensor: torch.Tensor, world: int, phase: Literal["forward", "backward"],
+                      strategy: str | None = None) -> None:
     """A (ring) all-reduce of ``tensor``: reduce-scatter plus all-gather, 2(P-1)/P of it."""
     if _ACTIVE:
-        record("all_reduce", 2 * tensor_bytes(tensor) * (world - 1) // world, phase)
+        record("all_reduce", 2 * tensor_bytes(tensor) * (world - 1) // world, phase, strategy)
 
 
-def record_reduce_scatter(full: torch.Tensor, world: int, phase: Literal["forward", "backward"]) -> None:
+def record_reduce_scatter(full: torch.Tensor, world: int, phase: Literal["forward", "backward"],
+                          strategy: str | None = None) -> None:
     """A reduce-scatter of the full (unsharded) ``full``: everything but this rank's own shard is sent."""
     if _ACTIVE:
-        record("reduce_scatter", tensor_bytes(full) * (world - 1) // world, phase)
+        record("reduce_scatter", tensor_bytes(full) * (world - 1) // world, phase, strategy)

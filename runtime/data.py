@@ -5,7 +5,8 @@ Order matters (DESIGN.md section 4):
 1. **Pre-shift labels on the full sequence.** ``labels[t]`` becomes the token at ``t + 1`` (the last
    position gets :data:`IGNORE_INDEX`). Shifting after sharding would lose one label per shard: the
    next token of a shard's last position lives on another rank.
-2. **Pad** the sequence to the layout's multiple (``ulysses x ring``, times 2 for zigzag ring):
+2. **Pad** the sequence to the layout's multiple (``ulysses x ring``, times 2 for zigzag ring,
+   times tp under Megatron sequence parallelism):
    padded tokens get label :data:`IGNORE_INDEX`, so they add nothing to the loss or the gradients.
 3. **Shard** input ids, position ids and labels with the ONE shard function of
    :class:`runtime.context.SequenceParallel` (zigzag / USP layout). Position ids are the global
@@ -127,6 +128,8 @@ class BatchSharder:
     ``size`` and ``seq_multiple``). ``labels_shifted``: the batch's labels are already aligned with the
     inputs (position t holds the target of token t); by default they are HF-style (labels = the input
     ids, the model shifts) and are pre-shifted here. ``device``: where the shards go.
+    ``tp_multiple``: the tensor-parallel degree when Megatron sequence parallelism splits each rank's
+    shard again over TP (``Layout.seq_multiple``), else 1.
     """
 
     sp: Any
@@ -134,10 +137,11 @@ class BatchSharder:
     labels_shifted: bool = False
     cross_document_attention: bool = False
     device: torch.device | str | None = None
+    tp_multiple: int = 1
 
     @property
     def seq_multiple(self) -> int:
-        return self.sp.seq_multiple
+        return self.sp.seq_multiple * self.tp_multiple
 
     def prepare(self, batch: Any) -> dict[str, torch.Tensor]:
         """The full-sequence batch, labels pre-shifted and padded to the layout's multiple (not sharded)."""

@@ -15,6 +15,8 @@ the root, the standard FSDP2 recipe). What the plan's options mean here:
 - mixed precision: parameters are gathered in the compute dtype and gradients reduced in fp32
   (``MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=fp32)``), the fp32 sharded parameters
   being the master weights (bf16 training keeps 2 + 2 + 12 bytes per parameter, as the memory model);
+  ``adamw_bf16`` has no master copy: the model is cast to the compute dtype first and gradients are
+  reduced in it;
 - ``offload_params``: ``CPUOffloadPolicy``: sharded parameters, their gradients and the optimizer
   step live in host memory (pinned on CUDA), the memory model's
   ``offload_params_moves_grads_and_optimizer`` semantics; build the optimizer on ``model.parameters()``
@@ -31,6 +33,8 @@ live inside each block's forward and may be set before or after.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -49,15 +53,30 @@ REDUCE_DTYPE = torch.float32
 def data_parallel_mesh(mesh) -> Any:
     """The mesh FSDP2 shards over: ``fsdp`` (1-D), or (dp_replicate, fsdp) for HSDP."""
     if mesh.layout.dp_replicate > 1:
-        return mesh.device_mesh[("dp_replicate", "fsdp")]
+        with warnings.catch_warnings():  # slicing a flattened dim from the root mesh: still the way in 2.13
+            warnings.simplefilter("ignore", UserWarning)
+            return mesh.device_mesh[("dp_replicate", "fsdp")]
     return mesh["fsdp"]
+
+
+def needs_compute_dtype_params(train: TrainSpec) -> bool:
+    """Whether the model's parameters must already be in the compute dtype before ``fully_shard``.
+
+    ``adamw_bf16`` has no fp32 master copy (the parameters themselves are low precision), and
+    ``offload_optimizer`` alone keeps its fp32 masters on the host (:mod:`runtime.host_optimizer`).
+    """
+    if train.dtype == "fp32":
+        return False
+    return train.optimizer == "adamw_bf16" or (train.offload_optimizer and not train.offload_params)
 
 
 def fully_shard_kwargs(train: TrainSpec, mesh, *, params_in_compute_dtype: bool = False) -> dict[str, Any]:
     """``fully_shard`` keyword arguments for ``train`` (a TrainSpec) on ``mesh`` (a RuntimeMesh).
 
-    ``params_in_compute_dtype``: the model was created in the compute dtype (required for
-    ``offload_optimizer`` without ``offload_params``), so FSDP2 must not cast parameters.
+    ``params_in_compute_dtype``: the model was created in the compute dtype (required when
+    :func:`needs_compute_dtype_params`), so FSDP2 must not cast parameters. Gradients are reduced in
+    fp32 except under ``adamw_bf16``, where they stay in the parameters' dtype (the comm model's
+    ``fsdp_grad_bytes``).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -66,15 +85,18 @@ def fully_shard_kwargs(train: TrainSpec, mesh, *, params_in_compute_dtype: bool 
             "zero_stage 0 replicates parameters (DDP), which FSDP2 does not do; use zero_stage 1-3 for fully_shard, "
             "or wrap the model with DistributedDataParallel"
         )
-    if train.offload_optimizer and not train.offload_params and not params_in_compute_dtype:
+    if needs_compute_dtype_params(train) and not params_in_compute_dtype:
+        why = ("adamw_bf16 keeps no fp32 master weights" if train.optimizer == "adamw_bf16" else
+               "offload_optimizer keeps fp32 master weights on the host")
         raise RuntimeConfigError(
-            "offload_optimizer keeps fp32 master weights on the host: create the model in the compute dtype "
-            f"({train.dtype}) and pass params_in_compute_dtype=True, then use "
-            "runtime.host_optimizer.HostOffloadOptimizer"
+            f"{why}: create the model in the compute dtype ({train.dtype}) and pass params_in_compute_dtype=True"
+            + ("" if train.optimizer == "adamw_bf16" else ", then use runtime.host_optimizer.HostOffloadOptimizer")
         )
     compute = DTYPES[train.dtype]
     cast = compute != torch.float32 and not params_in_compute_dtype
-    mp = MixedPrecisionPolicy(param_dtype=compute if cast else None, reduce_dtype=REDUCE_DTYPE)
+    # fp32 training reduces in the parameters' own dtype (fp32; fp64 in exactness tests).
+    reduce = None if train.optimizer == "adamw_bf16" or compute == torch.float32 else REDUCE_DTYPE
+    mp = MixedPrecisionPolicy(param_dtype=compute if cast else None, reduce_dtype=reduce)
     device_type = mesh.device.type
     offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if train.offload_params else OffloadPolicy()
     return {
@@ -85,19 +107,34 @@ def fully_shard_kwargs(train: TrainSpec, mesh, *, params_in_compute_dtype: bool 
     }
 
 
-def apply_fsdp(model: nn.Module, train: TrainSpec, mesh, *, params_in_compute_dtype: bool = False) -> nn.Module:
-    """``fully_shard`` ``model`` (a runtime LlamaModel) in units; returns it.
+def fully_shard_units(root: nn.Module, blocks: Iterable[nn.Module], embedding: nn.Module | None,
+                      kwargs: dict[str, Any], *, sum_gradients: bool = False) -> nn.Module:
+    """``fully_shard`` in the units the comm model assumes; returns ``root``.
 
-    Units, as the comm model assumes: each block; an untied input embedding on its own (resharded after
-    forward like the blocks, gathered again for its gradient); the root with the final norm and the
-    lm_head (and a tied embedding), which backward uses first, so it stays gathered after forward.
+    Each block; an untied input ``embedding`` on its own (resharded after forward like the blocks,
+    gathered again for its gradient; None when tied); the root with the final norm and the lm_head
+    (and a tied embedding), which backward uses first, so it stays gathered after forward.
+    ``sum_gradients``: reduce gradients by a plain sum (divide factor 1) instead of FSDP2's mean, for
+    losses already normalised by the global token count (:mod:`runtime.loss`); plain SUM collectives,
+    which every backend has (gloo included).
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    if embedding is not None:
+        fully_shard(embedding, **kwargs)
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(root, **{**kwargs, "reshard_after_forward": False})
+    if sum_gradients:
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+    return root
+
+
+def apply_fsdp(model: nn.Module, train: TrainSpec, mesh, *, params_in_compute_dtype: bool = False) -> nn.Module:
+    """``fully_shard`` ``model`` (a runtime LlamaModel) in units (:func:`fully_shard_units`); returns it."""
     kwargs = fully_shard_kwargs(train, mesh, params_in_compute_dtype=params_in_compute_dtype)
-    if not model.spec.tied_embeddings:
-        fully_shard(model.embed_tokens, **kwargs)
-    for layer in model.layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
-    return model
+    embedding = None if model.spec.tied_embeddings else model.embed_tokens
+    return fully_shard_units(model, model.layers, embedding, kwargs)

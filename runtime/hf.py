@@ -154,11 +154,36 @@ def hf_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Ten
     return out.logits
 
 
+#: Name of the method :func:`add_hidden_states_method` gives an HF causal LM.
+HIDDEN_STATES_METHOD = "sp_plan_hidden_states"
+
+
+def _hidden_states(self: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+
+
+def add_hidden_states_method(model: nn.Module) -> None:
+    """Give ``model`` a ``sp_plan_hidden_states(input_ids, position_ids)`` method: the final-norm output
+    the lm_head multiplies, for the tiled loss (the logits never materialise). A method of the root
+    module (not a call into ``model.model``) so that FSDP2 can register it as a forward method and
+    gather the root's parameters (final norm, lm_head) around it."""
+    import types
+
+    if getattr(model, "lm_head", None) is None or getattr(model, "model", None) is None:
+        raise RuntimeConfigError(
+            f"{type(model).__name__} has no lm_head/model pair: the tiled loss needs a *ForCausalLM of a supported "
+            f"family ({', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    setattr(model, HIDDEN_STATES_METHOD, types.MethodType(_hidden_states, model))
+
+
 # ----- checkpointing ------------------------------------------------------------------------------------
 
 
-def set_hf_checkpointing(model: nn.Module, mode: str) -> None:
-    """Checkpoint every decoder layer with the runtime's ``none``/``selective``/``full`` modes."""
+def set_hf_checkpointing(model: nn.Module, mode: str, offload: Any = None) -> None:
+    """Checkpoint every decoder layer with the runtime's ``none``/``selective``/``full`` modes;
+    ``offload`` (a :class:`runtime.offload.CheckpointOffload`) keeps each layer's checkpointed input
+    (its hidden states) in host memory until backward."""
     from runtime.models.checkpointing import check_mode, run_checkpointed
 
     check_mode(mode)
@@ -166,7 +191,7 @@ def set_hf_checkpointing(model: nn.Module, mode: str) -> None:
     layer_type = transformers.modeling_layers.GradientCheckpointingLayer
 
     def checkpointed(function, *args):
-        return run_checkpointed(function, mode, *args)
+        return run_checkpointed(function, mode, *args, offload=offload)
 
     for layer in hf_decoder_layers(model):
         if not isinstance(layer, layer_type):

@@ -18,8 +18,9 @@ For logging, the (sum, count) pair is all-reduced over the data group once per m
 fp32 scalars, the ``loss`` all-reduce the communication model lists. The loss value reported is that
 micro-batch's global token mean, identical to what a single device computes on the whole batch.
 
-The per-token loss is computed by :func:`cross_entropy_sum`, the single call site a tiled (chunked)
-cross-entropy replaces when the plan asks for ``tiled_loss`` (issue 7).
+The per-token loss sum is :func:`cross_entropy_sum` on whole logits, the vocab-parallel cross-entropy
+under tensor parallelism (:mod:`runtime.tp`), or the tiled cross-entropy that never materialises the
+logits (:mod:`runtime.tiled_loss`, the plan's ``tiled_loss``); all three feed :meth:`TokenLoss.reduce`.
 """
 
 from __future__ import annotations
@@ -41,15 +42,21 @@ from runtime.data import IGNORE_INDEX
 LOSS_REDUCTION_DTYPE = torch.float32
 
 
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype cross-entropy math runs in: fp32 for low-precision logits (HF's upcast), the logits' own
+    dtype when wider (fp64 in exactness tests)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Sum of token cross-entropies over valid labels, computed in fp32 (HF-style upcast).
 
-    ``logits`` (..., vocab), ``labels`` (...) pre-shifted, :data:`IGNORE_INDEX` skipped. Returns 0 (with a
+    ``logits`` (..., vocab), ``labels`` (...) pre-shifted, ``ignore_index`` skipped. Returns 0 (with a
     zero gradient) when no label is valid.
     """
-    upcast = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp64 stays fp64 (tests)
+    upcast = logits.to(loss_dtype(logits.dtype))
     return F.cross_entropy(upcast.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+                           ignore_index=ignore_index, reduction="sum")
 
 
 @dataclass
@@ -66,7 +73,7 @@ class LossOutput:
 def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     if group is None or dist.get_world_size(group) == 1:
         return tensor
-    comm_counter.record_all_reduce(tensor, dist.get_world_size(group), "forward")
+    comm_counter.record_all_reduce(tensor, dist.get_world_size(group), "forward", "loss")
     dist.all_reduce(tensor, group=group)
     return tensor
 
@@ -90,14 +97,25 @@ class TokenLoss:
     """``loss_fn(logits, labels, num_items=None) -> LossOutput`` over the data group (SP and DP ranks).
 
     ``group``: the ranks whose tokens form one batch (all but TP; None = single process).
+    ``cross_entropy``: ``(logits, labels) -> (loss_sum, valid_tokens)`` for this rank's tokens; the
+    default is :func:`cross_entropy_sum`; under tensor parallelism the vocab-parallel one. Losses that
+    never materialise logits (the tiled loss) hand their ``(sum, count)`` to :meth:`reduce`.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, cross_entropy=None) -> None:
         self.group = group
+        self.cross_entropy = cross_entropy
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, num_items: int | None = None) -> LossOutput:
-        local_sum = cross_entropy_sum(logits, labels)
-        local_tokens = int((labels != IGNORE_INDEX).sum())
+        if self.cross_entropy is None:
+            local_sum, local_tokens = cross_entropy_sum(logits, labels), int((labels != IGNORE_INDEX).sum())
+        else:
+            local_sum, count = self.cross_entropy(logits, labels)
+            local_tokens = int(count)
+        return self.reduce(local_sum, local_tokens, num_items)
+
+    def reduce(self, local_sum: torch.Tensor, local_tokens: int, num_items: int | None = None) -> LossOutput:
+        """The loss to back-propagate and the logged value from this rank's token-loss sum and count."""
         stats = torch.stack([local_sum.detach().to(LOSS_REDUCTION_DTYPE),
                              torch.tensor(float(local_tokens), dtype=LOSS_REDUCTION_DTYPE, device=local_sum.device)])
         stats = _all_reduce(stats, self.group)

@@ -49,6 +49,8 @@ class SavedTensorMeter:
     def _record(self, tensor: torch.Tensor, source: str) -> None:
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
             return
+        if isinstance(tensor, torch.nn.Parameter):  # e.g. a weight a fused op saves without its module running
+            return
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         if ptr == 0 or ptr in self._excluded or ptr in self.storages:

@@ -8,7 +8,9 @@ exercise one code path:
    data-parallel baseline's normalisation with gradient accumulation);
 2. per micro-batch, tell FSDP2 what the plan's ZeRO stage does (see :mod:`runtime.auto`): ZeRO-1
    syncs gradients only on the last micro-batch; ZeRO-1/2 keep parameters gathered until then;
-3. forward, loss, backward; then clip (optional), ``optimizer.step()`` and ``zero_grad()``.
+3. forward and loss as the plan says (:meth:`runtime.auto.AutoConfigured.compute_loss`: tiled,
+   vocab-parallel under TP), backward; then the TP-replicated gradient all-reduce, clipping
+   (optional, over FSDP and TP shards), ``optimizer.step()`` and ``zero_grad()``.
 """
 
 from __future__ import annotations
@@ -65,13 +67,12 @@ def train_step(setup, micro_batches: Sequence[Any], optimizer: torch.optim.Optim
     losses, weighted = [], 0.0
     for i, shard in enumerate(shards):
         _set_micro_batch_flags(setup.model, setup.train.zero_stage, last=i == len(shards) - 1)
-        out = setup.loss(setup.forward(shard), shard["labels"], num_items=step_tokens)
+        out = setup.compute_loss(shard, num_items=step_tokens)
         out.loss.backward()
         losses.append(out.value)
         weighted += out.value * out.global_tokens
-    grad_norm = None
-    if max_grad_norm is not None:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(setup.model.parameters(), max_grad_norm))
+    setup.sync_gradients()
+    grad_norm = setup.clip_grad_norm_(max_grad_norm) if max_grad_norm is not None else None
     if optimizer is not None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -46,6 +46,7 @@ from cost_models.memory.assumptions import MemoryAssumptions
 
 from . import comm_counter
 from .errors import RuntimeConfigError
+from .loss import cross_entropy_sum, loss_dtype
 
 #: Tokens per chunk, the memory model's assumption (``MemoryAssumptions.loss_chunk_tokens``).
 DEFAULT_CHUNK_TOKENS: int = MemoryAssumptions.model_fields["loss_chunk_tokens"].default
@@ -61,13 +62,13 @@ def chunk_tokens_for(tokens: int, chunk_tokens: int | None = None) -> int:
 
 
 def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
-    comm_counter.record_all_reduce(t, dist.get_world_size(group), "forward")
+    comm_counter.record_all_reduce(t, dist.get_world_size(group), "forward", "tp")  # vocab-parallel (TP)
     dist.all_reduce(t, op=op, group=group)
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """fp32 logits of one chunk, computed like the plain path: lm_head in the compute dtype, then upcast."""
-    return F.linear(h, weight).float()
+    return F.linear(h, weight).to(loss_dtype(h.dtype))
 
 
 def _exp_in_place(logits: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,8 +106,9 @@ class _TiledCrossEntropy(torch.autograd.Function):
                 "hidden states (same batch and sequence dims)"
             )
         valid = y != ignore_index
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        lse_all = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
+        math = loss_dtype(h.dtype)
+        loss = torch.zeros((), dtype=math, device=h.device)
+        lse_all = torch.zeros(h.shape[0], dtype=math, device=h.device)
         active = []
         for start in range(0, h.shape[0], chunk):
             keep = valid[start : start + chunk]
@@ -134,7 +136,7 @@ class _TiledCrossEntropy(torch.autograd.Function):
         y = labels.reshape(-1)
         grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        scale = grad_loss.to(torch.float32)
+        scale = grad_loss.to(lse_all.dtype)
         for start in ctx.active:
             hc = h[start : start + ctx.chunk]
             yc = y[start : start + ctx.chunk]
@@ -185,10 +187,7 @@ def plain_cross_entropy(
     logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = IGNORE_INDEX
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference path (HF's causal-LM loss, summed): ``(loss_sum, valid_tokens)`` from whole logits."""
-    loss = torch.nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
-    )
-    return loss, (labels != ignore_index).sum()
+    return cross_entropy_sum(logits, labels, ignore_index), (labels != ignore_index).sum()
 
 
 def causal_lm_loss(

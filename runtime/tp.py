@@ -46,6 +46,7 @@ from torch import nn
 
 from . import comm_counter
 from .errors import RuntimeConfigError
+from .loss import loss_dtype
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -88,7 +89,7 @@ def gather_seq(x: torch.Tensor, group: dist.ProcessGroup, phase: str = "forward"
     world = dist.get_world_size(group)
 
     def run(send, recv):
-        comm_counter.record_all_gather(send, world, phase)  # type: ignore[arg-type]
+        comm_counter.record_all_gather(send, world, phase, "tp")  # type: ignore[arg-type]
         _all_gather(recv, send, group=group)
 
     return _collective_into(x, x.shape[SEQ_DIM] * world, run)
@@ -105,7 +106,7 @@ def scatter_seq(x: torch.Tensor, group: dist.ProcessGroup, phase: str = "forward
         )
 
     def run(send, recv):
-        comm_counter.record_reduce_scatter(send, world, phase)  # type: ignore[arg-type]
+        comm_counter.record_reduce_scatter(send, world, phase, "tp")  # type: ignore[arg-type]
         _reduce_scatter(recv, send, group=group)
 
     return _collective_into(x, seq // world, run)
@@ -113,7 +114,7 @@ def scatter_seq(x: torch.Tensor, group: dist.ProcessGroup, phase: str = "forward
 
 def all_reduce_(x: torch.Tensor, group: dist.ProcessGroup, phase: str = "forward") -> torch.Tensor:
     """Sum ``x`` over ``group`` in place (ring all-reduce bytes)."""
-    comm_counter.record_all_reduce(x, dist.get_world_size(group), phase)  # type: ignore[arg-type]
+    comm_counter.record_all_reduce(x, dist.get_world_size(group), phase, "tp")  # type: ignore[arg-type]
     dist.all_reduce(x, group=group)
     return x
 
@@ -229,6 +230,28 @@ class TensorParallel:
             out[name] = tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2] - cut[1])
         return out
 
+    def full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The unparallelised model's tensor ``name`` from every TP rank's ``local`` shard (collective
+        over the TP group; the inverse of :meth:`shard_state_dict`). For exporting checkpoints and
+        checking against an unparallelised model: it gathers through host memory."""
+        cut = self.local_slice(name)
+        if cut is None:
+            return local
+        dim = cut[0]
+        pieces: list = [None] * self.size
+        dist.all_gather_object(pieces, (cut[1], cut[2], local.detach().cpu()), group=self.group)
+        shape = list(local.shape)
+        shape[dim] = max(stop for _, stop, _ in pieces)
+        full = torch.empty(shape, dtype=local.dtype)
+        for start, stop, piece in pieces:  # K/V replicas (tp > KV heads) write the same rows
+            full.narrow(dim, start, stop - start).copy_(piece)
+        return full.to(local.device)
+
+    def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss_sum, valid_tokens)`` of this rank's vocabulary slice of the logits
+        (:func:`vocab_parallel_cross_entropy` over this TP group)."""
+        return vocab_parallel_cross_entropy(logits, labels, self.group, self.vocab_start)
+
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Open a TP region (column-parallel consumers follow)."""
         if self.size == 1:
@@ -280,6 +303,54 @@ class TensorParallel:
         If you clip gradients, call :meth:`sync_replicated_grads` yourself before clipping instead.
         """
         return optimizer.register_step_pre_hook(lambda *_: self.sync_replicated_grads())
+
+
+    def norm_weight(self, name: str) -> float:
+        """How much of parameter ``name``'s squared gradient norm this TP rank contributes to the model's:
+        1 for a sharded tensor (each element on one rank), ``1 / tp`` for one every rank holds in full
+        (identical gradients after :meth:`sync_replicated_grads`), ``1 / replicas`` for K/V weights
+        replicated per KV head."""
+        cut = self.local_slice(name)
+        if cut is None:
+            return 1.0 / self.size
+        if self.head_replicated and name.split(".")[-2] in ("k_proj", "v_proj"):
+            return 1.0 / (self.size // self.head_replicated[0][3])
+        return 1.0
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip ``model``'s gradients to a global 2-norm of ``max_norm``; returns the norm before clipping.
+
+        ``torch.nn.utils.clip_grad_norm_`` would see only this rank's TP shards (FSDP2's DTensor gradients
+        are reduced over the FSDP dims, but TP shards are plain local tensors), so TP ranks would clip by
+        different norms and drift apart. Here each parameter's squared norm is weighted by
+        :meth:`norm_weight` and summed over the TP group: every rank gets the unparallelised model's norm.
+        Call after :meth:`sync_replicated_grads`.
+        """
+        by_weight: dict[float, list[torch.Tensor]] = {}
+        params = []
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                continue
+            params.append(p)
+            by_weight.setdefault(self.norm_weight(name), []).append(p.grad)
+        if not params:
+            return torch.zeros(())
+        squared = None
+        for weight, grads in by_weight.items():
+            norm = torch.nn.utils.get_total_norm(grads, 2.0)
+            if hasattr(norm, "full_tensor"):  # FSDP2: a partial norm over the FSDP dims
+                norm = norm.full_tensor()
+            term = norm.square() * weight
+            squared = term if squared is None else squared + term
+        if self.size > 1:
+            if dist.get_backend(self.group) == "nccl":
+                squared = squared.to(torch.device("cuda", torch.cuda.current_device()))
+            # One scalar, not model traffic: not priced by the comm model, so not counted (like the
+            # step's token count).
+            dist.all_reduce(squared, group=self.group)
+        total = squared.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
 
 
 def _local_grad(p: nn.Parameter) -> torch.Tensor | None:
@@ -475,7 +546,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, group, vocab_start, ignore_index):
-        lf = logits.float().reshape(-1, logits.shape[-1])
+        lf = logits.to(loss_dtype(logits.dtype)).reshape(-1, logits.shape[-1])
         if lf.data_ptr() == logits.data_ptr():
             lf = lf.clone()  # fp32 logits: work on our own copy (it becomes the saved softmax)
         y = labels.reshape(-1)
@@ -484,14 +555,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target = lf.gather(-1, local.clamp(0, lf.shape[-1] - 1)[:, None]).squeeze(-1)
         target = torch.where(mine, target, torch.zeros((), device=lf.device))
         world = dist.get_world_size(group)
-        comm_counter.record_all_reduce(target, world, "forward")
+        comm_counter.record_all_reduce(target, world, "forward", "tp")
         dist.all_reduce(target, group=group)
         peak = lf.amax(dim=-1)
-        comm_counter.record_all_reduce(peak, world, "forward")
+        comm_counter.record_all_reduce(peak, world, "forward", "tp")
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         probs = lf.sub_(peak[:, None]).exp_()
         sumexp = probs.sum(-1)
-        comm_counter.record_all_reduce(sumexp, world, "forward")
+        comm_counter.record_all_reduce(sumexp, world, "forward", "tp")
         dist.all_reduce(sumexp, group=group)
         probs.div_(sumexp[:, None])
         valid = y != ignore_index
@@ -510,7 +581,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         valid = y != ctx.ignore_index
         rows = torch.nonzero((local >= 0) & (local < grad.shape[-1]) & valid).squeeze(-1)
         grad[rows, local[rows]] -= 1.0
-        grad.mul_(torch.where(valid, grad_loss.float(), torch.zeros((), device=grad.device))[:, None])
+        grad.mul_(torch.where(valid, grad_loss.to(grad.dtype), torch.zeros((), device=grad.device))[:, None])
         return grad.to(ctx.dtype).view(ctx.shape), None, None, None, None
 
 

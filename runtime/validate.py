@@ -7,11 +7,12 @@ Every rank measures (one micro-batch, or one optimizer step, of :func:`runtime.s
   deduplicated by storage, parameters excluded (FSDP2's gathered parameters too, by module hooks).
   Predicted: ``layers x per-layer saved bytes + output layer + inputs - position ids`` from the memory
   model (position ids live on the device but autograd does not save them);
-- **communication bytes by collective, one optimizer step**: the SP collectives and the loss
-  reduction from :class:`runtime.comm_counter.CommCounter` (exact per the cost model's conventions);
-  FSDP2's all-gathers and reduce-scatters counted at the c10d dispatcher (:class:`C10dTrace`).
-  Predicted: :func:`cost_models.comm_volume.comm_estimate` per step (FSDP2 pads each parameter's
-  first dim to the shard count, and reduce-scatters in the reduce dtype: small, explained differences);
+- **communication bytes by collective, one optimizer step**: the SP collectives, tensor parallelism's
+  collectives (all of them, as one ``tp`` row) and the loss reduction from
+  :class:`runtime.comm_counter.CommCounter` (exact per the cost model's conventions); FSDP2's
+  all-gathers and reduce-scatters counted at the c10d dispatcher (:class:`C10dTrace`, minus TP's,
+  which go through the same c10d ops). Predicted: :func:`cost_models.comm_volume.comm_estimate` per
+  step (FSDP2 pads each parameter's first dim to the shard count: small, explained differences);
 - **peak memory**: CUDA ``max_memory_allocated`` over a step vs the memory model's peak allocated (on
   CPU there is no allocator counter: not measured);
 - **step time**: median of the timed steps vs the time model on the prediction topology (on CPU a
@@ -40,6 +41,8 @@ from runtime.saved_tensor_meter import SavedTensorMeter
 #: Collectives compared with the cost model. SP and loss ones come from CommCounter, FSDP ones from C10dTrace.
 SP_COLLECTIVES = ("all_to_all", "send_recv")
 FSDP_COLLECTIVES = ("all_gather", "reduce_scatter")
+#: Tensor parallelism's traffic (all-gathers, reduce-scatters, all-reduces) as one row.
+TP_ROW = "tp (all collectives)"
 #: Step-time measurement: one warm-up step, then at least this many timed steps.
 MIN_TIMED_STEPS = 2
 #: Agreement bounds shown as verdicts (the tests enforce them on CPU).
@@ -180,6 +183,17 @@ class ValidationReport:
 # ----- prediction -----------------------------------------------------------------------------------------
 
 
+def _step_bytes(model, train, layout, keep) -> float:
+    """Bytes sent per GPU per step by the comm model's ops that ``keep(op)`` selects."""
+    from cost_models.collectives import bytes_sent
+    from cost_models.comm_volume import comm_ops, multiplier
+    from cost_models.placement import group_shapes
+
+    sizes = {name: size for name, (_, size) in group_shapes(layout).items()}
+    return sum(bytes_sent(op.collective, op.nbytes, sizes[op.group]) * multiplier(op, model, train)
+               for op in comm_ops(model, train, layout) if keep(op))
+
+
 def predict(plan, topology) -> Prediction:
     """Memory, communication and time predicted for ``plan``'s configuration on ``topology``."""
     from cost_models.comm_volume import comm_estimate
@@ -194,8 +208,12 @@ def predict(plan, topology) -> Prediction:
     activations = (model.num_layers * detail.per_layer.saved_bytes + detail.output_layer.saved_bytes
                    + detail.inputs_bytes - position_ids)
     comm = comm_estimate(model, train, layout)
-    by_collective = {name: comm.by_collective.get(name, 0.0) for name in (*SP_COLLECTIVES, *FSDP_COLLECTIVES)}
+    by_collective = {name: comm.by_collective.get(name, 0.0) for name in SP_COLLECTIVES}
+    by_collective.update({name: _step_bytes(model, train, layout, lambda op, c=name: op.strategy == "fsdp"
+                                            and op.collective == c) for name in FSDP_COLLECTIVES})
     by_collective["all_reduce (loss)"] = comm.per_step_by_strategy.get("loss", 0.0)
+    # Everything on the TP group: the blocks' collectives and the embedding / LM head / vocab-parallel loss.
+    by_collective[TP_ROW] = _step_bytes(model, train, layout, lambda op: op.group == "tp")
     return Prediction(activation_bytes=activations, per_layer_saved_bytes=detail.per_layer.saved_bytes,
                       comm_bytes=by_collective, peak_allocated=est.memory.peak_allocated,
                       step_seconds=est.time.step_s, tokens_per_s=est.time.tokens_per_s, topology=topology.name,
@@ -216,12 +234,12 @@ def measure(setup, steps: int, seed: int = 0) -> RankMeasurement:
     from runtime.step import synchronize, train_step
 
     generator = torch.Generator().manual_seed(seed + setup.dp_rank)  # same sample on the SP ranks
-    optimizer = torch.optim.AdamW(setup.model.parameters(), lr=1e-4)
+    optimizer = setup.make_optimizer(lr=1e-4)
 
     # Activations: one micro-batch forward under the meter, then its backward (the saved tensors are used).
     shard = setup.shard(_micro_batches(setup, generator)[0])
     with ParameterAwareMeter(setup.model) as meter:
-        out = setup.loss(setup.forward(shard), shard["labels"])
+        out = setup.compute_loss(shard)
     out.loss.backward()
     optimizer.zero_grad(set_to_none=True)
 
@@ -233,11 +251,13 @@ def measure(setup, steps: int, seed: int = 0) -> RankMeasurement:
         result = train_step(setup, _micro_batches(setup, generator), optimizer)
     peak = torch.cuda.max_memory_allocated(setup.device) if setup.device.type == "cuda" else None
     comm = {name: counter.bytes(name) for name in SP_COLLECTIVES}
-    comm["all_reduce (loss)"] = counter.bytes("all_reduce")
-    comm.update(trace.bytes)
+    comm["all_reduce (loss)"] = counter.bytes("all_reduce", strategy="loss")
+    comm[TP_ROW] = counter.bytes(strategy="tp")
+    comm.update({name: trace.bytes[name] - counter.bytes(name, strategy="tp") for name in FSDP_COLLECTIVES})
     calls = {name: counter.calls(name) for name in SP_COLLECTIVES}
-    calls["all_reduce (loss)"] = counter.calls("all_reduce")
-    calls.update(trace.calls)
+    calls["all_reduce (loss)"] = counter.calls("all_reduce", strategy="loss")
+    calls[TP_ROW] = counter.calls(strategy="tp")
+    calls.update({name: trace.calls[name] - counter.calls(name, strategy="tp") for name in FSDP_COLLECTIVES})
 
     # Time: the remaining steps (the step above was the warm-up).
     seconds = [train_step(setup, _micro_batches(setup, generator), optimizer).seconds
@@ -296,9 +316,7 @@ def run_validation(plan, *, steps: int = 3, topology: Any = None, seed: int = 0)
     fsdp_differs = any(r.comm_bytes[c] != prediction.comm_bytes[c] for r in gathered for c in FSDP_COLLECTIVES)
     if fsdp_differs:
         notes.append("FSDP2 bytes differ from the model where FSDP2 pads a parameter's first dim to a multiple of "
-                     "the shard count" + ("" if plan.train.dtype == "fp32" else
-                                          ", and because it reduce-scatters gradients in fp32 (reduce_dtype) where "
-                                          "the model assumes compute-dtype gradients (2x)"))
+                     "the shard count")
     return ValidationReport(plan_lines=describe_plan(plan), prediction=prediction, ranks=gathered,
                             device=device_type, notes=notes)
 
@@ -332,7 +350,7 @@ def render(report: ValidationReport | dict) -> str:
         rows.append(f"{label:34}{pred:>14}{cells}{worst:>10}")
 
     row("activations saved for backward MB", p.activation_bytes, [r.activation_bytes for r in ranks], 1e6, ".3f")
-    for name in (*SP_COLLECTIVES, "all_reduce (loss)", *FSDP_COLLECTIVES):
+    for name in (*SP_COLLECTIVES, "all_reduce (loss)", TP_ROW, *FSDP_COLLECTIVES):
         scale, fmt = (1.0, ",.0f") if name == "all_reduce (loss)" else (1e6, ".3f")
         unit = "B" if scale == 1.0 else "MB"
         row(f"comm {name} {unit}/step", p.comm_bytes.get(name, 0.0), [r.comm_bytes.get(name, 0) for r in ranks],

@@ -61,7 +61,7 @@ def _rank(rank: int, world: int) -> dict:
     out = {}
     out["bad_topology"] = _error(lambda: auto_configure(_model(), seq_len=64, topology="no-such-topology"))
     out["different_plans"] = _error(lambda: auto_configure(_model(), plan=_plan(64 if rank == 0 else 128)))
-    out["unsupported"] = _error(lambda: auto_configure(_model(), plan=_plan(64, tiled_loss=True)))
+    out["unsupported"] = _error(lambda: auto_configure(_model(), plan=_plan(64, zero_stage=0)))
     ids = torch.randint(0, 64, (1, 64), generator=torch.Generator().manual_seed(5))
     positions = torch.cat([torch.arange(20), torch.arange(30), torch.arange(14)]).view(1, 64)
     batch = {"input_ids": ids, "position_ids": positions}
@@ -90,7 +90,7 @@ def test_ranks_with_different_plans_are_refused(results):
 
 def test_plans_the_runtime_cannot_run_are_refused_on_every_rank(results):
     for r in results:
-        assert "RuntimeConfigError" in r["unsupported"] and "tiled_loss" in r["unsupported"]
+        assert "RuntimeConfigError" in r["unsupported"] and "zero_stage=0" in r["unsupported"]
 
 
 def test_packed_documents_need_the_opt_in_and_then_match_the_reference(results):

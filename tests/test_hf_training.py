@@ -29,10 +29,12 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
               tie_word_embeddings=False)
 #: (family, config overrides, layout pins, option pins)
 CASES = [
-    ("llama", {}, {"ring": 2, "ulysses": 2}, {"zero_stage": 3, "checkpointing": "selective"}),
+    ("llama", {}, {"ring": 2, "ulysses": 2},
+     {"zero_stage": 3, "checkpointing": "selective", "tiled_loss": True, "offload_checkpoints": True}),
     ("qwen2", {"use_sliding_window": False}, {"dp_shard": 2, "ulysses": 2}, {"zero_stage": 2, "checkpointing": "none"}),
-    ("qwen3", {"head_dim": 16}, {"ulysses": 4}, {"zero_stage": 1, "checkpointing": "full"}),
-    ("mistral", {"sliding_window": None}, {"ring": 4}, {"zero_stage": 3, "checkpointing": "full"}),
+    ("qwen3", {"head_dim": 16}, {"ulysses": 4}, {"zero_stage": 1, "checkpointing": "full", "offload_optimizer": True}),
+    ("mistral", {"sliding_window": None}, {"ring": 4},
+     {"zero_stage": 3, "checkpointing": "full", "offload_params": True, "tiled_loss": True}),
 ]
 
 
@@ -90,7 +92,7 @@ def _rank(rank: int, world: int) -> dict:
         setup = auto_configure(model, seq_len=SEQ, micro_batch=BATCH, global_batch=BATCH, dtype="fp32",
                                topology="dgx-h100", fixed_layout=layout, fixed_options=options)
         assert setup.model.config._attn_implementation == ATTENTION_NAME
-        optimizer = torch.optim.AdamW(setup.model.parameters(), lr=LR)
+        optimizer = setup.make_optimizer(lr=LR)
         per_rank = BATCH // setup.dp_size
         losses = []
         for ids in _data():
@@ -105,8 +107,16 @@ def _rank(rank: int, world: int) -> dict:
                                                    shard["input_ids"].shape[1], dtype=torch.bool), use_cache=False)
         except Exception as exc:  # noqa: BLE001 - the message is what is checked
             refused = str(exc)
+        offload = setup.checkpoint_offload
         results[family] = {"losses": losses, "spec": spec.model_dump(), "layout": setup.layout.describe(),
-                           "refused": refused}
+                           "refused": refused, "optimizer": type(optimizer).__name__,
+                           "checkpoint_bytes_offloaded": offload.offloaded_bytes if offload is not None else 0}
+    for pins, key in (({"fixed_layout": {"tp": 2}}, "refused_tp"), ({"fixed_options": {"tiled_mlp": True}},
+                                                                   "refused_tiled_mlp")):
+        try:
+            auto_configure(_hf_model("llama", {}, "eager"), seq_len=SEQ, dtype="fp32", topology="dgx-h100", **pins)
+        except Exception as exc:  # noqa: BLE001 - the message is what is checked
+            results[key] = f"{type(exc).__name__}: {exc}"
     return results
 
 
@@ -132,6 +142,20 @@ def test_hf_attention_refuses_a_4d_mask_and_maps_the_architecture(family, traine
     spec = result["spec"]
     assert spec["num_layers"] == 2 and spec["num_heads"] == 4 and spec["num_kv_heads"] == 2
     assert spec["qk_norm"] == (family == "qwen3") and spec["qkv_bias"] == (family == "qwen2")
+
+
+def test_hf_memory_techniques_ran(trained):
+    """Tiled loss, checkpoint offload and the optimizer offloads on HF models (the equal loss curves above
+    would also hold if they were silently skipped)."""
+    assert trained[0]["llama"]["checkpoint_bytes_offloaded"] > 0
+    assert trained[0]["qwen3"]["optimizer"] == "HostOffloadOptimizer"
+    assert trained[0]["mistral"]["optimizer"] == "AdamW" and trained[0]["qwen2"]["checkpoint_bytes_offloaded"] == 0
+
+
+def test_hf_models_refuse_tensor_parallelism_and_the_tiled_mlp(trained):
+    for rank in trained:
+        assert "tp=2" in rank["refused_tp"] and "LlamaModel" in rank["refused_tp"]
+        assert "tiled_mlp" in rank["refused_tiled_mlp"]
 
 
 def test_sliding_window_configs_are_refused():

@@ -174,29 +174,52 @@ def _plan(**train):
     return plan
 
 
-@pytest.mark.parametrize("option", ["tiled_mlp", "tiled_loss", "offload_checkpoints", "offload_optimizer"])
-def test_each_unsupported_option_is_refused_with_its_name_and_reason(option):
-    reasons = unsupported_reasons(_plan(**{option: True}))
-    assert len(reasons) == 1 and reasons[0].startswith(option) and "issue 7" in reasons[0]
+ALL_TECHNIQUES = {"tiled_mlp": True, "tiled_loss": True, "offload_checkpoints": True, "offload_optimizer": True,
+                  "offload_params": True, "zero_stage": 3, "checkpointing": "full"}
 
 
-def test_tp_params_offload_prefill_and_materialized_are_refused():
-    reasons = unsupported_reasons(_plan(layout=Layout(tp=2), offload_params=True, offload_optimizer=True,
-                                        zero_stage=3))
-    assert any(r.startswith("tp=2") for r in reasons) and any(r.startswith("offload_params") for r in reasons)
+def test_the_runtime_llama_model_runs_every_training_option_the_planner_outputs():
+    assert unsupported_reasons(_plan(layout=Layout(tp=2, ulysses=2), **ALL_TECHNIQUES)) == []
+    for stage in (1, 2, 3):
+        assert unsupported_reasons(_plan(zero_stage=stage, checkpointing="selective", layout=Layout(tp=2, ring=2))) == []
+    assert planner_constraints() == ({}, {})
+
+
+def test_hf_models_refuse_tp_and_the_tiled_mlp_with_the_reason():
+    reasons = unsupported_reasons(_plan(layout=Layout(tp=2), **ALL_TECHNIQUES), "hf")
+    assert len(reasons) == 2
+    assert reasons[0].startswith("tp=2") and "LlamaModel" in reasons[0]
+    assert reasons[1].startswith("tiled_mlp") and "--tiled-mlp" in reasons[1]
+    assert unsupported_reasons(_plan(**{**ALL_TECHNIQUES, "tiled_mlp": False}), "hf") == []  # the rest runs
+    assert planner_constraints("hf") == ({"tp": 1}, {"tiled_mlp": False})
+
+
+def test_prefill_materialized_and_zero0_are_refused():
     assert any("prefill" in r for r in unsupported_reasons(_plan(mode="prefill", checkpointing="none")))
     assert any("attention_kernel" in r for r in unsupported_reasons(_plan(attention_kernel="materialized")))
     assert any("zero_stage=0" in r for r in unsupported_reasons(_plan(zero_stage=0)))
-    assert unsupported_reasons(_plan(zero_stage=2, checkpointing="selective", layout=Layout(ring=2, ulysses=2))) == []
+
+
+def test_tp_is_refused_for_a_model_with_dropout():
+    from cost_models import ModelSpec
+
+    spec = ModelSpec(name="drop", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                     ffn_hidden_size=128, vocab_size=96, hidden_dropout=0.1)
+    plan = _plan(layout=Layout(tp=2))
+    plan.model = spec
+    assert len(unsupported_reasons(plan)) == 1 and "dropout" in unsupported_reasons(plan)[0]
+    assert planner_constraints("llama", spec)[0] == {"tp": 1}
+    with pytest.raises(RuntimeConfigError, match="dropout"):
+        merge_constraints({"tp": 2}, {}, "llama", spec)
 
 
 def test_planner_constraints_only_allow_what_runs():
-    layout, options = planner_constraints()
-    assert layout == {"tp": 1} and not any(options.values())
-    merged_layout, merged_options = merge_constraints({"ulysses": 4}, {"zero_stage": 2})
-    assert merged_layout == {"tp": 1, "ulysses": 4} and merged_options["zero_stage"] == 2
+    merged_layout, merged_options = merge_constraints({"ulysses": 4}, {"zero_stage": 2}, "hf")
+    assert merged_layout == {"tp": 1, "ulysses": 4} and merged_options == {"zero_stage": 2, "tiled_mlp": False}
     with pytest.raises(RuntimeConfigError, match="tiled MLP"):
-        merge_constraints({}, {"tiled_mlp": True})
+        merge_constraints({}, {"tiled_mlp": True}, "hf")
+    with pytest.raises(RuntimeConfigError, match="zero_stage=0"):
+        merge_constraints({}, {"zero_stage": 0})
 
 
 def test_plan_for_another_model_or_length_is_refused():

@@ -10,7 +10,13 @@ and ``runtime.step.train_step``:
 - Ulysses 2 and 4 (4 > 2 KV heads: KV replication), Ring 2 and 4 (zigzag), USP ring 2 x ulysses 2;
 - HSDP dp_replicate=2 x ulysses 2, and dp_shard=2 x ring 2 (data and sequence parallel together);
 - ZeRO-1/2/3 and none/selective/full checkpointing spread over them; gradient accumulation where the
-  data-parallel degree leaves several sequences per rank.
+  data-parallel degree leaves several sequences per rank;
+- the memory techniques and tensor parallelism (issue 7), through the same one call: TP 2 x Ulysses 2
+  with tiled MLP, tiled loss and checkpoint offload; TP 2 x data parallel with the host optimizer
+  (offload_optimizer); TP 4 > 2 KV heads (replicated K/V weights) with the vocab-parallel tiled loss;
+  ring 2 x data parallel with FSDP2 parameter offload; TP 2 x ring 2 with every technique in fp64;
+  TP 2 without Megatron sequence parallelism. Gradient clipping (max norm 1.0, over FSDP and TP
+  shards) in every configuration and in the reference.
 
 The batches are 60 tokens (padded by the sharder to the layout's multiple) with ragged right padding,
 so some sequence shards hold no valid token at all. Checks per configuration: mean |loss
@@ -56,7 +62,24 @@ CONFIGS = [
     ("ulysses=2", 2, {"ulysses": 2}, {"zero_stage": 3, "checkpointing": "full"}, 2, "fp32"),
     ("ring=2", 2, {"ring": 2}, {"zero_stage": 1, "checkpointing": "selective"}, 1, "fp32"),
     ("ring=2 fp64", 2, {"ring": 2}, {"zero_stage": 1, "checkpointing": "selective"}, 1, "fp64"),
+    ("tp=2 x ulysses=2 tiled mlp+loss, checkpoint offload", 4, {"tp": 2, "ulysses": 2},
+     {"zero_stage": 3, "checkpointing": "full", "tiled_mlp": True, "tiled_loss": True, "offload_checkpoints": True},
+     1, "fp32"),
+    ("tp=2 x dp_shard=2 host optimizer", 4, {"tp": 2, "dp_shard": 2},
+     {"zero_stage": 2, "checkpointing": "selective", "offload_optimizer": True}, 1, "fp32"),
+    ("tp=4 kv replication tiled loss", 4, {"tp": 4}, {"zero_stage": 3, "checkpointing": "none", "tiled_loss": True},
+     2, "fp32"),
+    ("ring=2 x dp_shard=2 parameter offload", 4, {"ring": 2, "dp_shard": 2},
+     {"zero_stage": 3, "checkpointing": "full", "offload_params": True, "offload_optimizer": True}, 1, "fp32"),
+    ("tp=2 x ring=2 all techniques fp64", 4, {"tp": 2, "ring": 2},
+     {"zero_stage": 3, "checkpointing": "selective", "tiled_mlp": True, "tiled_loss": True,
+      "offload_checkpoints": True}, 1, "fp64"),
+    ("tp=2 no sequence parallelism", 2, {"tp": 2},
+     {"zero_stage": 3, "checkpointing": "full", "tp_sequence_parallel": False}, 2, "fp32"),
 ]
+#: auto_configure keyword arguments that CONFIGS carry among the option pins.
+AUTO_KWARGS = ("tp_sequence_parallel",)
+MAX_GRAD_NORM = 1.0
 
 
 def _spec():
@@ -107,6 +130,7 @@ def _reference(dtype: str) -> tuple[list[float], dict[str, torch.Tensor], dict[s
         logits = model(ids)[:, :-1]
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -120,13 +144,16 @@ def _train_rank(rank: int, world: int, configs: list) -> dict:
     torch.manual_seed(0)
     results = {}
     for name, _, layout, options, micro_batch, dtype in configs:
+        kwargs = {k: options[k] for k in AUTO_KWARGS if k in options}
+        options = {k: v for k, v in options.items() if k not in AUTO_KWARGS}
         # fp64: the plan says fp32 (no mixed precision); the fp64 parameters are kept as they are.
         setup = auto_configure(_model(dtype), seq_len=64, micro_batch=micro_batch, global_batch=GLOBAL_BATCH,
-                               dtype="fp32", topology="dgx-h100", fixed_layout=layout, fixed_options=options)
+                               dtype="fp32", topology="dgx-h100", fixed_layout=layout, fixed_options=options,
+                               **kwargs)
         plan = setup.plan
         assert plan.layout.degrees() == {**plan.layout.degrees(), **layout}, (plan.layout, layout)
-        assert all(getattr(plan.train, k) == v for k, v in options.items()), plan.train
-        optimizer = torch.optim.AdamW(setup.model.parameters(), lr=LR)
+        assert all(getattr(plan.train, k) == v for k, v in {**options, **kwargs}.items()), plan.train
+        optimizer = setup.make_optimizer(lr=LR)
         data = _data()
         per_rank = GLOBAL_BATCH // setup.dp_size
         assert per_rank == plan.train.micro_batch * plan.train.grad_accum
@@ -137,11 +164,15 @@ def _train_rank(rank: int, world: int, configs: list) -> dict:
                 {key: torch.cat([b[key] for b in mine[i:i + micro_batch]]) for key in mine[0]}
                 for i in range(0, per_rank, micro_batch)
             ]
-            losses.append(train_step(setup, micro, optimizer).loss)
+            losses.append(train_step(setup, micro, optimizer, max_grad_norm=MAX_GRAD_NORM).loss)
         # numpy, not tensors: torch's queue would share tensor storage with a process that is about to exit
-        params = {n: p.full_tensor().detach().numpy().copy() for n, p in setup.model.named_parameters()}
+        params = {n: t.cpu().numpy().copy() for n, t in setup.full_state_dict().items()}
+        offloaded = setup.checkpoint_offload.offloaded_bytes if setup.checkpoint_offload is not None else 0
         results[name] = {"losses": losses, "params": params if rank == 0 else None,
-                         "grad_accum": plan.train.grad_accum}
+                         "grad_accum": plan.train.grad_accum, "optimizer": type(optimizer).__name__,
+                         "checkpoint_bytes_offloaded": offloaded,
+                         "tp": setup.tensor_parallel.size if setup.tensor_parallel is not None else 1,
+                         "tiled_mlp": all(layer.mlp.tiled for layer in setup.model.layers)}
     return results
 
 
@@ -155,7 +186,7 @@ def trained():
     results = {}
     for world in (4, 2):
         configs = [c for c in CONFIGS if c[1] == world]
-        per_rank = run_ranks(world, _train_rank, configs, timeout=150)
+        per_rank = run_ranks(world, _train_rank, configs, timeout=420)
         for name in per_rank[0]:
             results[name] = per_rank[0][name]
             assert all(r[name]["losses"] == per_rank[0][name]["losses"] for r in per_rank), name
@@ -194,3 +225,14 @@ def test_loss_curve_and_parameters_match_the_single_device_reference(name, refer
 
 def test_some_configuration_accumulates_gradients(trained):
     assert max(r["grad_accum"] for r in trained.values()) >= 2
+
+
+def test_the_techniques_actually_ran(trained):
+    """Equal results could also mean a technique was silently skipped: check each left its trace."""
+    assert trained["tp=2 x dp_shard=2 host optimizer"]["optimizer"] == "HostOffloadOptimizer"
+    assert trained["ring=2 x dp_shard=2 parameter offload"]["optimizer"] == "AdamW"
+    assert trained["tp=2 x ulysses=2 tiled mlp+loss, checkpoint offload"]["checkpoint_bytes_offloaded"] > 0
+    assert trained["tp=2 x ring=2 all techniques fp64"]["checkpoint_bytes_offloaded"] > 0
+    assert trained["tp=2 x ring=2 all techniques fp64"]["tiled_mlp"]
+    assert not trained["ring=2 x dp_shard=2 parameter offload"]["tiled_mlp"]
+    assert trained["tp=4 kv replication tiled loss"]["tp"] == 4

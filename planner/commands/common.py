@@ -49,6 +49,29 @@ def model_options_optional_seq(func: Callable) -> Callable:
     return _model_options(func, seq_len_required=False)
 
 
+#: Checkpointing and the memory techniques: shared by the planning commands and ``validate``.
+MEMORY_TECHNIQUE_OPTIONS = (
+    click.option("--offload-optimizer", is_flag=True, help="Keep optimizer states in host memory."),
+    click.option("--offload-params", is_flag=True, help="Keep parameter shards in host memory (ZeRO-3)."),
+    click.option("--offload-checkpoints", is_flag=True, help="Move checkpointed hidden states to host memory."),
+    click.option(
+        "--checkpointing",
+        type=click.Choice(["none", "selective", "full"]),
+        default="full",
+        show_default=True,
+        help="Activation checkpointing per transformer block.",
+    ),
+    click.option("--tiled-mlp", is_flag=True, help="Run the FFN over sequence tiles."),
+    click.option("--tiled-loss", is_flag=True, help="Compute logits and cross-entropy in chunks."),
+)
+
+
+def memory_technique_options(func: Callable) -> Callable:
+    for option in reversed(MEMORY_TECHNIQUE_OPTIONS):
+        func = option(func)
+    return func
+
+
 def _model_options(func: Callable, seq_len_required: bool) -> Callable:
     options = [
         click.option("--model", "model_name", required=True, help="Preset name or path to a HF config.json."),
@@ -66,18 +89,7 @@ def _model_options(func: Callable, seq_len_required: bool) -> Callable:
             help="adamw: fp32 master + moments (12 B/param); adamw_bf16: bf16 moments, no master (4 B/param).",
         ),
         click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=3, show_default=True),
-        click.option("--offload-optimizer", is_flag=True, help="Keep optimizer states in host memory."),
-        click.option("--offload-params", is_flag=True, help="Keep parameter shards in host memory (ZeRO-3)."),
-        click.option("--offload-checkpoints", is_flag=True, help="Move checkpointed hidden states to host memory."),
-        click.option(
-            "--checkpointing",
-            type=click.Choice(["none", "selective", "full"]),
-            default="full",
-            show_default=True,
-            help="Activation checkpointing per transformer block.",
-        ),
-        click.option("--tiled-mlp", is_flag=True, help="Run the FFN over sequence tiles."),
-        click.option("--tiled-loss", is_flag=True, help="Compute logits and cross-entropy in chunks."),
+        *MEMORY_TECHNIQUE_OPTIONS,
         click.option(
             "--attention",
             "attention_kernel",

@@ -26,6 +26,7 @@ from .common import (
     build_topology,
     build_train,
     layout_options,
+    memory_technique_options,
     split_options,
 )
 
@@ -85,8 +86,7 @@ def _launch(plan_path: Path, world: int, steps: int, time_topology: str | None) 
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--optimizer", type=click.Choice(["adamw", "adamw_bf16"]), default="adamw", show_default=True)
 @click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=3, show_default=True)
-@click.option("--checkpointing", type=click.Choice(["none", "selective", "full"]), default="full",
-              show_default=True)
+@memory_technique_options
 @click.option("--gpus", type=click.IntRange(1, 1 << 20), default=None, help="Ranks to run (the plan's world).")
 @click.option("--gpus-per-node", type=click.IntRange(1, 1 << 10), default=None)
 @click.option("--gpu", "gpu_name", default="h100-80gb", show_default=True, help="GPU preset (planning only).")
