@@ -24,9 +24,9 @@ Counting rules (a multiply-add is 2 FLOPs):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 from .layout import Layout
+from .memo import Memo
 from .model_spec import ModelSpec
 from .train_spec import TrainSpec
 
@@ -68,17 +68,37 @@ class MicrobatchWork:
     head_matmul_bwd: float
     model_flops: float  # per GPU per micro-batch, for MFU (no recompute, causal attention x 3)
 
+    def executed_flops(self, num_layers: int) -> float:
+        """FLOPs this GPU actually runs per micro-batch (recompute and flash's backward included)."""
+        per_layer = (self.layer_matmul_fwd + self.layer_matmul_bwd + self.layer_matmul_recompute
+                     + self.layer_attn_fwd + self.layer_attn_bwd + self.layer_attn_recompute)
+        return num_layers * per_layer + self.head_matmul_fwd + self.head_matmul_bwd
+
 
 def attention_pairs(seq_len: int, causal_skip: bool) -> float:
     """(query, key) pairs computed for one sequence: causal flash skips the masked half."""
     return seq_len * (seq_len + 1) / 2 if causal_skip else float(seq_len) * seq_len
 
 
-@lru_cache(maxsize=4096)
+#: TrainSpec fields the work of a micro-batch depends on (the rest, e.g. ZeRO or offloading, moves
+#: bytes but adds no FLOPs): the cache key, so option combinations that differ only elsewhere share it.
+WORK_FIELDS = ("mode", "micro_batch", "seq_len", "dtype", "attention_kernel", "tp_sequence_parallel",
+               "checkpointing", "tiled_mlp", "tiled_loss")
+
+
 def microbatch_work(model: ModelSpec, train: TrainSpec, layout: Layout) -> MicrobatchWork:
+    """FLOPs and streamed bytes of one micro-batch on one GPU (depends on tp, ulysses and ring only)."""
+    tp, u, r = layout.tp, layout.ulysses, layout.ring
+    key = (model, tp, u, r, *(getattr(train, f) for f in WORK_FIELDS))
+    return _WORK.get(key, lambda: _work(model, tp, u, r, train))
+
+
+_WORK: Memo[MicrobatchWork] = Memo()
+
+
+def _work(model: ModelSpec, tp: int, u: int, r: int, train: TrainSpec) -> MicrobatchWork:
     training = train.is_training
     b, s, d = train.micro_batch, train.seq_len, train.dtype_bytes
-    tp, u, r = layout.tp, layout.ulysses, layout.ring
     ranks = tp * u * r
     tokens = b * s / (u * r)
     h, f = model.hidden_size, model.ffn_hidden_size
@@ -103,7 +123,7 @@ def microbatch_work(model: ModelSpec, train: TrainSpec, layout: Layout) -> Micro
     # 1 write of h), rotary embedding on the local Q and K (read + write), and the activation
     # (SwiGLU reads gate and up, writes one; GELU reads and writes). With Megatron sequence
     # parallelism the norms and residuals run on T / tp tokens.
-    rep = model.kv_replication(layout.head_split)
+    rep = model.kv_replication(tp * u)  # the head split
     norm_tokens = tokens / tp if (tp > 1 and train.tp_sequence_parallel) else tokens
     q_local = model.num_heads / tp * hd
     k_local = model.num_kv_heads * rep / tp * hd
@@ -158,6 +178,4 @@ def model_flops_per_step(model: ModelSpec, train: TrainSpec, layout: Layout) -> 
 def hardware_flops_per_step(model: ModelSpec, train: TrainSpec, layout: Layout) -> float:
     """FLOPs actually executed in one step over the cluster (with recompute and flash backward)."""
     w = microbatch_work(model, train, layout)
-    per_layer = (w.layer_matmul_fwd + w.layer_matmul_bwd + w.layer_matmul_recompute + w.layer_attn_fwd
-                 + w.layer_attn_bwd + w.layer_attn_recompute)
-    return (model.num_layers * per_layer + w.head_matmul_fwd + w.head_matmul_bwd) * layout.world * train.grad_accum
+    return w.executed_flops(model.num_layers) * layout.world * train.grad_accum

@@ -33,8 +33,8 @@ contention) and not to contend with exposed collectives on the same links.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -43,15 +43,15 @@ from .comm_volume import (
     LAYER_STRATEGIES,
     STEP_STRATEGIES,
     CommEstimate,
-    CommOp,
     comm_estimate,
     comm_ops,
     tp_local_layer_params,
     tp_local_other_params,
 )
 from .errors import CostModelError
-from .flops import hardware_flops_per_step, microbatch_work
+from .flops import microbatch_work
 from .layout import Layout
+from .memo import Memo
 from .memory.states import host_optimizer_bytes_per_param
 from .model_spec import ModelSpec
 from .placement import Placement, group_spans, place
@@ -149,13 +149,6 @@ class CommTime(BaseModel):
     placement: Placement | None = None
 
 
-@dataclass(slots=True)
-class _Costed:
-    op: CommOp
-    seconds: float  # one occurrence (one hop for ring ops)
-    fabric_bytes: float
-
-
 def comm_and_time(
     model: ModelSpec,
     train: TrainSpec,
@@ -178,21 +171,39 @@ def comm_and_time(
     if offload is None:
         offload = OffloadTraffic.estimate(model, train, layout)
     comm = comm_estimate(model, train, layout)
-    time = _time(model, train, layout, topology, offload)
+    time = _time(model, train, layout, topology, offload).estimate()
     return CommTime.model_construct(comm=comm, time=time, placement=place(layout, topology) if with_placement else None)
 
 
 def time_estimate(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
                   offload: OffloadTraffic | None = None) -> TimeEstimate:
-    """Only the step time (no comm JSON section): the planner's inner loop over thousands of layouts."""
+    """Only the step time (no comm JSON section)."""
     if offload is None:
         offload = OffloadTraffic.estimate(model, train, layout)
+    return _time(model, train, layout, topology, offload).estimate()
+
+
+@dataclass(frozen=True, slots=True)
+class StepTime:
+    """The two numbers the planner ranks by, with the full :class:`TimeEstimate` built on demand (the
+    planner times thousands of combinations and reports a handful)."""
+
+    step_s: float
+    tokens_per_step: float
+    _build: Callable[[], TimeEstimate]
+
+    def estimate(self) -> TimeEstimate:
+        return self._build()
+
+
+def step_time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
+              offload: OffloadTraffic) -> StepTime:
+    """:func:`time_estimate` for the planner's inner loop: the same model, the report deferred."""
     return _time(model, train, layout, topology, offload)
 
 
 def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
-          offload: OffloadTraffic) -> TimeEstimate:
-    spans = group_spans(layout, topology)
+          offload: OffloadTraffic) -> StepTime:
     training = train.is_training
     layers = model.num_layers
     accum = train.grad_accum
@@ -214,72 +225,11 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
     compute_s = accum * compute_mb
 
     # ----- communication ----------------------------------------------------------------------------
-    costed = _costed_ops(model, _comm_train(train), layout, topology)
-    comm_by = dict.fromkeys(STEP_STRATEGIES, 0.0)
-    fabric_bytes = 0.0
-    for c in costed:
-        op, cost = c.op, c
-        times = op.count * (layers if op.scope == "layer" else 1) * (accum if op.per == "microbatch" else 1)
-        comm_by[op.strategy] += cost.seconds * times
-        fabric_bytes += cost.fabric_bytes * times
-    comm_s = sum(comm_by.values())
-
-    exposed = dict.fromkeys(STEP_STRATEGIES, 0.0)
-
-    def expose(strategy: str, seconds: float) -> None:
-        exposed[strategy] += seconds
-
-    # Per layer and micro-batch: sort the ops by how they may overlap.
-    lf_exposed = lb_exposed = 0.0
-    prefetch_f = prefetch_b = grad_mb = grad_step = 0.0
-    prefetch_strategy_f: dict[str, float] = {}
-    prefetch_strategy_b: dict[str, float] = {}
-    grad_strategy_mb: dict[str, float] = {}
-    grad_strategy_step: dict[str, float] = {}
-    ring_f = ring_b_kv = ring_b_dkv = ring_re = 0.0
-    model_mb = model_step = 0.0
-    model_strategy_mb: dict[str, float] = {}
-    for c in costed:
-        op, t = c.op, c.seconds
-        if op.scope == "model":
-            if op.per == "microbatch":
-                model_mb += t * op.count
-                model_strategy_mb[op.strategy] = model_strategy_mb.get(op.strategy, 0.0) + t * op.count
-            else:
-                model_step += t * op.count
-                expose(op.strategy, t * op.count)
-            continue
-        if op.overlap == "exposed":
-            if op.phase == "forward":
-                lf_exposed += t * op.count
-            else:
-                lb_exposed += t * op.count
-            expose(op.strategy, t * op.count * layers * accum)
-        elif op.overlap == "ring":
-            if op.phase == "forward":
-                ring_f = t
-            elif op.recompute:
-                ring_re = t
-            elif op.count == layout.ring - 1:
-                ring_b_kv = t
-            else:
-                ring_b_dkv = t
-        elif op.overlap == "prefetch":
-            if op.phase == "forward":
-                prefetch_f += t
-                prefetch_strategy_f[op.strategy] = prefetch_strategy_f.get(op.strategy, 0.0) + t
-            else:
-                prefetch_b += t
-                prefetch_strategy_b[op.strategy] = prefetch_strategy_b.get(op.strategy, 0.0) + t
-        else:  # grad
-            table = grad_strategy_mb if op.per == "microbatch" else grad_strategy_step
-            table[op.strategy] = table.get(op.strategy, 0.0) + t
-            if op.per == "microbatch":
-                grad_mb += t
-            else:
-                grad_step += t
-    for strategy, t in model_strategy_mb.items():
-        expose(strategy, t * accum)
+    cp = _comm_profile(model, train, layout, topology)
+    lf_exposed, lb_exposed = cp.layer_fwd_exposed, cp.layer_bwd_exposed
+    prefetch_f, prefetch_b, grad_mb, grad_step = cp.prefetch_f, cp.prefetch_b, cp.grad_mb, cp.grad_step
+    ring_f, ring_b_kv, ring_b_dkv, ring_re = cp.ring_f, cp.ring_b_kv, cp.ring_b_dkv, cp.ring_re
+    model_mb, model_step = cp.model_mb, cp.model_step
 
     # Ring attention: hops hide behind block compute.
     r = layout.ring
@@ -289,7 +239,6 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
         if training:
             ring_exposed_b = (r - 1) * max(0.0, ring_b_kv + ring_b_dkv - attn_b / r) + ring_b_dkv
             ring_exposed_b += (r - 1) * max(0.0, ring_re - attn_f / r)
-    expose("ring", (ring_exposed_f + ring_exposed_b) * layers * accum)
 
     # Prefetched and gradient traffic: hidden behind layer compute, plus one pipeline fill per pass.
     def hidden(comm: float, compute: float) -> float:
@@ -298,9 +247,6 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
     fwd_overlap = hidden(prefetch_f, c_fwd)
     bwd_overlap_mb = hidden(prefetch_b + grad_mb, c_bwd) if training else 0.0
     bwd_overlap_last = hidden(prefetch_b + grad_mb + grad_step, c_bwd) if training else 0.0
-    _split(expose, fwd_overlap * accum, prefetch_strategy_f)
-    _split(expose, bwd_overlap_mb * (accum - 1) + bwd_overlap_last,
-           _merge(prefetch_strategy_b, grad_strategy_mb, grad_strategy_step))
 
     layer_f = c_fwd + lf_exposed + ring_exposed_f
     layer_b = c_bwd + lb_exposed + ring_exposed_b if training else 0.0
@@ -336,70 +282,175 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
 
     step_s = accum * microbatch_s + (bwd_overlap_last - bwd_overlap_mb) + model_step + optimizer_s + offload_s
     tokens_per_step = float(train.micro_batch * train.seq_len * accum * layout.dp)
-    model_flops = w.model_flops * layout.world * accum
-    denominator = step_s * layout.world * peak
-    return TimeEstimate.model_construct(  # computed values; skip re-validation (hot path)
-        compute_s=compute_s,
-        comm_s=comm_s,
-        exposed_comm_s=step_comm_exposed,
-        optimizer_s=optimizer_s,
-        offload_s=offload_s,
-        step_s=step_s,
-        tokens_per_step=tokens_per_step,
-        tokens_per_s=tokens_per_step / step_s,
-        mfu=model_flops / denominator,
-        hfu=hardware_flops_per_step(model, train, layout) / denominator,
-        model_flops_per_step=model_flops,
-        peak_flops=peak,
-        comm_s_by_strategy=comm_by,
-        exposed_comm_s_by_strategy=exposed,
-        fabric_bytes_per_step=fabric_bytes,
-        breakdown={
-            "layer_forward_compute_s": c_fwd,
-            "layer_backward_compute_s": c_bwd if training else 0.0,
-            "layer_recompute_s": c_re if training else 0.0,
-            "layer_attention_forward_s": attn_f,
-            "layer_attention_backward_s": attn_b if training else 0.0,
-            "layer_forward_exposed_comm_s": lf_exposed + ring_exposed_f,
-            "layer_backward_exposed_comm_s": lb_exposed + ring_exposed_b if training else 0.0,
-            "head_compute_s": head_f + head_b,
-            "microbatch_s": microbatch_s,
-        },
-        efficiencies={
-            "matmul": eff.matmul,
-            "attention_forward": eff.attention_forward,
-            "attention_backward": eff.attention_backward,
-            "memory": eff.memory,
-            "pcie": eff.pcie,
-            "host_memory": eff.host_memory,
-        },
-    )
+
+    def build() -> TimeEstimate:
+        comm_by = {k: accum * cp.comm_mb[k] + cp.comm_step[k] for k in STEP_STRATEGIES}
+        exposed = {k: layers * accum * cp.exposed_layer[k] + accum * cp.model_mb_by[k] + cp.model_step_by[k]
+                   for k in STEP_STRATEGIES}
+        exposed["ring"] += (ring_exposed_f + ring_exposed_b) * layers * accum
+        _split(exposed, fwd_overlap * accum, cp.prefetch_f_by)
+        _split(exposed, bwd_overlap_mb * (accum - 1) + bwd_overlap_last, cp.overlapped_b_by)
+        model_flops = w.model_flops * layout.world * accum
+        denominator = step_s * layout.world * peak
+        return TimeEstimate.model_construct(  # computed values; skip re-validation
+            compute_s=compute_s,
+            comm_s=sum(comm_by.values()),
+            exposed_comm_s=step_comm_exposed,
+            optimizer_s=optimizer_s,
+            offload_s=offload_s,
+            step_s=step_s,
+            tokens_per_step=tokens_per_step,
+            tokens_per_s=tokens_per_step / step_s,
+            mfu=model_flops / denominator,
+            hfu=w.executed_flops(layers) * layout.world * accum / denominator,
+            model_flops_per_step=model_flops,
+            peak_flops=peak,
+            comm_s_by_strategy=comm_by,
+            exposed_comm_s_by_strategy=exposed,
+            fabric_bytes_per_step=accum * cp.fabric_mb + cp.fabric_step,
+            breakdown={
+                "layer_forward_compute_s": c_fwd,
+                "layer_backward_compute_s": c_bwd if training else 0.0,
+                "layer_recompute_s": c_re if training else 0.0,
+                "layer_attention_forward_s": attn_f,
+                "layer_attention_backward_s": attn_b if training else 0.0,
+                "layer_forward_exposed_comm_s": lf_exposed + ring_exposed_f,
+                "layer_backward_exposed_comm_s": lb_exposed + ring_exposed_b if training else 0.0,
+                "head_compute_s": head_f + head_b,
+                "microbatch_s": microbatch_s,
+            },
+            efficiencies={
+                "matmul": eff.matmul,
+                "attention_forward": eff.attention_forward,
+                "attention_backward": eff.attention_backward,
+                "memory": eff.memory,
+                "pcie": eff.pcie,
+                "host_memory": eff.host_memory,
+            },
+        )
+
+    return StepTime(step_s, tokens_per_step, build)
 
 
-#: TrainSpec fields the collectives of a step depend on (comm_volume.comm_ops reads only these).
-_COMM_NEUTRAL = {"grad_accum": 1, "offload_optimizer": False, "offload_params": False, "offload_checkpoints": False,
-                 "tiled_mlp": False, "tiled_loss": False, "optimizer": "adamw", "attention_kernel": "flash"}
+#: TrainSpec fields the collectives of a step depend on: comm_volume.comm_ops reads only these (a test
+#: checks that changing any other field leaves the op list unchanged).
+COMM_FIELDS = ("seq_len", "micro_batch", "dtype", "mode", "optimizer", "zero_stage", "checkpointing",
+               "tp_sequence_parallel")
 
 
-def _comm_train(train: TrainSpec) -> TrainSpec:
-    """``train`` with every field the collectives do not depend on set to a fixed value, so the priced
-    op list below is shared by all option combinations that move the same bytes."""
-    return train.model_copy(update=_COMM_NEUTRAL)
+@dataclass(frozen=True, slots=True)
+class _CommProfile:
+    """A step's collectives priced on the topology and sorted by how they may overlap: seconds of one
+    micro-batch (``_mb``) or once per step (``_step``), per layer where named. Shared by every option
+    combination that moves the same bytes, so :func:`_time` only does the arithmetic that depends on
+    compute time and gradient accumulation."""
+
+    comm_mb: dict[str, float]  # strategy -> all occurrences in one micro-batch
+    comm_step: dict[str, float]  # strategy -> once-per-step ops
+    fabric_mb: float
+    fabric_step: float
+    exposed_layer: dict[str, float]  # non-overlapping per-layer ops, one layer and micro-batch
+    layer_fwd_exposed: float
+    layer_bwd_exposed: float
+    model_mb: float  # whole-model ops per micro-batch (exposed)
+    model_mb_by: dict[str, float]
+    model_step: float  # whole-model ops once per step (exposed)
+    model_step_by: dict[str, float]
+    ring_f: float  # one hop
+    ring_b_kv: float
+    ring_b_dkv: float
+    ring_re: float
+    prefetch_f: float  # per layer
+    prefetch_b: float
+    grad_mb: float  # per layer, per micro-batch
+    grad_step: float  # per layer, once per step
+    prefetch_f_by: dict[str, float]
+    overlapped_b_by: dict[str, float]  # backward prefetch and gradient traffic, by strategy
 
 
-@lru_cache(maxsize=16384)
-def _costed_ops(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology) -> tuple[_Costed, ...]:
-    """Every collective of a step priced on ``topology`` (one occurrence each; callers multiply)."""
+_PROFILES: Memo[_CommProfile] = Memo()
+
+
+def _comm_profile(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology) -> _CommProfile:
+    # The topology is keyed by identity (it is mutable and unhashable by value), which also keeps it
+    # alive as long as its entries.
+    key = (model, layout, topology, *(getattr(train, f) for f in COMM_FIELDS))
+    return _PROFILES.get(key, lambda: _price_comm(model, train, layout, topology))
+
+
+def _price_comm(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology) -> _CommProfile:
+    """Every collective of a step priced on ``topology`` and classified (see :class:`_CommProfile`)."""
     spans = group_spans(layout, topology)
+    layers = model.num_layers
     memo: dict[tuple[str, float, str], object] = {}
-    out = []
+    zero = dict.fromkeys(STEP_STRATEGIES, 0.0)
+    comm_mb, comm_step, exposed_layer = dict(zero), dict(zero), dict(zero)
+    model_mb_by, model_step_by = dict(zero), dict(zero)
+    fabric_mb = fabric_step = 0.0
+    lf = lb = model_mb = model_step = 0.0
+    ring_f = ring_b_kv = ring_b_dkv = ring_re = 0.0
+    prefetch_f = prefetch_b = grad_mb = grad_step = 0.0
+    prefetch_f_by: dict[str, float] = {}
+    prefetch_b_by: dict[str, float] = {}
+    grad_mb_by: dict[str, float] = {}
+    grad_step_by: dict[str, float] = {}
     for op in comm_ops(model, train, layout):
         key = (op.collective, op.nbytes, op.group)
         cost = memo.get(key)
         if cost is None:
             cost = memo[key] = collective_cost(op.collective, op.nbytes, spans[op.group])
-        out.append(_Costed(op, cost.time_s, cost.fabric_bytes))
-    return tuple(out)
+        t = cost.time_s
+        times = op.count * (layers if op.scope == "layer" else 1)
+        if op.per == "microbatch":
+            comm_mb[op.strategy] += t * times
+            fabric_mb += cost.fabric_bytes * times
+        else:
+            comm_step[op.strategy] += t * times
+            fabric_step += cost.fabric_bytes * times
+        if op.scope == "model":
+            if op.per == "microbatch":
+                model_mb += t * op.count
+                model_mb_by[op.strategy] += t * op.count
+            else:
+                model_step += t * op.count
+                model_step_by[op.strategy] += t * op.count
+        elif op.overlap == "exposed":
+            if op.phase == "forward":
+                lf += t * op.count
+            else:
+                lb += t * op.count
+            exposed_layer[op.strategy] += t * op.count
+        elif op.overlap == "ring":
+            if op.phase == "forward":
+                ring_f = t
+            elif op.recompute:
+                ring_re = t
+            elif op.count == layout.ring - 1:
+                ring_b_kv = t
+            else:
+                ring_b_dkv = t
+        elif op.overlap == "prefetch":
+            if op.phase == "forward":
+                prefetch_f += t
+                prefetch_f_by[op.strategy] = prefetch_f_by.get(op.strategy, 0.0) + t
+            else:
+                prefetch_b += t
+                prefetch_b_by[op.strategy] = prefetch_b_by.get(op.strategy, 0.0) + t
+        else:  # grad
+            table = grad_mb_by if op.per == "microbatch" else grad_step_by
+            table[op.strategy] = table.get(op.strategy, 0.0) + t
+            if op.per == "microbatch":
+                grad_mb += t
+            else:
+                grad_step += t
+    return _CommProfile(
+        comm_mb=comm_mb, comm_step=comm_step, fabric_mb=fabric_mb, fabric_step=fabric_step,
+        exposed_layer=exposed_layer, layer_fwd_exposed=lf, layer_bwd_exposed=lb,
+        model_mb=model_mb, model_mb_by=model_mb_by, model_step=model_step, model_step_by=model_step_by,
+        ring_f=ring_f, ring_b_kv=ring_b_kv, ring_b_dkv=ring_b_dkv, ring_re=ring_re,
+        prefetch_f=prefetch_f, prefetch_b=prefetch_b, grad_mb=grad_mb, grad_step=grad_step,
+        prefetch_f_by=prefetch_f_by, overlapped_b_by=_merge(prefetch_b_by, grad_mb_by, grad_step_by),
+    )
 
 
 def _merge(*tables: dict[str, float]) -> dict[str, float]:
@@ -410,13 +461,13 @@ def _merge(*tables: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def _split(expose, seconds: float, weights: dict[str, float]) -> None:
+def _split(exposed: dict[str, float], seconds: float, weights: dict[str, float]) -> None:
     """Attribute exposed overlapped time to strategies in proportion to their traffic time."""
     total = sum(weights.values())
     if seconds <= 0 or total <= 0:
         return
     for strategy, t in weights.items():
-        expose(strategy, seconds * t / total)
+        exposed[strategy] += seconds * t / total
 
 
 __all__ = [
@@ -426,5 +477,7 @@ __all__ = [
     "comm_and_time",
     "optimizer_step_traffic",
     "time_estimate",
+    "step_time",
+    "StepTime",
     "LAYER_STRATEGIES",
 ]

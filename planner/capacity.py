@@ -24,7 +24,7 @@ from cost_models.units import MAX_SEQ_LEN
 
 from .errors import PlannerError
 from .search import PlanSettings, RankedPlan, SearchResult, _Searcher, search
-from .space import enumerate_layouts
+from .space import layout_space
 
 #: Largest cluster the GPU-count search considers.
 MAX_GPUS = 1 << 16
@@ -59,8 +59,7 @@ def probe_feasibility(model: ModelSpec, base: TrainSpec, topology: Topology, set
     """Whether any layout fits with its most saving allowed options; if none, the nearest miss."""
     world = world or topology.num_gpus
     s = _Searcher(model, base, topology, settings, assumptions)
-    space = enumerate_layouts(world, model, base.seq_len, topology.gpus_per_node,
-                              tp_splits_sequence=base.tp_sequence_parallel)
+    space = layout_space(world, model, base, topology.gpus_per_node)
     nearest: FeasibilityProbe | None = None
     for layout in space.layouts:
         if any(getattr(layout, k) != v for k, v in settings.fixed_layout.items()):

@@ -19,6 +19,7 @@ import itertools
 import math
 import time as wallclock
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,15 +27,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from cost_models.errors import CostModelError
 from cost_models.estimate import Estimate, estimate, offload_traffic
 from cost_models.layout import Layout
-from cost_models.memory import MemoryAssumptions, MemoryCore, memory_core
+from cost_models.memory import MemoryAssumptions, MemoryCore, host_memory, memory_core
 from cost_models.model_spec import ModelSpec
-from cost_models.time_model import TimeEstimate, time_estimate
+from cost_models.time_model import OffloadTraffic, StepTime, step_time
 from cost_models.topology import Topology
 from cost_models.train_spec import TrainSpec
 
 from .errors import PlannerError
-from .options import Axis, Combo, OptionLattice, build_lattice, invalid_reason, moving_parts
-from .space import LayoutSpace, StructuralRejection, enumerate_layouts
+from .options import CHEAP_AXES, Axis, Combo, OptionLattice, build_lattice, invalid_reason, moving_parts
+from .space import LayoutSpace, StructuralRejection, layout_space
 
 #: Default tokens per optimizer step (Llama 3 pre-training used 4M-16M tokens per batch).
 DEFAULT_GLOBAL_BATCH_TOKENS = 1 << 22
@@ -139,8 +140,16 @@ class _Scored:
     score: float
     combo: Combo = field(compare=False)
     train: TrainSpec = field(compare=False)
-    report: MemoryCore = field(compare=False)
-    time: TimeEstimate = field(compare=False)
+    time: StepTime = field(compare=False)
+    #: The memory evaluation, or how to make it: the walk times many combinations it never pops, and
+    #: only popped ones need their memory (see _Searcher.timed).
+    _report: MemoryCore | Callable[[], MemoryCore] = field(compare=False, repr=False)
+
+    @property
+    def report(self) -> MemoryCore:
+        if callable(self._report):
+            self._report = self._report()
+        return self._report
 
 
 class _Searcher:
@@ -154,6 +163,7 @@ class _Searcher:
         self.usable = topology.gpu.memory_bytes * (1.0 - settings.headroom)
         self.host_capacity = topology.host_ram_per_gpu
         self.memory_evals = 0
+        self._trains: dict[tuple, TrainSpec] = {}
         self.time_evals = 0
         if base.is_training:
             self.batch_sequences = max(1, settings.global_batch_tokens // base.seq_len)
@@ -189,8 +199,14 @@ class _Searcher:
         update = dict(options)
         if self.base.is_training:
             update["grad_accum"] = max(1, self.sequences_per_rank(layout) // update["micro_batch"])
-        # Values come from the validated lattice, so skip re-validation (thousands of specs).
-        return self.base.model_copy(update=update)
+        # One TrainSpec per distinct option set, shared by the layouts that ask for it (cheaper than
+        # a copy, and the cost model's caches then hit by identity). Values come from the validated
+        # lattice, so the copy skips re-validation.
+        key = tuple(update.items())
+        train = self._trains.get(key)
+        if train is None:
+            train = self._trains[key] = self.base.model_copy(update=update)
+        return train
 
     def memory(self, layout: Layout, train: TrainSpec) -> MemoryCore:
         self.memory_evals += 1
@@ -206,7 +222,7 @@ class _Searcher:
         this is not monotone; the search prunes on :meth:`device_fits` and filters on this)."""
         return core.total <= self.usable and core.host_total <= self.host_capacity
 
-    def score(self, layout: Layout, options: dict[str, Any], t: TimeEstimate) -> float:
+    def score(self, layout: Layout, options: dict[str, Any], t: StepTime) -> float:
         parts = layout_moving_parts(layout) + moving_parts(options)
         return t.step_s / t.tokens_per_step * (1.0 + self.settings.tie_penalty * parts)
 
@@ -215,10 +231,27 @@ class _Searcher:
         if invalid_reason(options):
             return None
         train = self.train_for(layout, options)
-        report = self.memory(layout, train)
         self.time_evals += 1
-        t = time_estimate(self.model, train, layout, self.topology, offload_traffic(report.host))
-        return _Scored(self.score(layout, options, t), combo, train, report, t)
+        if any(options.get(k) for k in _OFFLOAD_OPTIONS):
+            # Offload traffic is priced from the memory model's host bytes (no device simulation).
+            offload = offload_traffic(host_memory(self.model, train, layout, self.assumptions))
+        else:
+            offload = _NO_OFFLOAD
+        t = step_time(self.model, train, layout, self.topology, offload)
+        # Device memory waits until the walk pops the combination (most timed ones never are).
+        return _Scored(self.score(layout, options, t), combo, train, t, lambda: self.memory(layout, train))
+
+    def bottom_bound(self, layout: Layout, lattice: OptionLattice) -> float:
+        """Score of the lattice's fastest valid combination, timed without any memory evaluation (so
+        without offload traffic, which the bottom has none of): a lower bound on every combination
+        of the branch, since time never shrinks up the lattice."""
+        combo = lattice.repair_up(lattice.bottom)
+        options = lattice.values(combo)
+        if invalid_reason(options):
+            return 0.0  # no cheap bound: the floor decides
+        train = self.train_for(layout, options)
+        self.time_evals += 1
+        return self.score(layout, options, step_time(self.model, train, layout, self.topology, _NO_OFFLOAD))
 
     # ----- per layout ---------------------------------------------------------------------------
     def most_saving_valid(self, lattice: OptionLattice) -> Combo:
@@ -246,6 +279,9 @@ class _Searcher:
         """
         start = []
         for k, axis in enumerate(lattice.axes):
+            if axis.name in CHEAP_AXES:
+                start.append(0)
+                continue
             chosen = top[k]
             for v in range(top[k]):
                 probe = lattice.repair_down(top[:k] + (v,) + top[k + 1:], keep=k)
@@ -318,17 +354,22 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
     if world > topology.num_gpus:
         raise PlannerError(f"{world} GPUs requested but topology {topology.name} has {topology.num_gpus}")
     s = _Searcher(model, base, topology, settings, assumptions)
-    space: LayoutSpace = enumerate_layouts(world, model, base.seq_len, topology.gpus_per_node,
-                                           tp_splits_sequence=base.tp_sequence_parallel)
+    space: LayoutSpace = layout_space(world, model, base, topology.gpus_per_node)
     rejected: list[Rejection] = [_structural(r) for r in space.rejected]
     layouts = [layout for layout in space.layouts if _matches(layout, settings.fixed_layout)]
     if not layouts:
         raise PlannerError(_no_layout_message(world, settings.fixed_layout, space, model, base))
 
-    # Bound every (layout, ZeRO stage) branch by its floor (see _Searcher.floor), then visit the
-    # branches best-first (branch and bound); a layout's result is its best branch.
-    bounded: list[tuple[float, int, Layout, OptionLattice, _Scored]] = []
+    # Branch and bound over the (layout, ZeRO stage) branches, visited best-first by a lower bound on
+    # what each can do. A branch enters with the cheapest bound there is, its lattice bottom timed
+    # without a memory check; when popped, its floor (see _Searcher.floor: memory evaluations) replaces
+    # that with the tighter bound of its fastest fitting start, and only when popped again is it
+    # walked. Branches whose bound already exceeds the K-th best plan are pruned at either stage, so
+    # most never pay for a floor. A layout's result is its best branch.
+    queue: list[tuple[float, int, int, Layout, OptionLattice, _Scored | None]] = []
+    order = itertools.count()
     nearest_miss: dict[Layout, Rejection] = {}
+    viable: set[Layout] = set()
     for i, layout in enumerate(layouts):
         for lattice in s.lattices(layout):
             top = s.most_saving_valid(lattice)
@@ -338,21 +379,28 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
                 if layout not in nearest_miss or miss.shortfall_bytes < nearest_miss[layout].shortfall_bytes:
                     nearest_miss[layout] = miss
                 continue
-            start = s.timed(layout, s.floor(layout, lattice, top), lattice)
-            bounded.append((start.score, i, layout, lattice, start))
-    bounded.sort(key=lambda item: (item[0], item[1]))
-    viable = {layout for _, _, layout, _, _ in bounded}
+            viable.add(layout)
+            queue.append((s.bottom_bound(layout, lattice), i, next(order), layout, lattice, None))
+    heapq.heapify(queue)
     rejected += [miss for layout, miss in nearest_miss.items() if layout not in viable]
 
     best_of: dict[Layout, tuple[float, _Scored]] = {}
     kth_best = math.inf
     pruned_reason: dict[Layout, Rejection] = {}
-    for bound, _, layout, lattice, start in bounded:
+    while queue:
+        bound, i, _, layout, lattice, start = heapq.heappop(queue)
         if len(best_of) >= settings.top_k and bound > kth_best:
+            what = ("even its fastest fitting options" if start is not None
+                    else "even with no memory-saving option at all it")
             pruned_reason.setdefault(layout, Rejection(
                 layout=layout.degrees(), kind="bound", score=bound,
-                reason=f"not evaluated: even its fastest fitting options could reach only {_per_token(bound)}, "
+                reason=f"not evaluated: {what} could reach only {_per_token(bound)}, "
                        f"slower than the top {settings.top_k} plans (slowest {_per_token(kth_best)})"))
+            continue
+        if start is None:
+            top = s.most_saving_valid(lattice)
+            start = s.timed(layout, s.floor(layout, lattice, top), lattice)
+            heapq.heappush(queue, (max(bound, start.score), i, next(order), layout, lattice, start))
             continue
         limit = min(kth_best, best_of[layout][0]) if layout in best_of else kth_best
         best = s.best_for(layout, lattice, start, limit)
@@ -366,7 +414,8 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
                 reason=f"fits only with options slower than the top {settings.top_k} plans "
                        f"(slowest {_per_token(kth_best)})"))
             continue
-        best_of[layout] = (best.score, best)
+        if layout not in best_of or best.score < best_of[layout][0]:
+            best_of[layout] = (best.score, best)
         if len(best_of) >= settings.top_k:
             kth_best = sorted(score for score, _ in best_of.values())[settings.top_k - 1]
     pruned = sum(1 for layout, r in pruned_reason.items() if layout not in best_of and r.kind == "bound")
@@ -392,6 +441,10 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
     return SearchResult(plans=plans, rejected=rejected, stats=stats, global_batch_sequences=s.batch_sequences,
                         usable_bytes=s.usable)
 
+
+#: Options that put bytes in host memory (and traffic on PCIe).
+_OFFLOAD_OPTIONS = ("offload_checkpoints", "offload_optimizer", "offload_params")
+_NO_OFFLOAD = OffloadTraffic()
 
 _OPTION_KEYS = ("zero_stage", "checkpointing", "offload_checkpoints", "tiled_loss", "tiled_mlp",
                 "offload_optimizer", "offload_params", "micro_batch", "grad_accum")
@@ -463,8 +516,7 @@ def brute_force_best(model: ModelSpec, base: TrainSpec, topology: Topology, sett
     evaluations); score is ``inf`` when nothing fits."""
     settings = settings or PlanSettings()
     s = _Searcher(model, base, topology, settings, assumptions)
-    space = enumerate_layouts(topology.num_gpus, model, base.seq_len, topology.gpus_per_node,
-                              tp_splits_sequence=base.tp_sequence_parallel)
+    space = layout_space(topology.num_gpus, model, base, topology.gpus_per_node)
     best: tuple[float, Layout | None, dict[str, Any]] = (math.inf, None, {})
     for layout in space.layouts:
         if not _matches(layout, settings.fixed_layout):

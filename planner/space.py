@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from cost_models.errors import CostModelError
 from cost_models.layout import Layout
 from cost_models.model_spec import ModelSpec
+from cost_models.train_spec import TrainSpec
 
 
 def divisors(n: int) -> list[int]:
@@ -55,13 +56,15 @@ def enumerate_layouts(
     *,
     tp_splits_sequence: bool = True,
     max_dp_replicate: int | None = None,
+    ring_allowed: bool = True,
 ) -> LayoutSpace:
     """All structurally valid layouts for ``world`` GPUs.
 
     Constraints: TP groups stay inside one NVLink domain (a node); query heads divide by tp x ulysses;
     KV heads divide by it or are replicated (``ModelSpec.kv_replication``); the sequence divides by the
     sequence-parallel degree (2 x ring for zigzag; x tp with Megatron sequence parallelism).
-    ``max_dp_replicate`` bounds the HSDP split (None: any divisor).
+    ``max_dp_replicate`` bounds the HSDP split (None: any divisor). ``ring_allowed`` False (materialized
+    attention) rejects every ring degree above 1.
     """
     layouts: list[Layout] = []
     rejected: list[StructuralRejection] = []
@@ -85,6 +88,11 @@ def enumerate_layouts(
                 rejected.append(StructuralRejection(tp, ulysses, 1, str(exc)))
                 continue
             for ring in divisors(world // (tp * ulysses)):
+                if ring > 1 and not ring_allowed:
+                    rejected.append(StructuralRejection(
+                        tp, ulysses, ring, "ring attention needs the flash kernel (blockwise with an LSE merge); "
+                                           "materialized attention runs only with ring=1"))
+                    continue
                 probe = Layout(tp=tp, ulysses=ulysses, ring=ring)
                 multiple = probe.seq_multiple(tp_splits_sequence)
                 if seq_len % multiple:
@@ -98,3 +106,9 @@ def enumerate_layouts(
                     layouts.append(Layout(dp_replicate=dp_replicate, dp_shard=rest // dp_replicate,
                                           tp=tp, ulysses=ulysses, ring=ring))
     return LayoutSpace(layouts, rejected)
+
+
+def layout_space(world: int, model: ModelSpec, base: TrainSpec, gpus_per_node: int) -> LayoutSpace:
+    """:func:`enumerate_layouts` with the constraints ``base`` implies (Megatron SP, attention kernel)."""
+    return enumerate_layouts(world, model, base.seq_len, gpus_per_node, tp_splits_sequence=base.tp_sequence_parallel,
+                             ring_allowed=base.attention_kernel == "flash")

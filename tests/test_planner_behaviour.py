@@ -180,3 +180,15 @@ def test_capacity_sweep_table_and_plot(tmp_path):
 def test_capacity_bad_sweep(spec):
     res = CliRunner().invoke(cli, ["capacity", "--model", "llama3-8b", "--gpus", "8", "--sweep", spec])
     assert res.exit_code != 0
+
+
+def test_materialized_attention_plans_without_ring_and_says_why():
+    """Ring attention needs the LSE-returning flash kernel: with materialized attention the planner
+    keeps ring at 1 (and reports why), rather than failing inside the memory model."""
+    code, out = run_plan("--model", "llama3-8b", "--seq-len", "32k", "--gpus", "8", "--attention", "materialized",
+                         "--json")
+    assert code == 0, out
+    result = json.loads(out)
+    assert result["plans"] and all(p["layout"]["ring"] == 1 for p in result["plans"])
+    ring_rejections = [r for r in result["rejected"] if r["layout"].get("ring", 1) > 1]
+    assert ring_rejections and all("flash kernel" in r["reason"] for r in ring_rejections)

@@ -10,6 +10,6 @@ context, NCCL communicators, fragmentation), :mod:`.timeline` (phases of a step 
 
 from .assumptions import MemoryAssumptions
 from .report import HostMemory, MemoryBreakdown, MemoryDetail, MemoryReport
-from .timeline import MemoryCore, memory_core, memory_report
+from .timeline import MemoryCore, host_memory, memory_core, memory_report
 
-__all__ = ["HostMemory", "MemoryAssumptions", "MemoryBreakdown", "MemoryDetail", "MemoryCore", "MemoryReport", "memory_core", "memory_report"]
+__all__ = ["HostMemory", "MemoryAssumptions", "MemoryBreakdown", "MemoryDetail", "MemoryCore", "MemoryReport", "host_memory", "memory_core", "memory_report"]

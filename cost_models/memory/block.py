@@ -236,7 +236,7 @@ class BlockBuilder:
         return self.simple("attn.out_layout", [o3], d.q_bytes(), tags=core, holds=(q, k, v))
 
     def _mlp(self, n2: str, n2g: str) -> str:
-        d, B, m = self.d, self.B, self.m
+        d, B = self.d, self.B
         saved_in, regather = self._linear_input(n2, n2g)
         if self.tiled_mlp:
             fwd, bwd = self._tile_workspace()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..layout import Layout
+from ..memo import Memo
 from ..model_spec import ModelSpec
 from ..train_spec import TrainSpec
 
@@ -79,8 +80,20 @@ class LocalDims:
         return self.tokens * self.kv_heads_proj * self.head_dim * self.compute_bytes
 
 
+#: TrainSpec fields local shapes depend on: the memo key (see :mod:`cost_models.memo`).
+DIMS_FIELDS = ("micro_batch", "seq_len", "tp_sequence_parallel", "dtype")
+_DIMS: Memo[LocalDims] = Memo()
+
+
 def local_dims(model: ModelSpec, train: TrainSpec, layout: Layout) -> LocalDims:
-    """Shapes for ``model`` under ``layout``; assumes ``layout.check_against`` has passed."""
+    """Shapes for ``model`` under ``layout``; assumes ``layout.check_against`` has passed. Memoized:
+    one shared (frozen) object per distinct shape, which also makes the simulation caches keyed on
+    it hit by identity."""
+    key = (model, layout.tp, layout.ulysses, layout.ring, *(getattr(train, f) for f in DIMS_FIELDS))
+    return _DIMS.get(key, lambda: _local_dims(model, train, layout))
+
+
+def _local_dims(model: ModelSpec, train: TrainSpec, layout: Layout) -> LocalDims:
     tp, u, r = layout.tp, layout.ulysses, layout.ring
     sp = u * r
     tokens = train.micro_batch * train.seq_len // sp

@@ -16,6 +16,7 @@ preallocated; the graph only marks the zero-byte writes into it).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 KINDS: tuple[str, ...] = ("activation", "logits", "comm", "kv_cache")
 
@@ -88,9 +89,29 @@ class Graph:
                 table[out.name] = out
         self.tensors.update(table)
 
-    def saved_by_autograd(self) -> set[str]:
+    # Derived tables the liveness simulation reads on every run; cached on the (immutable) graph,
+    # which is itself shared by the simulations of all checkpointing modes.
+    def saved_by_autograd(self) -> frozenset[str]:
         """Tensors kept for backward when nothing is checkpointed."""
-        return {name for op in self.ops for name in op.saves}
+        return self._saved_by_autograd
+
+    @cached_property
+    def _saved_by_autograd(self) -> frozenset[str]:
+        return frozenset(name for op in self.ops for name in op.saves)
+
+    @cached_property
+    def touched(self) -> tuple[frozenset[str], ...]:
+        """Per op, every tensor it reads, holds or writes (the candidates to free after it runs)."""
+        return tuple(frozenset({*op.inputs, *op.holds, *(o.name for o in op.outputs)}) for op in self.ops)
+
+    @cached_property
+    def release_points(self) -> dict[str, int]:
+        """Per saved tensor, the op whose backward frees it: the earliest saver's, which runs last."""
+        release_at: dict[str, int] = {}
+        for i, op in enumerate(self.ops):
+            for name in op.saves:
+                release_at.setdefault(name, i)
+        return release_at
 
 
 class GraphBuilder:

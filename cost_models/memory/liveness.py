@@ -100,22 +100,29 @@ class _State:
     storages: dict[int, list] = field(default_factory=dict)  # id -> [nbytes, kind, refcount]
     next_id: int = 0
     peak: Peak = field(default_factory=lambda: Peak(dict.fromkeys(KINDS, 0), "start"))
+    # Running sums of ``usage`` and ``peak.by_kind``: observe() runs at every op and builds the
+    # per-kind breakdown only when a new peak is reached.
+    total: int = 0
+    peak_total: int = 0
 
     def alloc(self, spec: TensorSpec) -> None:
         if spec.name not in self.live:
             self.live[spec.name] = spec
             self.usage[spec.kind] += spec.nbytes
+            self.total += spec.nbytes
 
     def free(self, name: str) -> None:
         spec = self.live.pop(name, None)
         if spec is not None:
             self.usage[spec.kind] -= spec.nbytes
+            self.total -= spec.nbytes
 
     def new_grad(self, nbytes: int, kind: str) -> int:
         sid = self.next_id
         self.next_id += 1
         self.storages[sid] = [nbytes, kind, 0]
         self.usage[kind] += nbytes
+        self.total += nbytes
         return sid
 
     def hold(self, sid: int) -> None:
@@ -126,6 +133,7 @@ class _State:
         storage[2] -= 1
         if storage[2] == 0:
             self.usage[storage[1]] -= storage[0]
+            self.total -= storage[0]
             del self.storages[sid]
 
     def ref(self, name: str, sid: int) -> None:
@@ -135,24 +143,21 @@ class _State:
     def unref(self, name: str) -> None:
         self.release(self.grad_of.pop(name))
 
-    def observe(self, at: str, extra: dict[str, int] | None = None) -> None:
-        current = dict(self.usage)
-        for kind, nbytes in (extra or {}).items():
-            current[kind] += nbytes
-        if sum(current.values()) > self.peak.total:
+    def observe(self, at: str, workspace: tuple = ()) -> None:
+        """Record a new peak if live bytes plus the op's temporary ``workspace`` exceed it."""
+        total = self.total + sum(w.nbytes for w in workspace) if workspace else self.total
+        if total > self.peak_total:
+            current = dict(self.usage)
+            for w in workspace:
+                current[w.kind] += w.nbytes
             self.peak = Peak(current, at)
-
-
-def _workspace(items) -> dict[str, int]:
-    extra = dict.fromkeys(KINDS, 0)
-    for w in items:
-        extra[w.kind] += w.nbytes
-    return extra
+            self.peak_total = total
 
 
 def _forward(state: _State, indices: tuple[int, ...] | range, resident: set[str], label: str) -> None:
     """Run ``indices`` forward; free every tensor after its last use unless it is resident."""
     ops = state.graph.ops
+    touched = state.graph.touched
     last_use: dict[str, int] = {}
     for i in indices:
         for name in ops[i].inputs + ops[i].holds:
@@ -161,8 +166,8 @@ def _forward(state: _State, indices: tuple[int, ...] | range, resident: set[str]
         op = ops[i]
         for out in op.outputs:
             state.alloc(out)
-        state.observe(f"{label}:{op.name}", _workspace(op.fwd_workspace))
-        for name in {*op.inputs, *op.holds, *(o.name for o in op.outputs)}:
+        state.observe(f"{label}:{op.name}", op.fwd_workspace)
+        for name in touched[i]:
             if name not in resident and last_use.get(name, -1) <= i:
                 state.free(name)
 
@@ -170,10 +175,7 @@ def _forward(state: _State, indices: tuple[int, ...] | range, resident: set[str]
 def _backward(state: _State) -> None:
     """Reverse pass over the whole graph, starting from the output gradients already in ``grad_of``."""
     graph = state.graph
-    release_at: dict[str, int] = {}
-    for i, op in enumerate(graph.ops):
-        for name in op.saves:
-            release_at.setdefault(name, i)  # the earliest saver's backward runs last
+    release_at = graph.release_points
     for i in range(len(graph.ops) - 1, -1, -1):
         op = graph.ops[i]
         out_grads = [o.name for o in op.outputs if o.name in state.grad_of]
@@ -187,7 +189,7 @@ def _backward(state: _State) -> None:
                     pending.append((name, state.grad_of[out_grads[0]]))
                 else:
                     pending.append((name, state.new_grad(spec.nbytes, spec.kind)))
-            state.observe(f"backward:{op.name}", _workspace(op.bwd_workspace))
+            state.observe(f"backward:{op.name}", op.bwd_workspace)
             # The engine drops the node's incoming gradients when the call returns, before it adds the
             # node's outputs into the next input buffers: hold the new gradients, then release.
             for _, sid in pending:

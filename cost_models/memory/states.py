@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..layout import Layout
+from ..memo import Memo
 from ..model_spec import ModelSpec
 from ..train_spec import TrainSpec
 from .assumptions import MemoryAssumptions
@@ -156,7 +157,18 @@ def host_optimizer_bytes_per_param(train: TrainSpec, moves_everything: bool = Tr
     return per - separate_master_bytes(train) if train.offload_params and moves_everything else per
 
 
+#: TrainSpec fields model states depend on: the memo key (see :mod:`cost_models.memo`).
+STATES_FIELDS = ("mode", "dtype", "optimizer", "zero_stage", "offload_params", "offload_optimizer")
+_STATES: Memo[ModelStates] = Memo()
+
+
 def model_states(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions) -> ModelStates:
+    """Per-GPU bytes of weights, gradients and optimizer states (memoized; read-only)."""
+    key = (model, a, layout.tp, layout.shard_group, *(getattr(train, f) for f in STATES_FIELDS))
+    return _STATES.get(key, lambda: _model_states(model, train, layout, a))
+
+
+def _model_states(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions) -> ModelStates:
     params = tp_params(model, layout.tp)
     per = bytes_per_param(train)
     group = layout.shard_group

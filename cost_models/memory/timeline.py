@@ -32,6 +32,7 @@ from ..train_spec import TrainSpec
 from .assumptions import MemoryAssumptions
 from .block import block_graph, kv_cache_bytes_per_layer
 from .dims import LocalDims, local_dims
+from .graph import Graph
 from .liveness import GraphMemory, Peak, simulate
 from .output_layer import output_graph
 from .overhead import Overhead, overhead
@@ -56,7 +57,7 @@ from .states import ModelStates, model_states
 INDEX_BYTES = 8
 
 
-@dataclass
+@dataclass(slots=True)
 class _Phase:
     name: str
     weights: int = 0
@@ -76,7 +77,10 @@ class _Phase:
 
     @property
     def allocated(self) -> int:
-        return sum(getattr(self, c) for c in ALLOCATED_COMPONENTS)
+        # Spelled out (the sum over ALLOCATED_COMPONENTS, which a test keeps in step): the planner
+        # reads this tens of thousands of times per search.
+        return (self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.kv_cache
+                + self.comm_staging + self.zero3_gathered_params + self.unsharded_grads)
 
     def add_peak(self, peak: Peak) -> None:
         self.activations += peak.by_kind["activation"]
@@ -171,9 +175,7 @@ def memory_core(model: ModelSpec, train: TrainSpec, layout: Layout,
     block = _block_memory(model, d, a, training, train.attention_kernel, train.tiled_mlp, mode)
     head = _head_memory(model, d, a, training, train.tiled_loss)
     inputs = _inputs_bytes(model, d, training)
-    x_in = d.norm_tokens * d.hidden * d.compute_bytes
-
-    offloaded = x_in if training and train.offload_checkpoints else 0
+    offloaded = _offloaded_checkpoint_bytes(d, train)
     if training:
         phases = _train_phases(model, train, a, states, block, head, inputs, offloaded)
     else:
@@ -184,6 +186,27 @@ def memory_core(model: ModelSpec, train: TrainSpec, layout: Layout,
         extra=overhead(layout, peak.allocated, a), offloaded_per_layer=offloaded, inputs=inputs, mode=mode,
         host_weights=states.weights_host, host_gradients=states.gradients_host,
         host_optimizer=states.optimizer_host, host_checkpoints=model.num_layers * offloaded,
+    )
+
+
+def _offloaded_checkpoint_bytes(d: LocalDims, train: TrainSpec) -> int:
+    """Per layer: the checkpointed block input moved to the host (with checkpoint offload)."""
+    if not (train.is_training and train.offload_checkpoints):
+        return 0
+    return d.norm_tokens * d.hidden * d.compute_bytes
+
+
+def host_memory(model: ModelSpec, train: TrainSpec, layout: Layout,
+                assumptions: MemoryAssumptions | None = None) -> HostMemory:
+    """Bytes per GPU kept in host memory, the same figures :func:`memory_core` reports, without
+    simulating the device: what the time model needs to price offload traffic."""
+    a = assumptions or MemoryAssumptions()
+    states = model_states(model, train, layout, a)
+    checkpoints = model.num_layers * _offloaded_checkpoint_bytes(local_dims(model, train, layout), train)
+    return HostMemory.model_construct(
+        weights=states.weights_host, gradients=states.gradients_host, optimizer=states.optimizer_host,
+        checkpoints=checkpoints,
+        total=states.weights_host + states.gradients_host + states.optimizer_host + checkpoints,
     )
 
 
@@ -269,8 +292,15 @@ def _block_memory(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, training
     """One block's simulated memory. It depends only on the local shapes and options, not on how the
     data-parallel ranks are split, so the planner's many layouts that share local dims share it.
     Treat the result as read-only (it is shared)."""
-    graph = block_graph(model, d, a, training=training, attention_kernel=attention_kernel, tiled_mlp=tiled_mlp)
+    graph = _block_graph(model, d, a, training, attention_kernel, tiled_mlp)
     return simulate(graph, mode, a.selective_policy)
+
+
+@lru_cache(maxsize=4096)
+def _block_graph(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, training: bool, attention_kernel: str,
+                 tiled_mlp: bool) -> Graph:
+    """The block's graph, shared by the checkpointing modes simulated on it (read-only)."""
+    return block_graph(model, d, a, training=training, attention_kernel=attention_kernel, tiled_mlp=tiled_mlp)
 
 
 @lru_cache(maxsize=8192)

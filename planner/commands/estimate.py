@@ -8,12 +8,11 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
-from cost_models.errors import CostModelError, explain_validation_error
+from cost_models.errors import explain_validation_error
 from cost_models.estimate import Estimate, estimate
 from cost_models.units import GB, GiB, format_tokens
 
 from .common import (
-    build_gpu,
     build_layout,
     build_model,
     build_topology,
