@@ -3,7 +3,9 @@
 Targets (issue 4): a full plan for 8 GPUs under 0.1 s, for 4096 GPUs under 2 s, `--help` under 0.5 s
 without importing torch. Baseline, measured in the same run: a brute-force planner that evaluates
 every (layout, option combination) — timed directly where that finishes in reasonable time, otherwise
-extrapolated from its measured cost per evaluation and the exact number of combinations (marked est.).
+extrapolated from its measured cost per combination on a sample of the workload's layouts and the exact
+number of combinations (marked est.). It runs in a fresh process of its own, so it inherits no cache
+the search warmed; "optimum" says whether both found the same best score (measured rows only).
 
 Each plan is timed cold in a fresh process (imports done, caches empty: what a CLI user waits for
 after start-up) and warm (best of 3 repeats in that process).
@@ -14,6 +16,7 @@ after start-up) and warm (best of 3 repeats in that process).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -37,19 +40,21 @@ WORKLOADS = [
 BRUTE_FORCE_LIMIT = 4000
 
 
-def worker(gpus: int, model_name: str, seq: int, mode: str) -> dict:
-    """Runs inside a fresh interpreter: cold plan, warm plans, brute-force baseline."""
+def _setup(gpus: int, model_name: str, seq: int, mode: str):
     sys.path.insert(0, str(ROOT))
     from cost_models import TrainSpec, get_model_preset
     from cost_models.topology import default_topology
-    from planner.options import invalid_reason
-    from planner.search import PlanSettings, _Searcher, brute_force_best, search
-    from planner.space import enumerate_layouts
 
-    model = get_model_preset(model_name)
-    train = TrainSpec(seq_len=seq, mode=mode)
+    return get_model_preset(model_name), TrainSpec(seq_len=seq, mode=mode), lambda: default_topology("h100-80gb", gpus, 8)
+
+
+def search_worker(gpus: int, model_name: str, seq: int, mode: str) -> dict:
+    """In a fresh interpreter: the cold plan (topology construction included), then warm repeats."""
+    from planner.search import PlanSettings, search
+
+    model, train, make_topology = _setup(gpus, model_name, seq, mode)
     started = time.perf_counter()
-    topology = default_topology("h100-80gb", gpus, 8)
+    topology = make_topology()
     result = search(model, train, topology, PlanSettings())
     cold = time.perf_counter() - started
     warm = math.inf
@@ -57,43 +62,51 @@ def worker(gpus: int, model_name: str, seq: int, mode: str) -> dict:
         t0 = time.perf_counter()
         search(model, train, topology, PlanSettings())
         warm = min(warm, time.perf_counter() - t0)
-    # Brute-force baseline: count the valid combinations, run it when affordable.
-    s = _Searcher(model, train, topology, PlanSettings(), None)
-    space = enumerate_layouts(gpus, model, seq, topology.gpus_per_node)
-    combos = 0
-    for layout in space.layouts:
-        lattice = s.lattice(layout)
-        import itertools
-
-        combos += sum(1 for c in itertools.product(*(range(len(a.values)) for a in lattice.axes))
-                      if not invalid_reason(lattice.values(c)))
-    if combos <= BRUTE_FORCE_LIMIT:
-        t0 = time.perf_counter()
-        brute_score, *_ = brute_force_best(model, train, topology)
-        brute = time.perf_counter() - t0
-        brute_kind = "measured"
-        same = result.plans and math.isclose(brute_score, result.plans[0].score, rel_tol=1e-12)
-    else:
-        # Cost per evaluation measured on a sample of this very workload.
-        sample = space.layouts[: max(1, len(space.layouts) // 50)]
-        t0 = time.perf_counter()
-        n = 0
-        for layout in sample:
-            lattice = s.lattice(layout)
-            for c in itertools.islice(itertools.product(*(range(len(a.values)) for a in lattice.axes)), 40):
-                if s.timed(layout, c, lattice) is not None:
-                    n += 1
-        per_eval = (time.perf_counter() - t0) / max(n, 1)
-        brute = per_eval * combos
-        brute_kind = "est."
-        same = None
     best = result.plans[0] if result.plans else None
     return {
-        "gpus": gpus, "model": model_name, "seq": seq, "mode": mode, "layouts": result.stats.layouts,
-        "evaluations": result.stats.time_evaluations, "memory_evaluations": result.stats.memory_evaluations,
-        "cold_s": cold, "warm_s": warm, "combinations": combos, "brute_s": brute, "brute_kind": brute_kind,
-        "same_optimum": same, "best": best.layout.describe() if best else "none fits",
+        "layouts": result.stats.layouts, "evaluations": result.stats.time_evaluations,
+        "memory_evaluations": result.stats.memory_evaluations, "cold_s": cold, "warm_s": warm,
+        "score": best.score if best else None, "best": best.layout.describe() if best else "none fits",
     }
+
+
+def brute_worker(gpus: int, model_name: str, seq: int, mode: str) -> dict:
+    """In another fresh interpreter (so it gets no cache the search warmed): every (layout, valid option
+    combination) timed and memory-checked, run when affordable, otherwise extrapolated from the cold
+    cost per combination on a spread sample of this workload's layouts."""
+    from planner.options import invalid_reason
+    from planner.search import PlanSettings, _Searcher, brute_force_best
+    from planner.space import layout_space
+
+    model, train, make_topology = _setup(gpus, model_name, seq, mode)
+    started = time.perf_counter()
+    topology = make_topology()
+    s = _Searcher(model, train, topology, PlanSettings(), None)
+    space = layout_space(gpus, model, train, topology.gpus_per_node)
+
+    def valid_combos(layout):
+        lattice = s.lattice(layout)
+        return lattice, [c for c in itertools.product(*(range(len(a.values)) for a in lattice.axes))
+                         if not invalid_reason(lattice.values(c))]
+
+    combos = sum(len(valid_combos(layout)[1]) for layout in space.layouts)
+    if combos <= BRUTE_FORCE_LIMIT:
+        started = time.perf_counter()
+        topology = make_topology()
+        score, *_ = brute_force_best(model, train, topology)
+        return {"combinations": combos, "brute_s": time.perf_counter() - started, "brute_kind": "measured",
+                "brute_score": score}
+    sample = space.layouts[:: max(1, len(space.layouts) // 20)]
+    t0 = time.perf_counter()
+    n = 0
+    for layout in sample:
+        lattice, valid = valid_combos(layout)
+        for c in valid:
+            scored = s.timed(layout, c, lattice)
+            s.fits(scored.report)  # brute force checks memory for every combination
+            n += 1
+    return {"combinations": combos, "brute_s": (time.perf_counter() - t0) / n * combos, "brute_kind": "est.",
+            "brute_score": None}
 
 
 def help_startup() -> tuple[float, bool]:
@@ -114,21 +127,28 @@ def help_startup() -> tuple[float, bool]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8 and 64 GPUs only")
-    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        gpus, model, seq, mode = args.worker
-        print(json.dumps(worker(int(gpus), model, int(seq), mode)))
+        kind, gpus, model, seq, mode = args.worker
+        job = search_worker if kind == "search" else brute_worker
+        print(json.dumps(job(int(gpus), model, int(seq), mode)))
         return
     rows = []
     for gpus, model, seq, mode, target in WORKLOADS:
         if args.quick and gpus > 64:
             continue
-        out = subprocess.run([sys.executable, __file__, "--worker", str(gpus), model, str(seq), mode],
-                             cwd=ROOT, check=True, capture_output=True, text=True,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
-        row = json.loads(out.stdout.strip().splitlines()[-1])
-        row["target"] = target
+        row = {"gpus": gpus, "model": model, "seq": seq, "mode": mode, "target": target}
+        for kind in ("search", "brute"):
+            out = subprocess.run([sys.executable, __file__, "--worker", kind, str(gpus), model, str(seq), mode],
+                                 cwd=ROOT, check=True, capture_output=True, text=True,
+                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
+            row.update(json.loads(out.stdout.strip().splitlines()[-1]))
+        if row["brute_score"] is None:
+            row["same_optimum"] = None
+        else:
+            row["same_optimum"] = row["score"] is not None and math.isclose(row["brute_score"], row["score"],
+                                                                            rel_tol=1e-12)
         rows.append(row)
     print(f"{'GPUs':>5} {'workload':<28} {'layouts':>7} {'evals':>7} {'cold s':>8} {'warm s':>8} {'target':>7} "
           f"{'cold/target':>11} {'brute-force s':>15} {'speed-up':>9} {'optimum':>8}  best layout")
