@@ -2,9 +2,9 @@
 
 Feasibility ("does any plan fit?") needs no timing: a layout can run iff its most memory-saving
 allowed options fit, so each probe costs one memory evaluation per layout and stops at the first
-fit. Both questions are monotone (longer sequences need more memory per GPU; more GPUs never need
-more), so they are answered by galloping + binary search over feasibility, and the plan that reaches
-the answer comes from a full :func:`planner.search.search` at that point.
+fit. The longest sequence is monotone (a longer one needs more memory per GPU) and is found by
+galloping + binary search; the GPU count is monotone only along doubling chains (see :func:`min_gpus`).
+The plan that reaches the answer comes from a full :func:`planner.search.search` at that point.
 """
 
 from __future__ import annotations
@@ -52,6 +52,17 @@ class FeasibilityProbe(BaseModel):
         if self.fits or self.total_bytes is None:
             return 0.0
         return max(self.total_bytes - self.usable_bytes, (self.host_bytes or 0) - (self.host_capacity_bytes or 0))
+
+    def describe_miss(self) -> str:
+        """The nearest miss in one line: which memory ran out (device, or host RAM for the offloads)."""
+        layout = " x ".join(f"{k}={v}" for k, v in (self.layout or {}).items() if v > 1) or "single GPU"
+        device_short = self.total_bytes - self.usable_bytes
+        if device_short <= 0:
+            return (f"{layout} fits device memory ({self.total_bytes / 1e9:.1f} of {self.usable_bytes / 1e9:.1f} GB "
+                    f"usable) only by offloading {self.host_bytes / 1e9:.1f} GB per GPU to host RAM, which has "
+                    f"{self.host_capacity_bytes / 1e9:.1f} GB per GPU: short by {self.shortfall_bytes / 1e9:.1f} GB")
+        return (f"{layout} needs {self.total_bytes / 1e9:.1f} GB per GPU (usable {self.usable_bytes / 1e9:.1f} GB), "
+                f"short by {device_short / 1e9:.1f} GB, with every allowed memory option on")
 
 
 def probe_feasibility(model: ModelSpec, base: TrainSpec, topology: Topology, settings: PlanSettings,
@@ -138,36 +149,68 @@ class MinGpusAnswer(BaseModel):
     plan: RankedPlan | None
 
 
+#: Between two doubling steps the GPU-count search probes at most this many cluster sizes.
+MAX_SCAN = 64
+
+
+def doubling_chain(gpus_per_node: int, max_gpus: int) -> list[int]:
+    """1, 2, 4, ... up to a node, then the node times powers of two: each divides the next, so a plan
+    that fits one also fits the next (the extra GPUs become data-parallel replicas)."""
+    chain = [1]
+    while chain[-1] * 2 < gpus_per_node and gpus_per_node % (chain[-1] * 2) == 0:
+        chain.append(chain[-1] * 2)
+    n = gpus_per_node
+    while n <= max_gpus:
+        chain.append(n)
+        n *= 2
+    return sorted(set(chain))
+
+
 def min_gpus(model: ModelSpec, base: TrainSpec, topology_for: TopologyFactory, gpus_per_node: int,
              settings: PlanSettings, assumptions: MemoryAssumptions | None = None,
              max_gpus: int = MAX_GPUS) -> MinGpusAnswer:
-    """Fewest GPUs (whole nodes beyond one node) on which some plan fits ``base``."""
-    counts = candidate_gpu_counts(gpus_per_node, max_gpus)
+    """Fewest GPUs (whole nodes beyond one node) on which some plan fits ``base``.
 
-    def feasible(i: int) -> bool:
-        world = counts[i]
+    Feasibility is not monotone in the GPU count: a sequence of 2^22 tokens splits over 64 GPUs but not
+    over 72 (no sequence-parallel degree of 72 divides it, and 9 data-parallel groups of 8 hold 512K
+    tokens each). It is monotone along :func:`doubling_chain`, so the search gallops and bisects over the
+    chain to the first size P that fits (its predecessor Q does not), then probes the sizes between Q
+    and P in increasing order (at most :data:`MAX_SCAN` of them, evenly spaced in whole nodes when more
+    exist). Sizes below Q are not probed: one that fits while Q does not would need a split with an odd
+    factor that Q's power of two cannot mirror.
+    """
+    def feasible(world: int) -> bool:
         try:
             topology = topology_for(world)
         except CostModelError:
             return False
         return probe_feasibility(model, base, topology, settings, assumptions).fits
 
-    # Gallop over the candidate list, then bisect.
+    chain = doubling_chain(gpus_per_node, max_gpus)
     hi = 0
-    while hi < len(counts) and not feasible(hi):
+    while hi < len(chain) and not feasible(chain[hi]):
         hi = hi * 2 + 1
-    if hi >= len(counts):
-        if not feasible(len(counts) - 1):
+    if hi >= len(chain):
+        if not feasible(chain[-1]):
             raise PlannerError(
-                f"{model.name} at {base.seq_len:,} tokens does not fit on up to {max_gpus} x "
+                f"{model.name} at {base.seq_len:,} tokens does not fit on up to {chain[-1]} x "
                 f"{topology_for(gpus_per_node).gpu.name}; shorten the sequence or allow more memory options"
             )
-        hi = len(counts) - 1
+        hi = len(chain) - 1
     lo = (hi - 1) // 2 if hi > 0 else -1  # last index known (or assumed) infeasible
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
-    world = counts[hi]
+        lo, hi = (lo, mid) if feasible(chain[mid]) else (mid, hi)
+    world = chain[hi]
+    below = chain[lo] if lo >= 0 else 0
+    between = [c for c in candidate_gpu_counts(gpus_per_node, world - 1) if c > below]
+    if len(between) > MAX_SCAN:
+        stride = math.ceil(len(between) / MAX_SCAN)
+        between = between[stride - 1::stride]
+    for count in between:
+        if feasible(count):
+            world = count
+            break
     result = search(model, base, topology_for(world), settings.model_copy(update={"top_k": 1}), assumptions)
     return MinGpusAnswer(min_gpus=world, plan=result.plans[0] if result.plans else None)
 

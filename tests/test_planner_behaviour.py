@@ -166,6 +166,30 @@ def test_capacity_max_seq_and_min_gpus_json():
     assert data["min_gpus"] == 16 and data["plan"]["fits"]
 
 
+def test_min_gpus_is_not_fooled_by_cluster_sizes_the_sequence_cannot_split_over():
+    """4M = 2^22 tokens split over 32 or 64 GPUs but not over 40, 48 or 72 (no sequence-parallel degree
+    of them divides it): feasibility is not monotone in the GPU count, and a plain bisection over all
+    whole-node counts answered 65,536. The answer must fit, and every smaller whole-node count must not."""
+    from planner.capacity import doubling_chain, probe_feasibility
+
+    res = CliRunner().invoke(cli, ["capacity", "--model", "llama3-70b", "--seq-len", "4M", "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["plan"]["fits"] and data["min_gpus"] <= 64
+    model, train = get_model_preset("llama3-70b"), TrainSpec(seq_len=4 << 20)
+    for smaller in range(8, data["min_gpus"], 8):
+        assert not probe_feasibility(model, train, default_topology("h100-80gb", smaller, 8), PlanSettings()).fits
+    assert doubling_chain(8, 64) == [1, 2, 4, 8, 16, 32, 64]
+    assert doubling_chain(6, 48) == [1, 2, 6, 12, 24, 48]
+
+
+def test_host_bound_miss_names_host_memory():
+    code, out = run_plan("--model", "llama3-70b", "--seq-len", "3M", "--gpus", "16")
+    assert code == 1
+    closest = next(line for line in out.splitlines() if "closest:" in line)
+    assert "host RAM" in closest and "fits device memory" in closest
+
+
 def test_capacity_sweep_table_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "sweep.png"

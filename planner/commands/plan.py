@@ -145,10 +145,7 @@ def no_fit_report(model, train, topology, settings: PlanSettings, result: Search
     nearest = probe_feasibility(model, train, topology, settings, world=world)
     lines = ["No plan fits."]
     if nearest.layout:
-        lines.append(
-            f"  closest: {' x '.join(f'{k}={v}' for k, v in nearest.layout.items() if v > 1) or 'single GPU'} needs "
-            f"{nearest.total_bytes / 1e9:.1f} GB per GPU (usable {nearest.usable_bytes / 1e9:.1f} GB), short by "
-            f"{nearest.shortfall_bytes / 1e9:.1f} GB, with every allowed memory option on")
+        lines.append(f"  closest: {nearest.describe_miss()}")
     suggestions: list[str] = []
     if settings.fixed_options or settings.fixed_layout:
         free = settings.model_copy(update={"fixed_options": {}, "fixed_layout": {}})
