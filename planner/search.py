@@ -190,10 +190,13 @@ class _Searcher:
         """
         full = self.lattice(layout)
         k = full.index("zero_stage")
-        stages = full.axes[k].values
+        branches = [OptionLattice(full.axes[:k] + (Axis("zero_stage", (z,)),) + full.axes[k + 1:])
+                    for z in full.axes[k].values]
+        # A branch where no combination is valid (a pinned parameter offload needs ZeRO-3) is no branch.
+        branches = [b for b in branches if not invalid_reason(b.values(self.most_saving_valid(b)))]
         if layout.shard_group == 1 and "zero_stage" not in self.settings.fixed_options:
-            stages = stages[:1]  # nothing to shard: the lowest stage is the same run without gathers
-        return [OptionLattice(full.axes[:k] + (Axis("zero_stage", (z,)),) + full.axes[k + 1:]) for z in stages]
+            branches = branches[:1]  # nothing to shard: the lowest stage is the same run without gathers
+        return branches
 
     def train_for(self, layout: Layout, options: dict[str, Any]) -> TrainSpec:
         update = dict(options)

@@ -216,3 +216,14 @@ def test_materialized_attention_plans_without_ring_and_says_why():
     assert result["plans"] and all(p["layout"]["ring"] == 1 for p in result["plans"])
     ring_rejections = [r for r in result["rejected"] if r["layout"].get("ring", 1) > 1]
     assert ring_rejections and all("flash kernel" in r["reason"] for r in ring_rejections)
+
+
+@pytest.mark.parametrize("extra", [[], ["--mode", "prefill"], ["--tp", "2"]])
+def test_pinned_parameter_offload_searches_only_zero3(extra):
+    """--offload-params needs ZeRO-3: the ZeRO-2 branch has no valid combination and is skipped (it
+    used to crash the search), and layouts with nothing to shard still get their ZeRO-3 branch."""
+    code, out = run_plan("--model", "llama3-8b", "--seq-len", "32K", "--gpus", "8", "--offload-params", "--json",
+                         *extra)
+    assert code == 0, out
+    plans = json.loads(out)["plans"]
+    assert plans and all(p["options"]["offload_params"] and p["options"]["zero_stage"] == 3 for p in plans)
