@@ -1,6 +1,7 @@
 """``sp-plan estimate``: table, JSON, and one-line errors with exit code 2 (CliRunner and a real process)."""
 
 import json
+import math
 import pathlib
 import subprocess
 import sys
@@ -163,13 +164,25 @@ def test_topology_file_changes_predictions(tmp_path):
 
 
 def test_unknown_topology_is_one_line_error():
-    from click.testing import CliRunner
-
-    from planner.cli import main
-
-    import subprocess, sys, pathlib
     root = pathlib.Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-m", "planner.cli", "estimate", "--model", "llama3-8b", "--seq-len", "8K",
                            "--gpus", "8", "--topology", "nosuch-box"], cwd=root, capture_output=True, text=True)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_gpus_default_to_the_topology_and_are_required_without_one():
+    """Without --gpus the machine --topology describes is planned; with neither, a usage error (click
+    >= 8.3 would otherwise pass None through to the cost model)."""
+    from planner.cli import cli
+
+    runner = CliRunner()
+    for name in ("plan", "estimate"):
+        missing = runner.invoke(cli, [name, "--model", "llama3-8b", "--seq-len", "8K"])
+        assert missing.exit_code == 2 and "--gpus" in missing.output and missing.exception is not None
+        assert not isinstance(missing.exception, TypeError)
+        res = runner.invoke(cli, [name, "--model", "llama3-8b", "--seq-len", "8K", "--topology", "dgx-h100", "--json"])
+        assert res.exit_code == 0, res.output
+        data = json.loads(res.stdout)
+        layout = data["plans"][0]["layout"] if name == "plan" else data["layout"]
+        assert math.prod(layout.values()) == 8

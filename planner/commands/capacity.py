@@ -13,7 +13,7 @@ from cost_models.units import GB, format_tokens, parse_seq_len
 from ..capacity import MAX_GPUS, SweepPoint, max_seq_len, min_gpus, sweep
 from ..errors import PlannerError
 from ..report import describe_options
-from .common import build_model, build_topology, build_train, hardware_options_optional_gpus, layout_options, \
+from .common import build_model, build_topology, build_train, hardware_options, layout_options, \
     model_options_optional_seq
 from .plan import planning_options, settings_from
 
@@ -42,7 +42,7 @@ def _plan_json(plan) -> dict[str, Any] | None:
 
 @click.command("capacity")
 @model_options_optional_seq
-@hardware_options_optional_gpus
+@hardware_options
 @layout_options
 @planning_options
 @click.option("--max-gpus", type=click.IntRange(1, MAX_GPUS), default=MAX_GPUS, show_default=True,

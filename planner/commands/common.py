@@ -104,19 +104,11 @@ def _model_options(func: Callable, seq_len_required: bool) -> Callable:
 
 
 def hardware_options(func: Callable) -> Callable:
-    """--gpus (required), --gpus-per-node, --gpu, --topology."""
-    return _hardware_options(func, gpus_required=True)
-
-
-def hardware_options_optional_gpus(func: Callable) -> Callable:
-    """As :func:`hardware_options`, with --gpus optional (capacity questions)."""
-    return _hardware_options(func, gpus_required=False)
-
-
-def _hardware_options(func: Callable, gpus_required: bool) -> Callable:
+    """--gpus, --gpus-per-node, --gpu, --topology. --gpus is optional: capacity questions search it,
+    and plan/estimate default to the --topology machine (see :func:`build_cluster`)."""
     options = [
-        click.option("--gpus", type=click.IntRange(1, 1 << 20), required=gpus_required, default=None,
-                     help="Total number of GPUs."),
+        click.option("--gpus", type=click.IntRange(1, 1 << 20), default=None,
+                     help="Total number of GPUs (default with --topology: all GPUs it describes)."),
         click.option(
             "--gpus-per-node",
             type=click.IntRange(1, 1 << 10),
@@ -166,8 +158,9 @@ def build_gpu(gpu_name: str) -> GPUSpec:
     return get_gpu_preset(gpu_name)
 
 
-def build_topology(gpus: int, gpus_per_node: int | None, gpu_name: str, topology_ref: str | None) -> "Topology":
-    """The cluster: a preset or file resized to ``gpus``, or the natural machine for ``gpu_name``.
+def build_topology(gpus: int | None, gpus_per_node: int | None, gpu_name: str, topology_ref: str | None) -> "Topology":
+    """The cluster: a preset or file resized to ``gpus`` (as described when None), or the natural
+    machine for ``gpu_name``.
 
     Multi-node jobs must fill whole nodes: a plan for 12 GPUs on 8-GPU nodes is almost always a typo.
     """
@@ -179,11 +172,21 @@ def build_topology(gpus: int, gpus_per_node: int | None, gpu_name: str, topology
         per_node = gpus_per_node or min(8, gpus)
         topology = default_topology(gpu_name, gpus, per_node)
     per_node = topology.gpus_per_node
-    if gpus > per_node and gpus % per_node:
+    if gpus is not None and gpus > per_node and gpus % per_node:
         raise CostModelError(
             f"--gpus {gpus} does not fill whole nodes of {per_node} GPUs; use a multiple of {per_node}"
         )
     return topology
+
+
+def build_cluster(gpus: int | None, gpus_per_node: int | None, gpu_name: str,
+                  topology_ref: str | None) -> tuple["Topology", int]:
+    """The topology and the GPU count to plan for: --gpus, or all GPUs of the --topology machine."""
+    if gpus is None and topology_ref is None:
+        raise click.UsageError("Missing option '--gpus' (or give --topology PRESET|FILE to use the machine "
+                               "it describes)")
+    topology = build_topology(gpus, gpus_per_node, gpu_name, topology_ref)
+    return topology, gpus if gpus is not None else topology.num_gpus
 
 
 def build_layout(gpus: int, **degrees: int | None) -> Layout:

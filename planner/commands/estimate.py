@@ -15,7 +15,7 @@ from cost_models.units import GB, GiB, format_tokens
 from .common import (
     build_layout,
     build_model,
-    build_topology,
+    build_cluster,
     build_train,
     hardware_options,
     layout_options,
@@ -24,14 +24,14 @@ from .common import (
 )
 
 
-def run_estimate(model_name: str, gpus: int, gpus_per_node: int | None, gpu_name: str,
+def run_estimate(model_name: str, gpus: int | None, gpus_per_node: int | None, gpu_name: str,
                  topology_ref: str | None, options: dict[str, Any]) -> Estimate:
     """Build the specs from CLI values and estimate; pydantic errors become one-line CostModelErrors."""
     try:
         train_kwargs, layout_kwargs = split_options(options)
         model = build_model(model_name)
         train = build_train(**train_kwargs)
-        topology = build_topology(gpus, gpus_per_node, gpu_name, topology_ref)
+        topology, gpus = build_cluster(gpus, gpus_per_node, gpu_name, topology_ref)
         layout = build_layout(gpus, **layout_kwargs)
         return estimate(model, train, layout, topology)
     except ValidationError as exc:
@@ -43,7 +43,7 @@ def run_estimate(model_name: str, gpus: int, gpus_per_node: int | None, gpu_name
 @hardware_options
 @layout_options
 @click.option("--json", "as_json", is_flag=True, help="Print the estimate as JSON (bytes).")
-def command(model_name: str, gpus: int, gpus_per_node: int | None, gpu_name: str, topology_ref: str | None,
+def command(model_name: str, gpus: int | None, gpus_per_node: int | None, gpu_name: str, topology_ref: str | None,
             as_json: bool, **options: Any) -> None:
     """Per-GPU memory of one layout (weights, gradients, optimizer, activations, logits, KV cache,
     buffers and overheads at the peak phase of the step, host memory), its communication volume per

@@ -19,7 +19,7 @@ from .common import (
     LAYOUT_KEYS,
     SEARCHABLE_OPTIONS,
     build_model,
-    build_topology,
+    build_cluster,
     build_train,
     hardware_options,
     layout_options,
@@ -80,7 +80,7 @@ def result_json(result: SearchResult, extra: dict[str, Any] | None = None) -> di
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None,
               help="Write the winning plan to this YAML file (for the runtime and `sp-plan export`).")
 @click.pass_context
-def command(ctx: click.Context, model_name: str, gpus: int, gpus_per_node: int | None, gpu_name: str,
+def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node: int | None, gpu_name: str,
             topology_ref: str | None, top: int, explain: bool, as_json: bool, out_file: str | None,
             **options: Any) -> None:
     """Recommend the fastest layout and memory options that fit.
@@ -91,7 +91,7 @@ def command(ctx: click.Context, model_name: str, gpus: int, gpus_per_node: int |
     settings, train_kwargs, _ = settings_from(ctx, options, top)
     model = build_model(model_name)
     train = build_train(**train_kwargs)
-    topology = build_topology(gpus, gpus_per_node, gpu_name, topology_ref)
+    topology, gpus = build_cluster(gpus, gpus_per_node, gpu_name, topology_ref)
     result = search(model, train, topology, settings, world=gpus)
     if not result.plans:
         report = no_fit_report(model, train, topology, settings, result, gpus)
