@@ -102,3 +102,20 @@ def test_validate_refuses_what_the_runtime_cannot_run_without_importing_torch(tm
     code = ("import sys, cost_models, planner.cli, planner.commands.validate, runtime.capabilities; "
             "assert 'torch' not in sys.modules")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env()).returncode == 0
+
+
+def test_validate_refuses_runs_the_host_cannot_hold_before_launching(tmp_path):
+    """A full Llama-3-8B on 4 CPU ranks would be SIGKILLed by the kernel with no message: refused up
+    front with the arithmetic and the way out (--layers); a tiny model passes the same check."""
+    from cost_models.errors import CostModelError
+    from planner.commands.validate import _plan_from_flags, check_host_memory
+
+    def plan_for(model: str, layers=None):
+        return _plan_from_flags(model, 4, None, "h100-80gb", None, layers,
+                                {"seq_len": 8192, "ulysses": 2, "dtype": "fp32", "zero_stage": 3})
+
+    with pytest.raises(CostModelError, match="--layers"):
+        check_host_memory(plan_for("llama3-8b"), 4, available=24 << 30)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_LLAMA))
+    check_host_memory(plan_for(str(config)), 4, available=24 << 30)

@@ -56,6 +56,45 @@ def _plan_from_flags(model_name: str | None, gpus: int | None, gpus_per_node: in
                 explanation=["layout and options given on the command line"])
 
 
+#: Bytes per parameter of the model validate builds on every rank before sharding it (fp32 init).
+INIT_BYTES_PER_PARAM = 4
+
+
+def _available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux); None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_host_memory(plan, local_ranks: int, available: int | None = None) -> None:
+    """Refuse, with the arithmetic and the way out, a run whose ranks cannot even build the model: each
+    local rank materializes the whole model (random fp32 weights) before FSDP shards it, and a rank the
+    kernel kills for memory leaves only a bare SIGKILL behind."""
+    from cost_models.memory import memory_core
+
+    available = _available_host_bytes() if available is None else available
+    if available is None:
+        return
+    init = plan.model.num_params * INIT_BYTES_PER_PARAM
+    core = memory_core(plan.model, plan.train, plan.layout)
+    step = core.peak_allocated + core.host_total  # what the memory model predicts a rank holds in a step
+    per_rank = max(init, step)
+    need = per_rank * local_ranks
+    if need > available:
+        raise CostModelError(
+            f"{local_ranks} rank(s) of this run need about {need / 1e9:.1f} GB of host RAM and "
+            f"{available / 1e9:.1f} GB is available: each rank builds the whole {plan.model.name} "
+            f"({plan.model.num_params / 1e9:.2f}B parameters, {init / 1e9:.1f} GB in fp32) before sharding it, "
+            f"and the memory model predicts {step / 1e9:.1f} GB per rank during a step; run fewer layers with "
+            "--layers N (the per-layer figures it checks do not change), a shorter --seq-len, or a smaller "
+            "config.json")
+
+
 def _launch(plan_path: Path, world: int, steps: int, time_topology: str | None) -> dict:
     """Run the ranks under torch.distributed.run and return rank 0's report (JSON)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -72,7 +111,9 @@ def _launch(plan_path: Path, world: int, steps: int, time_topology: str | None) 
             lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
             errors = [ln for ln in lines if "error:" in ln or "Error" in ln]
             tail = "\n".join((errors or lines)[-12:])
-            raise CostModelError(f"the validation ranks failed (exit {done.returncode}):\n{tail}")
+            killed = "SIGKILL" in done.stdout + done.stderr
+            hint = " A rank was killed (SIGKILL): usually the host ran out of memory; try --layers N." if killed else ""
+            raise CostModelError(f"the validation ranks failed (exit {done.returncode}).{hint}\n{tail}")
         return json.loads(result.read_text())
 
 
@@ -122,6 +163,8 @@ def command(plan_path: Path | None, model_name: str | None, seq_len: str | None,
     if reasons:
         raise CostModelError("the runtime cannot execute this plan: " + " | ".join(reasons))
     world = plan.layout.world
+    if "WORLD_SIZE" not in os.environ:  # the launcher checks once for all the ranks it will start
+        check_host_memory(plan, world)
     if "WORLD_SIZE" in os.environ or world == 1:
         _run_here(plan, steps, time_topology, as_json, result_file)
         return
