@@ -5,10 +5,10 @@ from __future__ import annotations
 from functools import cache
 from importlib import resources
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import CostModelError, explain_validation_error
+from .yaml_io import safe_load
 
 DType = str  # "bf16" | "fp16" | "fp32" | "tf32" | "fp8"
 
@@ -39,7 +39,7 @@ class GPUSpec(BaseModel):
 
 @cache
 def _gpu_table() -> dict[str, dict]:
-    return yaml.safe_load(resources.files("cost_models.data").joinpath("gpus.yaml").read_text())["gpus"]
+    return safe_load(resources.files("cost_models.data").joinpath("gpus.yaml").read_text())["gpus"]
 
 
 def gpu_preset_names() -> list[str]:

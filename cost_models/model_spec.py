@@ -12,10 +12,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import CostModelError, explain_validation_error
+from .yaml_io import safe_load
 
 Activation = Literal["swiglu", "gelu"]
 Norm = Literal["rmsnorm", "layernorm"]
@@ -149,7 +149,7 @@ class ModelSpec(BaseModel):
 @cache
 def _preset_table() -> dict[str, dict]:
     text = resources.files("cost_models.data").joinpath("models.yaml").read_text()
-    return yaml.safe_load(text)["models"]
+    return safe_load(text)["models"]
 
 
 def model_preset_names() -> list[str]:

@@ -20,6 +20,7 @@ from cost_models.model_spec import ModelSpec
 from cost_models.train_spec import TrainSpec
 
 from .errors import PlannerError
+from cost_models.yaml_io import safe_load
 
 PLAN_FORMAT_VERSION = 1
 #: Plans are a few KB; refuse anything large before parsing it.
@@ -70,7 +71,7 @@ def load_plan(path: str | Path) -> Plan:
     if file.stat().st_size > _MAX_PLAN_BYTES:
         raise PlannerError(f"{file} is larger than 4 MiB, which no plan file is")
     try:
-        data = yaml.safe_load(file.read_text())
+        data = safe_load(file.read_text())
     except yaml.YAMLError as exc:
         raise PlannerError(f"{file} is not valid YAML: {exc}".splitlines()[0]) from exc
     return plan_from_dict(data, str(file))

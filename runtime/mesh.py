@@ -30,6 +30,7 @@ from pydantic import ValidationError
 from cost_models.errors import explain_validation_error
 from cost_models.layout import MESH_DIMS, Layout
 from runtime.errors import RuntimeConfigError
+from cost_models.yaml_io import safe_load
 
 #: Plan files are a few KB; anything much larger is not a plan (and is not parsed).
 PLAN_FILE_MAX_BYTES = 4 << 20
@@ -62,7 +63,7 @@ def _read_plan_file(path: Path) -> object:
         )
     text = path.read_text()
     try:
-        return json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+        return json.loads(text) if path.suffix.lower() == ".json" else safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         kind = "JSON" if path.suffix.lower() == ".json" else "YAML"

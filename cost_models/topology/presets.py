@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from ..errors import CostModelError, explain_validation_error
 from ..gpu_spec import get_gpu_preset
+from ..yaml_io import safe_load
 from .spec import MAX_GPUS_PER_NODE, MAX_NICS_PER_NODE, MAX_TOTAL_GPUS, FabricSpec, LinkCalibration, TopologySpec
 from .topology import Topology
 
@@ -53,7 +54,7 @@ def preset_names() -> list[str]:
 
 @cache
 def _fabric_table() -> dict[str, dict[str, Any]]:
-    return yaml.safe_load(_data_dir().joinpath("_fabrics.yaml").read_text())["fabrics"]
+    return safe_load(_data_dir().joinpath("_fabrics.yaml").read_text())["fabrics"]
 
 
 def fabric_names() -> list[str]:
@@ -81,7 +82,7 @@ def get_preset_spec(name: str) -> TopologySpec:
 
 def _spec_from_text(text: str, what: str) -> TopologySpec:
     try:
-        data = yaml.safe_load(text)
+        data = safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
