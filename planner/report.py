@@ -29,7 +29,8 @@ def family(layout: Layout | dict[str, int]) -> str:
 def describe_options(options: dict[str, Any], mode: str) -> str:
     parts = [f"ZeRO-{options['zero_stage']}"] if "zero_stage" in options else []
     if mode == "train":
-        parts.append(f"{options.get('checkpointing', 'none')} ckpt")
+        mode_ = options.get("checkpointing", "none")
+        parts.append("no ckpt" if mode_ == "none" else f"{mode_} ckpt")
     for key, label in (("offload_checkpoints", "offload ckpt"), ("tiled_mlp", "tiled MLP"),
                        ("tiled_loss", "tiled loss"), ("offload_optimizer", "offload optim"),
                        ("offload_params", "offload params")):
