@@ -488,6 +488,11 @@ def apply_checkpointing(model: nn.Module, kind: str, train: TrainSpec):
 def apply_tiled_mlp_if_planned(model: nn.Module, kind: str, plan) -> None:
     if plan.train.tiled_mlp:
         refuse_unsupported(plan, kind)
+        if kind == "hf":
+            from runtime.hf import apply_hf_tiled_mlp
+
+            apply_hf_tiled_mlp(model)
+            return
         from runtime.tiled_mlp import apply_tiled_mlp
 
         apply_tiled_mlp(model)

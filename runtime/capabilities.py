@@ -7,9 +7,10 @@
 What runs depends on the model: the runtime's own :class:`runtime.models.LlamaModel` (``kind``
 ``"llama"``) executes every option ``sp-plan plan`` can output for training (tensor parallelism, tiled
 MLP and loss, checkpoint/optimizer/parameter offload, ZeRO-1/2/3, every checkpointing mode); a
-Hugging Face transformers model (``"hf"``) is driven through transformers' attention registry and
-checkpointing hooks, which cover sequence parallelism, checkpointing, its offload, the tiled loss and
-the FSDP2 offloads, but not the module surgery tensor parallelism and the tiled MLP need.
+Hugging Face transformers model (``"hf"``) is driven through transformers' attention registry,
+checkpointing hooks and its own MLP forward (run tiled), which cover sequence parallelism,
+checkpointing, its offload, the tiled MLP and loss and the FSDP2 offloads, but not the module surgery
+tensor parallelism needs.
 Plans the runtime never executes: ``prefill`` (for inference engines), the materialised-attention
 kernel, and ZeRO-0 (plain DDP), which the planner does not recommend for training.
 """
@@ -30,8 +31,7 @@ _HF_SURGERY = ("transformers models are run through the attention registry, with
 #: TrainSpec boolean options a model kind does not execute -> why (the option is refused when True).
 UNSUPPORTED_OPTIONS: dict[str, dict[str, str]] = {
     "llama": {},
-    "hf": {"tiled_mlp": f"the tiled MLP replaces each block's MLP forward: {_HF_SURGERY}; re-plan without "
-                        "--tiled-mlp"},
+    "hf": {},
 }
 
 #: Layout degrees a model kind executes only at 1 -> why.

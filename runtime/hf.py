@@ -200,3 +200,39 @@ def set_hf_checkpointing(model: nn.Module, mode: str, offload: Any = None) -> No
             )
         layer._gradient_checkpointing_func = checkpointed
         layer.gradient_checkpointing = mode != "none"
+
+
+# ----- tiled MLP -----------------------------------------------------------------------------------------
+
+#: Set on an HF MLP module whose forward runs tiled (so applying twice is harmless).
+TILED_ATTRIBUTE = "_sp_plan_tiled"
+
+
+def apply_hf_tiled_mlp(model: nn.Module, tile_tokens: int | None = None) -> int:
+    """Run every decoder layer's MLP of an HF model over sequence tiles (:mod:`runtime.tiled_mlp`).
+
+    The supported families' MLPs (``down(act(gate(x)) * up(x))``) are row-wise, so the module's own
+    ``forward`` is the tile function: no module surgery, the MLP's parameters are passed through the
+    tiled op and get their gradients from it (FSDP2's gathered parameters during forward, as for the
+    runtime's own Llama). Tile size: the memory model's rule (:func:`runtime.tiled_mlp.tile_tokens_for`
+    with the model's hidden size). Returns the number of MLPs tiled.
+    """
+    from runtime.tiled_mlp import tile_tokens_for, tiled_mlp
+
+    hidden = model.config.hidden_size
+    layers = hf_decoder_layers(model)
+    for layer in layers:
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None:
+            raise RuntimeConfigError(f"{type(layer).__name__} has no mlp to tile")
+        if getattr(mlp, TILED_ATTRIBUTE, False):
+            continue
+        untiled = mlp.forward
+
+        def forward(x: torch.Tensor, _mlp: nn.Module = mlp, _untiled=untiled) -> torch.Tensor:
+            tile = tile_tokens_for(hidden, x.numel() // x.shape[-1], tile_tokens)
+            return tiled_mlp(_untiled, x, [p for p in _mlp.parameters() if p.requires_grad], tile)
+
+        mlp.forward = forward
+        setattr(mlp, TILED_ATTRIBUTE, True)
+    return len(layers)

@@ -31,10 +31,11 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 CASES = [
     ("llama", {}, {"ring": 2, "ulysses": 2},
      {"zero_stage": 3, "checkpointing": "selective", "tiled_loss": True, "offload_checkpoints": True}),
-    ("qwen2", {"use_sliding_window": False}, {"dp_shard": 2, "ulysses": 2}, {"zero_stage": 2, "checkpointing": "none"}),
+    ("qwen2", {"use_sliding_window": False}, {"dp_shard": 2, "ulysses": 2},
+     {"zero_stage": 2, "checkpointing": "none", "tiled_mlp": True}),
     ("qwen3", {"head_dim": 16}, {"ulysses": 4}, {"zero_stage": 1, "checkpointing": "full", "offload_optimizer": True}),
     ("mistral", {"sliding_window": None}, {"ring": 4},
-     {"zero_stage": 3, "checkpointing": "full", "offload_params": True, "tiled_loss": True}),
+     {"zero_stage": 3, "checkpointing": "full", "offload_params": True, "tiled_loss": True, "tiled_mlp": True}),
 ]
 
 
@@ -80,7 +81,7 @@ def _rank(rank: int, world: int) -> dict:
     from transformers import masking_utils
 
     from runtime.auto import auto_configure
-    from runtime.hf import ATTENTION_NAME, hf_model_spec
+    from runtime.hf import ATTENTION_NAME, TILED_ATTRIBUTE, hf_model_spec
     from runtime.step import train_step
 
     for name in list(masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping):
@@ -108,11 +109,11 @@ def _rank(rank: int, world: int) -> dict:
         except Exception as exc:  # noqa: BLE001 - the message is what is checked
             refused = str(exc)
         offload = setup.checkpoint_offload
+        tiled = [getattr(layer.mlp, TILED_ATTRIBUTE, False) for layer in setup.model.model.layers]
         results[family] = {"losses": losses, "spec": spec.model_dump(), "layout": setup.layout.describe(),
-                           "refused": refused, "optimizer": type(optimizer).__name__,
+                           "refused": refused, "optimizer": type(optimizer).__name__, "tiled_mlps": sum(tiled),
                            "checkpoint_bytes_offloaded": offload.offloaded_bytes if offload is not None else 0}
-    for pins, key in (({"fixed_layout": {"tp": 2}}, "refused_tp"), ({"fixed_options": {"tiled_mlp": True}},
-                                                                   "refused_tiled_mlp")):
+    for pins, key in (({"fixed_layout": {"tp": 2}}, "refused_tp"),):
         try:
             auto_configure(_hf_model("llama", {}, "eager"), seq_len=SEQ, dtype="fp32", topology="dgx-h100", **pins)
         except Exception as exc:  # noqa: BLE001 - the message is what is checked
@@ -145,17 +146,17 @@ def test_hf_attention_refuses_a_4d_mask_and_maps_the_architecture(family, traine
 
 
 def test_hf_memory_techniques_ran(trained):
-    """Tiled loss, checkpoint offload and the optimizer offloads on HF models (the equal loss curves above
-    would also hold if they were silently skipped)."""
+    """Tiled MLP and loss, checkpoint offload and the optimizer offloads on HF models (the equal loss
+    curves above would also hold if they were silently skipped)."""
     assert trained[0]["llama"]["checkpoint_bytes_offloaded"] > 0
+    assert [trained[0][f]["tiled_mlps"] for f in ("llama", "qwen2", "qwen3", "mistral")] == [0, 2, 0, 2]
     assert trained[0]["qwen3"]["optimizer"] == "HostOffloadOptimizer"
     assert trained[0]["mistral"]["optimizer"] == "AdamW" and trained[0]["qwen2"]["checkpoint_bytes_offloaded"] == 0
 
 
-def test_hf_models_refuse_tensor_parallelism_and_the_tiled_mlp(trained):
+def test_hf_models_refuse_tensor_parallelism(trained):
     for rank in trained:
         assert "tp=2" in rank["refused_tp"] and "LlamaModel" in rank["refused_tp"]
-        assert "tiled_mlp" in rank["refused_tiled_mlp"]
 
 
 def test_sliding_window_configs_are_refused():

@@ -185,13 +185,12 @@ def test_the_runtime_llama_model_runs_every_training_option_the_planner_outputs(
     assert planner_constraints() == ({}, {})
 
 
-def test_hf_models_refuse_tp_and_the_tiled_mlp_with_the_reason():
+def test_hf_models_refuse_only_tp_with_the_reason():
     reasons = unsupported_reasons(_plan(layout=Layout(tp=2), **ALL_TECHNIQUES), "hf")
-    assert len(reasons) == 2
+    assert len(reasons) == 1
     assert reasons[0].startswith("tp=2") and "LlamaModel" in reasons[0]
-    assert reasons[1].startswith("tiled_mlp") and "--tiled-mlp" in reasons[1]
-    assert unsupported_reasons(_plan(**{**ALL_TECHNIQUES, "tiled_mlp": False}), "hf") == []  # the rest runs
-    assert planner_constraints("hf") == ({"tp": 1}, {"tiled_mlp": False})
+    assert unsupported_reasons(_plan(**ALL_TECHNIQUES), "hf") == []  # every memory technique runs
+    assert planner_constraints("hf") == ({"tp": 1}, {})
 
 
 def test_prefill_materialized_and_zero0_are_refused():
@@ -214,10 +213,10 @@ def test_tp_is_refused_for_a_model_with_dropout():
 
 
 def test_planner_constraints_only_allow_what_runs():
-    merged_layout, merged_options = merge_constraints({"ulysses": 4}, {"zero_stage": 2}, "hf")
-    assert merged_layout == {"tp": 1, "ulysses": 4} and merged_options == {"zero_stage": 2, "tiled_mlp": False}
-    with pytest.raises(RuntimeConfigError, match="tiled MLP"):
-        merge_constraints({}, {"tiled_mlp": True}, "hf")
+    merged_layout, merged_options = merge_constraints({"ulysses": 4}, {"zero_stage": 2, "tiled_mlp": True}, "hf")
+    assert merged_layout == {"tp": 1, "ulysses": 4} and merged_options == {"zero_stage": 2, "tiled_mlp": True}
+    with pytest.raises(RuntimeConfigError, match="tp=2"):
+        merge_constraints({"tp": 2}, {}, "hf")
     with pytest.raises(RuntimeConfigError, match="zero_stage=0"):
         merge_constraints({}, {"zero_stage": 0})
 
