@@ -18,8 +18,8 @@ import heapq
 import itertools
 import math
 import time as wallclock
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -275,7 +275,9 @@ class _Searcher:
         return tuple(combo)
 
     def floor(self, layout: Layout, lattice: OptionLattice, top: Combo) -> Combo:
-        """Per axis, the least value that fits with every other axis at its most saving (valid) value.
+        """Per expensive axis, the least value that fits with every other axis at its most saving (valid)
+        value; cheap axes (:data:`planner.options.CHEAP_AXES`) start at their fastest value, which the
+        walk's cheap closures explore at little cost.
 
         Memory is monotone, so no fitting combination lies below this floor on any axis: it is where
         the walk starts, and its time bounds everything the layout can do.
