@@ -156,6 +156,16 @@ def invalid_reason(options: dict[str, Any]) -> str | None:
     return None
 
 
+#: Values under which no other option is invalid: the completion of a partial set of pins.
+_PERMISSIVE = {"zero_stage": 3, "checkpointing": "full", "offload_optimizer": True}
+
+
+def conflicting_pins(fixed: dict[str, Any]) -> str | None:
+    """Why options the user pinned can never go together (e.g. parameter offload with ZeRO-2), judged on
+    the pins alone: unpinned options may take whatever value makes them valid."""
+    return invalid_reason({**_PERMISSIVE, **fixed})
+
+
 def _offenders(reason: str) -> tuple[str, ...]:
     """Axes that can be lowered (or, for the optimizer, raised) to fix an invalid combination."""
     if "ZeRO-3" in reason:

@@ -34,7 +34,16 @@ from cost_models.topology import Topology
 from cost_models.train_spec import TrainSpec
 
 from .errors import PlannerError
-from .options import CHEAP_AXES, Axis, Combo, OptionLattice, build_lattice, invalid_reason, moving_parts
+from .options import (
+    CHEAP_AXES,
+    Axis,
+    Combo,
+    OptionLattice,
+    build_lattice,
+    conflicting_pins,
+    invalid_reason,
+    moving_parts,
+)
 from .space import LayoutSpace, StructuralRejection, layout_space
 
 #: Default tokens per optimizer step (Llama 3 pre-training used 4M-16M tokens per batch).
@@ -270,8 +279,12 @@ class _Searcher:
                 combo[names.index("offload_params")] = 0
             elif "checkpoint offload" in reason:
                 combo[names.index("offload_checkpoints")] = 0
-            else:
-                combo[names.index("offload_optimizer")] = len(lattice.axes[names.index("offload_optimizer")].values) - 1
+            else:  # parameter offload without optimizer offload: add the latter, or (pinned off) drop the former
+                k = names.index("offload_optimizer")
+                if combo[k] < len(lattice.axes[k].values) - 1:
+                    combo[k] = len(lattice.axes[k].values) - 1
+                else:
+                    combo[names.index("offload_params")] = 0
         return tuple(combo)
 
     def floor(self, layout: Layout, lattice: OptionLattice, top: Combo) -> Combo:
@@ -358,6 +371,12 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
     world = world or topology.num_gpus
     if world > topology.num_gpus:
         raise PlannerError(f"{world} GPUs requested but topology {topology.name} has {topology.num_gpus}")
+    conflict = conflicting_pins(settings.fixed_options)
+    if conflict:
+        pins = ", ".join(f"{k}={v}" for k, v in settings.fixed_options.items()
+                         if k in ("zero_stage", "checkpointing", "offload_checkpoints", "offload_optimizer",
+                                  "offload_params"))
+        raise PlannerError(f"the pinned options cannot go together ({pins}): {conflict}; change or unpin one")
     s = _Searcher(model, base, topology, settings, assumptions)
     space: LayoutSpace = layout_space(world, model, base, topology.gpus_per_node)
     rejected: list[Rejection] = [_structural(r) for r in space.rejected]
@@ -376,7 +395,11 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
     nearest_miss: dict[Layout, Rejection] = {}
     viable: set[Layout] = set()
     for i, layout in enumerate(layouts):
-        for lattice in s.lattices(layout):
+        branches = s.lattices(layout)
+        if not branches:  # invalid plans are explained, never silently dropped
+            rejected.append(Rejection(layout=layout.degrees(), kind="structure",
+                                      reason="no valid combination of the pinned memory options on this layout"))
+        for lattice in branches:
             top = s.most_saving_valid(lattice)
             top_core = s.memory(layout, s.train_for(layout, lattice.values(top)))
             if not s.device_fits(top_core):

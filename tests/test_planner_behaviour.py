@@ -227,3 +227,18 @@ def test_pinned_parameter_offload_searches_only_zero3(extra):
     assert code == 0, out
     plans = json.loads(out)["plans"]
     assert plans and all(p["options"]["offload_params"] and p["options"]["zero_stage"] == 3 for p in plans)
+
+
+def test_contradictory_pins_are_explained_and_pins_that_exclude_an_option_still_plan():
+    """Pins that can never go together get one message naming them (not a bare 'no plan fits'); pinning
+    the optimizer offload off leaves plans without parameter offload (it implies optimizer offload)."""
+    model, train = get_model_preset("llama3-8b"), TrainSpec(seq_len=8192)
+    topology = default_topology("h100-80gb", 8, 8)
+    for pins, words in (({"checkpointing": "none", "offload_checkpoints": True}, "checkpoint offload"),
+                        ({"zero_stage": 2, "offload_params": True}, "ZeRO-3"),
+                        ({"offload_params": True, "offload_optimizer": False}, "optimizer")):
+        with pytest.raises(PlannerError, match="pinned options cannot go together") as err:
+            search(model, train, topology, PlanSettings(fixed_options=pins))
+        assert words in str(err.value)
+    result = search(model, train, topology, PlanSettings(fixed_options={"offload_optimizer": False, "zero_stage": 3}))
+    assert result.plans and all(not p.options["offload_params"] for p in result.plans)
