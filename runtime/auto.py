@@ -464,7 +464,11 @@ def apply_tensor_parallelism(model: nn.Module, kind: str, plan, mesh: RuntimeMes
     """Shard the projections, vocabulary and loss over the ``tp`` dim; the TensorParallel state or None."""
     if plan.layout.tp == 1:
         return None
-    refuse_unsupported(plan, kind)  # HF models: TP needs module surgery they do not get
+    refuse_unsupported(plan, kind)
+    if kind == "hf":
+        from runtime.hf import apply_hf_tensor_parallel
+
+        return apply_hf_tensor_parallel(model, mesh, sequence_parallel=plan.train.tp_sequence_parallel)
     from runtime.tp import apply_tensor_parallel
 
     return apply_tensor_parallel(model, mesh, sequence_parallel=plan.train.tp_sequence_parallel)

@@ -8,9 +8,9 @@ What runs depends on the model: the runtime's own :class:`runtime.models.LlamaMo
 ``"llama"``) executes every option ``sp-plan plan`` can output for training (tensor parallelism, tiled
 MLP and loss, checkpoint/optimizer/parameter offload, ZeRO-1/2/3, every checkpointing mode); a
 Hugging Face transformers model (``"hf"``) is driven through transformers' attention registry,
-checkpointing hooks and its own MLP forward (run tiled), which cover sequence parallelism,
-checkpointing, its offload, the tiled MLP and loss and the FSDP2 offloads, but not the module surgery
-tensor parallelism needs.
+checkpointing hooks, its own MLP forward (run tiled) and the runtime's TP shards of its projections
+(the families name them like the runtime's Llama; forward pre-hooks open the TP regions), so it runs
+every option too.
 Plans the runtime never executes: ``prefill`` (for inference engines), the materialised-attention
 kernel, and ZeRO-0 (plain DDP), which the planner does not recommend for training.
 """
@@ -25,9 +25,6 @@ from cost_models.train_spec import TrainSpec
 
 MODEL_KINDS: tuple[str, ...] = ("llama", "hf")
 
-_HF_SURGERY = ("transformers models are run through the attention registry, without module surgery; "
-               "train a runtime.models.LlamaModel of the same architecture to use it")
-
 #: TrainSpec boolean options a model kind does not execute -> why (the option is refused when True).
 UNSUPPORTED_OPTIONS: dict[str, dict[str, str]] = {
     "llama": {},
@@ -37,7 +34,7 @@ UNSUPPORTED_OPTIONS: dict[str, dict[str, str]] = {
 #: Layout degrees a model kind executes only at 1 -> why.
 UNSUPPORTED_DEGREES: dict[str, dict[str, str]] = {
     "llama": {},
-    "hf": {"tp": f"tensor parallelism shards the projections: {_HF_SURGERY}; re-plan with --tp 1"},
+    "hf": {},
 }
 
 #: ZeRO stages auto_configure runs, all with FSDP2 (see runtime.auto for how each is reproduced).

@@ -15,7 +15,9 @@ Optional: ``transformers`` is imported lazily (``pip install 'sp-plan[hf]'``). P
   ``position_ids`` the sharder produced (global positions of the local tokens, RoPE only);
 - checkpointing: each decoder layer (a ``GradientCheckpointingLayer``) checkpoints its ``forward``
   through :func:`runtime.models.checkpointing.run_checkpointed`, so ``none``/``selective``/``full``
-  mean exactly what they mean for the runtime's own Llama (FSDP2's hooks stay outside the checkpoint).
+  mean exactly what they mean for the runtime's own Llama (FSDP2's hooks stay outside the checkpoint);
+- the tiled MLP (:func:`apply_hf_tiled_mlp`) and tensor parallelism (:func:`apply_hf_tensor_parallel`)
+  reuse the runtime's pieces on HF's own modules (no copy of HF's code).
 
 Create models with random weights from a config, no download::
 
@@ -159,7 +161,9 @@ HIDDEN_STATES_METHOD = "sp_plan_hidden_states"
 
 
 def _hidden_states(self: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    hidden = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    tp = getattr(self, "tensor_parallel", None)
+    return tp.enter(hidden) if tp is not None else hidden  # the vocab-parallel head's TP region
 
 
 def add_hidden_states_method(model: nn.Module) -> None:
@@ -228,11 +232,67 @@ def apply_hf_tiled_mlp(model: nn.Module, tile_tokens: int | None = None) -> int:
         if getattr(mlp, TILED_ATTRIBUTE, False):
             continue
         untiled = mlp.forward
+        finish = getattr(mlp.down_proj, "finish", None)  # row-parallel under TP: reduce once, after the tiles
 
-        def forward(x: torch.Tensor, _mlp: nn.Module = mlp, _untiled=untiled) -> torch.Tensor:
+        def forward(x: torch.Tensor, _mlp: nn.Module = mlp, _untiled=untiled, _finish=finish) -> torch.Tensor:
             tile = tile_tokens_for(hidden, x.numel() // x.shape[-1], tile_tokens)
-            return tiled_mlp(_untiled, x, [p for p in _mlp.parameters() if p.requires_grad], tile)
+            if _finish is None:
+                return tiled_mlp(_untiled, x, [p for p in _mlp.parameters() if p.requires_grad], tile)
+            down = _mlp.down_proj
+            params = [*_mlp.gate_proj.parameters(), *_mlp.up_proj.parameters(), *down.partial_parameters()]
+            y = tiled_mlp(lambda t: down.partial(_mlp.act_fn(_mlp.gate_proj(t)) * _mlp.up_proj(t)), x, params, tile)
+            return _finish(y)
 
         mlp.forward = forward
         setattr(mlp, TILED_ATTRIBUTE, True)
     return len(layers)
+
+
+# ----- tensor parallelism --------------------------------------------------------------------------------
+
+
+def apply_hf_tensor_parallel(model: nn.Module, mesh_or_group, *, sequence_parallel: bool = True):
+    """Megatron tensor parallelism (with sequence parallelism) on an HF Llama/Qwen2/Qwen3/Mistral model,
+    in place, with the runtime's own sharding (:mod:`runtime.tp`): the families name their projections
+    like the runtime's Llama, so :func:`runtime.tp.shard_block` swaps in the column/row-parallel shards
+    and :func:`runtime.tp.shard_vocabulary` the vocab-parallel embedding and lm_head. HF's code is not
+    changed: forward pre-hooks open each TP region (all-gather along the sequence before the attention
+    and the MLP, and before the lm_head), the row-parallel projections close it. Attention reshapes with
+    ``-1`` heads, so it runs on the local heads. Call before FSDP2, like
+    :func:`runtime.tp.apply_tensor_parallel`; returns the state, also ``model.tensor_parallel``.
+    """
+    from runtime.tp import shard_block, shard_vocabulary, tensor_parallel_state
+
+    spec = hf_model_spec(model)
+    tp, split = tensor_parallel_state(spec, mesh_or_group, sequence_parallel)
+    if tp.size == 1:
+        return tp
+    object.__setattr__(model, "tensor_parallel", tp)  # state, not a submodule
+    for layer in hf_decoder_layers(model):
+        shard_block(tp, split, spec, layer.self_attn, layer.mlp, [layer.input_layernorm, layer.post_attention_layernorm])
+        layer.self_attn.register_forward_pre_hook(_enter_hidden_states(tp), with_kwargs=True)
+        layer.mlp.register_forward_pre_hook(_enter_first_argument(tp))
+    inner = model.model
+    if tp.sequence_parallel:
+        tp.replicated += [(inner.norm, name) for name, _ in inner.norm.named_parameters()]
+    tied = spec.tied_embeddings
+    inner.embed_tokens, model.lm_head = shard_vocabulary(
+        tp, inner.embed_tokens.weight, None if tied else model.lm_head.weight)
+    model.lm_head.register_forward_pre_hook(_enter_first_argument(tp))
+    return tp
+
+
+def _enter_first_argument(tp):
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        return (tp.enter(args[0]), *args[1:])
+
+    return hook
+
+
+def _enter_hidden_states(tp):
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (tp.enter(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": tp.enter(kwargs["hidden_states"])}
+
+    return hook

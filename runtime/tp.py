@@ -471,17 +471,20 @@ def _tp_group(mesh_or_group) -> dist.ProcessGroup | None:
     )
 
 
-def apply_tensor_parallel(model: nn.Module, mesh_or_group, *, sequence_parallel: bool = True) -> TensorParallel:
-    """Shard ``model`` (a :class:`runtime.models.LlamaModel`) for this rank of the ``tp`` group, in place.
+@dataclass
+class _Split:
+    """How this TP rank splits a model's heads: the KV replication factor and this rank's first KV head."""
 
-    Call on the full model (every rank holding the same weights, e.g. after a seeded init, or on the meta
-    device before initialising), before FSDP2's ``fully_shard`` and before building the optimizer.
-    Returns the :class:`TensorParallel` state, also stored as ``model.tensor_parallel``.
-    """
+    kv_rep: int
+    kv_first: int
+
+
+def tensor_parallel_state(spec, mesh_or_group, sequence_parallel: bool) -> tuple[TensorParallel, _Split]:
+    """This rank's :class:`TensorParallel` for a model of ``spec`` (bounds of every sharded tensor kind)
+    and its head split; refuses what TP cannot split (heads, dropout) with the reason."""
     group = _tp_group(mesh_or_group)
     size = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
-    spec = model.spec
     kv_rep = _check_tp(spec, size)
     if size > 1 and (spec.hidden_dropout > 0 or spec.attention_dropout > 0):
         raise RuntimeConfigError(
@@ -491,9 +494,6 @@ def apply_tensor_parallel(model: nn.Module, mesh_or_group, *, sequence_parallel:
         )
     v_start, v_end = _split_bounds(spec.vocab_size, size, rank)
     tp = TensorParallel(group, size, rank, sequence_parallel and size > 1, v_start, v_end)
-    model.tensor_parallel = tp
-    if size == 1:
-        return tp
     hd = spec.head_dim
     q_local = spec.num_heads // size
     kv_local = spec.num_kv_heads // size if kv_rep == 1 else 1
@@ -504,36 +504,69 @@ def apply_tensor_parallel(model: nn.Module, mesh_or_group, *, sequence_parallel:
         "ffn": _split_bounds(spec.ffn_hidden_size, size, rank),
         "vocab": (v_start, v_end),
     }
+    return tp, _Split(kv_rep, kv_first)
+
+
+def shard_block(tp: TensorParallel, split: _Split, spec, attn: nn.Module, mlp: nn.Module,
+                norms: list[nn.Module]) -> None:
+    """Shard one Llama-style block in place: column-parallel q/k/v_proj and gate/up_proj, row-parallel
+    o_proj and down_proj (the module names the runtime's Llama and the HF families share), and record the
+    replicated parameters whose gradients are partial sums (``norms`` are the block's pre-norms, replicated
+    under sequence parallelism; q/k norms always)."""
     q_rows, kv_rows, f_rows = tp.bounds["q"], tp.bounds["kv"], tp.bounds["ffn"]
+    attn.q_proj = _rows(attn.q_proj, *q_rows)
+    attn.k_proj = _rows(attn.k_proj, *kv_rows)
+    attn.v_proj = _rows(attn.v_proj, *kv_rows)
+    attn.o_proj = _row_parallel(attn.o_proj, *q_rows, tp)
+    mlp.gate_proj = _rows(mlp.gate_proj, *f_rows)
+    mlp.up_proj = _rows(mlp.up_proj, *f_rows)
+    mlp.down_proj = _row_parallel(mlp.down_proj, *f_rows, tp)
+    if split.kv_rep > 1:
+        for proj in (attn.k_proj, attn.v_proj):
+            tp.head_replicated += [(proj, name, split.kv_first, spec.num_kv_heads) for name, _ in proj.named_parameters()]
+    replicated = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+    if tp.sequence_parallel:
+        replicated += norms
+        tp.replicated += [(m, "bias") for m in (attn.o_proj, mlp.down_proj) if m.bias is not None]
+    tp.replicated += [(m, name) for m in replicated if m is not None for name, _ in m.named_parameters()]
+
+
+def shard_vocabulary(tp: TensorParallel, embedding: torch.Tensor, head: torch.Tensor | None
+                     ) -> tuple[VocabParallelEmbedding, nn.Linear]:
+    """The vocab-parallel embedding and lm_head (rows ``[vocab_start, vocab_end)``); ``head`` None: tied."""
+    with torch.no_grad():
+        rows = embedding[tp.vocab_start:tp.vocab_end].clone()
+        head_rows = None if head is None else head[tp.vocab_start:tp.vocab_end].clone()
+    embed = VocabParallelEmbedding(rows, tp)
+    lm_head = _new_linear(rows if head_rows is None else head_rows, None)
+    if head is None:
+        lm_head.weight = embed.weight
+    return embed, lm_head
+
+
+def apply_tensor_parallel(model: nn.Module, mesh_or_group, *, sequence_parallel: bool = True) -> TensorParallel:
+    """Shard ``model`` (a :class:`runtime.models.LlamaModel`) for this rank of the ``tp`` group, in place.
+
+    Call on the full model (every rank holding the same weights, e.g. after a seeded init, or on the meta
+    device before initialising), before FSDP2's ``fully_shard`` and before building the optimizer.
+    Returns the :class:`TensorParallel` state, also stored as ``model.tensor_parallel``.
+    (HF transformers models: :func:`runtime.hf.apply_hf_tensor_parallel`.)
+    """
+    spec = model.spec
+    tp, split = tensor_parallel_state(spec, mesh_or_group, sequence_parallel)
+    model.tensor_parallel = tp
+    if tp.size == 1:
+        return tp
     for layer in model.layers:
-        attn, mlp = layer.attn, layer.mlp
-        attn.q_proj = _rows(attn.q_proj, *q_rows)
-        attn.k_proj = _rows(attn.k_proj, *kv_rows)
-        attn.v_proj = _rows(attn.v_proj, *kv_rows)
-        attn.o_proj = _row_parallel(attn.o_proj, *q_rows, tp)
-        attn.num_heads, attn.num_kv_heads = q_local, kv_local
-        attn.tp_enter = tp.enter
-        mlp.gate_proj = _rows(mlp.gate_proj, *f_rows)
-        mlp.up_proj = _rows(mlp.up_proj, *f_rows)
-        mlp.down_proj = _row_parallel(mlp.down_proj, *f_rows, tp)
-        mlp.tp_enter = tp.enter
-        if kv_rep > 1:
-            for proj in (attn.k_proj, attn.v_proj):
-                tp.head_replicated += [(proj, name, kv_first, spec.num_kv_heads) for name, _ in proj.named_parameters()]
-        replicated = [attn.q_norm, attn.k_norm]
-        if tp.sequence_parallel:
-            replicated += [layer.input_norm, layer.post_attention_norm]
-            tp.replicated += [(m, "bias") for m in (attn.o_proj, mlp.down_proj) if m.bias is not None]
-        tp.replicated += [(m, name) for m in replicated if m is not None for name, _ in m.named_parameters()]
+        shard_block(tp, split, spec, layer.attn, layer.mlp, [layer.input_norm, layer.post_attention_norm])
+        layer.attn.num_heads = spec.num_heads // tp.size
+        layer.attn.num_kv_heads = (tp.bounds["kv"][1] - tp.bounds["kv"][0]) // spec.head_dim
+        layer.attn.tp_enter = tp.enter
+        layer.mlp.tp_enter = tp.enter
     if tp.sequence_parallel:
         tp.replicated += [(model.norm, name) for name, _ in model.norm.named_parameters()]
-    with torch.no_grad():
-        embedding = model.embed_tokens.weight[v_start:v_end].clone()
-        head = None if spec.tied_embeddings else model.lm_head.weight[v_start:v_end].clone()
-    model.embed_tokens = VocabParallelEmbedding(embedding, tp)
-    model.lm_head = _new_linear(embedding if head is None else head, None)
-    if spec.tied_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    model.embed_tokens, model.lm_head = shard_vocabulary(
+        tp, model.embed_tokens.weight, None if spec.tied_embeddings else model.lm_head.weight)
     model.head_tp_enter = tp.enter
     return tp
 

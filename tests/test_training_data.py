@@ -185,12 +185,9 @@ def test_the_runtime_llama_model_runs_every_training_option_the_planner_outputs(
     assert planner_constraints() == ({}, {})
 
 
-def test_hf_models_refuse_only_tp_with_the_reason():
-    reasons = unsupported_reasons(_plan(layout=Layout(tp=2), **ALL_TECHNIQUES), "hf")
-    assert len(reasons) == 1
-    assert reasons[0].startswith("tp=2") and "LlamaModel" in reasons[0]
-    assert unsupported_reasons(_plan(**ALL_TECHNIQUES), "hf") == []  # every memory technique runs
-    assert planner_constraints("hf") == ({"tp": 1}, {})
+def test_hf_models_run_every_training_option_too():
+    assert unsupported_reasons(_plan(layout=Layout(tp=2, ulysses=2), **ALL_TECHNIQUES), "hf") == []
+    assert planner_constraints("hf") == ({}, {})
 
 
 def test_prefill_materialized_and_zero0_are_refused():
@@ -214,9 +211,7 @@ def test_tp_is_refused_for_a_model_with_dropout():
 
 def test_planner_constraints_only_allow_what_runs():
     merged_layout, merged_options = merge_constraints({"ulysses": 4}, {"zero_stage": 2, "tiled_mlp": True}, "hf")
-    assert merged_layout == {"tp": 1, "ulysses": 4} and merged_options == {"zero_stage": 2, "tiled_mlp": True}
-    with pytest.raises(RuntimeConfigError, match="tp=2"):
-        merge_constraints({"tp": 2}, {}, "hf")
+    assert merged_layout == {"ulysses": 4} and merged_options == {"zero_stage": 2, "tiled_mlp": True}
     with pytest.raises(RuntimeConfigError, match="zero_stage=0"):
         merge_constraints({}, {"zero_stage": 0})
 
