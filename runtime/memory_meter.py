@@ -30,10 +30,20 @@ def live_peak(fn: Callable[[], object], device: torch.device | str = "cpu") -> i
         fn()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - start
+    import gc
+
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
+    # Python's cyclic GC would free whatever garbage it finds whenever its counters say so: tensors
+    # of earlier work (or of fn's own reference cycles) would then vanish at a point that depends on
+    # everything that ran before, and the measured peak with them. Collect first, pause it inside.
+    gc.collect()
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+    finally:
+        gc.enable()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())
     live = peak = 0
