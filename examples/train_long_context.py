@@ -13,6 +13,7 @@ Let the planner also consider data parallelism, pin a layout, or run a plan file
     torchrun --nproc-per-node 4 examples/train_long_context.py --no-sp-only
     torchrun --nproc-per-node 4 examples/train_long_context.py --ulysses 2 --ring 2 --seq-len 8K
     torchrun --nproc-per-node 4 examples/train_long_context.py --tp 2 --ulysses 2 --tiled-mlp --tiled-loss
+    torchrun --nproc-per-node 4 examples/train_long_context.py --hf --tp 2 --ulysses 2   # a transformers Llama
     sp-plan export --plan plan.yaml --to torchrun      # prints: torchrun ... train_long_context.py --plan plan.yaml
 
 The same script runs on GPUs (NCCL, bf16 by default there). Without ``--plan``, rank 0 plans for the
@@ -77,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--heads", type=int, default=4)
     model.add_argument("--kv-heads", type=int, default=2)
     model.add_argument("--ffn", type=int, default=352)
+    p.add_argument("--hf", action="store_true",
+                   help="train a Hugging Face transformers LlamaForCausalLM of the same architecture (random "
+                        "weights, no download; needs the [hf] extra) instead of the runtime's own Llama")
     pins = p.add_argument_group("layout and options the planner must use (ignored with --plan)")
     pins.add_argument("--sp-only", action=argparse.BooleanOptionalAction, default=True,
                       help="split every sequence over all ranks (no data parallelism); --no-sp-only lets the "
@@ -114,7 +118,7 @@ def read_corpus(root: Path | None, limit: int) -> torch.Tensor:
     return torch.cat(chunks)[:limit]
 
 
-def build_model(args: argparse.Namespace, plan) -> LlamaModel:
+def build_model(args: argparse.Namespace, plan) -> torch.nn.Module:
     if plan is not None:
         spec = plan.model
     else:
@@ -124,9 +128,25 @@ def build_model(args: argparse.Namespace, plan) -> LlamaModel:
     if spec.vocab_size < VOCAB:
         raise RuntimeConfigError(f"the plan's model has a vocabulary of {spec.vocab_size}; this example needs {VOCAB}")
     torch.manual_seed(args.seed)
+    if args.hf:
+        return build_hf_model(spec, args.seq_len)
     model = LlamaModel(spec)
     model.init_weights(generator=torch.Generator().manual_seed(args.seed))
     return model
+
+
+def build_hf_model(spec: ModelSpec, seq_len: int) -> torch.nn.Module:
+    """A transformers LlamaForCausalLM with ``spec``'s architecture and random weights (seeded above)."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as exc:
+        raise RuntimeConfigError("--hf needs transformers: pip install 'sp-plan[hf]'") from exc
+    config = LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                         intermediate_size=spec.ffn_hidden_size, num_hidden_layers=spec.num_layers,
+                         num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                         head_dim=spec.head_dim, max_position_embeddings=max(seq_len, 2048),
+                         tie_word_embeddings=spec.tied_embeddings, attention_dropout=0.0)
+    return LlamaForCausalLM(config).float()
 
 
 class Progress:

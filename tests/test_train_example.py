@@ -58,3 +58,19 @@ def test_example_refuses_a_plan_the_runtime_cannot_run(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "zero_stage=0" in done.stderr and "DDP" in done.stderr
 
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_example_trains_a_hugging_face_model_with_tensor_parallelism():
+    pytest.importorskip("transformers")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "examples/train_long_context.py", "--hf", "--tp", "2", "--tiled-mlp", "--layers", "2", "--hidden", "64",
+           "--ffn", "128", "--seq-len", "512", "--steps", "4", "--corpus-bytes", "200000", "--topology", "dgx-h100"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout + done.stderr
+    assert re.search(r"plan: tp=2 on 2 rank\(s\) for llama-2l-64h", out), out[-2000:]
+    match = re.search(r"done: 4 steps .* loss ([\d.]+) -> ([\d.]+);", out)
+    assert match and float(match.group(2)) < float(match.group(1)), out[-2000:]
