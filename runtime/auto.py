@@ -76,7 +76,7 @@ from torch import nn
 from cost_models.layout import Layout
 from cost_models.model_spec import ModelSpec
 from cost_models.train_spec import TrainSpec
-from runtime.capabilities import merge_constraints, unsupported_reasons
+from runtime.capabilities import memory_assumptions, merge_constraints, unsupported_reasons
 from runtime.fsdp import DTYPES, fully_shard_kwargs, fully_shard_units, needs_compute_dtype_params
 from runtime.context import SequenceParallel
 from runtime.data import BatchSharder, data_parallel_coordinates, data_parallel_sampler
@@ -342,7 +342,7 @@ def plan_for(spec: ModelSpec, base: TrainSpec, topology, world: int, *, global_b
     sequences = global_batch if global_batch is not None else base.micro_batch
     settings = PlanSettings(global_batch_tokens=sequences * base.seq_len, micro_batch_fixed=True,
                             fixed_layout=layout_pins, fixed_options=option_pins)
-    result = search(spec, base, topology, settings, world=world)
+    result = search(spec, base, topology, settings, memory_assumptions(kind), world=world)
     best = result.best
     hardware = Hardware(num_gpus=world, gpus_per_node=min(topology.gpus_per_node, world), gpu=topology.gpu.name,
                         topology=topology.name)

@@ -37,6 +37,24 @@ UNSUPPORTED_DEGREES: dict[str, dict[str, str]] = {
     "hf": {},
 }
 
+#: Memory-model assumptions (:class:`cost_models.memory.MemoryAssumptions` fields) that describe how a
+#: model kind's code spends activation memory, so plans for it are made with its real footprint: HF's
+#: LlamaRMSNorm is written in eager torch ops and keeps an fp32 copy of its input for backward
+#: (measured equal in tests/test_hf_memory.py); the runtime's Llama uses a fused-style norm.
+MEMORY_ASSUMPTIONS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "hf": {"norm_implementation": "eager"},
+}
+
+
+def memory_assumptions(kind: str = "llama"):
+    """The :class:`cost_models.memory.MemoryAssumptions` the planner uses for a model of ``kind``."""
+    from cost_models.memory import MemoryAssumptions
+
+    _check_kind(kind)
+    return MemoryAssumptions(**MEMORY_ASSUMPTIONS[kind])
+
+
 #: ZeRO stages auto_configure runs, all with FSDP2 (see runtime.auto for how each is reproduced).
 SUPPORTED_ZERO_STAGES: tuple[int, ...] = (1, 2, 3)
 

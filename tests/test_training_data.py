@@ -243,3 +243,21 @@ def test_sharded_loader_over_a_dataloader_of_hf_dicts():
     assert len(shards) == len(loader) == 2
     assert shards[0]["input_ids"].shape == (2, 6) and shards[0]["position_ids"][0].tolist() == list(range(6, 12))
     assert shards[1]["labels"][1].tolist() == [10, 11, 12, 13, 14, IGNORE_INDEX]
+
+
+def test_plans_for_hf_models_use_their_memory_footprint():
+    """auto_configure plans an HF model with the HF memory assumptions (eager RMSNorm's fp32 copies),
+    so the same architecture needs more activation memory planned as HF than as the runtime's Llama."""
+    from cost_models import get_model_preset
+    from cost_models.topology import load_topology
+    from runtime.auto import plan_for
+
+    spec = get_model_preset("llama3-8b")
+    base = TrainSpec(seq_len=32768)
+    pins = {"checkpointing": "none", "tiled_mlp": False, "tiled_loss": False}
+    plans = {kind: plan_for(spec, base, load_topology("dgx-h100", 8), 8, fixed_layout={"ulysses": 8},
+                            fixed_options=pins, kind=kind) for kind in ("llama", "hf")}
+    act = {kind: plan.estimate["memory"]["activations"] for kind, plan in plans.items()}
+    tokens = base.seq_len // 8
+    extra_per_layer = 2 * tokens * spec.hidden_size * 4  # two norms, fp32 input copies
+    assert act["hf"] - act["llama"] >= (spec.num_layers - 1) * extra_per_layer
