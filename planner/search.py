@@ -67,6 +67,9 @@ class PlanSettings(BaseModel):
     #: Memory options the user pinned (TrainSpec field -> value).
     fixed_options: dict[str, Any] = Field(default_factory=dict)
     micro_batch_fixed: bool = False
+    #: Memory-model assumptions (implementation choices, overheads; None: the defaults). An explicit
+    #: ``assumptions`` argument to :func:`search` takes precedence.
+    assumptions: MemoryAssumptions | None = None
 
 
 class RankedPlan(BaseModel):
@@ -167,7 +170,7 @@ class _Searcher:
     def __init__(self, model: ModelSpec, base: TrainSpec, topology: Topology, settings: PlanSettings,
                  assumptions: MemoryAssumptions | None):
         self.model, self.base, self.topology, self.settings = model, base, topology, settings
-        self.assumptions = assumptions or MemoryAssumptions()
+        self.assumptions = assumptions or settings.assumptions or MemoryAssumptions()
         self.gpu = topology.gpu
         self.usable = topology.gpu.memory_bytes * (1.0 - settings.headroom)
         self.host_capacity = topology.host_ram_per_gpu

@@ -186,3 +186,27 @@ def test_gpus_default_to_the_topology_and_are_required_without_one():
         data = json.loads(res.stdout)
         layout = data["plans"][0]["layout"] if name == "plan" else data["layout"]
         assert math.prod(layout.values()) == 8
+
+
+def test_memory_assumptions_can_be_overridden_from_the_command_line():
+    """--assume KEY=VALUE reaches the memory model (estimate and plan alike); bad keys and values are one
+    line each, exit 2."""
+    from planner.cli import cli
+
+    runner = CliRunner()
+    base = ["estimate", "--model", "llama3-8b", "--seq-len", "32K", "--gpus", "8", "--ulysses", "8",
+            "--checkpointing", "none", "--json"]
+    fused = json.loads(runner.invoke(cli, base).stdout)["memory"]["activations"]
+    eager = json.loads(runner.invoke(cli, base + ["--assume", "norm_implementation=eager"]).stdout)["memory"]
+    tokens, hidden, layers = 32768 // 8, 4096, 32
+    # HF's eager RMSNorm keeps an fp32 copy of its input: two norms per layer and the final norm.
+    assert eager["activations"] - fused == (2 * layers + 1) * tokens * hidden * 4
+    plan = ["plan", "--model", "llama3-8b", "--seq-len", "128K", "--gpus", "8", "--json", "--top", "1"]
+    roomy = json.loads(runner.invoke(cli, plan).stdout)["plans"][0]["memory"]["overhead"]
+    tight = json.loads(runner.invoke(cli, plan + ["--assume", "fragmentation_fraction=0.2"]).stdout)
+    assert tight["plans"][0]["memory"]["overhead"] > roomy
+    for bad, words in (("bogus=1", "unknown assumption"), ("norm_implementation=weird", "'fused' or 'eager'"),
+                       ("nokv", "KEY=VALUE")):
+        proc = subprocess.run([sys.executable, "-m", "planner.cli", *plan, "--assume", bad], cwd=ROOT,
+                              capture_output=True, text=True)
+        assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from cost_models.errors import CostModelError, explain_validation_error
 from cost_models.gpu_spec import GPUSpec, get_gpu_preset
 from cost_models.layout import Layout
+from cost_models.memory.assumptions import MemoryAssumptions
 from cost_models.model_spec import ModelSpec, load_model
 from cost_models.train_spec import TrainSpec
 from cost_models.units import parse_seq_len
@@ -96,6 +97,15 @@ def _model_options(func: Callable, seq_len_required: bool) -> Callable:
             type=click.Choice(["flash", "materialized"]),
             default="flash",
             show_default=True,
+        ),
+        click.option(
+            "--assume",
+            "assume",
+            multiple=True,
+            metavar="KEY=VALUE",
+            help="Override a memory-model assumption (repeatable), e.g. --assume norm_implementation=eager "
+                 "(HF's eager RMSNorm) or --assume fragmentation_fraction=0.1; keys and meanings: "
+                 "docs/memory_model.md.",
         ),
     ]
     for option in reversed(options):
@@ -187,6 +197,25 @@ def build_cluster(gpus: int | None, gpus_per_node: int | None, gpu_name: str,
                                "it describes)")
     topology = build_topology(gpus, gpus_per_node, gpu_name, topology_ref)
     return topology, gpus if gpus is not None else topology.num_gpus
+
+
+def build_assumptions(pairs: tuple[str, ...] | list[str]) -> MemoryAssumptions | None:
+    """MemoryAssumptions from ``--assume KEY=VALUE`` pairs (None when there are none)."""
+    if not pairs:
+        return None
+    values: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise CostModelError(f"--assume {pair!r}: expected KEY=VALUE, e.g. --assume norm_implementation=eager")
+        if key not in MemoryAssumptions.model_fields:
+            raise CostModelError(f"--assume {key}: unknown assumption; known: {', '.join(MemoryAssumptions.model_fields)}")
+        values[key] = value.strip()
+    try:
+        return MemoryAssumptions(**values)
+    except ValidationError as exc:
+        raise explain_validation_error(exc, "--assume") from exc
 
 
 def build_layout(gpus: int, **degrees: int | None) -> Layout:

@@ -15,6 +15,7 @@ from cost_models.units import GB, GiB, format_tokens
 from .common import (
     build_layout,
     build_model,
+    build_assumptions,
     build_cluster,
     build_train,
     hardware_options,
@@ -33,7 +34,7 @@ def run_estimate(model_name: str, gpus: int | None, gpus_per_node: int | None, g
         train = build_train(**train_kwargs)
         topology, gpus = build_cluster(gpus, gpus_per_node, gpu_name, topology_ref)
         layout = build_layout(gpus, **layout_kwargs)
-        return estimate(model, train, layout, topology)
+        return estimate(model, train, layout, topology, build_assumptions(options.get("assume", ())))
     except ValidationError as exc:
         raise explain_validation_error(exc, "input") from exc
 

@@ -19,6 +19,7 @@ from .common import (
     LAYOUT_KEYS,
     SEARCHABLE_OPTIONS,
     build_model,
+    build_assumptions,
     build_cluster,
     build_train,
     hardware_options,
@@ -51,7 +52,8 @@ def settings_from(ctx: click.Context, options: dict[str, Any], top: int = 5) -> 
     try:
         settings = PlanSettings(top_k=top, headroom=options["headroom"],
                                 global_batch_tokens=options["global_batch_tokens"], fixed_layout=fixed_layout,
-                                fixed_options=fixed_options, micro_batch_fixed=micro_fixed)
+                                fixed_options=fixed_options, micro_batch_fixed=micro_fixed,
+                                assumptions=build_assumptions(options.get("assume", ())))
     except ValidationError as exc:
         raise explain_validation_error(exc, "planner settings") from exc
     train_kwargs, _ = split_options(options)
