@@ -136,17 +136,13 @@ def build_model(args: argparse.Namespace, plan) -> torch.nn.Module:
 
 
 def build_hf_model(spec: ModelSpec, seq_len: int) -> torch.nn.Module:
-    """A transformers LlamaForCausalLM with ``spec``'s architecture and random weights (seeded above)."""
+    """A transformers causal LM with ``spec``'s architecture and random weights (seeded above)."""
     try:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from runtime.hf import hf_model_from_spec
+
+        return hf_model_from_spec(spec, seq_len)
     except ImportError as exc:
         raise RuntimeConfigError("--hf needs transformers: pip install 'sp-plan[hf]'") from exc
-    config = LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-                         intermediate_size=spec.ffn_hidden_size, num_hidden_layers=spec.num_layers,
-                         num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-                         head_dim=spec.head_dim, max_position_embeddings=max(seq_len, 2048),
-                         tie_word_embeddings=spec.tied_embeddings, attention_dropout=0.0)
-    return LlamaForCausalLM(config).float()
 
 
 class Progress:

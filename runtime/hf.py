@@ -296,3 +296,27 @@ def _enter_hidden_states(tp):
         return args, {**kwargs, "hidden_states": tp.enter(kwargs["hidden_states"])}
 
     return hook
+
+
+# ----- building a model from a ModelSpec ----------------------------------------------------------------
+
+
+def hf_model_from_spec(spec: ModelSpec, max_positions: int = 2048) -> nn.Module:
+    """A transformers causal LM with ``spec``'s architecture and random weights (no download, fp32):
+    Qwen3 when the spec has q/k norms, Qwen2 when it has QKV biases, else Llama. For checks and examples
+    that need an HF model of a planned shape (``sp-plan validate --hf``, the training example)."""
+    transformers = _transformers()
+    if spec.hidden_dropout or spec.attention_dropout:
+        raise RuntimeConfigError(f"{spec.name}: dropout is not supported on the HF path; set it to 0")
+    common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
+                  num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                  num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                  max_position_embeddings=max(max_positions, 2048), tie_word_embeddings=spec.tied_embeddings,
+                  attention_dropout=0.0)
+    if spec.qk_norm:
+        config = transformers.Qwen3Config(**common)
+    elif spec.qkv_bias:
+        config = transformers.Qwen2Config(**common, use_sliding_window=False)
+    else:
+        config = transformers.LlamaConfig(**common)
+    return transformers.AutoModelForCausalLM.from_config(config).float()

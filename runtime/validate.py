@@ -194,19 +194,25 @@ def _step_bytes(model, train, layout, keep) -> float:
                for op in comm_ops(model, train, layout) if keep(op))
 
 
-def predict(plan, topology) -> Prediction:
-    """Memory, communication and time predicted for ``plan``'s configuration on ``topology``."""
+def predict(plan, topology, kind: str = "llama") -> Prediction:
+    """Memory, communication and time predicted for ``plan``'s configuration on ``topology``, with the
+    memory assumptions of the model ``kind`` that runs it (:func:`runtime.capabilities.memory_assumptions`)."""
     from cost_models.comm_volume import comm_estimate
     from cost_models.estimate import estimate
-    from cost_models.memory.timeline import INDEX_BYTES
+    from cost_models.memory.timeline import INDEX_BYTES, rope_table_bytes
+    from runtime.capabilities import memory_assumptions
 
     model, train, layout = plan.model, plan.train, plan.layout
-    est = estimate(model, train, layout, topology, with_placement=False)
+    est = estimate(model, train, layout, topology, memory_assumptions(kind), with_placement=False)
     detail = est.detail
     local_tokens = train.micro_batch * train.seq_len // layout.sp
     position_ids = local_tokens * INDEX_BYTES  # on the device, never saved by autograd
     activations = (model.num_layers * detail.per_layer.saved_bytes + detail.output_layer.saved_bytes
                    + detail.inputs_bytes - position_ids)
+    if kind == "hf" and train.checkpointing != "none" and model.position_embedding == "rope":
+        # HF's checkpointing binds the RoPE cos/sin as keyword arguments of the recompute closure: alive
+        # as the model says, but never packed as saved tensors, so the meter cannot see them.
+        activations -= rope_table_bytes(local_tokens, model.head_dim, train.dtype_bytes)
     comm = comm_estimate(model, train, layout)
     by_collective = {name: comm.by_collective.get(name, 0.0) for name in SP_COLLECTIVES}
     by_collective.update({name: _step_bytes(model, train, layout, lambda op, c=name: op.strategy == "fsdp"
@@ -291,28 +297,40 @@ def prediction_topology(plan, topology: Any, device_type: str):
     return topo, "probed on this machine: CPU ranks over gloo, so the time prediction is for this CPU"
 
 
-def run_validation(plan, *, steps: int = 3, topology: Any = None, seed: int = 0) -> ValidationReport | None:
-    """Build the plan's model (random weights), auto-configure it, measure; the report on rank 0 only."""
+def run_validation(plan, *, steps: int = 3, topology: Any = None, seed: int = 0,
+                   kind: str = "llama") -> ValidationReport | None:
+    """Build the plan's model (random weights), auto-configure it, measure; the report on rank 0 only.
+    ``kind``: ``llama`` (the runtime's LlamaModel) or ``hf`` (a transformers model of the same shape,
+    :func:`runtime.hf.hf_model_from_spec`)."""
     from runtime.auto import auto_configure, describe_plan, init_distributed
-    from runtime.models import LlamaModel
 
     device_type = init_distributed()
     topo, note = prediction_topology(plan, topology, device_type)
     torch.manual_seed(seed)
-    model = LlamaModel(plan.model)
-    model.init_weights(generator=torch.Generator().manual_seed(seed))
+    if kind == "hf":
+        from runtime.hf import hf_model_from_spec
+
+        model = hf_model_from_spec(plan.model, plan.train.seq_len)
+    else:
+        from runtime.models import LlamaModel
+
+        model = LlamaModel(plan.model)
+        model.init_weights(generator=torch.Generator().manual_seed(seed))
     setup = auto_configure(model, plan=plan)
     mine = measure(setup, steps, seed)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() != 0:
         return None
-    prediction = predict(plan, topo)
+    prediction = predict(plan, topo, kind)
     prediction.topology_note = note
     notes = []
     if device_type == "cpu":
         notes.append("peak memory: not measured on CPU (no allocator statistics); the activation row is the "
                      "measured saved-tensor total")
+    if kind == "hf" and plan.train.checkpointing != "none":
+        notes.append("activations: HF keeps the RoPE cos/sin in its checkpoint closures (on the device, not saved "
+                     "tensors the meter sees): left out of the prediction too")
     fsdp_differs = any(r.comm_bytes[c] != prediction.comm_bytes[c] for r in gathered for c in FSDP_COLLECTIVES)
     if fsdp_differs:
         notes.append("FSDP2 bytes differ from the model where FSDP2 pads a parameter's first dim to a multiple of "

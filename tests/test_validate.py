@@ -119,3 +119,26 @@ def test_validate_refuses_runs_the_host_cannot_hold_before_launching(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_LLAMA))
     check_host_memory(plan_for(str(config)), 4, available=24 << 30)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_validate_a_hugging_face_model_with_tensor_parallelism(tmp_path):
+    """`sp-plan validate --hf`: a transformers Llama of the plan's shape under tp2 x ulysses2 with
+    selective checkpointing and the tiled MLP: every byte row exact (TP's collectives included) and the
+    activations, predicted with the HF memory assumptions, within 1%."""
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_LLAMA))
+    done = _cli("validate", "--model", str(config), "--seq-len", "512", "--gpus", "4", "--tp", "2", "--ulysses", "2",
+                "--dtype", "fp32", "--checkpointing", "selective", "--tiled-mlp", "--zero", "3", "--steps", "1",
+                "--hf", "--json")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    predicted = report["prediction"]
+    assert predicted["comm_bytes"]["tp (all collectives)"] > 0 and predicted["comm_bytes"]["all_to_all"] > 0
+    for rank in report["ranks"]:
+        for collective, nbytes in predicted["comm_bytes"].items():
+            assert rank["comm_bytes"][collective] == nbytes, collective
+        assert abs(rank["activation_bytes"] / predicted["activation_bytes"] - 1) < 0.01
+    assert any("RoPE" in note for note in report["notes"])

@@ -108,10 +108,15 @@ def validate_options(train: TrainSpec, layout: Layout) -> None:
         )
 
 
+def rope_table_bytes(tokens: int, head_dim: int, dtype_bytes: int) -> int:
+    """The RoPE cos and sin tables of ``tokens`` positions, shared by all layers."""
+    return 2 * tokens * head_dim * dtype_bytes
+
+
 def _inputs_bytes(model: ModelSpec, d: LocalDims, training: bool) -> int:
     """Token ids, position ids (+ labels) and the RoPE cos/sin tables all layers share."""
     index_tensors = 3 if training else 2
-    rope = 2 * d.tokens * d.head_dim * d.compute_bytes if model.position_embedding == "rope" else 0
+    rope = rope_table_bytes(d.tokens, d.head_dim, d.compute_bytes) if model.position_embedding == "rope" else 0
     return index_tensors * d.tokens * INDEX_BYTES + rope
 
 

@@ -95,7 +95,7 @@ def check_host_memory(plan, local_ranks: int, available: int | None = None) -> N
             "config.json")
 
 
-def _launch(plan_path: Path, world: int, steps: int, time_topology: str | None) -> dict:
+def _launch(plan_path: Path, world: int, steps: int, time_topology: str | None, kind: str) -> dict:
     """Run the ranks under torch.distributed.run and return rank 0's report (JSON)."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "report.json"
@@ -104,6 +104,8 @@ def _launch(plan_path: Path, world: int, steps: int, time_topology: str | None) 
                "--result-file", str(result)]
         if time_topology:
             cmd += ["--time-topology", time_topology]
+        if kind == "hf":
+            cmd.append("--hf")
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
@@ -139,11 +141,14 @@ def _launch(plan_path: Path, world: int, steps: int, time_topology: str | None) 
               help="Optimizer steps: the first is measured for bytes, the rest are timed.")
 @click.option("--time-topology", default=None,
               help="Topology for the step-time prediction (default: the plan's on GPUs, a quick probe on CPU).")
+@click.option("--hf", is_flag=True,
+              help="Run a Hugging Face transformers model of the plan's shape (needs the [hf] extra) instead of "
+                   "the runtime's Llama; predicted with the HF memory assumptions.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (bytes, seconds).")
 @click.option("--result-file", type=click.Path(dir_okay=False, path_type=Path), default=None, hidden=True)
 def command(plan_path: Path | None, model_name: str | None, seq_len: str | None, gpus: int | None,
             gpus_per_node: int | None, gpu_name: str, topology_ref: str | None, layers: int | None, steps: int,
-            time_topology: str | None, as_json: bool, result_file: Path | None, **options: Any) -> None:
+            time_topology: str | None, hf: bool, as_json: bool, result_file: Path | None, **options: Any) -> None:
     """Run a few steps of the planned configuration and compare with the cost models, per rank:
     activation bytes saved for backward, communication bytes by collective, peak memory (CUDA) and
     step time. On a CPU-only machine the ranks are CPU processes over gloo."""
@@ -159,24 +164,26 @@ def command(plan_path: Path | None, model_name: str | None, seq_len: str | None,
         if seq_len is not None:
             options["seq_len"] = parse_seq_len(seq_len)
         plan = _plan_from_flags(model_name, gpus, gpus_per_node, gpu_name, topology_ref, layers, options)
-    reasons = unsupported_reasons(plan)
+    kind = "hf" if hf else "llama"
+    reasons = unsupported_reasons(plan, kind)
     if reasons:
         raise CostModelError("the runtime cannot execute this plan: " + " | ".join(reasons))
     world = plan.layout.world
     if "WORLD_SIZE" not in os.environ:  # the launcher checks once for all the ranks it will start
         check_host_memory(plan, world)
     if "WORLD_SIZE" in os.environ or world == 1:
-        _run_here(plan, steps, time_topology, as_json, result_file)
+        _run_here(plan, steps, time_topology, as_json, result_file, kind)
         return
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "plan.yaml"
         plan.save(path)
         click.echo(f"launching {world} rank(s) for {plan.layout.describe()} ...", err=True)
-        report = _launch(path, world, steps, time_topology)
+        report = _launch(path, world, steps, time_topology, kind)
     _emit(report, as_json)
 
 
-def _run_here(plan, steps: int, time_topology: str | None, as_json: bool, result_file: Path | None) -> None:
+def _run_here(plan, steps: int, time_topology: str | None, as_json: bool, result_file: Path | None,
+              kind: str = "llama") -> None:
     try:
         import torch  # noqa: F401
     except ImportError as exc:
@@ -186,7 +193,7 @@ def _run_here(plan, steps: int, time_topology: str | None, as_json: bool, result
     from runtime.validate import run_validation
 
     try:
-        report = run_validation(plan, steps=steps, topology=time_topology)
+        report = run_validation(plan, steps=steps, topology=time_topology, kind=kind)
         if report is not None:
             data = report.to_json_dict()
             if result_file is not None:
