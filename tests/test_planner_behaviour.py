@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import yaml
 from click.testing import CliRunner
 
 from cost_models import TrainSpec, get_model_preset
