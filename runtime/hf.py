@@ -232,16 +232,16 @@ def apply_hf_tiled_mlp(model: nn.Module, tile_tokens: int | None = None) -> int:
         if getattr(mlp, TILED_ATTRIBUTE, False):
             continue
         untiled = mlp.forward
-        finish = getattr(mlp.down_proj, "finish", None)  # row-parallel under TP: reduce once, after the tiles
 
-        def forward(x: torch.Tensor, _mlp: nn.Module = mlp, _untiled=untiled, _finish=finish) -> torch.Tensor:
+        def forward(x: torch.Tensor, _mlp: nn.Module = mlp, _untiled=untiled) -> torch.Tensor:
             tile = tile_tokens_for(hidden, x.numel() // x.shape[-1], tile_tokens)
-            if _finish is None:
-                return tiled_mlp(_untiled, x, [p for p in _mlp.parameters() if p.requires_grad], tile)
             down = _mlp.down_proj
+            finish = getattr(down, "finish", None)  # row-parallel under TP: reduce once, after all tiles
+            if finish is None:
+                return tiled_mlp(_untiled, x, [p for p in _mlp.parameters() if p.requires_grad], tile)
             params = [*_mlp.gate_proj.parameters(), *_mlp.up_proj.parameters(), *down.partial_parameters()]
             y = tiled_mlp(lambda t: down.partial(_mlp.act_fn(_mlp.gate_proj(t)) * _mlp.up_proj(t)), x, params, tile)
-            return _finish(y)
+            return finish(y)
 
         mlp.forward = forward
         setattr(mlp, TILED_ATTRIBUTE, True)
