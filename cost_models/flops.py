@@ -173,9 +173,3 @@ def model_flops_per_step(model: ModelSpec, train: TrainSpec, layout: Layout) -> 
     """Model FLOPs of one optimizer step over the whole cluster (the MFU numerator)."""
     work = microbatch_work(model, train, layout)
     return work.model_flops * layout.world * train.grad_accum
-
-
-def hardware_flops_per_step(model: ModelSpec, train: TrainSpec, layout: Layout) -> float:
-    """FLOPs actually executed in one step over the cluster (with recompute and flash backward)."""
-    w = microbatch_work(model, train, layout)
-    return w.executed_flops(model.num_layers) * layout.world * train.grad_accum

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from cost_models.errors import CostModelError
+from cost_models.layout import Layout
 from cost_models.memory import MemoryAssumptions, memory_core
 from cost_models.model_spec import ModelSpec
 from cost_models.topology import Topology
@@ -55,7 +56,7 @@ class FeasibilityProbe(BaseModel):
 
     def describe_miss(self) -> str:
         """The nearest miss in one line: which memory ran out (device, or host RAM for the offloads)."""
-        layout = " x ".join(f"{k}={v}" for k, v in (self.layout or {}).items() if v > 1) or "single GPU"
+        layout = Layout(**(self.layout or {})).describe()
         device_short = self.total_bytes - self.usable_bytes
         if device_short <= 0:
             return (f"{layout} fits device memory ({self.total_bytes / 1e9:.1f} of {self.usable_bytes / 1e9:.1f} GB "
