@@ -215,13 +215,14 @@ TILED_ATTRIBUTE = "_sp_plan_tiled"
 def apply_hf_tiled_mlp(model: nn.Module, tile_tokens: int | None = None) -> int:
     """Run every decoder layer's MLP of an HF model over sequence tiles (:mod:`runtime.tiled_mlp`).
 
-    The supported families' MLPs (``down(act(gate(x)) * up(x))``) are row-wise, so the module's own
-    ``forward`` is the tile function: no module surgery, the MLP's parameters are passed through the
-    tiled op and get their gradients from it (FSDP2's gathered parameters during forward, as for the
-    runtime's own Llama). Tile size: the memory model's rule (:func:`runtime.tiled_mlp.tile_tokens_for`
-    with the model's hidden size). Returns the number of MLPs tiled.
+    The supported families' MLPs are ``down(act(gate(x)) * up(x))``, row-wise, over HF's own
+    ``gate_proj``/``up_proj``/``down_proj``/``act_fn``: the forward is replaced by
+    :func:`runtime.tiled_mlp.tiled_gated_mlp` on those modules (the runtime Llama's tiled path, row-parallel
+    ``down_proj`` under TP included), and the parameters get their gradients through the tiled op
+    (FSDP2's gathered parameters during forward). Tile size: the memory model's rule
+    (:func:`runtime.tiled_mlp.tile_tokens_for` with the model's hidden size). Returns the number of MLPs tiled.
     """
-    from runtime.tiled_mlp import tile_tokens_for, tiled_mlp
+    from runtime.tiled_mlp import tile_tokens_for, tiled_gated_mlp
 
     hidden = model.config.hidden_size
     layers = hf_decoder_layers(model)
@@ -231,17 +232,11 @@ def apply_hf_tiled_mlp(model: nn.Module, tile_tokens: int | None = None) -> int:
             raise RuntimeConfigError(f"{type(layer).__name__} has no mlp to tile")
         if getattr(mlp, TILED_ATTRIBUTE, False):
             continue
-        untiled = mlp.forward
 
-        def forward(x: torch.Tensor, _mlp: nn.Module = mlp, _untiled=untiled) -> torch.Tensor:
+        def forward(x: torch.Tensor, _mlp: nn.Module = mlp) -> torch.Tensor:
             tile = tile_tokens_for(hidden, x.numel() // x.shape[-1], tile_tokens)
-            down = _mlp.down_proj
-            finish = getattr(down, "finish", None)  # row-parallel under TP: reduce once, after all tiles
-            if finish is None:
-                return tiled_mlp(_untiled, x, [p for p in _mlp.parameters() if p.requires_grad], tile)
-            params = [*_mlp.gate_proj.parameters(), *_mlp.up_proj.parameters(), *down.partial_parameters()]
-            y = tiled_mlp(lambda t: down.partial(_mlp.act_fn(_mlp.gate_proj(t)) * _mlp.up_proj(t)), x, params, tile)
-            return finish(y)
+            # Modules looked up at call time: TP may swap in row-parallel shards after tiling is applied.
+            return tiled_gated_mlp(x, _mlp.gate_proj, _mlp.up_proj, _mlp.down_proj, _mlp.act_fn, tile)
 
         mlp.forward = forward
         setattr(mlp, TILED_ATTRIBUTE, True)

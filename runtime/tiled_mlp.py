@@ -114,6 +114,19 @@ def tiled_mlp(fn: TileFn, x: torch.Tensor, params: Sequence[torch.Tensor], tile_
     return _TiledMLP.apply(fn, tile_tokens, x, *params)
 
 
+def tiled_gated_mlp(x: torch.Tensor, gate_proj: torch.nn.Module, up_proj: torch.nn.Module, down_proj: torch.nn.Module,
+                    act: TileFn, tile_tokens: int) -> torch.Tensor:
+    """``down(act(gate(x)) * up(x))`` over tiles. A row-parallel ``down_proj`` (one with ``partial`` /
+    ``partial_parameters`` / ``finish``, :class:`runtime.tp.RowParallelLinear`) computes its partial sums
+    per tile and reduces once, after all tiles. Shared by the runtime's Llama MLP and HF's."""
+    partial = getattr(down_proj, "partial", down_proj)
+    down_params = getattr(down_proj, "partial_parameters", down_proj.parameters)()
+    params = [*gate_proj.parameters(), *up_proj.parameters(), *down_params]
+    y = tiled_mlp(lambda t: partial(act(gate_proj(t)) * up_proj(t)), x, params, tile_tokens)
+    finish = getattr(down_proj, "finish", None)
+    return finish(y) if finish is not None else y
+
+
 def apply_tiled_mlp(model: torch.nn.Module, tile_tokens: int | None = None) -> int:
     """Run every block's MLP of ``model`` (a :class:`runtime.models.LlamaModel`) tiled; returns the count.
 

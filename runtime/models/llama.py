@@ -34,7 +34,7 @@ from torch import nn
 from cost_models.model_spec import ModelSpec
 
 from ..errors import RuntimeConfigError
-from ..tiled_mlp import tile_tokens_for, tiled_mlp
+from ..tiled_mlp import tile_tokens_for, tiled_gated_mlp
 from .checkpointing import check_mode, keep_for_selective, run_checkpointed
 
 AttentionFn = Callable[..., torch.Tensor]
@@ -326,18 +326,7 @@ class LlamaMLP(nn.Module):
         if not self.tiled:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         tile = tile_tokens_for(x.shape[-1], x.numel() // x.shape[-1], self.tile_tokens)
-        y = tiled_mlp(self._tile_forward, x, self._tile_parameters(), tile)
-        finish = getattr(self.down_proj, "finish", None)  # a row-parallel projection's reduction + bias
-        return finish(y) if finish is not None else y
-
-    def _tile_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The MLP on one tile, up to (not including) a row-parallel projection's reduction."""
-        partial = getattr(self.down_proj, "partial", self.down_proj)
-        return partial(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    def _tile_parameters(self) -> list[nn.Parameter]:
-        down = getattr(self.down_proj, "partial_parameters", self.down_proj.parameters)
-        return [*self.gate_proj.parameters(), *self.up_proj.parameters(), *down()]
+        return tiled_gated_mlp(x, self.gate_proj, self.up_proj, self.down_proj, F.silu, tile)
 
 
 class LlamaBlock(nn.Module):
