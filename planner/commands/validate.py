@@ -71,17 +71,18 @@ def _available_host_bytes() -> int | None:
     return None
 
 
-def check_host_memory(plan, local_ranks: int, available: int | None = None) -> None:
+def check_host_memory(plan, local_ranks: int, available: int | None = None, kind: str = "llama") -> None:
     """Refuse, with the arithmetic and the way out, a run whose ranks cannot even build the model: each
     local rank materializes the whole model (random fp32 weights) before FSDP shards it, and a rank the
     kernel kills for memory leaves only a bare SIGKILL behind."""
     from cost_models.memory import memory_core
+    from runtime.capabilities import memory_assumptions
 
     available = _available_host_bytes() if available is None else available
     if available is None:
         return
     init = plan.model.num_params * INIT_BYTES_PER_PARAM
-    core = memory_core(plan.model, plan.train, plan.layout)
+    core = memory_core(plan.model, plan.train, plan.layout, memory_assumptions(kind))
     step = core.peak_allocated + core.host_total  # what the memory model predicts a rank holds in a step
     per_rank = max(init, step)
     need = per_rank * local_ranks
@@ -170,7 +171,7 @@ def command(plan_path: Path | None, model_name: str | None, seq_len: str | None,
         raise CostModelError("the runtime cannot execute this plan: " + " | ".join(reasons))
     world = plan.layout.world
     if "WORLD_SIZE" not in os.environ:  # the launcher checks once for all the ranks it will start
-        check_host_memory(plan, world)
+        check_host_memory(plan, world, kind=kind)
     if "WORLD_SIZE" in os.environ or world == 1:
         _run_here(plan, steps, time_topology, as_json, result_file, kind)
         return
