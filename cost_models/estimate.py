@@ -19,6 +19,7 @@ from .layout import Layout
 from .memory import HostMemory, MemoryAssumptions, MemoryBreakdown, MemoryDetail, memory_report
 from .model_spec import ModelSpec
 from .placement import Placement
+from .profile import CostProfile, resolve_profile
 from .time_model import OffloadTraffic, TimeEstimate, comm_and_time
 from .topology import Topology, default_topology
 from .train_spec import TrainSpec
@@ -33,6 +34,9 @@ class EstimateDetail(MemoryDetail):
     micro_batch: int
     dtype: str
     topology: str
+    #: The software stack the prediction assumes (``--stack``; ``+calibration`` when a calibration file
+    #: overrides it).
+    stack: str
     #: Host RAM one GPU's process may use for offloaded state (the node's RAM / GPUs per node).
     host_capacity: float
 
@@ -75,8 +79,13 @@ def as_topology(hardware: Topology | GPUSpec, world: int) -> Topology:
 
 
 def estimate(model: ModelSpec, train: TrainSpec, layout: Layout, hardware: Topology | GPUSpec,
-             assumptions: MemoryAssumptions | None = None, *, with_placement: bool = True) -> Estimate:
-    """Check the layout against the model and sequence, then predict memory, communication and time."""
+             assumptions: MemoryAssumptions | None = None, *, with_placement: bool = True,
+             profile: CostProfile | None = None) -> Estimate:
+    """Check the layout against the model and sequence, then predict memory, communication and time.
+
+    ``profile``: the stack and kernel model to assume (default: this project's runtime on the topology's
+    GPU); ``assumptions``, when given, replace the profile's memory assumptions.
+    """
     layout.check_against(model, train.seq_len, train.tp_sequence_parallel)
     topology = as_topology(hardware, layout.world)
     if layout.world > topology.num_gpus:
@@ -85,7 +94,8 @@ def estimate(model: ModelSpec, train: TrainSpec, layout: Layout, hardware: Topol
             f"{topology.num_gpus}; pass --gpus {layout.world} or a larger topology"
         )
     gpu = topology.gpu
-    report = memory_report(model, train, layout, gpu, assumptions)
+    profile = (profile or resolve_profile(gpu.name)).with_assumptions(assumptions)
+    report = memory_report(model, train, layout, gpu, profile.memory)
     host_capacity = topology.host_ram_per_gpu
     host_fits = report.host_memory.total <= host_capacity
     detail = EstimateDetail(
@@ -96,10 +106,11 @@ def estimate(model: ModelSpec, train: TrainSpec, layout: Layout, hardware: Topol
         micro_batch=train.micro_batch,
         dtype=train.dtype,
         topology=topology.name,
+        stack=profile.name,
         host_capacity=host_capacity,
     )
     ct = comm_and_time(model, train, layout, topology, offload=offload_traffic(report.host_memory),
-                       with_placement=with_placement)
+                       with_placement=with_placement, profile=profile)
     return Estimate(
         layout=layout,
         memory=report.memory,

@@ -55,6 +55,7 @@ from .memo import Memo
 from .memory.states import host_optimizer_bytes_per_param
 from .model_spec import ModelSpec
 from .placement import Placement, group_spans, place
+from .profile import CostProfile, default_profile
 from .topology.topology import Topology
 from .train_spec import TrainSpec
 
@@ -156,6 +157,7 @@ def comm_and_time(
     topology: Topology,
     offload: OffloadTraffic | None = None,
     with_placement: bool = False,
+    profile: CostProfile | None = None,
 ) -> CommTime:
     """Communication volume and step time of ``layout`` on ``topology``.
 
@@ -171,16 +173,16 @@ def comm_and_time(
     if offload is None:
         offload = OffloadTraffic.estimate(model, train, layout)
     comm = comm_estimate(model, train, layout)
-    time = _time(model, train, layout, topology, offload).estimate()
+    time = _time(model, train, layout, topology, offload, profile).estimate()
     return CommTime.model_construct(comm=comm, time=time, placement=place(layout, topology) if with_placement else None)
 
 
 def time_estimate(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
-                  offload: OffloadTraffic | None = None) -> TimeEstimate:
+                  offload: OffloadTraffic | None = None, profile: CostProfile | None = None) -> TimeEstimate:
     """Only the step time (no comm JSON section)."""
     if offload is None:
         offload = OffloadTraffic.estimate(model, train, layout)
-    return _time(model, train, layout, topology, offload).estimate()
+    return _time(model, train, layout, topology, offload, profile).estimate()
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,13 +199,14 @@ class StepTime:
 
 
 def step_time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
-              offload: OffloadTraffic) -> StepTime:
+              offload: OffloadTraffic, profile: CostProfile | None = None) -> StepTime:
     """:func:`time_estimate` for the planner's inner loop: the same model, the report deferred."""
-    return _time(model, train, layout, topology, offload)
+    return _time(model, train, layout, topology, offload, profile)
 
 
 def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
-          offload: OffloadTraffic) -> StepTime:
+          offload: OffloadTraffic, profile: CostProfile | None = None) -> StepTime:
+    profile = profile or default_profile(topology.gpu.name)
     training = train.is_training
     layers = model.num_layers
     accum = train.grad_accum

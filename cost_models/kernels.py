@@ -1,0 +1,246 @@
+"""How fast a GPU runs the kernels of a transformer step, as a function of their shapes.
+
+A FLOP count divided by one "efficiency" makes every layout compute equally fast, which is wrong in
+exactly the cases a sequence-parallel planner must get right: tensor parallelism and short local
+sequences shrink GEMMs until tile and wave quantisation and fixed per-kernel costs dominate; ring
+attention runs R calls on 1/R-long blocks, each with a launch, a synchronisation and an LSE merge;
+causal blocks waste their diagonal tiles. This module prices each kernel from its shape:
+
+GEMM ``(m x k) @ (k x n)`` (cuBLAS/CUTLASS): the library picks an output tile ``TM x TN`` from a few
+configurations; a kernel runs ``ceil(m/TM) ceil(n/TN)`` tiles in waves of one tile per SM, so
+
+    fill(tile) = m n / (waves x SMs x TM x TN),   waves = ceil(tiles / SMs)
+    efficiency = peak_fraction x max_tile(tile_efficiency x fill) x k / (k + k_half)
+    seconds    = 2 m n k / (peak x efficiency) + launch_s
+
+(the ``k_half`` term is the prologue/epilogue of each tile, amortised over the k loop).
+
+Attention (FlashAttention-style, one CTA per (batch, head, query tile)):
+
+    fill       = ctas / (ceil(ctas / SMs) x SMs)
+    kv         = L_kv / (L_kv + kv_len_half)              (L_kv: keys per query row on average)
+    diagonal   = pairs / (pairs + L_q x TK / 2)           (causal: masked halves of diagonal tiles)
+    head_dim   = (d / (d + head_dim_half)) / (128 / (128 + head_dim_half))
+    seconds    = FLOPs / (peak x fraction x fill x kv x diagonal x head_dim) + launch_s
+
+Parameters live in ``cost_models/data/kernels/<gpu>.yaml``, one file per GPU, with where they come
+from: the asymptotic fractions and shape constants are fitted (``benchmarks/accuracy.py --fit``) to
+published measurements and carry their residuals; the rest are documented priors.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache, lru_cache
+from importlib import resources
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import CostModelError, explain_validation_error
+from .yaml_io import safe_load
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TileConfig(_Frozen):
+    """One output-tile configuration the GEMM library may pick, with its relative per-SM efficiency
+    (smaller tiles re-read operands more often and reach a lower fraction of peak)."""
+
+    m: int = Field(ge=1, le=1024)
+    n: int = Field(ge=1, le=1024)
+    efficiency: float = Field(default=1.0, gt=0, le=1.0)
+
+
+class GemmParams(_Frozen):
+    peak_fraction: float = Field(gt=0, le=1.0, description="large, wave-aligned GEMMs, fraction of dense peak")
+    fp8_peak_fraction: float = Field(gt=0, le=1.0, description="the same for float8 GEMMs, of the fp8 peak")
+    tiles: tuple[TileConfig, ...] = Field(min_length=1, max_length=16)
+    k_half: float = Field(ge=0, le=1e5, description="k at which per-tile prologue/epilogue halve efficiency")
+    launch_s: float = Field(ge=0, le=1e-2, description="fixed seconds per GEMM (launch, tail)")
+
+
+class AttentionParams(_Frozen):
+    forward_fraction: float = Field(gt=0, le=1.0, description="long non-causal blocks, head_dim 128, of peak")
+    backward_fraction: float = Field(gt=0, le=1.0)
+    tile_q: int = Field(default=128, ge=16, le=1024)
+    tile_k: int = Field(default=128, ge=16, le=1024)
+    kv_len_half: float = Field(ge=0, le=1e6, description="keys per query row at which the key loop halves efficiency")
+    head_dim_half: float = Field(default=32.0, ge=0, le=1024)
+    launch_s: float = Field(ge=0, le=1e-2, description="fixed seconds per kernel call")
+
+
+class FitRecord(_Frozen):
+    """Where fitted parameters came from: the sources fitted on and the residuals left."""
+
+    method: str = Field(default="", max_length=500)
+    sources: tuple[str, ...] = ()
+    parameters: tuple[str, ...] = ()
+    rms_log_residual: float | None = None
+    residuals: dict[str, float] = Field(default_factory=dict)
+
+
+class KernelModel(_Frozen):
+    """Per-GPU kernel performance: shape-aware GEMM and attention efficiency, streaming bandwidth,
+    ring-step and overlap costs."""
+
+    gpu: str = Field(min_length=1, max_length=100)
+    description: str = Field(default="", max_length=4000)
+    sms: int = Field(ge=1, le=4096)
+    gemm: GemmParams
+    attention: dict[str, AttentionParams] = Field(min_length=1)
+    memory_fraction: float = Field(gt=0, le=1.0, description="streaming kernels, fraction of HBM bandwidth")
+    ring_step_s: float = Field(ge=0, le=1e-1, description="per ring-attention step: P2P post/wait and merge launch")
+    nccl_compute_slowdown: float = Field(
+        ge=0, le=1.0, description="compute slowdown while NCCL kernels run beside it (SM and HBM sharing)")
+    fit: FitRecord | None = None
+
+    def attention_params(self, family: str) -> AttentionParams:
+        """The entry for a kernel family, falling back to FlashAttention-2's (every file has 'fa2')."""
+        return self.attention.get(family) or self.attention["fa2"]
+
+    def with_values(self, values: dict[str, float]) -> "KernelModel":
+        """A copy with dotted-path parameters replaced, e.g. ``{"gemm.peak_fraction": 0.7,
+        "attention.fa2.kv_len_half": 300}`` (the fitting code and calibration files use this form)."""
+        data = self.model_dump()
+        for path, value in values.items():
+            node = data
+            keys = path.split(".")
+            for key in keys[:-1]:
+                if not isinstance(node, dict) or key not in node:
+                    raise CostModelError(f"kernel parameter {path!r} does not exist for {self.gpu}")
+                node = node[key]
+            if not isinstance(node, dict) or keys[-1] not in node:
+                raise CostModelError(f"kernel parameter {path!r} does not exist for {self.gpu}")
+            node[keys[-1]] = value
+        try:
+            return KernelModel(**data)
+        except ValidationError as exc:
+            raise explain_validation_error(exc, f"kernel parameters of {self.gpu}") from exc
+
+    def value(self, path: str) -> float:
+        node: object = self.model_dump()
+        for key in path.split("."):
+            if not isinstance(node, dict) or key not in node:
+                raise CostModelError(f"kernel parameter {path!r} does not exist for {self.gpu}")
+            node = node[key]
+        return float(node)  # type: ignore[arg-type]
+
+
+# ----- loading ------------------------------------------------------------------------------------------
+
+
+def _kernel_dir():
+    return resources.files("cost_models.data").joinpath("kernels")
+
+
+@cache
+def _files() -> dict[str, str]:
+    """GPU name -> kernel file name, including the aliases a file declares (``also_for``)."""
+    table: dict[str, str] = {}
+    for entry in _kernel_dir().iterdir():
+        if not entry.name.endswith(".yaml"):
+            continue
+        data = safe_load(entry.read_text())
+        table[data["gpu"]] = entry.name
+        for alias in data.get("also_for", ()):
+            table.setdefault(alias, entry.name)
+    return table
+
+
+@cache
+def kernel_model(gpu: str) -> KernelModel:
+    """The shipped kernel model of a GPU preset (aliases resolve to their family's file)."""
+    name = _files().get(gpu)
+    if name is None:
+        raise CostModelError(
+            f"no kernel performance data for GPU {gpu!r}; known: {', '.join(sorted(_files()))} "
+            "(add cost_models/data/kernels/<gpu>.yaml or calibrate with `sp-plan calibrate`)"
+        )
+    data = safe_load(_kernel_dir().joinpath(name).read_text())
+    data.pop("also_for", None)
+    data["gpu"] = gpu
+    try:
+        return KernelModel(**data)
+    except ValidationError as exc:
+        raise explain_validation_error(exc, f"kernel file {name}") from exc
+
+
+def kernel_gpus() -> list[str]:
+    return sorted(_files())
+
+
+# ----- GEMMs ----------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=65536)
+def gemm_shape_efficiency(m: int, n: int, k: int, gemm: GemmParams, sms: int) -> float:
+    """Fraction of ``peak_fraction`` a GEMM of this shape reaches (tile/wave quantisation, small k)."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 1.0
+    best = 0.0
+    for tile in gemm.tiles:
+        tiles = math.ceil(m / tile.m) * math.ceil(n / tile.n)
+        waves = math.ceil(tiles / sms)
+        fill = (m * n) / (waves * sms * tile.m * tile.n)
+        best = max(best, tile.efficiency * fill)
+    return best * k / (k + gemm.k_half)
+
+
+def gemm_seconds(m: float, n: float, k: float, peak: float, fraction: float, gemm: GemmParams, sms: int) -> float:
+    """Seconds of one ``(m x k) @ (k x n)`` GEMM at ``peak`` FLOP/s x ``fraction`` (asymptotic)."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    eff = fraction * gemm_shape_efficiency(max(1, round(m)), max(1, round(n)), max(1, round(k)), gemm, sms)
+    return 2.0 * m * n * k / (peak * eff) + gemm.launch_s
+
+
+# ----- attention ------------------------------------------------------------------------------------------
+
+
+def attention_pairs(q_len: float, kv_len: float, causal: bool) -> float:
+    """(query, key) pairs one call computes per (batch, head); causal calls are square blocks."""
+    return q_len * (kv_len + 1) / 2 if causal else q_len * kv_len
+
+
+def attention_shape_efficiency(batch_heads: float, q_len: float, kv_len: float, head_dim: int, causal: bool,
+                               p: AttentionParams, sms: int) -> float:
+    """Fraction of the asymptotic attention efficiency a call of this shape reaches."""
+    if q_len <= 0 or kv_len <= 0:
+        return 1.0
+    ctas = max(1.0, batch_heads * math.ceil(q_len / p.tile_q))
+    fill = ctas / (math.ceil(ctas / sms) * sms)
+    pairs = attention_pairs(q_len, kv_len, causal)
+    keys_per_row = pairs / q_len
+    kv = keys_per_row / (keys_per_row + p.kv_len_half)
+    diagonal = pairs / (pairs + q_len * p.tile_k / 2) if causal else 1.0
+    hd = (head_dim / (head_dim + p.head_dim_half)) / (128 / (128 + p.head_dim_half))
+    return fill * kv * diagonal * hd
+
+
+def attention_seconds(batch_heads: float, q_len: float, kv_len: float, head_dim: int, causal: bool,
+                      peak: float, fraction: float, p: AttentionParams, sms: int, backward_ratio: float = 1.0,
+                      calls: float = 1.0) -> float:
+    """Seconds of ``calls`` attention kernel calls (forward, or backward with ``backward_ratio`` x the
+    forward FLOPs and ``fraction`` the backward fraction)."""
+    if calls <= 0 or q_len <= 0 or kv_len <= 0:
+        return 0.0
+    flops = 4.0 * batch_heads * head_dim * attention_pairs(q_len, kv_len, causal) * backward_ratio
+    eff = fraction * attention_shape_efficiency(batch_heads, q_len, kv_len, head_dim, causal, p, sms)
+    return calls * (flops / (peak * eff) + p.launch_s)
+
+
+__all__ = [
+    "AttentionParams",
+    "FitRecord",
+    "GemmParams",
+    "KernelModel",
+    "TileConfig",
+    "attention_seconds",
+    "attention_shape_efficiency",
+    "gemm_seconds",
+    "gemm_shape_efficiency",
+    "kernel_gpus",
+    "kernel_model",
+]

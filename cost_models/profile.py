@@ -1,0 +1,155 @@
+"""What a prediction assumes about the software and the silicon: one resolved :class:`CostProfile`.
+
+Three layers, later ones win:
+
+1. the GPU's kernel model (:mod:`cost_models.kernels`, shipped per GPU, fitted to published runs);
+2. the software stack (:mod:`cost_models.stack`: memory assumptions and framework time properties);
+3. a calibration file written by ``sp-plan calibrate`` from the user's own measured runs
+   (``--calibration FILE``): overrides of any of the above, fitted on their cluster and stack.
+
+``--assume KEY=VALUE`` overrides single memory assumptions on top of all three.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import CostModelError, explain_validation_error
+from .kernels import KernelModel, kernel_model
+from .memory.assumptions import MemoryAssumptions
+from .stack import StackProfile, load_stack
+from .yaml_io import safe_load
+
+MAX_CALIBRATION_FILE_BYTES = 1 << 22
+CALIBRATION_KIND = "sp-plan-calibration"
+
+
+class CalibrationError(BaseModel):
+    """Prediction error of one metric over a set of runs: before and after the calibration."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    metric: str
+    runs: int = Field(ge=0)
+    before_mean_abs_pct: float
+    after_mean_abs_pct: float
+    before_kendall_tau: float | None = None
+    after_kendall_tau: float | None = None
+
+
+class CalibrationFile(BaseModel):
+    """Overrides fitted to measured runs (``sp-plan calibrate`` writes it; estimate/plan/capacity take
+    it with ``--calibration FILE``). Keys of ``kernels`` are dotted paths into the GPU's kernel model
+    (e.g. ``gemm.peak_fraction``, ``attention.fa2.forward_fraction``); ``time`` and ``memory`` hold
+    fields of the stack's :class:`~cost_models.stack.StackTime` and
+    :class:`~cost_models.memory.assumptions.MemoryAssumptions`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["sp-plan-calibration"] = CALIBRATION_KIND
+    version: Literal[1] = 1
+    description: str = Field(default="", max_length=4000)
+    gpu: str | None = Field(default=None, max_length=100, description="the GPU the kernel overrides were fitted on")
+    stack: str | None = Field(default=None, max_length=500, description="the stack the runs used")
+    kernels: dict[str, float] = Field(default_factory=dict)
+    time: dict[str, Any] = Field(default_factory=dict)
+    memory: dict[str, Any] = Field(default_factory=dict)
+    fitted_on: list[str] = Field(default_factory=list, max_length=10_000, description="runs used by the fit")
+    held_out: list[str] = Field(default_factory=list, max_length=10_000, description="runs used to check it")
+    errors: list[CalibrationError] = Field(default_factory=list)
+
+
+def load_calibration(path: str | Path) -> CalibrationFile:
+    """Read and validate a calibration YAML (one-line errors for every problem)."""
+    p = Path(path)
+    if not p.is_file():
+        raise CostModelError(f"calibration file {p} does not exist (write one with `sp-plan calibrate`)")
+    if p.stat().st_size > MAX_CALIBRATION_FILE_BYTES:
+        raise CostModelError(f"calibration file {p} is larger than {MAX_CALIBRATION_FILE_BYTES} bytes")
+    try:
+        data = safe_load(p.read_text())
+    except Exception as exc:
+        raise CostModelError(f"calibration file {p} is not valid YAML: {exc}".splitlines()[0]) from exc
+    if not isinstance(data, dict):
+        raise CostModelError(f"calibration file {p} must be a mapping (kind: {CALIBRATION_KIND}, ...)")
+    try:
+        return CalibrationFile(**data)
+    except ValidationError as exc:
+        raise explain_validation_error(exc, f"calibration file {p}") from exc
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """The resolved assumptions of one prediction: a stack (memory + time) and the GPU's kernels.
+
+    Hashable (every part is frozen), so the cost model's memo tables can key on it.
+    """
+
+    stack: StackProfile
+    kernels: KernelModel
+
+    @property
+    def memory(self) -> MemoryAssumptions:
+        return self.stack.memory
+
+    @property
+    def name(self) -> str:
+        return self.stack.name
+
+    def with_assumptions(self, assumptions: MemoryAssumptions | None) -> "CostProfile":
+        """This profile with its memory assumptions replaced (``--assume`` / an explicit argument)."""
+        if assumptions is None or assumptions == self.stack.memory:
+            return self
+        return CostProfile(self.stack.model_copy(update={"memory": assumptions}), self.kernels)
+
+
+def default_profile(gpu: str) -> CostProfile:
+    """The default stack on ``gpu`` with no calibration (cached: the planner asks per evaluation)."""
+    return _default_profile(gpu)
+
+
+@cache
+def _default_profile(gpu: str) -> CostProfile:
+    return CostProfile(load_stack(None), kernel_model(gpu))
+
+
+def resolve_profile(gpu: str, stack: str | Path | StackProfile | None = None,
+                    calibration: str | Path | CalibrationFile | None = None,
+                    assume: dict[str, Any] | None = None) -> CostProfile:
+    """The profile for ``gpu``: the stack (explicit, else the calibration's, else the default), the
+    GPU's kernel model, the calibration's overrides, then ``assume`` (memory-assumption overrides)."""
+    cal = load_calibration(calibration) if isinstance(calibration, (str, Path)) else calibration
+    if isinstance(stack, StackProfile):
+        base = stack
+    else:
+        base = load_stack(stack if stack is not None else (cal.stack if cal is not None else None))
+    kernels = kernel_model(gpu)
+    if cal is not None:
+        if cal.kernels:
+            if cal.gpu is not None and cal.gpu != gpu:
+                raise CostModelError(
+                    f"the calibration was fitted on {cal.gpu} but this plan runs on {gpu}: calibrate on {gpu} runs, "
+                    "or drop --calibration"
+                )
+            kernels = kernels.with_values(cal.kernels)
+        if cal.time or cal.memory:
+            base = base.with_overrides(memory=cal.memory, time=cal.time, name=f"{base.name}+calibration")
+    if assume:
+        base = base.with_overrides(memory=assume)
+    return CostProfile(base, kernels)
+
+
+__all__ = [
+    "CALIBRATION_KIND",
+    "CalibrationError",
+    "CalibrationFile",
+    "CostProfile",
+    "default_profile",
+    "load_calibration",
+    "resolve_profile",
+]

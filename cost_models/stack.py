@@ -1,0 +1,185 @@
+"""Software-stack profiles: what the framework that runs a plan does to memory and time.
+
+The same layout costs different bytes and seconds under different training stacks: HF transformers +
+DeepSpeed ZeRO-3 keeps gathered-parameter and gradient buckets of its own size, copies tensors around
+its all-to-all and runs Python hooks per parameter; torchtitan's FSDP2 + torch context parallel keeps
+per-block gathers and a fused optimizer; this project's runtime saves exactly what its tests measure.
+A planner that assumes one of them while the user runs another answers wrongly (an exported DeepSpeed
+plan that fits under sp-plan's runtime may not fit under DeepSpeed).
+
+A stack profile is data, not code: a YAML file in ``cost_models/data/stacks/`` (or any path) with
+
+- ``memory``: values for :class:`~cost_models.memory.assumptions.MemoryAssumptions` fields (every
+  field not given keeps its default, which describes this project's runtime);
+- ``time``: values for :class:`StackTime` (framework overheads and kernel choices that are properties
+  of the software, not of the GPU; GPU kernel efficiencies live in ``cost_models/data/kernels/``).
+
+Every value in a shipped profile carries a comment saying where it comes from.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import CostModelError, explain_validation_error
+from .memory.assumptions import MemoryAssumptions
+from .yaml_io import safe_load
+
+#: The stack every command uses unless told otherwise: this project's runtime.
+DEFAULT_STACK = "sp-plan"
+#: A stack file larger than this is not a stack file.
+MAX_STACK_FILE_BYTES = 1 << 20
+
+
+class StackTime(BaseModel):
+    """Time-model properties of a software stack (not of the GPU).
+
+    Kernel efficiencies of the GPU itself (GEMM and attention fractions of peak, their shape
+    dependence, launch costs) are per-GPU data (:mod:`cost_models.kernels`); the fields here scale or
+    add to them where a stack's choice of kernels and its host-side work differ.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    attention_kernel: str = Field(
+        default="fa2",
+        max_length=40,
+        description=(
+            "Which attention kernel family the stack runs ('fa2', 'fa3', 'cudnn', 'sdpa'): selects the "
+            "attention efficiency entry of the GPU's kernel file (falling back to 'fa2' where the GPU "
+            "has no entry for it)."
+        ),
+    )
+    layer_overhead_s: float = Field(
+        default=0.0,
+        ge=0,
+        le=1.0,
+        description=(
+            "Host-side framework time per transformer layer per pass (forward, backward, recompute) "
+            "that the GPU waits for: Python hooks, parameter bookkeeping, launch gaps. DeepSpeed "
+            "ZeRO-3's per-parameter fetch/release hooks cost far more than FSDP2's per-block ones."
+        ),
+    )
+    step_overhead_s: float = Field(
+        default=0.0,
+        ge=0,
+        le=600.0,
+        description="Fixed time per optimizer step outside the layers (engine bookkeeping, data loading).",
+    )
+    alltoall_copy_passes: float = Field(
+        default=0.0,
+        ge=0,
+        le=8,
+        description=(
+            "Memory-bound passes over each Ulysses all-to-all buffer besides the collective itself "
+            "(packing into a contiguous send buffer, transposing the received heads back): each pass "
+            "reads and writes the buffer once at HBM speed."
+        ),
+    )
+    cpu_optimizer_params_per_s_per_core: float = Field(
+        default=2.0e7,
+        gt=0,
+        le=1e12,
+        description=(
+            "Parameters one host core updates per second in the CPU AdamW of an offloaded optimizer "
+            "(the step is the slower of this and host-memory bandwidth). torch.optim.AdamW on CPU "
+            "(FSDP2 CPUOffloadPolicy) manages a few 1e7 per core; DeepSpeed's vectorised cpu_adam "
+            "several times that."
+        ),
+    )
+    compiled_stream_fraction: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description=(
+            "Fraction of the elementwise (norm, rotary, activation, residual) HBM traffic left when the "
+            "blocks are compiled (``TrainSpec.compiled``): torch.compile fuses neighbouring "
+            "elementwise kernels, so intermediate tensors are not written and re-read."
+        ),
+    )
+    fp8_cast_passes: float = Field(
+        default=2.0,
+        ge=0,
+        le=8,
+        description=(
+            "With Float8 linears (``TrainSpec.fp8_linears``): memory-bound passes over each linear's "
+            "input and weight per GEMM for the dynamic-scaling amax and the cast to float8."
+        ),
+    )
+
+
+class StackProfile(BaseModel):
+    """A named, documented set of memory assumptions and time properties of one training stack."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1, max_length=100)
+    description: str = Field(default="", max_length=4000)
+    references: tuple[str, ...] = Field(default=(), max_length=50)
+    memory: MemoryAssumptions = MemoryAssumptions()
+    time: StackTime = StackTime()
+
+    def with_overrides(self, memory: dict[str, Any] | None = None, time: dict[str, Any] | None = None,
+                       name: str | None = None) -> "StackProfile":
+        """This profile with some memory/time fields replaced (validated like a file)."""
+        try:
+            mem = MemoryAssumptions(**{**self.memory.model_dump(), **(memory or {})})
+            tim = StackTime(**{**self.time.model_dump(), **(time or {})})
+        except ValidationError as exc:
+            raise explain_validation_error(exc, f"overrides of stack {self.name}") from exc
+        return self.model_copy(update={"memory": mem, "time": tim, "name": name or self.name})
+
+
+def _stack_dir():
+    return resources.files("cost_models.data").joinpath("stacks")
+
+
+@cache
+def stack_names() -> tuple[str, ...]:
+    """Shipped stack profiles, by name."""
+    return tuple(sorted(p.name.removesuffix(".yaml") for p in _stack_dir().iterdir() if p.name.endswith(".yaml")))
+
+
+def parse_stack(text: str, origin: str) -> StackProfile:
+    """A stack profile from YAML text (``origin`` names the file in error messages)."""
+    try:
+        data = safe_load(text)
+    except Exception as exc:  # yaml.YAMLError and friends: one line, no traceback
+        raise CostModelError(f"stack file {origin} is not valid YAML: {exc}".splitlines()[0]) from exc
+    if not isinstance(data, dict):
+        raise CostModelError(f"stack file {origin} must be a mapping with name, memory and time sections")
+    try:
+        return StackProfile(**data)
+    except ValidationError as exc:
+        raise explain_validation_error(exc, f"stack file {origin}") from exc
+
+
+@cache
+def _shipped(name: str) -> StackProfile:
+    return parse_stack(_stack_dir().joinpath(f"{name}.yaml").read_text(), f"{name}.yaml")
+
+
+def load_stack(ref: str | Path | None = None) -> StackProfile:
+    """A shipped profile by name (``sp-plan``, ``hf-deepspeed``, ``torchtitan``) or a YAML file path;
+    None gives the default stack."""
+    if ref is None:
+        return _shipped(DEFAULT_STACK)
+    key = str(ref).strip()
+    if key.lower() in stack_names():
+        return _shipped(key.lower())
+    path = Path(key)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise CostModelError(f"stack file {path} does not exist; shipped stacks: {', '.join(stack_names())}")
+        if path.stat().st_size > MAX_STACK_FILE_BYTES:
+            raise CostModelError(f"stack file {path} is larger than {MAX_STACK_FILE_BYTES} bytes")
+        return parse_stack(path.read_text(), str(path))
+    raise CostModelError(f"unknown stack {key!r}: choose one of {', '.join(stack_names())} or give a YAML file")
+
+
+__all__ = ["DEFAULT_STACK", "StackProfile", "StackTime", "load_stack", "parse_stack", "stack_names"]
