@@ -149,15 +149,15 @@ def _files() -> dict[str, str]:
     return table
 
 
+#: The file used for a GPU without one of its own (documented priors; see generic.yaml).
+GENERIC = "generic"
+
+
 @cache
 def kernel_model(gpu: str) -> KernelModel:
-    """The shipped kernel model of a GPU preset (aliases resolve to their family's file)."""
-    name = _files().get(gpu)
-    if name is None:
-        raise CostModelError(
-            f"no kernel performance data for GPU {gpu!r}; known: {', '.join(sorted(_files()))} "
-            "(add cost_models/data/kernels/<gpu>.yaml or calibrate with `sp-plan calibrate`)"
-        )
+    """The shipped kernel model of a GPU preset (aliases resolve to their family's file; a GPU with no
+    file, such as an inline GPU of a probed topology, gets the generic priors under its own name)."""
+    name = _files().get(gpu) or _files()[GENERIC]
     data = safe_load(_kernel_dir().joinpath(name).read_text())
     data.pop("also_for", None)
     data["gpu"] = gpu
@@ -168,7 +168,11 @@ def kernel_model(gpu: str) -> KernelModel:
 
 
 def kernel_gpus() -> list[str]:
-    return sorted(_files())
+    """GPUs with kernel data of their own (not the generic fallback)."""
+    return sorted(g for g in _files() if g != GENERIC)
+
+def has_kernel_data(gpu: str) -> bool:
+    return gpu in _files() and gpu != GENERIC
 
 
 # ----- GEMMs ----------------------------------------------------------------------------------------------

@@ -19,7 +19,9 @@ from .yaml_io import safe_load
 
 Activation = Literal["swiglu", "gelu"]
 Norm = Literal["rmsnorm", "layernorm"]
-PositionEmbedding = Literal["rope", "learned"]
+#: ``alibi``: linear attention biases computed inside the attention kernel (MPT, BLOOM): no parameters and
+#: no rotary tables.
+PositionEmbedding = Literal["rope", "learned", "alibi"]
 
 #: Largest config.json we read: real ones are a few KB; anything larger is not a model config.
 _MAX_CONFIG_BYTES = 1 << 20

@@ -31,10 +31,13 @@ MAX_TOPOLOGY_FILE_BYTES = 1 << 20
 NATURAL_NODE_PRESET: dict[str, str] = {
     "a100-40gb": "dgx-a100",
     "a100-80gb": "dgx-a100",
+    "a800-80gb": "dgx-a800",
     "h100-80gb": "dgx-h100",
+    "h100-96gb": "grand-teton-h100",
     "h200": "dgx-h200",
     "b200": "dgx-b200",
     "l40s": "l40s-pcie",
+    "l20": "l20-pcie",
 }
 
 

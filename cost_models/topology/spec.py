@@ -145,15 +145,18 @@ class LinkCalibration(_Strict):
 
 
 class ComputeCalibration(_Strict):
-    """Achievable fractions of peak. Defaults are typical of large bf16 training on A100/H100:
-    cuBLAS GEMMs at ~70% of the dense peak, FlashAttention-2/3 forward at ~60% and backward at ~50%,
-    streaming kernels (norms, activations, optimizer) at ~80% of HBM bandwidth, pinned-memory copies at
-    ~80% of the PCIe link, and a CPU AdamW at ~50% of the host memory bandwidth."""
+    """Achievable fractions of peak, measured on this machine (``sp-plan probe``) or hand-tuned.
 
-    matmul: float = Field(default=0.70, gt=0, le=1.5)
-    attention_forward: float = Field(default=0.60, gt=0, le=1.5)
-    attention_backward: float = Field(default=0.50, gt=0, le=1.5)
-    memory: float = Field(default=0.80, gt=0, le=1.5)
+    ``matmul``, ``attention_forward``, ``attention_backward`` and ``memory`` are the asymptotic
+    fractions (large GEMMs, long attention blocks, streaming kernels) that the shape-aware kernel
+    model (:mod:`cost_models.kernels`) scales by each kernel's shape; left out (None), they come from
+    the GPU's kernel file, which is fitted to published runs. Pinned-memory copies default to ~80% of
+    the PCIe link and a CPU AdamW to ~50% of the host memory bandwidth."""
+
+    matmul: float | None = Field(default=None, gt=0, le=1.5)
+    attention_forward: float | None = Field(default=None, gt=0, le=1.5)
+    attention_backward: float | None = Field(default=None, gt=0, le=1.5)
+    memory: float | None = Field(default=None, gt=0, le=1.5)
     pcie: float = Field(default=0.80, gt=0, le=1.5)
     host_memory: float = Field(default=0.50, gt=0, le=1.5)
 

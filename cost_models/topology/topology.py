@@ -125,10 +125,24 @@ class Topology:
     def calibration(self) -> CalibrationSpec:
         return self.spec.calibration
 
-    @property
+    @cached_property
     def efficiency(self) -> ComputeCalibration:
-        """Achievable fractions of peak for compute, HBM, PCIe and host memory (calibratable)."""
-        return self.spec.calibration.compute
+        """Achievable fractions of peak for compute, HBM, PCIe and host memory: the topology's
+        calibration where it gives them, else the asymptotic fractions of the GPU's kernel model
+        (FlashAttention-2 for attention; the time model picks the stack's kernel family itself)."""
+        from ..kernels import kernel_model
+
+        c = self.spec.calibration.compute
+        k = kernel_model(self.gpu.name)
+        fa = k.attention_params("fa2")
+        return ComputeCalibration(
+            matmul=c.matmul if c.matmul is not None else k.gemm.peak_fraction,
+            attention_forward=c.attention_forward if c.attention_forward is not None else fa.forward_fraction,
+            attention_backward=c.attention_backward if c.attention_backward is not None else fa.backward_fraction,
+            memory=c.memory if c.memory is not None else k.memory_fraction,
+            pcie=c.pcie,
+            host_memory=c.host_memory,
+        )
 
     @cached_property
     def graph(self) -> nx.Graph:
