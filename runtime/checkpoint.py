@@ -1,0 +1,778 @@
+"""Checkpoint and resume with ``torch.distributed.checkpoint`` (DCP), in a layout-independent form.
+
+A checkpoint holds everything a run needs to continue: the model, the optimizer (plain, over FSDP2's
+sharded parameters, or :class:`runtime.host_optimizer.HostOffloadOptimizer` with its fp32 host
+masters), the LR scheduler, the data position (:class:`runtime.text_data.GlobalBatches`: sequences
+consumed, a global count), every rank's RNG states (torch CPU/CUDA, Python, NumPy) and the step.
+
+**Layout independence.** Every tensor is stored as the *unparallelised* model's tensor, keyed by its
+parameter name: ``model::<fqn>``, ``optim::<fqn>::<state>`` (AdamW's ``exp_avg``, ``exp_avg_sq``,
+``step``) and ``master::<fqn>`` (fp32 host masters). Each rank writes only the chunk it holds, at its
+offsets in the full tensor:
+
+- FSDP2 shards (DTensors over the ``fsdp`` dim, HSDP's replicas included) give their chunk with
+  ``compute_local_shape_and_global_offset``;
+- tensor parallelism (:mod:`runtime.tp`) is custom (plain local tensors, not DTensors), so its slice
+  of the full tensor comes from :meth:`runtime.tp.TensorParallel.local_slice` (the one sharding rule
+  TP itself uses) and is composed with the FSDP chunk: a TP-sharded, FSDP-sharded tensor is one chunk
+  of the full tensor. K/V weights replicated over TP ranks (tp > KV heads) are identical chunks, which
+  DCP's planner writes once.
+
+Loading on any other layout (another SP/TP/dp split, another world size) asks DCP for this rank's
+chunks; DCP reads the overlapping parts of the saved chunks (its resharding). The data position is a
+global count of sequences, so another data-parallel size resumes at the same place. RNG states are
+per rank: restored exactly on the same world size, else every rank takes rank 0's (resume on another
+layout is exact up to float rounding, not bit-exact).
+
+**Files.** ``<dir>/step_00000120/``: DCP's ``.metadata`` and ``__<rank>_0.distcp`` files,
+``trainer_state.json`` (step, data position, scheduler, optimizer hyperparameters, the plan's model,
+train options and layout), ``rng/rank_<r>.json`` and ``COMPLETE``.
+
+**Atomicity.** Every rank writes into ``<dir>/.step_00000120.tmp-<id>``; after DCP's save and a
+barrier, rank 0 writes ``COMPLETE`` (fsynced) and renames the directory to ``step_00000120`` (atomic
+on POSIX). :func:`latest_checkpoint` only considers ``step_*`` directories with the marker, so a save
+interrupted at any point (a killed rank, a full disk) is never picked up; the stale temporary
+directory is removed by the next save. One job per checkpoint directory.
+
+**Untrusted files.** JSON files are size-bounded and parsed with :mod:`json`; DCP's ``.metadata`` is
+a pickle, read here with an unpickler restricted to DCP's metadata classes; tensors are read by DCP
+with ``torch.load(weights_only=True)``. No byte (pickled) items are written or read.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import random
+import secrets
+import shutil
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runtime.errors import RuntimeConfigError
+
+#: Version of the layout of a checkpoint directory (bumped on incompatible changes).
+FORMAT_VERSION = 1
+COMPLETE_MARKER = "COMPLETE"
+STATE_FILE = "trainer_state.json"
+RNG_DIR = "rng"
+STEP_PREFIX = "step_"
+TMP_INFIX = ".tmp-"
+#: JSON files of a checkpoint are small; anything larger is not one of ours and is not parsed.
+JSON_MAX_BYTES = 64 << 20
+MODEL, OPTIM, MASTER = "model", "optim", "master"
+SEP = "::"
+#: Architecture fields a checkpoint's model must share with the model it is loaded into.
+ARCHITECTURE_FIELDS: tuple[str, ...] = (
+    "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size", "vocab_size",
+    "tied_embeddings", "activation", "norm", "position_embedding", "qkv_bias", "attn_out_bias", "mlp_bias",
+    "qk_norm",
+)
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+# ----- where each local tensor lies in the unparallelised model ------------------------------------------
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A local tensor and where it lies in the full tensor: ``offsets`` per dim, the full ``shape``.
+
+    ``source``: the checkpoint key to read it from when loading (defaults to its own key).
+    """
+
+    tensor: torch.Tensor
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    source: str | None = None
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Offsets and full shape of this rank's local piece of one parameter (shared by its optimizer states)."""
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+
+    def chunk(self, tensor: torch.Tensor, what: str, source: str | None = None) -> Chunk:
+        local = _local(tensor)
+        if tuple(local.shape) != self.local_shape:
+            raise RuntimeConfigError(
+                f"{what} has local shape {tuple(local.shape)}, but its parameter's local shard is {self.local_shape}: "
+                "only optimizers whose states have the parameters' shape (or are scalars) can be checkpointed"
+            )
+        return Chunk(local, self.offsets, self.shape, source)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (a view sharing its storage), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _fsdp_geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(local shape, offsets, shape) of a DTensor (FSDP2 shard) within its (TP-local) tensor."""
+    if hasattr(t, "device_mesh") and hasattr(t, "placements"):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        local = tuple(t.to_local().shape)
+        if tuple(sizes) != local:
+            raise RuntimeConfigError(
+                f"a DTensor's local shard has shape {local} but its placements say {tuple(sizes)}; "
+                "cannot checkpoint it"
+            )
+        return local, tuple(offsets), tuple(t.shape)
+    shape = tuple(t.shape)
+    return shape, (0,) * len(shape), shape
+
+
+def clean_fqn(name: str) -> str:
+    """A parameter name without wrapper prefixes (activation-checkpoint wrappers, torch.compile)."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def parameter_geometry(setup) -> dict[str, Geometry]:
+    """Where this rank's local piece of every model state entry lies in the unparallelised tensor.
+
+    Collective over the TP group when the plan has tensor parallelism (the full sizes of TP-split dims).
+    """
+    model = setup.model
+    tp = getattr(setup, "tensor_parallel", None)
+    entries = _model_state(model)
+    cuts: dict[str, tuple[int, int, int]] = {}
+    if tp is not None and tp.size > 1:
+        cuts = {name: cut for name in entries if (cut := tp.local_slice(name)) is not None}
+        everyone: list[Any] = [None] * tp.size
+        dist.all_gather_object(everyone, {n: (c[0], c[2]) for n, c in cuts.items()}, group=tp.group)
+        totals = {n: max(rank_cuts[n][1] for rank_cuts in everyone) for n in cuts}
+    out = {}
+    for name, value in entries.items():
+        local, offsets, shape = _fsdp_geometry(value)
+        if name in cuts:
+            dim, start, _stop = cuts[name]
+            offsets = tuple(o + start if d == dim else o for d, o in enumerate(offsets))
+            shape = tuple(totals[name] if d == dim else s for d, s in enumerate(shape))
+        out[name] = Geometry(offsets, shape, local)
+    return out
+
+
+def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers by clean name (FSDP2 DTensors as they are: they share storage
+    with the parameters, so loading into their local tensors updates the model)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return {clean_fqn(k): v for k, v in get_model_state_dict(model).items()}
+
+
+def _param_names(model: torch.nn.Module) -> dict[int, str]:
+    return {id(p): clean_fqn(n) for n, p in model.named_parameters()}
+
+
+def _is_host_offload(optimizer) -> bool:
+    from runtime.host_optimizer import HostOffloadOptimizer
+
+    return isinstance(optimizer, HostOffloadOptimizer)
+
+
+def _optimizer_params(optimizer, model) -> list[tuple[torch.Tensor, str, torch.Tensor]]:
+    """(optimizer's parameter object, its model name, the model parameter) for every parameter it steps."""
+    names = _param_names(model)
+    out = []
+    if _is_host_offload(optimizer):
+        for master, p in zip(optimizer.masters, optimizer.device_params):
+            out.append((master, _name_of(names, p), p))
+        return out
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            out.append((p, _name_of(names, p), p))
+    return out
+
+
+def _name_of(names: dict[int, str], p: torch.Tensor) -> str:
+    try:
+        return names[id(p)]
+    except KeyError:
+        raise RuntimeConfigError(
+            "the optimizer steps a tensor that is not a parameter of setup.model: build it after auto_configure "
+            "on setup.model.parameters() (setup.make_optimizer does)"
+        ) from None
+
+
+def key(*parts: str) -> str:
+    return SEP.join(parts)
+
+
+def save_entries(setup, optimizer=None, geometry: dict[str, Geometry] | None = None) -> dict[str, Chunk]:
+    """This rank's chunks of the model, optimizer states and host masters, by checkpoint key."""
+    geometry = geometry or parameter_geometry(setup)
+    entries = {key(MODEL, n): geometry[n].chunk(t, n) for n, t in _model_state(setup.model).items()}
+    if optimizer is None:
+        return entries
+    host = _is_host_offload(optimizer)
+    for opt_param, name, _ in _optimizer_params(optimizer, setup.model):
+        g = geometry[name]
+        for state_name, value in optimizer.state.get(opt_param, {}).items():
+            k = key(OPTIM, name, state_name)
+            if not isinstance(value, torch.Tensor):
+                raise RuntimeConfigError(
+                    f"optimizer state {state_name!r} of {name} is a {type(value).__name__}, not a tensor: "
+                    "only tensor optimizer states are checkpointed"
+                )
+            entries[k] = Chunk(value, (), ()) if value.dim() == 0 else g.chunk(value, f"optimizer state {k}")
+        if host:
+            entries[key(MASTER, name)] = g.chunk(opt_param, f"host master of {name}")
+    return entries
+
+
+# ----- DCP planners over chunks ----------------------------------------------------------------------------
+
+
+def _chunk_metadata(chunk: Chunk):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    return ChunkStorageMetadata(offsets=torch.Size(chunk.offsets), sizes=torch.Size(chunk.sizes))
+
+
+def _save_planner(entries: dict[str, Chunk]):
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    class ChunkSavePlanner(DefaultSavePlanner):
+        """Writes each rank's chunks at their offsets in the full tensors (identical chunks once)."""
+
+        def __init__(self) -> None:
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+        def create_local_plan(self) -> SavePlan:
+            items = []
+            for fqn, chunk in entries.items():
+                if chunk.tensor.numel() == 0 and chunk.tensor.dim() > 0:
+                    continue  # an empty FSDP shard (more ranks than rows) holds nothing
+                items.append(WriteItem(
+                    index=MetadataIndex(fqn, torch.Size(chunk.offsets)), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(chunk=_chunk_metadata(chunk),
+                                                properties=TensorProperties.create_from_tensor(chunk.tensor),
+                                                size=torch.Size(chunk.shape)),
+                ))
+            self.plan = SavePlan(items)
+            return self.plan
+
+        def resolve_data(self, write_item):
+            return entries[write_item.index.fqn].tensor.detach()
+
+    return ChunkSavePlanner()
+
+
+def _load_planner(targets: dict[str, Chunk]):
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class ChunkLoadPlanner(DefaultLoadPlanner):
+        """Reads, into each target, the parts of the saved chunks that overlap it (DCP's resharding)."""
+
+        def __init__(self) -> None:
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+        def create_local_plan(self) -> LoadPlan:
+            items = []
+            for name, target in targets.items():
+                source = target.source or name
+                md = self.metadata.state_dict_metadata[source]
+                if target.tensor.numel() == 0 and target.tensor.dim() > 0:
+                    continue
+                for item in create_read_items_for_chunk_list(source, md, [_chunk_metadata(target)]):
+                    items.append(replace(item, dest_index=MetadataIndex(name, item.dest_index.offset, 0)))
+            return LoadPlan(items)
+
+        def lookup_tensor(self, index):
+            return targets[index.fqn].tensor
+
+    return ChunkLoadPlanner()
+
+
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.planner": {"WriteItemType", "LoadItemType"},
+    "torch": {"Size", "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
+              "bool", "complex64", "complex128", "strided", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32",
+              "uint64"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` is a pickle: allow only the classes it is made of (no code from the file)."""
+
+    def find_class(self, module: str, name: str):
+        if name in _METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        raise RuntimeConfigError(
+            f"the checkpoint's .metadata refers to {module}.{name}, which DCP metadata never contains: "
+            "refusing to read it (is it a checkpoint written by torch.distributed.checkpoint?)"
+        )
+
+
+def _reader(path: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            file = Path(self._get_metadata_path(kwargs.get("rank")))
+            with open(file, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFileSystemReader(str(path))
+
+
+def read_metadata(path: str | os.PathLike):
+    """DCP's metadata of a checkpoint directory (what every key's full size, dtype and chunks are)."""
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise RuntimeConfigError(f"{path} has no DCP .metadata file: not a complete checkpoint directory")
+    return _reader(path).read_metadata()
+
+
+# ----- JSON and RNG ------------------------------------------------------------------------------------------
+
+
+def _read_json(path: Path, what: str) -> Any:
+    if not path.is_file():
+        raise RuntimeConfigError(f"{what} {path} is missing: the checkpoint is incomplete or not one of ours")
+    if path.stat().st_size > JSON_MAX_BYTES:
+        raise RuntimeConfigError(f"{what} {path} is larger than {JSON_MAX_BYTES} bytes: not a checkpoint file")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RuntimeConfigError(f"{what} {path} is not valid JSON: {str(exc).splitlines()[0]}") from None
+
+
+def _write_json(path: Path, data: Any) -> None:
+    try:
+        text = json.dumps(data, indent=1, sort_keys=False)
+    except TypeError as exc:
+        raise RuntimeConfigError(f"cannot write {path.name}: {exc} (scheduler and data states must be plain JSON)") \
+            from None
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def _from_b64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states: torch CPU (and CUDA, when initialised), Python's ``random``, NumPy's
+    global generator (when NumPy is imported)."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"torch": _b64(torch.get_rng_state()),
+                             "python": [version, list(internal), gauss]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    if "numpy" in sys.modules:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(_from_b64(state["torch"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = [_from_b64(s) for s in state["cuda"]]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+# ----- locating checkpoints --------------------------------------------------------------------------------
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    path = Path(path)
+    return (path / COMPLETE_MARKER).is_file() and (path / STATE_FILE).is_file() and (path / ".metadata").is_file()
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``directory`` as ``(step, path)``, oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for path in directory.iterdir():
+        name = path.name
+        if not name.startswith(STEP_PREFIX) or not name[len(STEP_PREFIX):].isdigit():
+            continue
+        if is_complete(path):
+            found.append((int(name[len(STEP_PREFIX):]), path))
+    return sorted(found)
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The most recent complete checkpoint under ``directory`` (None if there is none); interrupted saves
+    (temporary directories, directories without the completion marker) are never returned."""
+    found = list_checkpoints(directory)
+    return found[-1][1] if found else None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint directory itself, or the latest complete one under a checkpoint root."""
+    path = Path(path)
+    if not path.exists():
+        raise RuntimeConfigError(f"checkpoint path {path} does not exist")
+    if is_complete(path):
+        return path
+    if path.name.startswith(STEP_PREFIX) or (path / ".metadata").exists():
+        raise RuntimeConfigError(
+            f"checkpoint {path} is incomplete (no {COMPLETE_MARKER} marker: its save was interrupted); resume from "
+            f"the checkpoint root to use the latest complete one"
+        )
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise RuntimeConfigError(f"no complete checkpoint under {path} (directories {STEP_PREFIX}NNNNNNNN with "
+                                 f"a {COMPLETE_MARKER} marker)")
+    return latest
+
+
+# ----- save --------------------------------------------------------------------------------------------------
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _broadcast(value: Any) -> Any:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _param_groups_json(optimizer) -> list[dict[str, Any]]:
+    groups = []
+    for group in optimizer.param_groups:
+        entry = {}
+        for k, v in group.items():
+            if k == "params":
+                continue
+            if isinstance(v, torch.Tensor):
+                v = v.item() if v.numel() == 1 else v.tolist()
+            entry[k] = list(v) if isinstance(v, tuple) else v
+        groups.append(entry)
+    return groups
+
+
+def _plan_json(setup) -> dict[str, Any]:
+    plan = setup.plan
+    return {"model": plan.model.model_dump(mode="json"), "train": plan.train.model_dump(mode="json"),
+            "layout": plan.layout.model_dump(mode="json")}
+
+
+@dataclass
+class CheckpointState:
+    """What :func:`load_checkpoint` restored besides the tensors: the step and the bookkeeping."""
+
+    path: Path
+    step: int
+    world_size: int
+    layout: dict[str, int]
+    same_layout: bool
+    tokens_seen: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def save_checkpoint(directory: str | os.PathLike, *, step: int, setup, optimizer=None, scheduler=None,
+                    data=None, tokens_seen: int = 0, extra: Mapping[str, Any] | None = None,
+                    keep: int | None = None) -> Path:
+    """Save a checkpoint of training after ``step`` optimizer steps; collective (every rank calls it).
+
+    Returns ``<directory>/step_<step>``. ``data``: anything with ``state_dict()`` (JSON), e.g.
+    :class:`runtime.text_data.GlobalBatches`; ``extra``: JSON-able bookkeeping; ``keep``: keep only the
+    newest ``keep`` complete checkpoints (None: keep all). Saving a step that is already saved is a no-op.
+    """
+    directory = Path(directory)
+    final = directory / step_dir_name(step)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    geometry = parameter_geometry(setup)  # collective under TP: before anyone may return early
+    if _broadcast(is_complete(final) if rank == 0 else None):
+        return final
+    entries = save_entries(setup, optimizer, geometry)
+    token = _broadcast(secrets.token_hex(4) if rank == 0 else None)
+    tmp = directory / f".{final.name}{TMP_INFIX}{token}"
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        _remove_stale(directory)
+        tmp.mkdir()
+    _barrier()
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({}, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=_save_planner(entries))
+    (tmp / RNG_DIR).mkdir(exist_ok=True)
+    _write_json(tmp / RNG_DIR / f"rank_{rank}.json", rng_state())
+    _barrier()
+    if rank == 0:
+        state = {
+            "format": FORMAT_VERSION, "step": step, "world_size": world, "tokens_seen": int(tokens_seen),
+            **_plan_json(setup),
+            "optimizer": None if optimizer is None else {
+                "class": type(getattr(optimizer, "inner", optimizer)).__name__,
+                "host_offload": _is_host_offload(optimizer), "param_groups": _param_groups_json(optimizer)},
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "data": data.state_dict() if data is not None else None,
+            "extra": dict(extra or {}),
+        }
+        _write_json(tmp / STATE_FILE, state)
+        _write_json(tmp / COMPLETE_MARKER, {"step": step})
+        if final.exists():  # an earlier save of this step that never completed
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(directory)
+        if keep is not None:
+            for _, old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+                shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def _remove_stale(directory: Path) -> None:
+    """Temporary directories of saves that never completed (one job per checkpoint directory)."""
+    for path in directory.iterdir():
+        if path.name.startswith(f".{STEP_PREFIX}") and TMP_INFIX in path.name and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# ----- load --------------------------------------------------------------------------------------------------
+
+
+def check_same_model(saved: Mapping[str, Any], spec, path: Path) -> None:
+    """Refuse a checkpoint of another architecture, naming the first differing fields."""
+    differ = [f"{name}: checkpoint {saved.get(name)!r} vs model {getattr(spec, name)!r}"
+              for name in ARCHITECTURE_FIELDS if saved.get(name) != getattr(spec, name)]
+    if differ:
+        raise RuntimeConfigError(
+            f"checkpoint {path} was saved for {saved.get('name', 'another model')}, not this model "
+            f"({'; '.join(differ[:3])}): resume with the same architecture, or start a new checkpoint directory"
+        )
+
+
+def _load_targets(setup, optimizer, metadata, geometry: dict[str, Geometry], path: Path) -> tuple[
+        dict[str, Chunk], dict]:
+    """Destination chunks for this rank (model, optimizer states created here, host masters) and the new
+    optimizer state to install once loaded."""
+    saved = metadata.state_dict_metadata
+    has_masters = any(k.startswith(MASTER + SEP) for k in saved)
+    targets: dict[str, Chunk] = {}
+    for name, t in _model_state(setup.model).items():
+        source = key(MODEL, name)
+        # fp32 weights of a host-offload run live in its masters (its device copies may be bf16)
+        if has_masters and key(MASTER, name) in saved and t.dtype == torch.float32:
+            source = key(MASTER, name)
+        targets[key(MODEL, name)] = geometry[name].chunk(t, name, source)
+    new_state: dict = {}
+    if optimizer is None:
+        return targets, new_state
+    host = _is_host_offload(optimizer)
+    for opt_param, name, _ in _optimizer_params(optimizer, setup.model):
+        g = geometry[name]
+        prefix = key(OPTIM, name) + SEP
+        names = [k[len(prefix):] for k in saved if k.startswith(prefix)]
+        if not names and any(k.startswith(OPTIM + SEP) for k in saved):
+            raise RuntimeConfigError(f"checkpoint {path} has no optimizer state for parameter {name}")
+        state = {}
+        for state_name in names:
+            md = saved[prefix + state_name]
+            if len(md.size) == 0:
+                on_device = any(group.get("capturable") or group.get("fused") for group in optimizer.param_groups)
+                value = torch.zeros((), dtype=md.properties.dtype,
+                                    device=_local(opt_param).device if on_device else "cpu")
+                targets[prefix + state_name] = Chunk(value, (), ())
+            else:
+                value = torch.zeros_like(opt_param)
+                targets[prefix + state_name] = g.chunk(value, prefix + state_name)
+            state[state_name] = value
+        new_state[opt_param] = state
+        if host:
+            source = key(MASTER, name) if has_masters else key(MODEL, name)
+            targets[key(MASTER, name)] = g.chunk(opt_param, f"host master of {name}", source)
+    return targets, new_state
+
+
+def _check_targets(targets: dict[str, Chunk], metadata, path: Path) -> None:
+    saved = metadata.state_dict_metadata
+    for name, target in targets.items():
+        source = target.source or name
+        md = saved.get(source)
+        if md is None or not hasattr(md, "size"):
+            what = source.split(SEP)
+            raise RuntimeConfigError(
+                f"checkpoint {path} has no {' '.join(what[:1])} entry {SEP.join(what[1:])!r}: it was saved from "
+                "another model (or without the optimizer)"
+            )
+        if tuple(md.size) != tuple(target.shape):
+            raise RuntimeConfigError(
+                f"checkpoint {path} holds {source} with shape {tuple(md.size)}, this model's is {tuple(target.shape)}: "
+                "it was saved from another model"
+            )
+
+
+def load_checkpoint(path: str | os.PathLike, *, setup, optimizer=None, scheduler=None, data=None,
+                    restore_rng: bool = True) -> CheckpointState:
+    """Restore a checkpoint saved by :func:`save_checkpoint` into ``setup.model``, ``optimizer``,
+    ``scheduler`` and ``data``; collective. ``path``: a checkpoint directory or a checkpoint root (its
+    latest complete checkpoint). Works on any layout of the same model (DCP reshards)."""
+    path = resolve_checkpoint(path)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    state = _read_json(path / STATE_FILE, "checkpoint state")
+    if state.get("format") != FORMAT_VERSION:
+        raise RuntimeConfigError(f"checkpoint {path} has format {state.get('format')!r}; this runtime reads "
+                                 f"format {FORMAT_VERSION}")
+    check_same_model(state.get("model") or {}, setup.plan.model, path)
+    if optimizer is not None and state.get("optimizer") is None:
+        raise RuntimeConfigError(f"checkpoint {path} has no optimizer state: load it with optimizer=None")
+    geometry = parameter_geometry(setup)
+    metadata = read_metadata(path)
+    targets, new_state = _load_targets(setup, optimizer, metadata, geometry, path)
+    _check_targets(targets, metadata, path)
+    import torch.distributed.checkpoint as dcp
+
+    with torch.no_grad():
+        dcp.load({}, storage_reader=_reader(path), planner=_load_planner(targets))
+    if optimizer is not None:
+        _restore_optimizer(optimizer, new_state, state["optimizer"], path)
+    if scheduler is not None:
+        if state.get("scheduler") is None:
+            raise RuntimeConfigError(f"checkpoint {path} has no LR scheduler state")
+        scheduler.load_state_dict(state["scheduler"])
+    if data is not None:
+        if state.get("data") is None:
+            raise RuntimeConfigError(f"checkpoint {path} has no data position")
+        data.load_state_dict(state["data"])
+    same_layout = state.get("world_size") == world and state.get("layout") == setup.plan.layout.model_dump(mode="json")
+    if restore_rng:
+        saved_rank = rank if state.get("world_size") == world else 0
+        set_rng_state(_read_json(path / RNG_DIR / f"rank_{saved_rank}.json", "RNG state"))
+    _barrier()
+    return CheckpointState(path=path, step=int(state["step"]), world_size=int(state.get("world_size", 0)),
+                           layout=state.get("layout") or {}, same_layout=same_layout,
+                           tokens_seen=int(state.get("tokens_seen", 0)), extra=state.get("extra") or {})
+
+
+def _restore_optimizer(optimizer, new_state: dict, saved: Mapping[str, Any], path: Path) -> None:
+    groups = saved.get("param_groups") or []
+    if len(groups) != len(optimizer.param_groups):
+        raise RuntimeConfigError(
+            f"checkpoint {path} has {len(groups)} optimizer parameter group(s), the optimizer has "
+            f"{len(optimizer.param_groups)}: build the optimizer the same way as the saved run"
+        )
+    for group, values in zip(optimizer.param_groups, groups):
+        for k, v in values.items():
+            current = group.get(k)
+            if isinstance(current, tuple) and isinstance(v, list):
+                v = tuple(v)
+            elif isinstance(current, torch.Tensor):
+                current.fill_(v)
+                continue
+            group[k] = v
+    optimizer.state.clear()  # HostOffloadOptimizer: the wrapped optimizer's (shared) state dict
+    for p, s in new_state.items():
+        if s:
+            optimizer.state[p] = s
+    if _is_host_offload(optimizer):  # device parameters from the (fp32) masters, as after a step
+        with torch.no_grad():
+            for p, master in zip(optimizer.device_params, optimizer.masters):
+                _local(p.data).copy_(master)
+
+
+# ----- the unparallelised model from a checkpoint --------------------------------------------------------
+
+
+def load_full_state_dict(path: str | os.PathLike, *, prefix: str = MODEL) -> dict[str, torch.Tensor]:
+    """The unparallelised model's tensors of a checkpoint (single process, no process group needed),
+    keyed like the original model's ``state_dict``: for an unparallelised model, another tool, or tests.
+    ``prefix``: ``"model"`` (default), ``"master"`` (fp32 host masters) or ``"optim"`` (keys
+    ``<fqn>::<state>``)."""
+    path = resolve_checkpoint(path)
+    metadata = read_metadata(path)
+    head = prefix + SEP
+    targets = {}
+    for name, md in metadata.state_dict_metadata.items():
+        if name.startswith(head) and hasattr(md, "size"):
+            size = tuple(md.size)
+            targets[name] = Chunk(torch.empty(size, dtype=md.properties.dtype), (0,) * len(size), size)
+    if not targets:
+        raise RuntimeConfigError(f"checkpoint {path} has no {prefix!r} entries")
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load({}, storage_reader=_reader(path), planner=_load_planner(targets), no_dist=True)
+    return {name[len(head):]: chunk.tensor for name, chunk in targets.items()}
+
+
+def read_state(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON bookkeeping of a checkpoint (step, data position, plan's model/train/layout, ...)."""
+    return _read_json(resolve_checkpoint(path) / STATE_FILE, "checkpoint state")
+
+
+__all__ = [
+    "CheckpointState", "Chunk", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_full_state_dict",
+    "parameter_geometry", "read_state", "resolve_checkpoint", "save_checkpoint",
+]
+

@@ -1,0 +1,502 @@
+"""Real training data: a Hugging Face text dataset and tokenizer, packed to the planned sequence length,
+served as a deterministic, resumable, data-parallel stream of global batches.
+
+Three pieces (``datasets`` and ``transformers`` come with the ``[hf]`` extra and are imported lazily):
+
+1. :func:`load_text_dataset`: a ``datasets.Dataset`` from a local path (``datasets.save_to_disk``
+   output, a ``.jsonl``/``.json``/``.txt``/``.parquet``/``.csv``/``.arrow`` file or a directory of
+   them) or a hub name (cached, or with network); :func:`load_tokenizer`:
+   ``transformers.AutoTokenizer.from_pretrained`` (a local directory or a hub name), which must have an
+   EOS token (it separates packed documents).
+2. :class:`PackedTextDataset`: every document tokenised (no special tokens) and followed by EOS, the
+   stream cut into rows of ``seq_len`` tokens by :func:`runtime.data.pack_documents` (a document
+   may continue in the next row; the final partial row is dropped). Built once, in one streaming pass,
+   into a cache directory keyed by the dataset's fingerprint, the tokenizer, the text column,
+   ``seq_len`` and the position mode; memory-mapped afterwards (rank 0 builds, the others wait and map
+   it; build errors reach every rank). ``positions``:
+
+   - ``"continuous"`` (GPT-style, the default): samples are ``(seq_len,)`` token tensors, positions
+     run 0..seq_len-1 and attention crosses document boundaries inside a row (the GPT objective;
+     what the runtime's attention computes exactly);
+   - ``"per_document"`` (HF packed format): samples are dicts with ``position_ids`` restarting at 0 at
+     every document start (and at the row start for a document continued from the previous row). The
+     sharder ignores the labels across document starts. Without document-masked attention tokens still
+     attend to earlier documents of the row, so :class:`runtime.data.BatchSharder` asks for
+     ``cross_document_attention=True`` until the runtime masks documents.
+3. :class:`GlobalBatches`: the order of sequences is one global stream, independent of the layout:
+   epoch ``e`` is a permutation of all rows seeded by ``seed + e`` (or the identity without shuffling),
+   epochs follow each other, and optimizer step ``k`` consumes stream positions
+   ``[k G, (k + 1) G)`` with ``G = micro_batch x grad_accum x dp_size`` sequences; data-parallel rank
+   ``r`` takes its ``micro_batch x grad_accum`` consecutive positions of that window. The position is
+   one integer, *sequences consumed*: saved with a checkpoint, it resumes at the same place with any
+   data-parallel size (and the same global batch gives every step the same sequences).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from runtime.data import pack_documents
+from runtime.errors import RuntimeConfigError
+
+#: Bumped when the packed cache's layout changes (old caches are then rebuilt, not misread).
+PACK_FORMAT = 1
+POSITION_MODES = ("continuous", "per_document")
+#: File suffix -> the ``datasets`` builder that reads it.
+BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet",
+            ".csv": "csv", ".arrow": "arrow"}
+META_FILE = "meta.json"
+TOKENS_FILE = "tokens.u32"
+STARTS_FILE = "starts.i64"
+OFFSETS_FILE = "row_starts.i64"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# ----- loading ----------------------------------------------------------------------------------------------
+
+
+def _looks_like_path(source: str) -> bool:
+    """A local path rather than a hub name (``org/name``)."""
+    return source.startswith((".", "/", "~")) or source.count("/") > 1 or Path(source).suffix.lower() in BUILDERS
+
+
+def load_text_dataset(source: Any, *, split: str = "train", text_column: str = "text",
+                      cache_dir: str | os.PathLike | None = None):
+    """A ``datasets.Dataset`` with a string column ``text_column`` from ``source``: a ``Dataset``
+    (or ``DatasetDict``), a local path (``save_to_disk`` output, a data file or a directory of data
+    files) or a hub dataset name. Raises :class:`RuntimeConfigError` with what to do on any problem."""
+    try:
+        import datasets
+    except ImportError:
+        raise RuntimeConfigError("reading a Hugging Face dataset needs `datasets`: pip install 'sp-plan[hf]'") from None
+    if isinstance(source, (datasets.Dataset, datasets.DatasetDict)):
+        ds = source
+    else:
+        ds = _load_source(datasets, str(source), split, cache_dir)
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise RuntimeConfigError(f"dataset {source} has splits {sorted(ds)}, not {split!r}: pick one (--split)")
+        ds = ds[split]
+    if not isinstance(ds, datasets.Dataset):
+        raise RuntimeConfigError(f"dataset {source} is a {type(ds).__name__}; a map-style datasets.Dataset is needed")
+    if text_column not in ds.column_names:
+        raise RuntimeConfigError(
+            f"dataset {source} has no column {text_column!r} (columns: {', '.join(ds.column_names)}): "
+            "pass the text column's name (--text-column)"
+        )
+    feature = ds.features[text_column]
+    if getattr(feature, "dtype", None) not in ("string", "large_string"):
+        raise RuntimeConfigError(f"column {text_column!r} of dataset {source} holds {feature}, not text")
+    return ds
+
+
+def _load_source(datasets, source: str, split: str, cache_dir) -> Any:
+    path = Path(source).expanduser()
+    kwargs = {"cache_dir": str(cache_dir)} if cache_dir is not None else {}
+    try:
+        if path.is_dir() and any((path / f).is_file() for f in ("dataset_info.json", "state.json",
+                                                                  "dataset_dict.json")):
+            return datasets.load_from_disk(str(path))
+        if path.exists():
+            files = [path] if path.is_file() else sorted(f for f in path.rglob("*")
+                                                          if f.is_file() and f.suffix.lower() in BUILDERS)
+            builders = {BUILDERS.get(f.suffix.lower()) for f in files}
+            if not files or None in builders:
+                raise RuntimeConfigError(
+                    f"dataset path {path} has no data files this loader reads ({', '.join(sorted(BUILDERS))}), "
+                    "nor is it a datasets.save_to_disk directory"
+                )
+            if len(builders) > 1:
+                raise RuntimeConfigError(f"dataset directory {path} mixes file types {sorted(builders)}: keep one kind")
+            return datasets.load_dataset(builders.pop(), data_files=[str(f) for f in files], split=split, **kwargs)
+        if _looks_like_path(source):
+            raise RuntimeConfigError(f"dataset path {source} does not exist: pass a local file or directory "
+                                     "(or a Hugging Face hub dataset name)")
+        return datasets.load_dataset(source, split=split, **kwargs)
+    except RuntimeConfigError:
+        raise
+    except Exception as exc:  # datasets raises many types (FileNotFoundError, ConnectionError, ValueError ...)
+        offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
+        hint = " (offline mode: only local paths and cached datasets load)" if offline else ""
+        raise RuntimeConfigError(f"cannot load dataset {source!r}{hint}: {_first_line(exc)}") from None
+
+
+def load_tokenizer(name_or_path: Any):
+    """``AutoTokenizer.from_pretrained(name_or_path)`` (a tokenizer object is passed through), checked to
+    have an EOS token (packed documents are separated by it)."""
+    if isinstance(name_or_path, (str, os.PathLike)):
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise RuntimeConfigError("--tokenizer needs transformers: pip install 'sp-plan[hf]'") from None
+        path = Path(name_or_path).expanduser()
+        if _looks_like_path(str(name_or_path)) and not path.exists():
+            raise RuntimeConfigError(f"tokenizer path {name_or_path} does not exist: pass a directory saved with "
+                                     "save_pretrained (or a hub name)")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path) if path.exists() else str(name_or_path))
+        except Exception as exc:
+            raise RuntimeConfigError(f"cannot load tokenizer {str(name_or_path)!r}: {_first_line(exc)}") from None
+    else:
+        tokenizer = name_or_path
+    if getattr(tokenizer, "eos_token_id", None) is None:
+        raise RuntimeConfigError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no EOS token, which separates packed "
+            "documents: set one (tokenizer.eos_token = '...') and save_pretrained it again"
+        )
+    return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of what the tokenizer does (its full JSON for fast tokenizers, else its vocabulary)."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(f"eos={tokenizer.eos_token_id};n={len(tokenizer)}".encode())
+    return h.hexdigest()
+
+
+def build_bpe_tokenizer(texts: Sequence[str] | Iterator[str], directory: str | os.PathLike, *,
+                        vocab_size: int = 512, eos_token: str = "<|endoftext|>"):
+    """Train a small byte-level BPE tokenizer on ``texts`` and save it as a ``PreTrainedTokenizerFast`` in
+    ``directory`` (``AutoTokenizer.from_pretrained(directory)`` loads it): for offline demos and tests."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos_token],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos_token, pad_token=eos_token)
+    fast.save_pretrained(str(directory))
+    return fast
+
+
+# ----- packing ----------------------------------------------------------------------------------------------
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("SP_PLAN_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sp-plan")
+    return Path(root) / "packed"
+
+
+class PackedTextDataset(torch.utils.data.Dataset):
+    """Rows of ``seq_len`` tokens packed from a text dataset (see the module doc); map-style.
+
+    Build with :meth:`build` (collective inside a process group). ``samples``: ``(seq_len,)`` int64
+    token tensors (``positions="continuous"``) or ``{"input_ids", "position_ids"}`` (``"per_document"``).
+    """
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(directory)
+        meta = _read_meta(self.directory)
+        self.meta = meta
+        self.seq_len: int = meta["seq_len"]
+        self.rows: int = meta["rows"]
+        self.positions: str = meta["positions"]
+        self.fingerprint: str = meta["key"]
+        self.eos_token_id: int = meta["eos_token_id"]
+        #: The tokenizer's padding token (its EOS when it has none) and its vocabulary size.
+        self.pad_token_id: int = meta["pad_token_id"]
+        self.vocab_size: int = meta["vocab_size"]
+        self.max_token_id: int = meta["max_token_id"]
+        self._tokens: np.ndarray | None = None
+        self._starts: np.ndarray | None = None
+        self._offsets: np.ndarray | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rows * self.seq_len
+
+    def _open(self) -> None:
+        if self._tokens is None:
+            self._tokens = np.memmap(self.directory / TOKENS_FILE, dtype=np.uint32, mode="r",
+                                     shape=(self.rows, self.seq_len))
+            if self.positions == "per_document":
+                self._starts = np.fromfile(self.directory / STARTS_FILE, dtype=np.int64)
+                self._offsets = np.fromfile(self.directory / OFFSETS_FILE, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def position_ids(self, index: int) -> torch.Tensor:
+        """Row ``index``'s positions: restarting at each document start (``per_document``), else 0..seq_len-1."""
+        self._open()
+        pos = np.arange(self.seq_len, dtype=np.int64)
+        if self.positions == "per_document":
+            starts = self._starts[self._offsets[index]:self._offsets[index + 1]]
+            if len(starts):
+                base = np.concatenate([[0], starts])[np.searchsorted(starts, pos, side="right")]
+                pos = pos - base
+        return torch.from_numpy(pos)
+
+    def __getitem__(self, index: int):
+        if not 0 <= index < self.rows:
+            raise IndexError(index)
+        self._open()
+        ids = torch.from_numpy(self._tokens[index].astype(np.int64))
+        if self.positions == "per_document":
+            return {"input_ids": ids, "position_ids": self.position_ids(index)}
+        return ids
+
+    def describe(self) -> str:
+        m = self.meta
+        return (f"{m['documents']:,} documents ({m['source']}), {self.num_tokens:,} tokens in {self.rows:,} rows of "
+                f"{self.seq_len:,} ({m['dropped_tokens']:,} tokens of the last partial row dropped); "
+                f"positions {self.positions}")
+
+    @classmethod
+    def build(cls, source, tokenizer, seq_len: int, *, text_column: str = "text", split: str = "train",
+              positions: str = "continuous", cache_dir: str | os.PathLike | None = None,
+              hf_cache_dir: str | os.PathLike | None = None, batch_size: int = 1000,
+              log: Callable[[str], None] | None = None) -> PackedTextDataset:
+        """Pack a text dataset into rows of ``seq_len``, or reuse its cached packing.
+
+        ``source``: what :func:`load_text_dataset` takes (a path, a hub name or a ``datasets.Dataset``);
+        ``tokenizer``: what :func:`load_tokenizer` takes. Collective when a process group is initialised:
+        only rank 0 loads the dataset and the tokenizer and packs; every rank then maps the result, or
+        raises rank 0's error. ``cache_dir``: where packed datasets live (default
+        :func:`default_cache_dir`); ``hf_cache_dir``: the ``datasets`` cache for data files.
+        """
+        if positions not in POSITION_MODES:
+            raise RuntimeConfigError(f"positions={positions!r}: choose one of {', '.join(POSITION_MODES)}")
+        if seq_len < 2:
+            raise RuntimeConfigError(f"seq_len must be at least 2, got {seq_len}")
+        cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+
+        def make() -> str:
+            dataset = load_text_dataset(source, split=split, text_column=text_column, cache_dir=hf_cache_dir)
+            tok = load_tokenizer(tokenizer)
+            spec = {"format": PACK_FORMAT, "dataset": getattr(dataset, "_fingerprint", None), "rows": len(dataset),
+                    "text_column": text_column, "tokenizer": tokenizer_fingerprint(tok), "seq_len": seq_len,
+                    "positions": positions}
+            key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
+            directory = cache / f"packed-{key}"
+            if not (directory / META_FILE).is_file():
+                name = source if isinstance(source, (str, os.PathLike)) else "in-memory dataset"
+                _pack(dataset, tok, seq_len, text_column, positions, directory, key, batch_size, str(name), log)
+            return str(directory)
+
+        return cls(on_rank_zero(make, "packing the dataset"))
+
+
+def on_rank_zero(fn: Callable[[], Any], what: str) -> Any:
+    """``fn()`` on rank 0 only, its result (or its error, as a :class:`RuntimeConfigError`) broadcast to
+    every rank; just ``fn()`` without a multi-rank process group."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return fn()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as exc:  # every rank must learn why, not hang in the broadcast
+            message = str(exc) if isinstance(exc, RuntimeConfigError) else \
+                f"{what} failed on rank 0: {type(exc).__name__}: {_first_line(exc)}"
+            box[0] = ("error", message)
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise RuntimeConfigError(value)
+    return value
+
+
+def _read_meta(directory: Path) -> dict[str, Any]:
+    file = directory / META_FILE
+    if not file.is_file():
+        raise RuntimeConfigError(f"{directory} is not a packed dataset (no {META_FILE}); build it with "
+                                 "PackedTextDataset.build")
+    if file.stat().st_size > 1 << 20:
+        raise RuntimeConfigError(f"{file} is too large to be a packed dataset's metadata")
+    try:
+        meta = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise RuntimeConfigError(f"{file} is not valid JSON: {_first_line(exc)}") from None
+    if meta.get("format") != PACK_FORMAT:
+        raise RuntimeConfigError(f"{directory} was packed with format {meta.get('format')}, this runtime reads "
+                                 f"{PACK_FORMAT}: delete it to rebuild")
+    size = (directory / TOKENS_FILE).stat().st_size if (directory / TOKENS_FILE).is_file() else -1
+    if size != meta["rows"] * meta["seq_len"] * 4:
+        raise RuntimeConfigError(f"{directory / TOKENS_FILE} has {size} bytes, expected "
+                                 f"{meta['rows'] * meta['seq_len'] * 4}: the cache is damaged, delete it to rebuild")
+    return meta
+
+
+def _documents(dataset, tokenizer, text_column: str, batch_size: int, counts: dict) -> Iterator[list[int]]:
+    for batch in dataset.select_columns([text_column]).iter(batch_size=batch_size):
+        texts = batch[text_column]
+        if any(not isinstance(t, str) for t in texts):
+            raise RuntimeConfigError(f"column {text_column!r} holds a non-string value (None?): clean the dataset")
+        for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+            counts["documents"] += 1
+            counts["tokens"] += len(ids) + 1
+            yield ids
+
+
+def _pack(dataset, tokenizer, seq_len: int, text_column: str, positions: str, directory: Path, key: str,
+          batch_size: int, name: str, log) -> None:
+    """One streaming pass: tokenise, pack with :func:`runtime.data.pack_documents`, write the rows (and
+    the document starts inside rows), then publish the directory atomically."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    eos = int(tokenizer.eos_token_id)
+    per_document = positions == "per_document"
+    counts = {"documents": 0, "tokens": 0}
+    rows, max_id = 0, eos
+    starts: list[np.ndarray] = []
+    offsets = [0]
+    if log is not None:
+        log(f"packing {len(dataset):,} documents into rows of {seq_len:,} tokens -> {directory}")
+    try:
+        with open(tmp / TOKENS_FILE, "wb") as out:
+            docs = _documents(dataset, tokenizer, text_column, batch_size, counts)
+            for row in pack_documents(docs, seq_len, separator=eos, reset_positions=per_document):
+                ids = row["input_ids"].numpy()
+                max_id = max(max_id, int(ids.max()))
+                out.write(ids.astype(np.uint32).tobytes())
+                if per_document:
+                    restarts = np.flatnonzero(row["position_ids"].numpy()[1:] == 0) + 1
+                    starts.append(restarts.astype(np.int64))
+                    offsets.append(offsets[-1] + len(restarts))
+                rows += 1
+        if rows == 0:
+            raise RuntimeConfigError(
+                f"the dataset has {counts['tokens']:,} tokens ({counts['documents']:,} documents with EOS), fewer than "
+                f"one sequence of {seq_len:,}: use a shorter sequence or more data"
+            )
+        if per_document:
+            (np.concatenate(starts) if starts else np.zeros(0, np.int64)).tofile(tmp / STARTS_FILE)
+            np.asarray(offsets, dtype=np.int64).tofile(tmp / OFFSETS_FILE)
+        meta = {"format": PACK_FORMAT, "key": key, "seq_len": seq_len, "rows": rows, "positions": positions,
+                "documents": counts["documents"], "tokens": counts["tokens"],
+                "dropped_tokens": counts["tokens"] - rows * seq_len, "eos_token_id": eos, "max_token_id": max_id,
+                "tokenizer": str(getattr(tokenizer, "name_or_path", "")), "vocab_size": len(tokenizer),
+                "pad_token_id": int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos),
+                "source": name}
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+        if directory.exists():  # another builder won the race with the same content
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def check_vocabulary(dataset: PackedTextDataset, vocab_size: int) -> None:
+    """Refuse a packed dataset whose token ids do not fit the model's embedding."""
+    if dataset.max_token_id >= vocab_size:
+        raise RuntimeConfigError(
+            f"the tokenizer produces token id {dataset.max_token_id} but the model's vocabulary has {vocab_size} "
+            f"entries: build the model with vocab_size >= {dataset.meta.get('vocab_size', dataset.max_token_id + 1)}"
+        )
+
+
+# ----- the global batch stream --------------------------------------------------------------------------------
+
+
+def collate(samples: Sequence[Any]) -> Any:
+    """Stack tensors (and dicts of tensors) into a batch."""
+    first = samples[0]
+    if isinstance(first, Mapping):
+        return {k: torch.stack([s[k] for s in samples]) for k in first}
+    return torch.stack(list(samples))
+
+
+class GlobalBatches:
+    """Deterministic, resumable per-step micro-batches for one data-parallel rank (see the module doc).
+
+    ``dataset``: map-style (``len`` and ``[i]``), e.g. :class:`PackedTextDataset` or
+    :class:`runtime.data.TokenWindows`. Each :meth:`next_step` returns this rank's ``grad_accum``
+    micro-batches of ``micro_batch`` sequences and advances the global position by
+    :attr:`sequences_per_step`. :meth:`state_dict` / :meth:`load_state_dict` carry the position
+    (sequences consumed) and what it refers to.
+    """
+
+    def __init__(self, dataset, *, micro_batch: int, grad_accum: int = 1, dp_rank: int = 0, dp_size: int = 1,
+                 seed: int = 0, shuffle: bool = True, collate_fn: Callable[[Sequence[Any]], Any] = collate) -> None:
+        if micro_batch < 1 or grad_accum < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise RuntimeConfigError(f"invalid batch shape: micro_batch={micro_batch}, grad_accum={grad_accum}, "
+                                     f"dp_rank={dp_rank} of dp_size={dp_size}")
+        self.num_sequences = len(dataset)
+        if self.num_sequences == 0:
+            raise RuntimeConfigError("the dataset is empty")
+        self.dataset, self.seed, self.shuffle, self.collate_fn = dataset, seed, shuffle, collate_fn
+        self.micro_batch, self.grad_accum, self.dp_rank, self.dp_size = micro_batch, grad_accum, dp_rank, dp_size
+        self.position = 0
+        self._epoch = -1
+        self._order: torch.Tensor | None = None
+
+    @classmethod
+    def for_setup(cls, setup, dataset, *, seed: int = 0, shuffle: bool = True, **kwargs) -> GlobalBatches:
+        """The stream for an :class:`runtime.auto.AutoConfigured` run: its micro-batch, accumulation and
+        data-parallel coordinates (SP and TP ranks of one group get the same batches)."""
+        return cls(dataset, micro_batch=setup.train.micro_batch, grad_accum=setup.train.grad_accum,
+                   dp_rank=setup.dp_rank, dp_size=setup.dp_size, seed=seed, shuffle=shuffle, **kwargs)
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.micro_batch * self.grad_accum * self.dp_size
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next sequence comes from."""
+        return self.position // self.num_sequences
+
+    def index(self, position: int) -> int:
+        """The dataset index at global stream ``position``."""
+        epoch, offset = divmod(position, self.num_sequences)
+        if not self.shuffle:
+            return offset
+        if epoch != self._epoch:
+            self._order = torch.randperm(self.num_sequences, generator=torch.Generator().manual_seed(self.seed + epoch))
+            self._epoch = epoch
+        return int(self._order[offset])
+
+    def next_step(self) -> list[Any]:
+        """This rank's micro-batches of the next optimizer step (the position advances past the whole step)."""
+        first = self.position + self.dp_rank * self.micro_batch * self.grad_accum
+        micro = []
+        for m in range(self.grad_accum):
+            start = first + m * self.micro_batch
+            micro.append(self.collate_fn([self.dataset[self.index(p)] for p in range(start, start + self.micro_batch)]))
+        self.position += self.sequences_per_step
+        return micro
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sequences_consumed": self.position, "num_sequences": self.num_sequences, "seed": self.seed,
+                "shuffle": self.shuffle, "fingerprint": getattr(self.dataset, "fingerprint", None)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        differ = [f"{k}: checkpoint {state.get(k)!r} vs now {v!r}" for k, v in self.state_dict().items()
+                  if k != "sequences_consumed" and state.get(k) != v]
+        if differ:
+            raise RuntimeConfigError(
+                "the checkpoint's data position refers to other data (" + "; ".join(differ) + "): resume with the same "
+                "dataset, tokenizer, sequence length and seed"
+            )
+        position = state.get("sequences_consumed")
+        if not isinstance(position, int) or position < 0:
+            raise RuntimeConfigError(f"invalid data position in the checkpoint: {position!r}")
+        self.position = position
