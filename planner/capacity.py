@@ -47,6 +47,8 @@ class FeasibilityProbe(BaseModel):
     usable_bytes: float | None = None
     host_bytes: float | None = None
     host_capacity_bytes: float | None = None
+    #: The host bound is ``--max-offload-gb`` (PlanSettings.max_offload_bytes), not the node's RAM.
+    host_limited_by_setting: bool = False
 
     @property
     def shortfall_bytes(self) -> float:
@@ -59,8 +61,10 @@ class FeasibilityProbe(BaseModel):
         layout = Layout(**(self.layout or {})).describe()
         device_short = self.total_bytes - self.usable_bytes
         if device_short <= 0:
+            bound = ("the --max-offload-gb limit allows" if self.host_limited_by_setting
+                     else "host RAM, which has")
             return (f"{layout} fits device memory ({self.total_bytes / 1e9:.1f} of {self.usable_bytes / 1e9:.1f} GB "
-                    f"usable) only by offloading {self.host_bytes / 1e9:.1f} GB per GPU to host RAM, which has "
+                    f"usable) only by offloading {self.host_bytes / 1e9:.1f} GB per GPU to host RAM; {bound} "
                     f"{self.host_capacity_bytes / 1e9:.1f} GB per GPU: short by {self.shortfall_bytes / 1e9:.1f} GB")
         return (f"{layout} needs {self.total_bytes / 1e9:.1f} GB per GPU (usable {self.usable_bytes / 1e9:.1f} GB), "
                 f"short by {device_short / 1e9:.1f} GB, with every allowed memory option on")
@@ -78,7 +82,7 @@ def probe_feasibility(model: ModelSpec, base: TrainSpec, topology: Topology, set
             continue
         for lattice in s.lattices(layout):
             options = lattice.values(s.most_saving_valid(lattice))
-            core = memory_core(model, s.train_for(layout, options), layout, s.assumptions)
+            core = memory_core(model, s.train_for(layout, options), layout, s.profile.memory)
             fits = s.fits(core)
             if s.device_fits(core) and not fits:
                 # Offloading everything overflows the host: a combination with less offload may fit both.
@@ -86,7 +90,8 @@ def probe_feasibility(model: ModelSpec, base: TrainSpec, topology: Topology, set
                 fits = s.best_for(layout, lattice, start, math.inf) is not None
             probe = FeasibilityProbe(fits=fits, layout=layout.degrees(), options=options,
                                      total_bytes=core.total, usable_bytes=s.usable, host_bytes=core.host_total,
-                                     host_capacity_bytes=s.host_capacity)
+                                     host_capacity_bytes=s.host_capacity,
+                                     host_limited_by_setting=s.host_limited_by_setting)
             if probe.fits:
                 return probe
             if nearest is None or probe.shortfall_bytes < nearest.shortfall_bytes:

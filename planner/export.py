@@ -5,6 +5,17 @@ DeepSpeed's ``zero_optimization``, ``sequence_parallel_size``, ``tensor_parallel
 tool cannot express part of the plan, export refuses with the reason instead of writing a config that
 silently runs something else; where it can express it only approximately, the difference is returned
 as a note for the user.
+
+A plan that fits under sp-plan's runtime may not fit under the stack another launcher runs, so the
+configuration is re-estimated under that stack (:func:`check_under_stack`) and refused when it does not
+fit there. The stack each target runs (:func:`target_stack`; ``--stack`` overrides):
+
+- ``deepspeed``: ``hf-deepspeed`` (transformers + DeepSpeed ZeRO, Ulysses as in ALST);
+- ``accelerate`` with ``sp`` (Ulysses; Accelerate's DeepSpeed ALST backend): ``hf-deepspeed``;
+- ``accelerate`` otherwise (FSDP2, with ``cp`` = torch context parallel for ring plans): ``torchtitan``,
+  the FSDP2 + torch context-parallel stack (per-block gathers, SDPA ring attention);
+- ``torchrun``: sp-plan's own runtime, so the plan's own stack (no re-estimate unless ``--stack`` or
+  ``--calibration`` asks for one).
 """
 
 from __future__ import annotations
@@ -250,3 +261,94 @@ def to_torchrun(plan: Plan, plan_path: str = "plan.yaml", script: str = DEFAULT_
 
 
 EXPORTERS = {"accelerate": to_accelerate, "deepspeed": to_deepspeed, "torchrun": to_torchrun}
+
+
+# ----- the stack that runs the export ----------------------------------------------------------------
+
+
+def target_stack(plan: Plan, target: str) -> str:
+    """The stack a launcher runs the plan with (see the module docstring)."""
+    if target == "deepspeed":
+        return "hf-deepspeed"
+    if target == "accelerate":
+        return "hf-deepspeed" if plan.layout.ulysses > 1 else "torchtitan"
+    return plan.stack
+
+
+def _plan_topology(plan: Plan):
+    """The plan's cluster: its topology preset or file, else (a file from another machine) the natural
+    machine of its GPU."""
+    from cost_models.errors import CostModelError
+    from cost_models.topology import default_topology, load_topology
+
+    hw = plan.hardware
+    try:
+        return load_topology(hw.topology, hw.num_gpus, hw.gpus_per_node)
+    except CostModelError:
+        return default_topology(hw.gpu, hw.num_gpus, hw.gpus_per_node)
+
+
+def replan_command(plan: Plan, target: str, stack: str) -> str:
+    """The ``sp-plan plan`` command that plans the same run under ``stack``, kept within what ``target``
+    can express (DeepSpeed has no ring; Accelerate's DeepSpeed path no ring, its FSDP path no Ulysses)."""
+    train, hw = plan.train, plan.hardware
+    args = ["sp-plan", "plan", "--model", plan.model.name, "--seq-len", str(train.seq_len), "--gpus", str(hw.num_gpus)]
+    if hw.topology:
+        args += ["--topology", hw.topology]
+    else:
+        args += ["--gpu", hw.gpu, "--gpus-per-node", str(hw.gpus_per_node)]
+    if train.mode != "train":
+        args += ["--mode", train.mode]
+    if train.dtype != "bf16":
+        args += ["--dtype", train.dtype]
+    if train.optimizer != "adamw":
+        args += ["--optimizer", train.optimizer]
+    if target == "deepspeed" or (target == "accelerate" and stack == "hf-deepspeed"):
+        args += ["--ring", "1"]
+    elif target == "accelerate":
+        args += ["--ulysses", "1"]
+    args += ["--stack", stack, "--out", "plan.yaml"]
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def check_under_stack(plan: Plan, target: str, stack: str | None = None, calibration: str | None = None) -> list[str]:
+    """Re-estimate the plan's configuration under the stack ``target`` runs (``stack`` overrides it).
+
+    Raises :class:`PlannerError` with the numbers and the command that re-plans under that stack when
+    the configuration does not fit there (device memory beyond capacity minus the planner's default
+    headroom, or offloaded state beyond the host RAM); otherwise returns a note with the predicted
+    memory. ``calibration``: a calibration file for the target stack; without one, the plan's own
+    calibration is used only when the target stack is the plan's own.
+    """
+    from cost_models.estimate import estimate
+    from cost_models.profile import resolve_profile
+
+    from .search import DEFAULT_HEADROOM
+
+    ref = stack or target_stack(plan, target)
+    if calibration is None and ref == plan.stack and plan.calibration:
+        calibration = plan.calibration
+    topology = _plan_topology(plan)
+    profile = resolve_profile(topology.gpu.name, ref, calibration)
+    est = estimate(plan.model, plan.train, plan.layout, topology, with_placement=False, profile=profile)
+    total, capacity = est.memory.total, est.memory.capacity
+    usable = capacity * (1.0 - DEFAULT_HEADROOM)
+    host, host_ram = est.host_memory.total, est.detail.host_capacity
+    under = f"under the {profile.name} stack" + (f" (what {target} runs)" if stack is None else "")
+    if total > usable or host > host_ram:
+        if total > usable:
+            numbers = (f"needs {total / 1e9:.1f} GB per GPU, over the {usable / 1e9:.1f} GB usable "
+                       f"({capacity / 1e9:.1f} GB capacity minus {DEFAULT_HEADROOM:.0%} headroom)")
+        else:
+            numbers = (f"offloads {host / 1e9:.1f} GB per GPU to host memory, over the host RAM "
+                       f"({host_ram / 1e9:.1f} GB per GPU)")
+        planned = plan.estimate.get("memory", {}).get("total")
+        was = (f" (planned under {plan.stack}: {planned / 1e9:.1f} GB)" if planned and ref != plan.stack else "")
+        raise PlannerError(
+            f"{under} this plan ({plan.layout.describe()}) {numbers}{was}; re-plan for that stack: "
+            f"{replan_command(plan, target, ref)}")
+    note = (f"{under} this plan is predicted to need {total / 1e9:.1f} GB per GPU of {usable / 1e9:.1f} GB usable "
+            f"({capacity / 1e9:.1f} GB capacity minus {DEFAULT_HEADROOM:.0%} headroom)")
+    if host:
+        note += f", and {host / 1e9:.1f} GB of host memory per GPU of {host_ram / 1e9:.1f} GB"
+    return [note]

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from cost_models.errors import explain_validation_error
 from cost_models.layout import Layout
 from cost_models.model_spec import ModelSpec
+from cost_models.stack import DEFAULT_STACK
 from cost_models.train_spec import TrainSpec
 
 from .errors import PlannerError
@@ -55,6 +56,11 @@ class Plan(BaseModel):
     #: Where each mesh dimension's groups land on the topology.
     placement: dict[str, Any] = Field(default_factory=dict)
     explanation: list[str] = Field(default_factory=list)
+    #: The software stack the plan was made for: a shipped profile's name or a stack file's path
+    #: (``--stack``); plans written before stacks existed were made for this runtime, ``sp-plan``.
+    stack: str = Field(default=DEFAULT_STACK, min_length=1, max_length=4096)
+    #: The calibration file the prediction used (``--calibration``), or None.
+    calibration: str | None = Field(default=None, max_length=4096)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -92,8 +98,10 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
 
 
 def plan_from_ranked(ranked: Any, model: ModelSpec, topology: Any, world: int,
-                     explanation: list[str] | None = None) -> Plan:
-    """A plan file for one of the search's ranked plans (``planner.search.RankedPlan``)."""
+                     explanation: list[str] | None = None, *, stack: str = DEFAULT_STACK,
+                     calibration: str | None = None) -> Plan:
+    """A plan file for one of the search's ranked plans (``planner.search.RankedPlan``), recording the
+    stack and calibration it was predicted under (``SearchResult.stack`` / ``.calibration``)."""
     est = ranked.estimate.to_json_dict()
     return Plan(
         model=model,
@@ -104,4 +112,6 @@ def plan_from_ranked(ranked: Any, model: ModelSpec, topology: Any, world: int,
         estimate={k: est[k] for k in ("memory", "host_memory", "fits", "comm", "time")},
         placement=est.get("placement") or {},
         explanation=explanation or [],
+        stack=stack,
+        calibration=calibration,
     )

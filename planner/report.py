@@ -48,7 +48,14 @@ def headline(model: ModelSpec, train: TrainSpec, topology: Topology, world: int,
         batch = (f" | global batch {result.global_batch_sequences} x {format_tokens(train.seq_len)} tokens "
                  f"(per layout rounded up to whole sequences per data-parallel rank)")
     return (f"{model.name} | {train.mode} | {format_tokens(train.seq_len)} tokens | {train.dtype} | {world} x "
-            f"{topology.gpu.name} ({topology.name}, {nodes} node{'s' if nodes > 1 else ''}){batch}")
+            f"{topology.gpu.name} ({topology.name}, {nodes} node{'s' if nodes > 1 else ''}){batch}"
+            f" | {stack_text(result)}")
+
+
+def stack_text(result: SearchResult) -> str:
+    """What the predictions assume, for headers: the stack and the calibration file, if any."""
+    text = f"stack {result.stack}"
+    return text + (f", calibration {result.calibration}" if result.calibration else "")
 
 
 def render_table(plans: Iterable[RankedPlan], mode: str) -> list[str]:

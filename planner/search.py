@@ -20,6 +20,8 @@ import math
 import time as wallclock
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -29,6 +31,8 @@ from cost_models.estimate import Estimate, estimate, offload_traffic
 from cost_models.layout import Layout
 from cost_models.memory import MemoryAssumptions, MemoryCore, host_memory, memory_core
 from cost_models.model_spec import ModelSpec
+from cost_models.profile import CostProfile, load_calibration, resolve_profile
+from cost_models.stack import DEFAULT_STACK, stack_names
 from cost_models.time_model import OffloadTraffic, StepTime, step_time
 from cost_models.topology import Topology
 from cost_models.train_spec import TrainSpec
@@ -48,6 +52,8 @@ from .space import LayoutSpace, StructuralRejection, layout_space
 
 #: Default tokens per optimizer step (Llama 3 pre-training used 4M-16M tokens per batch).
 DEFAULT_GLOBAL_BATCH_TOKENS = 1 << 22
+#: Default fraction of device memory kept free beyond the modelled overheads.
+DEFAULT_HEADROOM = 0.03
 
 
 class PlanSettings(BaseModel):
@@ -58,7 +64,7 @@ class PlanSettings(BaseModel):
     top_k: int = Field(default=5, ge=1, le=1000)
     #: Fraction of device capacity left free on top of the memory model's own overheads (allocator
     #: fragmentation, CUDA context, NCCL), to absorb what no model predicts.
-    headroom: float = Field(default=0.03, ge=0.0, lt=0.9)
+    headroom: float = Field(default=DEFAULT_HEADROOM, ge=0.0, lt=0.9)
     global_batch_tokens: int = Field(default=DEFAULT_GLOBAL_BATCH_TOKENS, ge=1, le=1 << 40)
     #: Relative score penalty per moving part (extra parallel dim or optional mechanism): a tie-break.
     tie_penalty: float = Field(default=0.002, ge=0.0, le=0.1)
@@ -67,9 +73,77 @@ class PlanSettings(BaseModel):
     #: Memory options the user pinned (TrainSpec field -> value).
     fixed_options: dict[str, Any] = Field(default_factory=dict)
     micro_batch_fixed: bool = False
-    #: Memory-model assumptions (implementation choices, overheads; None: the defaults). An explicit
-    #: ``assumptions`` argument to :func:`search` takes precedence.
+    #: The software stack the plan is for: a shipped profile's name (``sp-plan``, ``hf-deepspeed``,
+    #: ``torchtitan``) or a stack YAML file (:mod:`cost_models.stack`). None: the calibration file's
+    #: stack, else ``sp-plan``.
+    stack: str | None = Field(default=None, max_length=4096)
+    #: A calibration file (``sp-plan calibrate``) whose overrides apply on top of the stack.
+    calibration: str | None = Field(default=None, max_length=4096)
+    #: Memory-assumption overrides (``--assume KEY=VALUE``) applied on top of the stack and calibration.
+    assume: dict[str, Any] = Field(default_factory=dict)
+    #: Memory-model assumptions replacing the resolved profile's wholesale (None: the profile's). An
+    #: explicit ``assumptions`` argument to :func:`search` takes precedence over this.
     assumptions: MemoryAssumptions | None = None
+    #: Most host memory (bytes per GPU) offloaded state may use (``--max-offload-gb``); None: only the
+    #: node's RAM bounds it. 0 forbids offloading.
+    max_offload_bytes: float | None = Field(default=None, ge=0, le=1e15)
+
+
+@dataclass(frozen=True)
+class ResolvedSettings:
+    """What a search assumes: the profile every evaluation uses, and how a plan file records it."""
+
+    profile: CostProfile
+    #: The stack as recorded in a plan: a shipped profile's name, or a stack file's absolute path.
+    stack: str
+    #: The calibration file's absolute path, or None.
+    calibration: str | None
+
+
+def resolve_settings(settings: PlanSettings, gpu: str, assumptions: MemoryAssumptions | None = None) -> ResolvedSettings:
+    """The one :class:`~cost_models.profile.CostProfile` a search with ``settings`` uses on ``gpu``:
+    the stack, the GPU's kernel model, the calibration's overrides, ``settings.assume``; then
+    ``assumptions`` (else ``settings.assumptions``), when given, replace its memory assumptions.
+
+    Memoized on the references and the files' size and modification time, so the many searches of a
+    capacity question share one resolution and one profile object (the cost model's memo tables key on
+    the profile's identity), while an edited file is re-read.
+    """
+    try:
+        assume = tuple(sorted(settings.assume.items()))
+        hash(assume)
+    except TypeError as exc:
+        raise PlannerError(f"memory-assumption overrides must be plain values: {settings.assume}") from exc
+    return _resolve(settings.stack, settings.calibration, gpu, assume, _stamp(settings.stack),
+                    _stamp(settings.calibration), assumptions or settings.assumptions)
+
+
+def _stamp(ref: str | None) -> tuple | None:
+    """A file reference's identity for the memo: its resolved path, size and modification time."""
+    if ref is None or ref.strip().lower() in stack_names():
+        return None
+    try:
+        path = Path(ref).expanduser()
+        st = path.stat()
+    except (OSError, ValueError):
+        return None
+    return str(path.resolve()), st.st_size, st.st_mtime_ns
+
+
+@lru_cache(maxsize=64)
+def _resolve(stack: str | None, calibration: str | None, gpu: str, assume: tuple, stack_stamp: tuple | None,
+             calibration_stamp: tuple | None, override: MemoryAssumptions | None) -> ResolvedSettings:
+    cal = load_calibration(Path(calibration).expanduser()) if calibration is not None else None
+    ref = stack if stack is not None else (cal.stack if cal is not None and cal.stack else None)
+    profile = resolve_profile(gpu, ref, cal, dict(assume) or None).with_assumptions(override)
+    if ref is None:
+        recorded = DEFAULT_STACK
+    elif ref.strip().lower() in stack_names():
+        recorded = ref.strip().lower()
+    else:
+        recorded = str(Path(ref).expanduser().resolve())
+    cal_path = str(Path(calibration).expanduser().resolve()) if calibration is not None else None
+    return ResolvedSettings(profile, recorded, cal_path)
 
 
 class RankedPlan(BaseModel):
@@ -139,6 +213,11 @@ class SearchResult(BaseModel):
     stats: SearchStats
     global_batch_sequences: int
     usable_bytes: float
+    #: What the plans assume (see :func:`profile_refs`): the stack as a shipped name or a file path,
+    #: the calibration file (or None), and the resolved profile's display name.
+    stack: str = DEFAULT_STACK
+    calibration: str | None = None
+    profile_name: str = DEFAULT_STACK
 
     @property
     def best(self) -> RankedPlan:
@@ -170,10 +249,25 @@ class _Searcher:
     def __init__(self, model: ModelSpec, base: TrainSpec, topology: Topology, settings: PlanSettings,
                  assumptions: MemoryAssumptions | None):
         self.model, self.base, self.topology, self.settings = model, base, topology, settings
-        self.assumptions = assumptions or settings.assumptions or MemoryAssumptions()
+        # One profile for the whole search: every memory, time and estimate call below gets this object.
+        self.resolved = resolve_settings(settings, topology.gpu.name, assumptions)
+        self.profile = self.resolved.profile
+        self.assumptions = self.profile.memory
         self.gpu = topology.gpu
         self.usable = topology.gpu.memory_bytes * (1.0 - settings.headroom)
-        self.host_capacity = topology.host_ram_per_gpu
+        self.host_ram = topology.host_ram_per_gpu
+        limit = settings.max_offload_bytes
+        #: Host memory offloaded state may use per GPU: the node's RAM share, or --max-offload-gb below it.
+        self.host_capacity = self.host_ram if limit is None else min(self.host_ram, limit)
+        self.host_limited_by_setting = limit is not None and limit < self.host_ram
+        self.fixed_options = dict(settings.fixed_options)
+        offload_pins = [k for k in _OFFLOAD_OPTIONS if self.fixed_options.get(k)]
+        if limit == 0 and offload_pins:
+            raise PlannerError(
+                f"--max-offload-gb 0 forbids offloading, but {', '.join('--' + k.replace('_', '-') for k in offload_pins)} "
+                "is pinned on; drop one of them")
+        if limit == 0:  # nothing may be offloaded: the offload axes are pinned off (pins on were refused)
+            self.fixed_options.update({k: False for k in _OFFLOAD_OPTIONS})
         self.memory_evals = 0
         self._trains: dict[tuple, TrainSpec] = {}
         self.time_evals = 0
@@ -189,7 +283,7 @@ class _Searcher:
         return max(1, math.ceil(self.batch_sequences / layout.dp))
 
     def lattice(self, layout: Layout) -> OptionLattice:
-        return build_lattice(self.base, self.settings.fixed_options, self.sequences_per_rank(layout),
+        return build_lattice(self.base, self.fixed_options, self.sequences_per_rank(layout),
                              self.settings.micro_batch_fixed)
 
     def lattices(self, layout: Layout) -> list[OptionLattice]:
@@ -206,7 +300,7 @@ class _Searcher:
                     for z in full.axes[k].values]
         # A branch where no combination is valid (a pinned parameter offload needs ZeRO-3) is no branch.
         branches = [b for b in branches if not invalid_reason(b.values(self.most_saving_valid(b)))]
-        if layout.shard_group == 1 and "zero_stage" not in self.settings.fixed_options:
+        if layout.shard_group == 1 and "zero_stage" not in self.fixed_options:
             branches = branches[:1]  # nothing to shard: the lowest stage is the same run without gathers
         return branches
 
@@ -225,7 +319,7 @@ class _Searcher:
 
     def memory(self, layout: Layout, train: TrainSpec) -> MemoryCore:
         self.memory_evals += 1
-        return memory_core(self.model, train, layout, self.assumptions)
+        return memory_core(self.model, train, layout, self.profile.memory)
 
     def device_fits(self, core: MemoryCore) -> bool:
         """Device memory within capacity minus headroom. Monotone: never lost by moving up the lattice,
@@ -249,10 +343,10 @@ class _Searcher:
         self.time_evals += 1
         if any(options.get(k) for k in _OFFLOAD_OPTIONS):
             # Offload traffic is priced from the memory model's host bytes (no device simulation).
-            offload = offload_traffic(host_memory(self.model, train, layout, self.assumptions))
+            offload = offload_traffic(host_memory(self.model, train, layout, self.profile.memory))
         else:
             offload = _NO_OFFLOAD
-        t = step_time(self.model, train, layout, self.topology, offload)
+        t = step_time(self.model, train, layout, self.topology, offload, self.profile)
         # Device memory waits until the walk pops the combination (most timed ones never are).
         return _Scored(self.score(layout, options, t), combo, train, t, lambda: self.memory(layout, train))
 
@@ -266,7 +360,8 @@ class _Searcher:
             return 0.0  # no cheap bound: the floor decides
         train = self.train_for(layout, options)
         self.time_evals += 1
-        return self.score(layout, options, step_time(self.model, train, layout, self.topology, _NO_OFFLOAD))
+        return self.score(layout, options, step_time(self.model, train, layout, self.topology, _NO_OFFLOAD,
+                                                     self.profile))
 
     # ----- per layout ---------------------------------------------------------------------------
     def most_saving_valid(self, lattice: OptionLattice) -> Combo:
@@ -458,7 +553,7 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
     plans = []
     for rank, (score, layout, best) in enumerate(found[: settings.top_k], start=1):
         options = {k: v for k, v in best.train.model_dump().items() if k in _OPTION_KEYS}
-        full = estimate(model, best.train, layout, topology, s.assumptions, with_placement=True)
+        full = estimate(model, best.train, layout, topology, with_placement=True, profile=s.profile)
         plans.append(RankedPlan(rank=rank, layout=layout, options=options, train=best.train, estimate=full,
                                 score=score, moving_parts=layout_moving_parts(layout) + moving_parts(options)))
     best_score = found[0][0] if found else None
@@ -471,7 +566,8 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
                         memory_evaluations=s.memory_evals, time_evaluations=s.time_evals, pruned_by_bound=pruned,
                         seconds=wallclock.perf_counter() - started)
     return SearchResult(plans=plans, rejected=rejected, stats=stats, global_batch_sequences=s.batch_sequences,
-                        usable_bytes=s.usable)
+                        usable_bytes=s.usable, stack=s.resolved.stack, calibration=s.resolved.calibration,
+                        profile_name=s.profile.name)
 
 
 #: Options that put bytes in host memory (and traffic on PCIe).
@@ -498,20 +594,28 @@ def _memory_rejection(layout: Layout, options: dict[str, Any], core: MemoryCore,
                       host_bound: bool = False) -> Rejection:
     total, host = core.total, core.host_total
     if host_bound:
-        reason = ("device memory fits only with offloading, and then the offloaded state exceeds the host RAM "
-                  f"({s.host_capacity / 1e9:.1f} GB per GPU)")
+        reason = ("device memory fits only with offloading, and then the offloaded state exceeds "
+                  f"{host_limit_text(s.host_capacity, s.host_limited_by_setting)}")
         return Rejection(layout=layout.degrees(), options=options, kind="memory", reason=reason,
                          shortfall_bytes=max(0.0, host - s.host_capacity))
     if total > s.usable:
+        no_offload = " (offloading forbidden by --max-offload-gb 0)" if s.settings.max_offload_bytes == 0 else ""
         reason = (f"needs {total / 1e9:.1f} GB per GPU even with every allowed memory option "
-                  f"({_describe_options(options)}); usable {s.usable / 1e9:.1f} GB "
+                  f"({_describe_options(options)}){no_offload}; usable {s.usable / 1e9:.1f} GB "
                   f"(capacity minus {s.settings.headroom:.0%} headroom)")
         shortfall = total - s.usable
     else:
-        reason = (f"offloaded state needs {host / 1e9:.1f} GB of host RAM per GPU; the node has "
-                  f"{s.host_capacity / 1e9:.1f} GB per GPU")
+        reason = (f"offloaded state needs {host / 1e9:.1f} GB of host memory per GPU, over "
+                  f"{host_limit_text(s.host_capacity, s.host_limited_by_setting)}")
         shortfall = host - s.host_capacity
     return Rejection(layout=layout.degrees(), options=options, kind="memory", reason=reason, shortfall_bytes=shortfall)
+
+
+def host_limit_text(limit: float, by_setting: bool) -> str:
+    """The host-memory bound offloaded state met, in words: the node's RAM or ``--max-offload-gb``."""
+    if by_setting:
+        return f"the --max-offload-gb limit ({limit / 1e9:.1f} GB per GPU)"
+    return f"the host RAM ({limit / 1e9:.1f} GB per GPU)"
 
 
 def _describe_options(options: dict[str, Any]) -> str:

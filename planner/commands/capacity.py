@@ -40,6 +40,18 @@ def _plan_json(plan) -> dict[str, Any] | None:
     return plan.to_json_dict() if plan is not None else None
 
 
+def _stack_fields(settings, gpu_name: str) -> dict[str, Any]:
+    """The stack and calibration the answers assume, as a plan file records them."""
+    from ..search import resolve_settings
+
+    resolved = resolve_settings(settings, gpu_name)
+    return {"stack": resolved.stack, "calibration": resolved.calibration}
+
+
+def _stack_note(fields: dict[str, Any]) -> str:
+    return f"stack {fields['stack']}" + (f", calibration {fields['calibration']}" if fields["calibration"] else "")
+
+
 @click.command("capacity")
 @model_options_optional_seq
 @hardware_options
@@ -82,14 +94,16 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
             points = [(gpus, s) for s in values]
         base = build_train(seq_len=points[0][1], **train_kwargs)
         results = sweep(model, base, topology_for, points, settings)
+        stack = _stack_fields(settings, topology_for(points[0][0]).gpu.name)
         if plot_file:
             draw_sweep(results, key, plot_file, model.name)
         if as_json:
             click.echo(json.dumps({"sweep": [
                 {"gpus": p.gpus, "seq_len": p.seq_len, "plan": _plan_json(p.plan),
-                 "nearest": p.nearest.model_dump(exclude_none=True) if p.nearest else None} for p in results]},
-                indent=2))
+                 "nearest": p.nearest.model_dump(exclude_none=True) if p.nearest else None} for p in results],
+                **stack}, indent=2))
         else:
+            click.echo(f"{model.name}: best plan per point ({_stack_note(stack)})")
             click.echo(render_sweep(results, base.mode))
         if plot_file:
             click.echo(f"wrote {plot_file}", err=True)
@@ -100,18 +114,21 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
         topology = topology_for(gpus)
         base = build_train(seq_len=seq_granule_start(gpus), **train_kwargs)
         answer = max_seq_len(model, base, topology, settings)
+        stack = _stack_fields(settings, topology.gpu.name)
         data = {"max_seq_len": answer.max_seq_len, "granule": answer.granule, "gpus": gpus,
-                "plan": _plan_json(answer.plan)}
+                "plan": _plan_json(answer.plan), **stack}
         text = (f"{model.name} on {gpus} x {topology.gpu.name}: longest sequence {answer.max_seq_len:,} tokens "
-                f"({format_tokens(answer.max_seq_len)}; searched in steps of {answer.granule:,})")
+                f"({format_tokens(answer.max_seq_len)}; searched in steps of {answer.granule:,}; {_stack_note(stack)})")
         plan = answer.plan
     else:
         base = build_train(seq_len=seq_len, **train_kwargs)
         if per_node is None:
             per_node = topology_for(min(8, max_gpus)).gpus_per_node
         answer = min_gpus(model, base, topology_for, per_node, settings, max_gpus=max_gpus)
-        data = {"min_gpus": answer.min_gpus, "seq_len": seq_len, "plan": _plan_json(answer.plan)}
-        text = f"{model.name} at {seq_len:,} tokens needs at least {answer.min_gpus} x {topology_for(answer.min_gpus).gpu.name}"
+        gpu = topology_for(answer.min_gpus).gpu.name
+        stack = _stack_fields(settings, gpu)
+        data = {"min_gpus": answer.min_gpus, "seq_len": seq_len, "plan": _plan_json(answer.plan), **stack}
+        text = f"{model.name} at {seq_len:,} tokens needs at least {answer.min_gpus} x {gpu} ({_stack_note(stack)})"
         plan = answer.plan
     if as_json:
         click.echo(json.dumps(data, indent=2))

@@ -20,6 +20,7 @@ from cost_models.train_spec import TrainSpec
 from cost_models.units import parse_seq_len
 
 if TYPE_CHECKING:
+    from cost_models.profile import CostProfile
     from cost_models.topology import Topology
 
 
@@ -51,10 +52,15 @@ def model_options_optional_seq(func: Callable) -> Callable:
 
 
 #: Checkpointing and the memory techniques: shared by the planning commands and ``validate``.
+#: Each technique is a --x/--no-x pair: plan and capacity search it unless either spelling is typed,
+#: which pins it on or off (see :func:`pinned`); estimate and validate take the value as given.
 MEMORY_TECHNIQUE_OPTIONS = (
-    click.option("--offload-optimizer", is_flag=True, help="Keep optimizer states in host memory."),
-    click.option("--offload-params", is_flag=True, help="Keep parameter shards in host memory (ZeRO-3)."),
-    click.option("--offload-checkpoints", is_flag=True, help="Move checkpointed hidden states to host memory."),
+    click.option("--offload-optimizer/--no-offload-optimizer", default=False,
+                 help="Keep optimizer states in host memory (plan/capacity: pin on or off; default: searched)."),
+    click.option("--offload-params/--no-offload-params", default=False,
+                 help="Keep parameter shards in host memory (ZeRO-3; plan/capacity: pin on or off)."),
+    click.option("--offload-checkpoints/--no-offload-checkpoints", default=False,
+                 help="Move checkpointed hidden states to host memory (plan/capacity: pin on or off)."),
     click.option(
         "--checkpointing",
         type=click.Choice(["none", "selective", "full"]),
@@ -62,8 +68,31 @@ MEMORY_TECHNIQUE_OPTIONS = (
         show_default=True,
         help="Activation checkpointing per transformer block.",
     ),
-    click.option("--tiled-mlp", is_flag=True, help="Run the FFN over sequence tiles."),
-    click.option("--tiled-loss", is_flag=True, help="Compute logits and cross-entropy in chunks."),
+    click.option("--tiled-mlp/--no-tiled-mlp", default=False,
+                 help="Run the FFN over sequence tiles (plan/capacity: pin on or off)."),
+    click.option("--tiled-loss/--no-tiled-loss", default=False,
+                 help="Compute logits and cross-entropy in chunks (plan/capacity: pin on or off)."),
+)
+
+#: The software stack and calibration a prediction assumes (estimate, plan, capacity).
+STACK_OPTIONS = (
+    click.option(
+        "--stack",
+        "stack",
+        default=None,
+        metavar="NAME|FILE",
+        help="Software stack the run uses: sp-plan (this runtime; the default), hf-deepspeed (transformers + "
+             "DeepSpeed ZeRO/ALST), torchtitan (FSDP2 + torch context parallel), or a stack YAML file "
+             "(cost_models/data/stacks/ shows the format). Default: the calibration's stack, else sp-plan.",
+    ),
+    click.option(
+        "--calibration",
+        "calibration",
+        default=None,
+        metavar="FILE",
+        help="Calibration YAML written by `sp-plan calibrate` from measured runs: its overrides apply on top of "
+             "the stack (kernel overrides only on the GPU it was fitted on).",
+    ),
 )
 
 
@@ -103,10 +132,11 @@ def _model_options(func: Callable, seq_len_required: bool) -> Callable:
             "assume",
             multiple=True,
             metavar="KEY=VALUE",
-            help="Override a memory-model assumption (repeatable), e.g. --assume norm_implementation=eager "
-                 "(HF's eager RMSNorm) or --assume fragmentation_fraction=0.1; keys and meanings: "
-                 "docs/memory_model.md.",
+            help="Override a memory-model assumption (repeatable; on top of --stack and --calibration), e.g. "
+                 "--assume norm_implementation=eager (HF's eager RMSNorm) or --assume fragmentation_fraction=0.1; "
+                 "keys and meanings: docs/memory_model.md.",
         ),
+        *STACK_OPTIONS,
     ]
     for option in reversed(options):
         func = option(func)
@@ -199,10 +229,11 @@ def build_cluster(gpus: int | None, gpus_per_node: int | None, gpu_name: str,
     return topology, gpus if gpus is not None else topology.num_gpus
 
 
-def build_assumptions(pairs: tuple[str, ...] | list[str]) -> MemoryAssumptions | None:
-    """MemoryAssumptions from ``--assume KEY=VALUE`` pairs (None when there are none)."""
+def build_assume(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """Validated memory-assumption overrides from ``--assume KEY=VALUE`` pairs, as typed values (an empty
+    dict when there are none). They apply on top of the stack and calibration (see :func:`build_profile`)."""
     if not pairs:
-        return None
+        return {}
     values: dict[str, str] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -213,9 +244,19 @@ def build_assumptions(pairs: tuple[str, ...] | list[str]) -> MemoryAssumptions |
             raise CostModelError(f"--assume {key}: unknown assumption; known: {', '.join(MemoryAssumptions.model_fields)}")
         values[key] = value.strip()
     try:
-        return MemoryAssumptions(**values)
+        parsed = MemoryAssumptions(**values)
     except ValidationError as exc:
         raise explain_validation_error(exc, "--assume") from exc
+    return {key: getattr(parsed, key) for key in values}
+
+
+def build_profile(gpu_name: str, stack: str | None, calibration: str | None,
+                  assume: dict[str, Any] | None = None) -> "CostProfile":
+    """The prediction's :class:`~cost_models.profile.CostProfile` for ``gpu_name``: ``--stack`` (or the
+    calibration's stack, else sp-plan), the GPU's kernel model, ``--calibration``, then ``--assume``."""
+    from cost_models.profile import resolve_profile
+
+    return resolve_profile(gpu_name, stack, calibration, assume or None)
 
 
 def build_layout(gpus: int, **degrees: int | None) -> Layout:

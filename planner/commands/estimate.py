@@ -13,10 +13,11 @@ from cost_models.estimate import Estimate, estimate
 from cost_models.units import GB, GiB, format_tokens
 
 from .common import (
+    build_assume,
+    build_cluster,
     build_layout,
     build_model,
-    build_assumptions,
-    build_cluster,
+    build_profile,
     build_train,
     hardware_options,
     layout_options,
@@ -34,7 +35,9 @@ def run_estimate(model_name: str, gpus: int | None, gpus_per_node: int | None, g
         train = build_train(**train_kwargs)
         topology, gpus = build_cluster(gpus, gpus_per_node, gpu_name, topology_ref)
         layout = build_layout(gpus, **layout_kwargs)
-        return estimate(model, train, layout, topology, build_assumptions(options.get("assume", ())))
+        profile = build_profile(topology.gpu.name, options.get("stack"), options.get("calibration"),
+                                build_assume(options.get("assume", ())))
+        return estimate(model, train, layout, topology, profile=profile)
     except ValidationError as exc:
         raise explain_validation_error(exc, "input") from exc
 
@@ -66,7 +69,7 @@ def render_table(est: Estimate) -> str:
     layout = est.layout.describe()
     kernel_line = (
         f"{det.model} | {det.mode} | {format_tokens(det.seq_len)} tokens x {det.micro_batch} | {det.dtype} | "
-        f"{est.layout.world} x {det.gpu} | {layout}"
+        f"{est.layout.world} x {det.gpu} | {layout} | stack {det.stack}"
     )
     rows = [kernel_line, f"{'per GPU':<28}{'GB':>11}{'GiB':>11}"]
     for name in ("weights", "gradients", "optimizer", "activations", "logits", "kv_cache", "buffers"):

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 import yaml
 
-from ..export import DEFAULT_TRAIN_SCRIPT, EXPORTERS, to_torchrun
+from ..export import DEFAULT_TRAIN_SCRIPT, EXPORTERS, check_under_stack, to_torchrun
 from ..plan import load_plan
 
 
@@ -17,13 +17,23 @@ from ..plan import load_plan
 @click.option("--to", "target", type=click.Choice(sorted(EXPORTERS)), required=True, help="Launcher to export for.")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None, help="Write here instead of stdout.")
 @click.option("--script", default=DEFAULT_TRAIN_SCRIPT, show_default=True, help="Training script (torchrun only).")
-def command(plan_file: str, target: str, out_file: str | None, script: str) -> None:
-    """Write PLAN_FILE (from `sp-plan plan --out`) as a launcher config."""
+@click.option("--stack", default=None, metavar="NAME|FILE",
+              help="Stack to check the plan under. Default: hf-deepspeed for deepspeed and for accelerate with "
+                   "Ulysses (DeepSpeed ALST), torchtitan for accelerate otherwise (FSDP2 + torch context "
+                   "parallel); torchrun runs the plan's own stack and is not re-checked unless asked.")
+@click.option("--calibration", default=None, metavar="FILE",
+              help="Calibration file for the check (default: the plan's own, when checked under its own stack).")
+def command(plan_file: str, target: str, out_file: str | None, script: str, stack: str | None,
+            calibration: str | None) -> None:
+    """Write PLAN_FILE (from `sp-plan plan --out`) as a launcher config, after checking that the plan
+    still fits under the stack that launcher runs (refused, with the re-plan command, when not)."""
     plan = load_plan(plan_file)
     if target == "torchrun":
         exported = to_torchrun(plan, plan_path=plan_file, script=script)
     else:
         exported = EXPORTERS[target](plan)
+    if target != "torchrun" or stack is not None or calibration is not None:
+        exported.notes += check_under_stack(plan, target, stack, calibration)
     if isinstance(exported.content, str):
         text = exported.content + "\n"
     elif target == "deepspeed":

@@ -14,12 +14,12 @@ from ..capacity import probe_feasibility
 from ..errors import PlannerError
 from ..plan import plan_from_ranked
 from ..report import explain_rejections, explain_winner, family_champions, headline, render_table, compare
-from ..search import DEFAULT_GLOBAL_BATCH_TOKENS, PlanSettings, SearchResult, search
+from ..search import DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_HEADROOM, PlanSettings, SearchResult, search
 from .common import (
     LAYOUT_KEYS,
     SEARCHABLE_OPTIONS,
+    build_assume,
     build_model,
-    build_assumptions,
     build_cluster,
     build_train,
     hardware_options,
@@ -31,12 +31,15 @@ from .common import (
 
 
 def planning_options(func):
-    """Flags shared by plan and capacity: --top, --headroom, --global-batch-tokens."""
+    """Flags shared by plan and capacity: --headroom, --global-batch-tokens, --max-offload-gb."""
     for option in reversed([
-        click.option("--headroom", type=click.FloatRange(0.0, 0.9, max_open=True), default=0.03, show_default=True,
+        click.option("--headroom", type=click.FloatRange(0.0, 0.9, max_open=True), default=DEFAULT_HEADROOM, show_default=True,
                      help="Fraction of GPU memory kept free beyond the modelled overheads."),
         click.option("--global-batch-tokens", type=click.IntRange(1, 1 << 40), default=DEFAULT_GLOBAL_BATCH_TOKENS,
                      show_default=True, help="Tokens per optimizer step every layout is compared at."),
+        click.option("--max-offload-gb", type=click.FloatRange(0.0, 1e6), default=None, metavar="GB",
+                     help="Most host memory (GB = 1e9 bytes) offloaded state may use per GPU; 0 forbids offloading. "
+                          "Default: the node's RAM per GPU."),
     ]):
         func = option(func)
     return func
@@ -53,7 +56,10 @@ def settings_from(ctx: click.Context, options: dict[str, Any], top: int = 5) -> 
         settings = PlanSettings(top_k=top, headroom=options["headroom"],
                                 global_batch_tokens=options["global_batch_tokens"], fixed_layout=fixed_layout,
                                 fixed_options=fixed_options, micro_batch_fixed=micro_fixed,
-                                assumptions=build_assumptions(options.get("assume", ())))
+                                stack=options.get("stack"), calibration=options.get("calibration"),
+                                assume=build_assume(options.get("assume", ())),
+                                max_offload_bytes=(None if options.get("max_offload_gb") is None
+                                                   else options["max_offload_gb"] * 1e9))
     except ValidationError as exc:
         raise explain_validation_error(exc, "planner settings") from exc
     train_kwargs, _ = split_options(options)
@@ -66,6 +72,8 @@ def result_json(result: SearchResult, extra: dict[str, Any] | None = None) -> di
         "rejected": [r.model_dump(exclude_none=True) for r in result.rejected],
         "stats": result.stats.model_dump(),
         "global_batch_sequences": result.global_batch_sequences,
+        "stack": result.stack,
+        "calibration": result.calibration,
     }
     data.update(extra or {})
     return data
@@ -106,7 +114,8 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
         ctx.exit(1)
     explanation = explain_winner(result, model)
     if out_file:
-        plan_from_ranked(result.plans[0], model, topology, gpus, explanation).save(out_file)
+        plan_from_ranked(result.plans[0], model, topology, gpus, explanation, stack=result.stack,
+                         calibration=result.calibration).save(out_file)
     if as_json:
         click.echo(json.dumps(result_json(result), indent=2))
     else:
