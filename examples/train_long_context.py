@@ -1,8 +1,11 @@
 """Long-context training with sequence parallelism, configured by one call to ``runtime.auto_configure``.
 
-A small Llama-style model learns the Python standard library's own source code (every ``*.py`` file
-of this interpreter's stdlib, concatenated, byte-level tokens), with each sequence split over the
-ranks by the plan: Ulysses, zigzag Ring or both (USP), FSDP2 over the same ranks.
+By default a small Llama-style model learns the Python standard library's own source code (every
+``*.py`` file of this interpreter's stdlib, concatenated, byte-level tokens: no download); with
+``--dataset`` and ``--tokenizer`` it trains on a Hugging Face text dataset (local files, a
+``save_to_disk`` directory or a hub name) tokenised and packed to the planned sequence length. Each
+sequence is split over the ranks by the plan: Ulysses, zigzag Ring or both (USP), FSDP2 over the same
+ranks. ``runtime.trainer.Trainer`` runs the loop: checkpoints, resume, telemetry.
 
 CPU (gloo), 4 ranks, a few dozen steps::
 
@@ -16,6 +19,16 @@ Let the planner also consider data parallelism, pin a layout, or run a plan file
     torchrun --nproc-per-node 4 examples/train_long_context.py --hf --tp 2 --ulysses 2   # a transformers Llama
     sp-plan export --plan plan.yaml --to torchrun      # prints: torchrun ... train_long_context.py --plan plan.yaml
 
+Real data, checkpoints every 50 steps, resume from the latest complete one (SIGTERM/Ctrl-C: the step
+finishes, a checkpoint is saved, the run exits cleanly), TensorBoard::
+
+    torchrun --nproc-per-node 4 examples/train_long_context.py --dataset corpus.jsonl --tokenizer tok/ \
+        --seq-len 8K --steps 200 --checkpoint-dir ckpt --save-every 50 --resume --tensorboard tb
+
+``--resume`` without ``--plan`` and layout pins on the checkpoint's number of ranks reuses the
+checkpoint's plan (re-planning on a freshly probed machine could choose another layout); on another
+number of ranks the run is re-planned and the checkpoint resharded.
+
 The same script runs on GPUs (NCCL, bf16 by default there). Without ``--plan``, rank 0 plans for the
 probed machine (or ``--topology``) and every rank checks it holds the same plan.
 """
@@ -23,10 +36,9 @@ probed machine (or ``--topology``) and every rank checks it holds the same plan.
 from __future__ import annotations
 
 import argparse
-import math
+import os
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +55,8 @@ from runtime.auto import auto_configure  # noqa: E402
 from runtime.data import TokenWindows  # noqa: E402
 from runtime.errors import RuntimeConfigError  # noqa: E402
 from runtime.models import LlamaModel  # noqa: E402
-from runtime.step import train_step  # noqa: E402
+from runtime.text_data import GlobalBatches  # noqa: E402
+from runtime.trainer import Trainer  # noqa: E402
 
 #: Byte-level tokenizer: 256 byte values plus these special tokens.
 PAD, BOS, EOS = 256, 257, 258
@@ -62,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--plan", help="plan file written by `sp-plan plan --out` (fixes model, layout and options)")
     p.add_argument("--seq-len", type=parse_seq_len, default=2048, help="tokens per sequence (4096, 8K, ...)")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=30, help="train until this optimizer step (counting resumed ones)")
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per optimizer step (default: one micro-batch per data-parallel rank)")
@@ -92,10 +105,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for option in TECHNIQUE_PINS:
         pins.add_argument(f"--{option.replace('_', '-')}", dest=option, action="store_true", default=None,
                           help=f"use {option} (default: the planner decides)")
-    p.add_argument("--corpus", type=Path, default=None,
-                   help="directory of .py files (default: this Python's standard library)")
-    p.add_argument("--corpus-bytes", type=int, default=DEFAULT_CORPUS_BYTES)
-    return p.parse_args(argv)
+    data = p.add_argument_group("data (default: this Python's standard library, byte-level)")
+    data.add_argument("--dataset", default=None,
+                      help="Hugging Face text dataset: a .jsonl/.json/.txt/.parquet/.csv/.arrow file, a directory of "
+                           "them or of datasets.save_to_disk, or a hub name (needs --tokenizer)")
+    data.add_argument("--tokenizer", default=None, help="tokenizer directory (save_pretrained) or hub name")
+    data.add_argument("--text-column", default="text")
+    data.add_argument("--split", default="train")
+    data.add_argument("--positions", choices=["continuous", "per-document"], default="continuous",
+                      help="packed rows: GPT-style continuous positions, or HF-style positions restarting per "
+                           "document (needs document-masked attention)")
+    data.add_argument("--data-cache", type=Path, default=None,
+                      help="where packed datasets are cached (default: ~/.cache/sp-plan/packed)")
+    data.add_argument("--corpus", type=Path, default=None,
+                      help="byte-level default: directory of .py files (default: this Python's standard library)")
+    data.add_argument("--corpus-bytes", type=int, default=DEFAULT_CORPUS_BYTES)
+    run = p.add_argument_group("checkpoints and telemetry")
+    run.add_argument("--checkpoint-dir", type=Path, default=None,
+                     help="save checkpoints here (after the last step, every --save-every steps, and on SIGTERM/"
+                          "SIGINT)")
+    run.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    run.add_argument("--keep-checkpoints", type=int, default=2, help="keep the newest N checkpoints")
+    run.add_argument("--resume", action="store_true",
+                     help="continue from the latest complete checkpoint in --checkpoint-dir (a fresh start if none)")
+    run.add_argument("--tensorboard", type=Path, default=None, help="write TensorBoard scalars to this directory")
+    run.add_argument("--metrics-file", type=Path, default=None, help="append one JSON line per step (rank 0)")
+    run.add_argument("--log-every", type=int, default=10, help="print a telemetry line every N steps")
+    run.add_argument("--live-bytes-every", type=int, default=0,
+                     help="CPU: profile live tensor bytes every N steps (slows those steps)")
+    run.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    args = p.parse_args(argv)
+    if (args.dataset is None) != (args.tokenizer is None):
+        p.error("--dataset and --tokenizer go together (the default corpus is byte-level)")
+    if args.resume and args.checkpoint_dir is None:
+        p.error("--resume needs --checkpoint-dir")
+    if args.save_every and args.checkpoint_dir is None:
+        p.error("--save-every needs --checkpoint-dir")
+    return args
 
 
 def read_corpus(root: Path | None, limit: int) -> torch.Tensor:
@@ -118,15 +164,27 @@ def read_corpus(root: Path | None, limit: int) -> torch.Tensor:
     return torch.cat(chunks)[:limit]
 
 
-def build_model(args: argparse.Namespace, plan) -> torch.nn.Module:
+def tokenizer_vocabulary(args: argparse.Namespace) -> tuple[int, int]:
+    """(vocabulary size, padding id) of the run's tokenizer: the byte-level one, or --tokenizer's."""
+    if args.tokenizer is None:
+        return VOCAB, PAD
+    from runtime.text_data import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return len(tokenizer), pad
+
+
+def build_model(args: argparse.Namespace, plan, vocab: int) -> torch.nn.Module:
     if plan is not None:
         spec = plan.model
     else:
-        spec = ModelSpec(name=f"byte-llama-{args.layers}x{args.hidden}", num_layers=args.layers,
+        prefix = "byte-llama" if args.tokenizer is None else "llama"
+        spec = ModelSpec(name=f"{prefix}-{args.layers}x{args.hidden}", num_layers=args.layers,
                          hidden_size=args.hidden, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                         head_dim=args.hidden // args.heads, ffn_hidden_size=args.ffn, vocab_size=VOCAB)
-    if spec.vocab_size < VOCAB:
-        raise RuntimeConfigError(f"the plan's model has a vocabulary of {spec.vocab_size}; this example needs {VOCAB}")
+                         head_dim=args.hidden // args.heads, ffn_hidden_size=args.ffn, vocab_size=vocab)
+    if spec.vocab_size < vocab:
+        raise RuntimeConfigError(f"the plan's model has a vocabulary of {spec.vocab_size}; the tokenizer needs {vocab}")
     torch.manual_seed(args.seed)
     if args.hf:
         return build_hf_model(spec, args.seq_len)
@@ -145,45 +203,72 @@ def build_hf_model(spec: ModelSpec, seq_len: int) -> torch.nn.Module:
         raise RuntimeConfigError("--hf needs transformers: pip install 'sp-plan[hf]'") from exc
 
 
-class Progress:
-    """tqdm when installed, else a plain line every few steps (rank 0 only)."""
+def pins_given(args: argparse.Namespace) -> bool:
+    return any(getattr(args, k) is not None for k in (*LAYOUT_PINS, "checkpointing", "zero_stage", *TECHNIQUE_PINS))
 
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.enabled, self.total, self.count = enabled, total, 0
-        self.bar = None
-        if enabled:
+
+def checkpoint_plan(args: argparse.Namespace):
+    """The plan of the checkpoint ``--resume`` will load, when this launch may reuse it: no --plan, no
+    pins, the same number of ranks. Re-planning could pick another layout on a noisy probe."""
+    if not args.resume or args.plan or pins_given(args):
+        return None
+    from planner.plan import plan_from_dict
+    from runtime.checkpoint import latest_checkpoint, read_state
+
+    path = latest_checkpoint(args.checkpoint_dir)
+    if path is None:
+        return None
+    state = read_state(path)
+    if state.get("world_size") != int(os.environ.get("WORLD_SIZE", "1")) or not state.get("plan"):
+        return None
+    return plan_from_dict(state["plan"], f"the plan saved in {path}")
+
+
+def make_data(args: argparse.Namespace, setup) -> tuple[GlobalBatches, str]:
+    """This rank's resumable batch stream and a line describing the data."""
+    train = setup.train
+    if args.dataset is None:
+        tokens = read_corpus(args.corpus, args.corpus_bytes)
+        dataset = TokenWindows(tokens, train.seq_len)
+        what = (f"{tokens.numel():,} byte tokens of Python stdlib source, {len(dataset)} sequences of "
+                f"{train.seq_len:,}")
+    else:
+        from runtime.text_data import PackedTextDataset, check_vocabulary
+
+        log = print if dist.get_rank() == 0 else None
+        dataset = PackedTextDataset.build(args.dataset, args.tokenizer, train.seq_len, text_column=args.text_column,
+                                          split=args.split, positions=args.positions.replace("-", "_"),
+                                          cache_dir=args.data_cache, log=log)
+        check_vocabulary(dataset, setup.plan.model.vocab_size)
+        if dataset.positions == "per_document":  # refused up front while attention has no document masking
             try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
-            except ImportError:
-                pass
-
-    def update(self, loss: float, tokens_per_s: float) -> None:
-        self.count += 1
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
-            self.bar.update(1)
-        elif self.count == 1 or self.count % 5 == 0 or self.count == self.total:
-            print(f"step {self.count}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s", flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+                setup.sharder.prepare({k: v.unsqueeze(0) for k, v in dataset[0].items()})
+            except RuntimeConfigError as exc:
+                raise RuntimeConfigError(f"{exc} (this example: --positions continuous)") from None
+        what = dataset.describe()
+    data = GlobalBatches.for_setup(setup, dataset, seed=args.seed)
+    if data.sequences_per_step > len(dataset):
+        raise RuntimeConfigError(
+            f"the data gives {len(dataset)} sequences, fewer than one step of {data.sequences_per_step}: use a shorter "
+            "--seq-len or more data"
+        )
+    line = (f"data: {what}; {setup.dp_size} data-parallel group(s); {train.grad_accum} micro-batch(es) of "
+            f"{train.micro_batch} per step")
+    return data, line
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    vocab, pad = tokenizer_vocabulary(args)
     plan = None
     if args.plan:
         from planner.plan import load_plan
 
         plan = load_plan(args.plan)
-    model = build_model(args, plan)
-    if plan is not None:
-        setup = auto_configure(model, plan=plan, pad_token_id=PAD)
+    reused = checkpoint_plan(args) if plan is None else None
+    model = build_model(args, plan or reused, vocab)
+    if plan is not None or reused is not None:
+        setup = auto_configure(model, plan=plan or reused, pad_token_id=pad)
     else:
         pins = {k: getattr(args, k) for k in LAYOUT_PINS if getattr(args, k)}
         if args.sp_only:
@@ -193,52 +278,23 @@ def main(argv: list[str] | None = None) -> int:
                    if getattr(args, k) is not None}
         setup = auto_configure(model, seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=args.dtype,
                                global_batch=args.global_batch, topology=args.topology, fixed_layout=pins,
-                               fixed_options=options, pad_token_id=PAD)
+                               fixed_options=options, pad_token_id=pad)
     rank0 = dist.get_rank() == 0
-    train = setup.train
-    tokens = read_corpus(args.corpus, args.corpus_bytes)
-    dataset = TokenWindows(tokens, train.seq_len)
-    sampler = setup.sampler(dataset, shuffle=True, seed=args.seed)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=train.micro_batch, sampler=sampler, drop_last=True)
-    per_epoch = len(loader) // train.grad_accum
-    if per_epoch == 0:
-        raise RuntimeConfigError(
-            f"the corpus gives {len(loader)} micro-batches per data-parallel rank, fewer than one step of "
-            f"{train.grad_accum}: use a shorter --seq-len or a larger --corpus-bytes"
-        )
     if rank0:
         print("\n".join(setup.describe()))
-        print(f"data: {tokens.numel():,} byte tokens of Python stdlib source, {len(dataset)} sequences of "
-              f"{train.seq_len:,}; {setup.dp_size} data-parallel group(s); {train.grad_accum} micro-batch(es) "
-              f"of {train.micro_batch} per step", flush=True)
+        if reused is not None:
+            print("  (the plan of the checkpoint being resumed)")
+    data, data_line = make_data(args, setup)
+    if rank0:
+        print(data_line, flush=True)
     optimizer = setup.make_optimizer(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS))
-    progress = Progress(args.steps, rank0)
-    step, epoch, first_loss, loss = 0, 0, math.nan, math.nan
-    measured_tokens, measured_seconds = 0, 0.0
-    started = time.perf_counter()
-    while step < args.steps:
-        sampler.set_epoch(epoch)
-        batches = iter(loader)
-        for _ in range(per_epoch):
-            micro = [next(batches) for _ in range(train.grad_accum)]
-            result = train_step(setup, micro, optimizer, max_grad_norm=1.0)
-            schedule.step()
-            step += 1
-            loss = result.loss
-            first_loss = loss if step == 1 else first_loss
-            if step > 1:  # the first step includes one-time warm-up work
-                measured_tokens += result.tokens
-                measured_seconds += result.seconds
-            progress.update(loss, result.tokens / result.seconds)
-            if step >= args.steps:
-                break
-        epoch += 1
-    progress.close()
-    if rank0:
-        rate = measured_tokens / measured_seconds if measured_seconds else float("nan")
-        print(f"done: {step} steps in {time.perf_counter() - started:.1f} s; loss {first_loss:.3f} -> {loss:.3f}; "
-              f"{rate:,.0f} tokens/s (steps 2..{step}, all ranks)")
+    trainer = Trainer(setup, optimizer, data, max_steps=args.steps, scheduler=schedule, max_grad_norm=1.0,
+                      checkpoint_dir=args.checkpoint_dir, save_every=args.save_every,
+                      keep_checkpoints=args.keep_checkpoints, resume=args.resume, log_every=args.log_every,
+                      tensorboard_dir=args.tensorboard, metrics_file=args.metrics_file, progress=args.progress,
+                      live_bytes_every=args.live_bytes_every)
+    trainer.fit()
     dist.barrier()  # gloo tears down badly if a rank leaves while others still talk
     dist.destroy_process_group()
     return 0

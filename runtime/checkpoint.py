@@ -25,8 +25,8 @@ per rank: restored exactly on the same world size, else every rank takes rank 0'
 layout is exact up to float rounding, not bit-exact).
 
 **Files.** ``<dir>/step_00000120/``: DCP's ``.metadata`` and ``__<rank>_0.distcp`` files,
-``trainer_state.json`` (step, data position, scheduler, optimizer hyperparameters, the plan's model,
-train options and layout), ``rng/rank_<r>.json`` and ``COMPLETE``.
+``trainer_state.json`` (step, data position, scheduler, optimizer hyperparameters, the plan),
+``rng/rank_<r>.json`` and ``COMPLETE``.
 
 **Atomicity.** Every rank writes into ``<dir>/.step_00000120.tmp-<id>``; after DCP's save and a
 barrier, rank 0 writes ``COMPLETE`` (fsynced) and renames the directory to ``step_00000120`` (atomic
@@ -522,9 +522,11 @@ def _param_groups_json(optimizer) -> list[dict[str, Any]]:
 
 
 def _plan_json(setup) -> dict[str, Any]:
+    """The plan's model, training options and layout (compared on load), and the whole plan (a resumed run
+    on the same number of ranks may reuse it: ``planner.plan.plan_from_dict(state["plan"])``)."""
     plan = setup.plan
     return {"model": plan.model.model_dump(mode="json"), "train": plan.train.model_dump(mode="json"),
-            "layout": plan.layout.model_dump(mode="json")}
+            "layout": plan.layout.model_dump(mode="json"), "plan": plan.model_dump(mode="json")}
 
 
 @dataclass

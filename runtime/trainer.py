@@ -1,0 +1,509 @@
+"""A small training loop around :func:`runtime.step.train_step`: resume, checkpoints, exit signals, telemetry.
+
+::
+
+    setup = auto_configure(model, seq_len=131072)
+    optimizer = setup.make_optimizer(lr=3e-4)
+    data = GlobalBatches.for_setup(setup, PackedTextDataset.build("corpus.jsonl", "tokenizer/", 131072))
+    result = Trainer(setup, optimizer, data, max_steps=1000, checkpoint_dir="ckpt", save_every=100,
+                     resume=True, tensorboard_dir="tb").fit()
+
+:meth:`Trainer.fit`:
+
+1. **resume** (``resume=True``: the latest complete checkpoint under ``checkpoint_dir``, if any; or a
+   path): model, optimizer, scheduler, data position, RNG and step (:mod:`runtime.checkpoint`; on
+   another layout DCP reshards);
+2. per step: this rank's micro-batches from ``data`` (``next_step()``, e.g.
+   :class:`runtime.text_data.GlobalBatches`), :func:`runtime.step.train_step` (the one step code
+   path), the scheduler, telemetry;
+3. **checkpoints** every ``save_every`` steps and after the last step; on SIGTERM/SIGINT (with a
+   checkpoint directory) the current step finishes, every rank agrees to stop (the flag is all-reduced
+   with the step's telemetry), a checkpoint is saved and ``fit`` returns (``stopped_by``). A second
+   signal of the same kind acts immediately (the previous handler).
+
+**Telemetry** (rank 0 prints; every rank computes): per step the loss (global token mean), tokens/s
+(valid tokens of all ranks / the step's wall time), **MFU** = the plan's model FLOPs per step
+(:func:`cost_models.flops.model_flops_per_step`: no recomputation) / (step time x world x peak), with
+the peak the plan was made for (``plan.estimate.time.peak_flops``: a GPU datasheet, or on CPU the
+probe's measured matmul rate; MFU is reported as not applicable when the plan's device kind is not the
+one running), the learning rate, the gradient norm, and memory, maximised over ranks: CUDA
+``max_memory_allocated``/``max_memory_reserved`` of the step; on CPU the process's resident set
+(current and peak RSS: it includes the Python runtime, not just tensors), plus, every
+``live_bytes_every`` steps, the peak of live tensor bytes over the step measured by
+:func:`runtime.memory_meter.live_peak` (the profiler's allocation timeline: that step runs slower).
+Lines every ``log_every`` steps, a tqdm progress bar, a JSON-lines ``metrics_file`` and TensorBoard
+scalars (``tensorboard_dir``; needs the ``tensorboard`` package).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runtime.errors import RuntimeConfigError
+from runtime.step import StepResult, train_step
+
+#: Memory figures reduced over ranks each step (bytes; -1 when not measured).
+MEMORY_KEYS = ("max_allocated", "max_reserved", "rss", "peak_rss", "live_peak")
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step as telemetry sees it (``memory``: bytes, the maximum over ranks)."""
+
+    step: int
+    loss: float
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    mfu: float | None
+    lr: float | None
+    grad_norm: float | None
+    memory: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class FitResult:
+    """What :meth:`Trainer.fit` did: steps ``start_step + 1 .. step`` ran in this call."""
+
+    start_step: int
+    step: int
+    records: list[StepRecord]
+    seconds: float
+    stopped_by: str | None = None
+    checkpoint: Path | None = None
+    resumed_from: Path | None = None
+
+    @property
+    def losses(self) -> list[float]:
+        return [r.loss for r in self.records]
+
+
+# ----- telemetry -------------------------------------------------------------------------------------------
+
+
+def _rss_bytes() -> tuple[int, int]:
+    """(current, peak) resident set size of this process; (-1, -1) where /proc or resource is missing."""
+    try:
+        with open("/proc/self/statm") as f:
+            current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        current = -1
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    except (ImportError, OSError):
+        peak = -1
+    return current, peak
+
+
+def mfu_basis(setup) -> tuple[float | None, float | None, str]:
+    """(model FLOPs per step, peak FLOP/s per rank, a note on what the peak is) for MFU; the peak is None
+    when it would not describe this run (a GPU plan run on CPU, or the other way round)."""
+    from cost_models.flops import model_flops_per_step
+
+    plan = setup.plan
+    flops = model_flops_per_step(plan.model, plan.train, plan.layout)
+    peak = (plan.estimate or {}).get("time", {}).get("peak_flops")
+    gpu = plan.hardware.gpu
+    if not peak:
+        try:
+            from cost_models.gpu_spec import get_gpu_preset
+
+            peak = get_gpu_preset(gpu).flops_for(plan.train.dtype)
+        except Exception:
+            return flops, None, f"MFU n/a: no peak FLOP/s known for {gpu}"
+    planned_cpu = gpu.startswith("cpu")
+    running_cpu = setup.device.type == "cpu"
+    if planned_cpu != running_cpu:
+        return flops, None, (f"MFU n/a: the plan's peak is {gpu}'s ({peak / 1e12:,.1f} TFLOP/s), this run is on "
+                             f"{setup.device.type}")
+    what = "measured by the probe" if planned_cpu else f"{plan.train.dtype} datasheet peak"
+    return flops, peak, f"MFU vs {gpu} {_flops_text(peak)} per rank ({what})"
+
+
+def _flops_text(flops: float) -> str:
+    return f"{flops / 1e12:,.1f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:,.1f} GFLOP/s"
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+class Telemetry:
+    """Per-step numbers, printed on rank 0, and optionally written as JSON lines and TensorBoard scalars."""
+
+    def __init__(self, setup, *, total_steps: int, start_step: int = 0, log_every: int = 10,
+                 tensorboard_dir: str | os.PathLike | None = None, metrics_file: str | os.PathLike | None = None,
+                 progress: bool = True, live_bytes_every: int = 0, print_fn: Callable[[str], None] = print) -> None:
+        self.setup = setup
+        self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.cuda = setup.device.type == "cuda"
+        self.log_every, self.live_bytes_every, self.print_fn = log_every, live_bytes_every, print_fn
+        self.flops_per_step, self.peak, self.mfu_note = mfu_basis(setup)
+        self.writer = None
+        if tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise RuntimeConfigError("TensorBoard logging needs the tensorboard package: pip install tensorboard "
+                                         "(or drop --tensorboard)") from None
+            if self.rank0:
+                self.writer = SummaryWriter(log_dir=str(tensorboard_dir))
+        self.metrics = None
+        if metrics_file is not None and self.rank0:
+            Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
+            self.metrics = open(metrics_file, "a")
+        self.bar = None
+        if progress and self.rank0:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def measure_live(self, step: int) -> bool:
+        return not self.cuda and self.live_bytes_every > 0 and step % self.live_bytes_every == 0
+
+    def begin_step(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.setup.device)
+
+    def local_memory(self, live_peak: int | None) -> list[int]:
+        values = dict.fromkeys(MEMORY_KEYS, -1)
+        if self.cuda:
+            values["max_allocated"] = torch.cuda.max_memory_allocated(self.setup.device)
+            values["max_reserved"] = torch.cuda.max_memory_reserved(self.setup.device)
+        else:
+            values["rss"], values["peak_rss"] = _rss_bytes()
+        if live_peak is not None:
+            values["live_peak"] = live_peak
+        return [values[k] for k in MEMORY_KEYS]
+
+    def record(self, step: int, result: StepResult, lr: float | None, memory: list[int]) -> StepRecord:
+        mfu = None
+        if self.peak and result.seconds > 0:
+            mfu = self.flops_per_step / (result.seconds * self.world * self.peak)
+        rec = StepRecord(step=step, loss=result.loss, tokens=result.tokens, seconds=result.seconds,
+                         tokens_per_s=result.tokens / result.seconds if result.seconds > 0 else math.nan, mfu=mfu,
+                         lr=lr, grad_norm=result.grad_norm,
+                         memory={k: v for k, v in zip(MEMORY_KEYS, memory) if v >= 0})
+        if not self.rank0:
+            return rec
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(asdict(rec)) + "\n")
+            self.metrics.flush()
+        if self.writer is not None:
+            self._tensorboard(rec)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{rec.loss:.3f}", tok_s=f"{rec.tokens_per_s:,.0f}", refresh=False)
+            self.bar.update(1)
+        if self.log_every and step % self.log_every == 0:
+            self.write(self.line(rec))
+        return rec
+
+    def _tensorboard(self, rec: StepRecord) -> None:
+        w = self.writer
+        w.add_scalar("train/loss", rec.loss, rec.step)
+        w.add_scalar("train/tokens_per_s", rec.tokens_per_s, rec.step)
+        w.add_scalar("train/step_seconds", rec.seconds, rec.step)
+        if rec.mfu is not None:
+            w.add_scalar("train/mfu", rec.mfu, rec.step)
+        if rec.lr is not None:
+            w.add_scalar("train/lr", rec.lr, rec.step)
+        if rec.grad_norm is not None:
+            w.add_scalar("train/grad_norm", rec.grad_norm, rec.step)
+        for k, v in rec.memory.items():
+            w.add_scalar(f"memory/{k}_bytes", v, rec.step)
+
+    def line(self, rec: StepRecord) -> str:
+        parts = [f"step {rec.step}", f"loss {rec.loss:.4f}", f"{rec.tokens_per_s:,.0f} tok/s"]
+        if rec.mfu is not None:
+            parts.append(f"MFU {100 * rec.mfu:.2f}%")
+        m = rec.memory
+        if "max_allocated" in m:
+            parts.append(f"mem {_gb(m['max_allocated'])} alloc / {_gb(m['max_reserved'])} reserved")
+        elif "rss" in m:
+            parts.append(f"RSS {_gb(m['rss'])}")
+        if "live_peak" in m:
+            parts.append(f"live tensors {_gb(m['live_peak'])}")
+        if rec.lr is not None:
+            parts.append(f"lr {rec.lr:.2e}")
+        if rec.grad_norm is not None:
+            parts.append(f"grad norm {rec.grad_norm:.3f}")
+        return " | ".join(parts)
+
+    def write(self, text: str) -> None:
+        if not self.rank0:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            self.print_fn(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+            self.writer = None
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+
+
+# ----- exit signals ----------------------------------------------------------------------------------------
+
+
+class _ExitSignals:
+    """SIGTERM/SIGINT set a flag (the loop finishes its step, saves and stops); a second one of the same kind
+    goes to the previous handler (e.g. KeyboardInterrupt)."""
+
+    SIGNALS = ("SIGTERM", "SIGINT")
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _ExitSignals:
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                sig = getattr(signal, name)
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signum
+            return
+        previous = self._previous.get(signum)
+        signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            os.kill(os.getpid(), signum)
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+
+# ----- the loop --------------------------------------------------------------------------------------------
+
+
+class Trainer:
+    """Train ``setup`` (an :class:`runtime.auto.AutoConfigured`) for ``max_steps`` optimizer steps; see the
+    module docstring. ``data``: an object with ``next_step()`` (this rank's micro-batches of the next
+    step), ``state_dict()`` and ``load_state_dict()`` (:class:`runtime.text_data.GlobalBatches`).
+    ``resume``: False, True (the latest complete checkpoint under ``checkpoint_dir``; a fresh start if
+    there is none) or a checkpoint path. ``on_step(trainer, record)`` runs after every step (all ranks).
+    """
+
+    def __init__(self, setup, optimizer, data, *, max_steps: int, scheduler=None, max_grad_norm: float | None = None,
+                 checkpoint_dir: str | os.PathLike | None = None, save_every: int = 0, keep_checkpoints: int | None = 2,
+                 resume: bool | str | os.PathLike = False, log_every: int = 10,
+                 tensorboard_dir: str | os.PathLike | None = None, metrics_file: str | os.PathLike | None = None,
+                 progress: bool = True, handle_signals: bool | None = None, live_bytes_every: int = 0,
+                 print_fn: Callable[[str], None] = print,
+                 on_step: Callable[[Trainer, StepRecord], None] | None = None) -> None:
+        if max_steps < 0 or save_every < 0:
+            raise RuntimeConfigError(f"max_steps ({max_steps}) and save_every ({save_every}) must be >= 0")
+        if (save_every or resume is True) and checkpoint_dir is None:
+            raise RuntimeConfigError("save_every and resume=True need a checkpoint directory (checkpoint_dir=...)")
+        if not all(hasattr(data, a) for a in ("next_step", "state_dict", "load_state_dict")):
+            raise RuntimeConfigError(
+                f"data must provide next_step(), state_dict() and load_state_dict() (e.g. runtime.text_data."
+                f"GlobalBatches), got {type(data).__name__}"
+            )
+        self.setup, self.optimizer, self.data, self.scheduler = setup, optimizer, data, scheduler
+        self.max_steps, self.max_grad_norm = max_steps, max_grad_norm
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.save_every, self.keep_checkpoints, self.resume = save_every, keep_checkpoints, resume
+        self.handle_signals = self.checkpoint_dir is not None if handle_signals is None else handle_signals
+        self.telemetry_kwargs = dict(log_every=log_every, tensorboard_dir=tensorboard_dir, metrics_file=metrics_file,
+                                     progress=progress, live_bytes_every=live_bytes_every, print_fn=print_fn)
+        self.print_fn, self.on_step = print_fn, on_step
+        self.step = 0
+        self.tokens_seen = 0
+        self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+
+    # -- checkpoints ---------------------------------------------------------------------------------------
+    def save(self) -> Path:
+        """Save a checkpoint of the current step under ``checkpoint_dir`` (collective)."""
+        from runtime.checkpoint import save_checkpoint
+
+        if self.checkpoint_dir is None:
+            raise RuntimeConfigError("no checkpoint_dir given")
+        return save_checkpoint(self.checkpoint_dir, step=self.step, setup=self.setup, optimizer=self.optimizer,
+                               scheduler=self.scheduler, data=self.data, tokens_seen=self.tokens_seen,
+                               keep=self.keep_checkpoints)
+
+    def _resume(self):
+        from runtime.checkpoint import latest_checkpoint, load_checkpoint
+
+        if self.resume is False or self.resume is None:
+            return None
+        if self.resume is True:
+            path = latest_checkpoint(self.checkpoint_dir)
+            # Every rank must take the same decision (a checkpoint may complete between two ranks' looks).
+            path = _broadcast_from_rank0(str(path) if path is not None else None)
+            if path is None:
+                self._say(f"resume: no complete checkpoint under {self.checkpoint_dir}; starting at step 0")
+                return None
+        else:
+            path = self.resume
+        state = load_checkpoint(path, setup=self.setup, optimizer=self.optimizer, scheduler=self.scheduler,
+                                data=self.data)
+        self.step, self.tokens_seen = state.step, state.tokens_seen
+        how = "same layout: exact continuation" if state.same_layout else (
+            f"saved on {state.world_size} rank(s) as {_layout_text(state.layout)}, resharded: the loss curve "
+            "continues up to float rounding")
+        self._say(f"resumed from {state.path} at step {state.step} ({how})")
+        return state.path
+
+    def _say(self, text: str) -> None:
+        if self.rank0:
+            self.print_fn(text)
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    def fit(self) -> FitResult:
+        """Resume if asked, train up to ``max_steps``, checkpoint; returns a :class:`FitResult`."""
+        from runtime.memory_meter import live_peak
+
+        started = time.perf_counter()
+        resumed_from = self._resume()
+        start_step = self.step
+        telemetry = Telemetry(self.setup, total_steps=self.max_steps, start_step=start_step, **self.telemetry_kwargs)
+        if self.rank0 and start_step < self.max_steps:
+            telemetry.write(telemetry.mfu_note)
+        records: list[StepRecord] = []
+        stopped_by, saved = None, None
+        signals = _ExitSignals() if self.handle_signals else None
+        try:
+            if signals is not None:
+                signals.__enter__()
+            while self.step < self.max_steps:
+                micro_batches = self.data.next_step()
+                lr = _lr(self.optimizer)
+                telemetry.begin_step()
+                live = None
+                if telemetry.measure_live(self.step + 1):
+                    holder: list[StepResult] = []
+                    live = live_peak(lambda: holder.append(self._train_step(micro_batches)), self.setup.device)
+                    result = holder[0]
+                else:
+                    result = self._train_step(micro_batches)
+                if self.scheduler is not None:
+                    self.scheduler.step()
+                self.step += 1
+                self.tokens_seen += result.tokens
+                flag = signals.received if signals is not None and signals.received is not None else 0
+                reduced = self._reduce_max([flag, *telemetry.local_memory(live)])
+                record = telemetry.record(self.step, result, lr, reduced[1:])
+                records.append(record)
+                if self.on_step is not None:
+                    self.on_step(self, record)
+                if reduced[0]:
+                    stopped_by = signal.Signals(reduced[0]).name
+                    telemetry.write(f"{stopped_by} received: stopping after step {self.step}")
+                    break
+                if self.checkpoint_dir is not None and self.save_every and self.step % self.save_every == 0:
+                    saved = self.save()
+            if self.checkpoint_dir is not None and (saved is None or _step_of(saved) != self.step):
+                saved = self.save()
+            if saved is not None and self.rank0:
+                telemetry.write(f"checkpoint: {saved}")
+        finally:
+            if signals is not None:
+                signals.__exit__(None, None, None)
+            telemetry.close()
+        result = FitResult(start_step=start_step, step=self.step, records=records,
+                           seconds=time.perf_counter() - started, stopped_by=stopped_by, checkpoint=saved,
+                           resumed_from=resumed_from)
+        if self.rank0 and records:
+            self.print_fn(summary(result, telemetry.mfu_note))
+        return result
+
+    def _train_step(self, micro_batches) -> StepResult:
+        return train_step(self.setup, micro_batches, self.optimizer, max_grad_norm=self.max_grad_norm)
+
+    def _reduce_max(self, values: list[int]) -> list[int]:
+        if self.world == 1:
+            return values
+        device = self.setup.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+
+def summary(result: FitResult, mfu_note: str = "") -> str:
+    """Two lines: steps, loss and throughput (steps after the first of this run: it includes warm-up), then
+    MFU and peak memory."""
+    recs = result.records
+    timed = recs[1:] or recs
+    seconds = sum(r.seconds for r in timed)
+    rate = sum(r.tokens for r in timed) / seconds if seconds else math.nan
+    first, last = recs[0].step, recs[-1].step
+    lines = [f"done: {len(recs)} steps in {result.seconds:.1f} s (steps {first}..{last}); loss {recs[0].loss:.3f} -> "
+             f"{recs[-1].loss:.3f}; {rate:,.0f} tokens/s (steps {timed[0].step}..{last}, all ranks)"]
+    parts = []
+    mfus = [r.mfu for r in timed if r.mfu is not None]
+    if mfus:
+        parts.append(f"MFU {100 * sum(mfus) / len(mfus):.2f}% ({mfu_note.removeprefix('MFU ')})")
+    elif mfu_note:
+        parts.append(mfu_note)
+    mem = {k: max(r.memory.get(k, -1) for r in recs) for k in MEMORY_KEYS}
+    if mem["max_allocated"] >= 0:
+        parts.append(f"peak {_gb(mem['max_allocated'])} allocated / {_gb(mem['max_reserved'])} reserved (max over ranks)")
+    elif mem["peak_rss"] >= 0:
+        parts.append(f"peak RSS {_gb(mem['peak_rss'])} per process (max over ranks; includes the Python runtime)")
+    if mem["live_peak"] >= 0:
+        parts.append(f"peak live tensors {_gb(mem['live_peak'])} (profiled steps)")
+    if result.stopped_by:
+        parts.append(f"stopped by {result.stopped_by}")
+    if parts:
+        lines.append("telemetry: " + " | ".join(parts))
+    return "\n".join(lines)
+
+
+def _lr(optimizer) -> float | None:
+    try:
+        lr = optimizer.param_groups[0]["lr"]
+    except (AttributeError, IndexError, KeyError):
+        return None
+    return float(lr.item() if isinstance(lr, torch.Tensor) else lr)
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.split("_")[-1])
+
+
+def _layout_text(layout: dict) -> str:
+    parts = [f"{k}={v}" for k, v in layout.items() if isinstance(v, int) and v > 1]
+    return " x ".join(parts) or "1 rank"
+
+
+def _broadcast_from_rank0(value: Any) -> Any:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
