@@ -19,7 +19,7 @@ from .layout import Layout
 from .memory import HostMemory, MemoryAssumptions, MemoryBreakdown, MemoryDetail, memory_report
 from .model_spec import ModelSpec
 from .placement import Placement
-from .profile import CostProfile, resolve_profile
+from .profile import CostProfile, default_profile
 from .time_model import OffloadTraffic, TimeEstimate, comm_and_time
 from .topology import Topology, default_topology
 from .train_spec import TrainSpec
@@ -94,7 +94,7 @@ def estimate(model: ModelSpec, train: TrainSpec, layout: Layout, hardware: Topol
             f"{topology.num_gpus}; pass --gpus {layout.world} or a larger topology"
         )
     gpu = topology.gpu
-    profile = (profile or resolve_profile(gpu.name)).with_assumptions(assumptions)
+    profile = (profile or default_profile(gpu.name)).with_assumptions(assumptions)
     report = memory_report(model, train, layout, gpu, profile.memory)
     host_capacity = topology.host_ram_per_gpu
     host_fits = report.host_memory.total <= host_capacity

@@ -75,15 +75,18 @@ class MicrobatchWork:
         return num_layers * per_layer + self.head_matmul_fwd + self.head_matmul_bwd
 
 
-def attention_pairs(seq_len: int, causal_skip: bool) -> float:
-    """(query, key) pairs computed for one sequence: causal flash skips the masked half."""
+def attention_pairs(seq_len: int, causal_skip: bool, document_length: int | None = None) -> float:
+    """(query, key) pairs computed for one sequence: causal flash skips the masked half; with packed
+    documents (document masking) only pairs inside a document of ``document_length`` tokens count."""
+    if document_length is not None and document_length < seq_len and causal_skip:
+        return seq_len / document_length * document_length * (document_length + 1) / 2
     return seq_len * (seq_len + 1) / 2 if causal_skip else float(seq_len) * seq_len
 
 
 #: TrainSpec fields the work of a micro-batch depends on (the rest, e.g. ZeRO or offloading, moves
 #: bytes but adds no FLOPs): the cache key, so option combinations that differ only elsewhere share it.
 WORK_FIELDS = ("mode", "micro_batch", "seq_len", "dtype", "attention_kernel", "tp_sequence_parallel",
-               "checkpointing", "tiled_mlp", "tiled_loss")
+               "checkpointing", "tiled_mlp", "tiled_loss", "document_length")
 
 
 def microbatch_work(model: ModelSpec, train: TrainSpec, layout: Layout) -> MicrobatchWork:
@@ -116,8 +119,8 @@ def _work(model: ModelSpec, tp: int, u: int, r: int, train: TrainSpec) -> Microb
     mlp_fwd = 2 * tokens * mlp_weights
 
     attn_core = 4 * b * hd * model.num_heads / ranks  # per pair, per GPU
-    attn_fwd = attn_core * attention_pairs(s, causal_skip=flash)
-    attn_model = attn_core * attention_pairs(s, causal_skip=True)
+    attn_fwd = attn_core * attention_pairs(s, causal_skip=flash, document_length=train.document_length)
+    attn_model = attn_core * attention_pairs(s, causal_skip=True, document_length=train.document_length)
 
     # Streaming kernels, bytes per forward: two norms (read + write h), two residual adds (2 reads +
     # 1 write of h), rotary embedding on the local Q and K (read + write), and the activation

@@ -83,15 +83,19 @@ def load_calibration(path: str | Path) -> CalibrationFile:
         raise explain_validation_error(exc, f"calibration file {p}") from exc
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CostProfile:
     """The resolved assumptions of one prediction: a stack (memory + time) and the GPU's kernels.
 
-    Hashable (every part is frozen), so the cost model's memo tables can key on it.
+    Compared and hashed by identity: the cost model's memo tables key on the object (which keeps it
+    alive as long as its entries), so resolve a profile once and pass the same object around.
+    ``overridden``: kernel parameters a calibration file set (they win over a topology's own compute
+    calibration).
     """
 
     stack: StackProfile
     kernels: KernelModel
+    overridden: frozenset[str] = frozenset()
 
     @property
     def memory(self) -> MemoryAssumptions:
@@ -105,7 +109,7 @@ class CostProfile:
         """This profile with its memory assumptions replaced (``--assume`` / an explicit argument)."""
         if assumptions is None or assumptions == self.stack.memory:
             return self
-        return CostProfile(self.stack.model_copy(update={"memory": assumptions}), self.kernels)
+        return CostProfile(self.stack.model_copy(update={"memory": assumptions}), self.kernels, self.overridden)
 
 
 def default_profile(gpu: str) -> CostProfile:
@@ -129,6 +133,7 @@ def resolve_profile(gpu: str, stack: str | Path | StackProfile | None = None,
     else:
         base = load_stack(stack if stack is not None else (cal.stack if cal is not None else None))
     kernels = kernel_model(gpu)
+    overridden: frozenset[str] = frozenset()
     if cal is not None:
         if cal.kernels:
             if cal.gpu is not None and cal.gpu != gpu:
@@ -137,11 +142,12 @@ def resolve_profile(gpu: str, stack: str | Path | StackProfile | None = None,
                     "or drop --calibration"
                 )
             kernels = kernels.with_values(cal.kernels)
+            overridden = frozenset(cal.kernels)
         if cal.time or cal.memory:
             base = base.with_overrides(memory=cal.memory, time=cal.time, name=f"{base.name}+calibration")
     if assume:
         base = base.with_overrides(memory=assume)
-    return CostProfile(base, kernels)
+    return CostProfile(base, kernels, overridden)
 
 
 __all__ = [

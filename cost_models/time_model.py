@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from .collectives import collective_cost
+from .compute_time import compute_time
 from .comm_volume import (
     LAYER_STRATEGIES,
     STEP_STRATEGIES,
@@ -126,7 +127,10 @@ class TimeEstimate(BaseModel):
     exposed_comm_s: float = Field(description="communication on the critical path")
     optimizer_s: float = Field(description="optimizer step (GPU, or CPU when offloaded)")
     offload_s: float = Field(description="exposed PCIe traffic of offloading")
-    step_s: float
+    interference_s: float = Field(
+        default=0.0, description="compute slowed by overlapped collectives (NCCL kernels sharing SMs and HBM)")
+    overhead_s: float = Field(default=0.0, description="the stack's fixed host-side time per step")
+    step_s: float = Field(description="compute + exposed comm + optimizer + offload + interference + overhead")
     tokens_per_step: float
     tokens_per_s: float
     mfu: float = Field(description="model FLOPs (no recompute) / (step time x GPUs x peak)")
@@ -212,18 +216,15 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
     accum = train.grad_accum
     eff = topology.efficiency
     peak = topology.peak_flops(train.dtype)
-    mm, af, ab = peak * eff.matmul, peak * eff.attention_forward, peak * eff.attention_backward
-    hbm = topology.gpu.memory_bandwidth * eff.memory
 
-    # ----- compute --------------------------------------------------------------------------------
+    # ----- compute (shape-aware, kernel by kernel: cost_models.compute_time) ------------------------
     w = microbatch_work(model, train, layout)
-    attn_f = w.layer_attn_fwd / af
-    attn_b = w.layer_attn_bwd / ab
-    c_fwd = w.layer_matmul_fwd / mm + attn_f + w.layer_stream_fwd_bytes / hbm
-    c_re = w.layer_matmul_recompute / mm + w.layer_attn_recompute / af + w.layer_stream_recompute_bytes / hbm
-    c_bwd = w.layer_matmul_bwd / mm + attn_b + w.layer_stream_bwd_bytes / hbm + c_re
-    head_f = w.head_matmul_fwd / mm
-    head_b = w.head_matmul_bwd / mm
+    ct = compute_time(model, train, layout, topology, profile)
+    hbm = topology.gpu.memory_bandwidth * ct.fractions["memory"]
+    slow = profile.kernels.nccl_compute_slowdown
+    c_fwd, c_bwd, c_re = ct.layer_forward, ct.layer_backward, ct.layer_recompute
+    attn_f, attn_b = ct.attention_forward, ct.attention_backward
+    head_f, head_b = ct.head_forward, ct.head_backward
     compute_mb = layers * (c_fwd + c_bwd) + head_f + head_b
     compute_s = accum * compute_mb
 
@@ -234,26 +235,43 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
     ring_f, ring_b_kv, ring_b_dkv, ring_re = cp.ring_f, cp.ring_b_kv, cp.ring_b_dkv, cp.ring_re
     model_mb, model_step = cp.model_mb, cp.model_step
 
-    # Ring attention: hops hide behind block compute.
+    # Ring attention: each hop hides behind one ring step's compute. Overlapped traffic also slows the
+    # compute it hides behind (NCCL kernels take SMs and HBM bandwidth): ``slow`` x the overlapped time,
+    # accounted as interference, not as exposed communication.
     r = layout.ring
-    ring_exposed_f = ring_exposed_b = 0.0
+    ring_exposed_f = ring_exposed_b = ring_slow_f = ring_slow_b = 0.0
     if r > 1:
-        ring_exposed_f = (r - 1) * max(0.0, ring_f - attn_f / r)
+        step_f, step_b = ct.ring_step_forward, ct.ring_step_backward
+        ring_exposed_f = (r - 1) * max(0.0, ring_f - step_f)
+        ring_slow_f = (r - 1) * slow * min(ring_f, step_f)
         if training:
-            ring_exposed_b = (r - 1) * max(0.0, ring_b_kv + ring_b_dkv - attn_b / r) + ring_b_dkv
-            ring_exposed_b += (r - 1) * max(0.0, ring_re - attn_f / r)
+            hop_b = ring_b_kv + ring_b_dkv
+            ring_exposed_b = (r - 1) * max(0.0, hop_b - step_b) + ring_b_dkv
+            ring_slow_b = (r - 1) * slow * min(hop_b, step_b)
+            if ring_re:
+                ring_exposed_b += (r - 1) * max(0.0, ring_re - step_f)
+                ring_slow_b += (r - 1) * slow * min(ring_re, step_f)
 
     # Prefetched and gradient traffic: hidden behind layer compute, plus one pipeline fill per pass.
     def hidden(comm: float, compute: float) -> float:
         return layers * max(0.0, comm - compute) + min(comm, compute) if comm > 0 else 0.0
 
+    def interference(comm: float, compute: float) -> float:
+        return layers * slow * min(comm, compute)
+
     fwd_overlap = hidden(prefetch_f, c_fwd)
     bwd_overlap_mb = hidden(prefetch_b + grad_mb, c_bwd) if training else 0.0
     bwd_overlap_last = hidden(prefetch_b + grad_mb + grad_step, c_bwd) if training else 0.0
+    slow_mb = layers * (ring_slow_f + ring_slow_b) + interference(prefetch_f, c_fwd)
+    if training:
+        slow_mb += interference(prefetch_b + grad_mb, c_bwd)
+    slow_last = interference(prefetch_b + grad_mb + grad_step, c_bwd) - interference(prefetch_b + grad_mb, c_bwd)
 
-    layer_f = c_fwd + lf_exposed + ring_exposed_f
-    layer_b = c_bwd + lb_exposed + ring_exposed_b if training else 0.0
-    microbatch_s = layers * (layer_f + layer_b) + fwd_overlap + bwd_overlap_mb + head_f + head_b + model_mb
+    layer_f = c_fwd + lf_exposed + ring_exposed_f + ring_slow_f
+    layer_b = c_bwd + lb_exposed + ring_exposed_b + ring_slow_b if training else 0.0
+    microbatch_s = (layers * (layer_f + layer_b) + fwd_overlap + bwd_overlap_mb + head_f + head_b + model_mb
+                    + interference(prefetch_f, c_fwd) + (interference(prefetch_b + grad_mb, c_bwd) if training else 0))
+    interference_s = accum * slow_mb + (slow_last if training else 0.0)
     step_comm_exposed = (
         accum * (layers * (lf_exposed + lb_exposed + ring_exposed_f + ring_exposed_b) + model_mb + fwd_overlap)
         + (accum - 1) * bwd_overlap_mb + bwd_overlap_last + model_step
@@ -271,7 +289,9 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
         gpu_params = max(0.0, local - cpu_params)
         optimizer_s = gpu_params * traffic / hbm
         if cpu_params > 0:
-            optimizer_s += cpu_params * traffic / topology.host_memory_bandwidth_per_gpu
+            cores = topology.spec.node.host.cpu_cores / topology.gpus_per_node
+            optimizer_s += max(cpu_params * traffic / topology.host_memory_bandwidth_per_gpu,
+                               cpu_params / (profile.stack.time.cpu_optimizer_params_per_s_per_core * cores))
             grads_down = cpu_params * d / pcie
             offload_s += cpu_params * d / pcie  # updated weights back to the GPU
             offload_s += max(0.0, grads_down - layers * c_bwd)  # gradient copies hide behind backward
@@ -283,7 +303,9 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
             per_mb += max(0.0, bwd_pcie - layers * c_bwd)
         offload_s += accum * per_mb
 
-    step_s = accum * microbatch_s + (bwd_overlap_last - bwd_overlap_mb) + model_step + optimizer_s + offload_s
+    overhead_s = profile.stack.time.step_overhead_s
+    step_s = (accum * microbatch_s + (bwd_overlap_last - bwd_overlap_mb) + (slow_last if training else 0.0)
+              + model_step + optimizer_s + offload_s + overhead_s)
     tokens_per_step = float(train.micro_batch * train.seq_len * accum * layout.dp)
 
     def build() -> TimeEstimate:
@@ -301,6 +323,8 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
             exposed_comm_s=step_comm_exposed,
             optimizer_s=optimizer_s,
             offload_s=offload_s,
+            interference_s=interference_s,
+            overhead_s=overhead_s,
             step_s=step_s,
             tokens_per_step=tokens_per_step,
             tokens_per_s=tokens_per_step / step_s,
@@ -322,17 +346,29 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
                 "head_compute_s": head_f + head_b,
                 "microbatch_s": microbatch_s,
             },
-            efficiencies={
-                "matmul": eff.matmul,
-                "attention_forward": eff.attention_forward,
-                "attention_backward": eff.attention_backward,
-                "memory": eff.memory,
-                "pcie": eff.pcie,
-                "host_memory": eff.host_memory,
-            },
+            efficiencies={**ct.fractions, "pcie": eff.pcie, "host_memory": eff.host_memory},
         )
 
     return StepTime(step_s, tokens_per_step, build)
+
+
+def attention_forward_seconds(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
+                              profile: CostProfile | None = None) -> float:
+    """One attention layer's forward on its own (an attention benchmark: no projections or MLP): the
+    Ulysses all-to-alls of Q, K, V and the output (exposed) plus the attention kernels, ring steps and
+    their K/V hops (each hidden behind a step's compute, NCCL slowing it). ``train.mode`` must be
+    ``prefill`` (forward only)."""
+    if train.is_training:
+        raise CostModelError("attention_forward_seconds times a forward pass: use mode='prefill'")
+    profile = profile or default_profile(topology.gpu.name)
+    ct = compute_time(model, train, layout, topology, profile)
+    cp = _comm_profile(model, train, layout, topology)
+    slow = profile.kernels.nccl_compute_slowdown
+    r = layout.ring
+    ring = 0.0
+    if r > 1:
+        ring = (r - 1) * (max(0.0, cp.ring_f - ct.ring_step_forward) + slow * min(cp.ring_f, ct.ring_step_forward))
+    return cp.exposed_layer["ulysses"] + ct.attention_forward + ring
 
 
 #: TrainSpec fields the collectives of a step depend on: comm_volume.comm_ops reads only these (a test
@@ -476,6 +512,7 @@ def _split(exposed: dict[str, float], seconds: float, weights: dict[str, float])
 __all__ = [
     "CommTime",
     "OffloadTraffic",
+    "attention_forward_seconds",
     "TimeEstimate",
     "comm_and_time",
     "optimizer_step_traffic",

@@ -41,6 +41,15 @@ class TrainSpec(BaseModel):
     #: Megatron-style sequence parallelism inside the TP group: norms/residuals are split over tp
     #: along the sequence, with all-gather/reduce-scatter instead of all-reduce. Standard with TP.
     tp_sequence_parallel: bool = True
+    #: Packed sequences with document masking: each sequence holds documents of about this many tokens
+    #: and attention stays inside a document (flash-attn varlen / cu_seqlens). None: one document per
+    #: sequence (full causal attention). Attention work shrinks from S^2/2 to S x D/2 pairs.
+    document_length: int | None = Field(default=None, ge=1, le=MAX_SEQ_LEN)
+    #: Float8 linear layers (torchao / TransformerEngine style dynamic scaling): the GEMMs run on the
+    #: fp8 tensor cores, plus the amax and cast passes over their operands.
+    fp8_linears: bool = False
+    #: The transformer blocks run under torch.compile: neighbouring elementwise kernels are fused.
+    compiled: bool = False
 
     @field_validator("seq_len", mode="before")
     @classmethod
@@ -54,6 +63,9 @@ class TrainSpec(BaseModel):
         if self.mode == "train" and self.offload_checkpoints and self.checkpointing == "none":
             raise ValueError("offload_checkpoints moves checkpointed block inputs to the host; it needs "
                              "checkpointing 'selective' or 'full'")
+        if self.document_length is not None and self.document_length > self.seq_len:
+            raise ValueError(f"document_length={self.document_length} exceeds seq_len={self.seq_len}; leave it unset "
+                             "for one document per sequence")
         if self.mode == "prefill" and self.grad_accum != 1:
             raise ValueError("grad_accum applies to training only; use grad_accum=1 with mode=prefill")
         return self

@@ -8,7 +8,9 @@ import pytest
 
 from cost_models import Layout, TrainSpec, get_model_preset
 from cost_models.comm_volume import comm_ops
+from cost_models.compute_time import COMPUTE_FIELDS, _compute
 from cost_models.flops import WORK_FIELDS, _work
+from cost_models.profile import default_profile
 from cost_models.memory import MemoryAssumptions, host_memory, memory_core
 from cost_models.memory.dims import DIMS_FIELDS, _local_dims
 from cost_models.memory.report import ALLOCATED_COMPONENTS
@@ -37,6 +39,9 @@ ALTERNATIVES = {
     "tiled_loss": (False, True),
     "attention_kernel": ("flash", "materialized"),
     "tp_sequence_parallel": (True, False),
+    "document_length": (None, 4096),
+    "fp8_linears": (False, True),
+    "compiled": (False, True),
 }
 
 
@@ -83,6 +88,16 @@ def test_flops_ignore_fields_outside_their_key(field):
             assert all(r == results[0] for r in results), (field, model.name)
 
 
+@pytest.mark.parametrize("field", unkeyed(COMPUTE_FIELDS))
+def test_compute_time_ignores_fields_outside_its_key(field):
+    topology = default_topology("h100-80gb", 16, 8)
+    profile = default_profile("h100-80gb")
+    for model in MODELS:
+        for layout in LAYOUTS:
+            results = [_compute(model, t, layout, topology, profile) for t in variants(field)]
+            assert all(r == results[0] for r in results), (field, model.name)
+
+
 @pytest.mark.parametrize("field", unkeyed(DIMS_FIELDS))
 def test_local_dims_ignore_fields_outside_their_key(field):
     for model in MODELS:
@@ -103,14 +118,14 @@ def test_model_states_ignore_fields_outside_their_key(field):
 @pytest.mark.parametrize("field", list(ALTERNATIVES))
 def test_cached_and_fresh_estimates_agree(field):
     """Whatever was cached before, a result equals the one computed with every cache cleared."""
-    from cost_models import flops, time_model
+    from cost_models import compute_time, flops, time_model
     from cost_models.memory import dims, states
 
     topology = default_topology("h100-80gb", 16, 8)
     model, layout = MODELS[0], Layout.for_world(16, dp_replicate=2, dp_shard=2, ulysses=2, tp=2)  # no ring:
     for train in variants(field):  # materialized attention is one of the variants
         warm = (time_estimate(model, train, layout, topology), memory_core(model, train, layout).total)
-        for memo in (flops._WORK, time_model._PROFILES, dims._DIMS, states._STATES):
+        for memo in (flops._WORK, compute_time._COMPUTE, time_model._PROFILES, dims._DIMS, states._STATES):
             memo.clear()
         cold = (time_estimate(model, train, layout, topology), memory_core(model, train, layout).total)
         assert warm == cold

@@ -36,7 +36,8 @@ def ideal(preset, gpus, gpus_per_node=None):
 
 
 def check_identity(t):
-    assert t.step_s == pytest.approx(t.compute_s + t.exposed_comm_s + t.optimizer_s + t.offload_s, rel=1e-9)
+    assert t.step_s == pytest.approx(t.compute_s + t.exposed_comm_s + t.optimizer_s + t.offload_s + t.interference_s
+                                     + t.overhead_s, rel=1e-9)
     assert 0 <= t.exposed_comm_s <= t.comm_s * (1 + 1e-9)
 
 
@@ -96,7 +97,10 @@ def test_calibration_in_the_file_changes_predictions_without_code_changes(tmp_pa
     base = comm_and_time(LLAMA70, train, layout, load_topology(str(base_path))).time
     tuned = comm_and_time(LLAMA70, train, layout, load_topology(str(tuned_path))).time
     assert tuned.comm_s_by_strategy["ulysses"] == pytest.approx(2 * base.comm_s_by_strategy["ulysses"])
-    assert tuned.compute_s == pytest.approx(2 * base.compute_s)
+    # Halved efficiencies double every kernel's work time; fixed per-kernel costs (launches, framework
+    # overhead per layer) do not scale, so the ratio is 2 to within their small share.
+    assert tuned.compute_s == pytest.approx(2 * base.compute_s, rel=1e-3)
+    assert tuned.compute_s < 2 * base.compute_s
     assert tuned.efficiencies["matmul"] == pytest.approx(resolved["matmul"] / 2)
     assert tuned.step_s > base.step_s
 
@@ -115,7 +119,8 @@ def test_alpha_from_calibration_is_used():
 
 
 def test_ring_hops_hide_behind_attention_at_long_sequences_not_short():
-    topo = load_topology("dgx-h100", 64)
+    # One 200 Gb/s NIC per node: about 3 GB/s of fabric per GPU, so short blocks cannot hide their hops.
+    topo = load_topology("dgx-h100@roce-200:1", 64)
     layout = Layout(ulysses=8, ring=8)
     long = comm_and_time(LLAMA8, TrainSpec(seq_len=1 << 20, checkpointing="selective"), layout, topo).time
     short = comm_and_time(LLAMA8, TrainSpec(seq_len=16384, checkpointing="selective"), layout, topo).time
@@ -125,6 +130,7 @@ def test_ring_hops_hide_behind_attention_at_long_sequences_not_short():
                if op.strategy == "ring" and op.label.startswith("dK"))
     last_hop = collective_cost("send_recv", dkv.nbytes, topo.group(8, 8)).time_s
     assert long.exposed_comm_s_by_strategy["ring"] == pytest.approx(32 * last_hop)
+    # short: blocks are too small to hide the hops behind
     assert short.exposed_comm_s_by_strategy["ring"] > 0.5 * short.comm_s_by_strategy["ring"]
     check_identity(long)
     check_identity(short)

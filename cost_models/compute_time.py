@@ -1,0 +1,273 @@
+"""GPU compute time of one transformer layer and the output layer, kernel by kernel, from shapes.
+
+:mod:`cost_models.flops` counts FLOPs (for MFU); this module turns the same work into seconds with
+the shape-aware kernel model (:mod:`cost_models.kernels`), so layouts that shrink kernels pay for it:
+
+- **GEMMs** per layer, per GPU (T = b S / (U R) local tokens, TP-local widths), forward
+  ``(m, n, k) = (tokens, out, in)``; backward the input gradient ``(m, k, n)`` and the weight gradient
+  ``(k, n, m)``. Tiled MLP runs its GEMMs on ``tile`` tokens at a time; tiled loss runs the LM head on
+  ``loss_chunk_tokens`` at a time. Float8 linears run the layer's GEMMs at the fp8 peak and pay memory-
+  bound amax/cast passes over their operands.
+- **Attention**: one causal call on the ring-local sequence (heads / (tp U) per GPU); zigzag ring
+  attention runs R calls per pass (one causal 2c x 2c block, R-1 full c x 2c blocks, c = S / 2R), each
+  followed by an LSE merge (fp32 accumulators, memory-bound) and a ring step's fixed cost. Packed
+  documents (``document_length`` D) run as variable-length calls over D-token documents. A
+  materialized attention runs its QK^T and PV as batched GEMMs (the softmax traffic is streaming).
+- **Streaming kernels** (norms, rotary, activation, residuals, softmax of a materialized attention):
+  bytes from :mod:`cost_models.flops` at the kernel model's fraction of HBM bandwidth, reduced by the
+  stack's fusion when the blocks are compiled; Ulysses all-to-alls add the stack's copy passes.
+- **Framework overhead**: the stack's host-side time per layer and pass (hooks, launch gaps).
+
+Recompute: ``full`` re-runs the layer forward; ``selective`` re-runs it without the attention op
+(``attention_outputs`` policy) or only the core attention (Megatron's ``attention_core_recompute``);
+a tiled MLP re-runs its forward GEMMs once more in backward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import CostModelError
+from .flops import FLASH_BACKWARD_RATIO, MATERIALIZED_BACKWARD_RATIO, MATERIALIZED_FORWARD_PASSES, microbatch_work
+from .kernels import AttentionParams, GemmParams, attention_seconds, gemm_seconds
+from .layout import Layout
+from .memo import Memo
+from .model_spec import ModelSpec
+from .profile import CostProfile
+from .topology.topology import Topology
+from .train_spec import TrainSpec
+
+FP32 = 4
+#: Bytes an LSE merge moves per query element and step: read the block output (compute dtype), read and
+#: write the fp32 accumulator (the LSE itself is per row, negligible next to head_dim values).
+MERGE_BYTES_PER_ELEMENT_FP32 = 2 * FP32
+#: Backward of a ring step: add the block's dK and dV into the travelling fp32 accumulators (read block
+#: gradient, read and write the accumulator).
+DKV_ACCUMULATE_BYTES_PER_ELEMENT_FP32 = 2 * FP32
+
+Gemm = tuple[float, float, float]  # (m, n, k)
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeTime:
+    """Seconds per micro-batch on one GPU. ``layer_*`` for one transformer layer; ``*_recompute`` is
+    the backward's recomputation (included in ``layer_backward``); ``attention_*`` are the attention
+    kernels alone (with ring steps' merges and fixed costs), included in the layer figures, and
+    ``ring_step_*`` one ring step's share of them (what a K/V hop can hide behind)."""
+
+    layer_forward: float
+    layer_backward: float
+    layer_recompute: float
+    attention_forward: float
+    attention_backward: float
+    ring_step_forward: float
+    ring_step_backward: float
+    head_forward: float
+    head_backward: float
+    fractions: dict[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class Fractions:
+    """Asymptotic efficiencies in effect: calibration file > topology calibration > kernel model."""
+
+    matmul: float
+    fp8_matmul: float
+    attention_forward: float
+    attention_backward: float
+    memory: float
+    attention: AttentionParams
+
+
+def fractions(topology: Topology, profile: CostProfile) -> Fractions:
+    c = topology.spec.calibration.compute
+    k = profile.kernels
+    family = profile.stack.time.attention_kernel
+    attention = k.attention_params(family)
+    name = family if family in k.attention else "fa2"
+
+    def pick(raw: float | None, path: str, kernel_value: float) -> float:
+        return kernel_value if raw is None or path in profile.overridden else raw
+
+    return Fractions(
+        matmul=pick(c.matmul, "gemm.peak_fraction", k.gemm.peak_fraction),
+        fp8_matmul=k.gemm.fp8_peak_fraction,
+        attention_forward=pick(c.attention_forward, f"attention.{name}.forward_fraction", attention.forward_fraction),
+        attention_backward=pick(c.attention_backward, f"attention.{name}.backward_fraction",
+                                attention.backward_fraction),
+        memory=pick(c.memory, "memory_fraction", k.memory_fraction),
+        attention=attention,
+    )
+
+
+#: TrainSpec fields compute time depends on (flops.WORK_FIELDS plus the ones only time reads).
+COMPUTE_FIELDS = ("mode", "micro_batch", "seq_len", "dtype", "attention_kernel", "tp_sequence_parallel",
+                  "checkpointing", "tiled_mlp", "tiled_loss", "document_length", "fp8_linears", "compiled")
+
+_COMPUTE: Memo[ComputeTime] = Memo()
+
+
+def compute_time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
+                 profile: CostProfile) -> ComputeTime:
+    """Per-layer and output-layer compute seconds of one micro-batch (memoized on what they read)."""
+    key = (model, layout.tp, layout.ulysses, layout.ring, topology, profile,
+           *(getattr(train, f) for f in COMPUTE_FIELDS))
+    return _COMPUTE.get(key, lambda: _compute(model, train, layout, topology, profile))
+
+
+def _linear_gemms(model: ModelSpec, tokens: float, tp: int, mlp_tile: float | None) -> tuple[list[Gemm], list[Gemm], float]:
+    """Forward GEMMs of the attention projections and of the MLP (the latter on ``mlp_tile``-token tiles
+    when tiled; returned with the number of tiles)."""
+    h, hd = model.hidden_size, model.head_dim
+    q_local = model.q_size / tp
+    kv_local = model.num_kv_heads * model.kv_replication(tp) / tp * hd
+    attn = [(tokens, q_local, h), (tokens, kv_local, h), (tokens, kv_local, h), (tokens, h, q_local)]
+    f = model.ffn_hidden_size / tp
+    rows = min(mlp_tile, tokens) if mlp_tile else tokens
+    tiles = math.ceil(tokens / rows) if mlp_tile else 1.0
+    if model.activation == "swiglu":
+        mlp = [(rows, f, h), (rows, f, h), (rows, h, f)]
+    else:
+        mlp = [(rows, f, h), (rows, h, f)]
+    return attn, mlp, tiles
+
+
+def _backward(gemms: list[Gemm]) -> list[Gemm]:
+    """Input and weight gradients of each forward GEMM."""
+    out: list[Gemm] = []
+    for m, n, k in gemms:
+        out.append((m, k, n))  # dX = dY @ W^T
+        out.append((k, n, m))  # dW = X^T @ dY
+    return out
+
+
+def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
+             profile: CostProfile) -> ComputeTime:
+    training = train.is_training
+    tp, u, r = layout.tp, layout.ulysses, layout.ring
+    b, s, d = train.micro_batch, train.seq_len, train.dtype_bytes
+    hd = model.head_dim
+    tokens = b * s / (u * r)
+    fr = fractions(topology, profile)
+    k = profile.kernels
+    stack = profile.stack.time
+    a = profile.memory
+    peak = topology.peak_flops(train.dtype)
+    hbm = topology.gpu.memory_bandwidth * fr.memory
+    gemm: GemmParams = k.gemm
+    sms = k.sms
+
+    def gemm_time(gemms: list[Gemm], fp8: bool = False, count: float = 1.0) -> float:
+        if fp8:
+            if "fp8" not in topology.gpu.peak_flops:
+                raise CostModelError(f"fp8_linears needs fp8 tensor cores; {topology.gpu.name} lists none")
+            p, f = topology.peak_flops("fp8"), fr.fp8_matmul
+        else:
+            p, f = peak, fr.matmul
+        return count * sum(gemm_seconds(m, n, kk, p, f, gemm, sms) for m, n, kk in gemms)
+
+    # ----- linear layers -------------------------------------------------------------------------------
+    mlp_tile = (a.tiled_mlp_tile_tokens or model.hidden_size) if (training and train.tiled_mlp) else None
+    attn_g, mlp_g, tiles = _linear_gemms(model, tokens, tp, mlp_tile)
+    fp8 = train.fp8_linears
+    proj_f = gemm_time(attn_g, fp8)
+    mlp_f = gemm_time(mlp_g, fp8, tiles)
+    proj_b = gemm_time(_backward(attn_g), fp8)
+    mlp_b = gemm_time(_backward(mlp_g), fp8, tiles)
+    cast_f = cast_b = 0.0
+    if fp8:  # amax + cast passes over each GEMM's activation and weight (forward), and the output grad
+        elems_f = sum(m * kk + kk * n for m, n, kk in attn_g) + tiles * sum(m * kk + kk * n for m, n, kk in mlp_g)
+        elems_b = sum(m * n for m, n, _ in attn_g) + tiles * sum(m * n for m, n, _ in mlp_g)
+        cast_f = stack.fp8_cast_passes * elems_f * (d + 1) / hbm
+        cast_b = stack.fp8_cast_passes * elems_b * (d + 1) / hbm
+
+    # ----- attention -----------------------------------------------------------------------------------
+    heads_local = model.num_heads / (tp * u)
+    bh = b * heads_local
+    seq_ring = s / r
+    flash = train.attention_kernel == "flash"
+    ap = fr.attention
+    q_elems = b * seq_ring * heads_local * hd  # this rank's queries after the head split
+    kv_elems = b * seq_ring * model.num_kv_heads * model.kv_replication(tp * u) / (tp * u) * hd
+    doc = train.document_length
+
+    def attention_calls(backward: bool) -> tuple[float, float]:
+        """(kernel seconds of one pass, seconds of one ring step's share)."""
+        frac = fr.attention_backward if backward else fr.attention_forward
+        ratio = FLASH_BACKWARD_RATIO if backward else 1.0
+        if not flash:
+            big = [(seq_ring * bh, seq_ring, hd), (seq_ring * bh, hd, seq_ring)]  # QK^T, PV (batched)
+            t = gemm_time(_backward(big) if backward else big)
+            return t, t
+        if r == 1:
+            if doc is not None and doc < s:
+                t = attention_seconds(bh * s / doc, doc, doc, hd, True, peak, frac, ap, sms, ratio)
+            else:
+                t = attention_seconds(bh, s, s, hd, True, peak, frac, ap, sms, ratio)
+            return t, t
+        c = s / (2 * r)
+        if doc is not None and doc < 2 * c:
+            kernel = attention_seconds(bh * 2 * c / doc, doc, doc, hd, True, peak, frac, ap, sms, ratio)
+            kernel += (r - 1) * ap.launch_s
+        else:
+            kernel = attention_seconds(bh, 2 * c, 2 * c, hd, True, peak, frac, ap, sms, ratio)
+            kernel += attention_seconds(bh, 2 * c, c, hd, False, peak, frac, ap, sms, ratio, calls=r - 1)
+        merge_bytes = q_elems * (d + MERGE_BYTES_PER_ELEMENT_FP32)  # output/LSE merge, or the dQ accumulation
+        if backward:
+            merge_bytes += 2 * kv_elems * (d + DKV_ACCUMULATE_BYTES_PER_ELEMENT_FP32)
+        hideable = kernel + r * merge_bytes / hbm  # a K/V hop hides behind a step's kernel and merge,
+        return hideable + r * k.ring_step_s, hideable / r  # not behind the step's post/wait itself
+
+    attn_f, step_f = attention_calls(False)
+    attn_b, step_b = attention_calls(True) if training else (0.0, 0.0)
+
+    # ----- streaming kernels, copies, overhead ----------------------------------------------------------
+    w = microbatch_work(model, train, layout)
+    stream = 1.0 if not train.compiled else stack.compiled_stream_fraction
+    scores_f = 0.0
+    if not flash:  # the softmax passes of a materialized attention are not fused by compile
+        scores_f = MATERIALIZED_FORWARD_PASSES * b * (model.num_heads / (tp * u)) * seq_ring * s * d
+    stream_f = ((w.layer_stream_fwd_bytes - scores_f) * stream + scores_f) / hbm
+    stream_b = (w.layer_stream_bwd_bytes - 2 * scores_f) * stream / hbm + 2 * scores_f / hbm
+    a2a = 0.0
+    if u > 1:
+        q_local = tokens * model.num_heads / tp * hd * d
+        kv_local = tokens * model.num_kv_heads * model.kv_replication(tp * u) / tp * hd * d
+        a2a = stack.alltoall_copy_passes * 2 * (2 * q_local + 2 * kv_local) / hbm  # read + write, q k v out
+    overhead = stack.layer_overhead_s
+
+    layer_f = proj_f + mlp_f + cast_f + attn_f + stream_f + a2a + overhead
+    head_tokens = tokens if training else b / (u * r)
+    head_rows = min(a.loss_chunk_tokens, head_tokens) if (training and train.tiled_loss) else head_tokens
+    head_chunks = math.ceil(head_tokens / head_rows)
+    head_g = [(head_rows, model.vocab_size / tp, model.hidden_size)]
+    head_f = gemm_time(head_g, count=head_chunks)
+    if not training:
+        return ComputeTime(layer_f, 0.0, 0.0, attn_f, 0.0, step_f, 0.0, head_f, 0.0, _report(fr))
+
+    ckpt = train.checkpointing
+    recompute = 0.0
+    if ckpt == "full":
+        recompute = layer_f
+    elif ckpt == "selective":
+        if a.selective_policy == "attention_core_recompute":
+            recompute = attn_f + (MATERIALIZED_FORWARD_PASSES * b * heads_local * seq_ring * s * d / hbm
+                                  if not flash else 0.0)
+        else:
+            recompute = layer_f - attn_f
+    if train.tiled_mlp:
+        recompute += mlp_f  # each tile's forward again, with grad, in backward
+    layer_b = proj_b + mlp_b + cast_b + attn_b + stream_b + a2a + overhead + recompute
+    head_b = gemm_time(_backward(head_g), count=head_chunks)
+    if train.tiled_loss:
+        head_b += head_f
+    return ComputeTime(layer_f, layer_b, recompute, attn_f, attn_b, step_f, step_b, head_f, head_b, _report(fr))
+
+
+def _report(fr: Fractions) -> dict[str, float]:
+    return {"matmul": fr.matmul, "fp8_matmul": fr.fp8_matmul, "attention_forward": fr.attention_forward,
+            "attention_backward": fr.attention_backward, "memory": fr.memory}
+
+
+__all__ = ["COMPUTE_FIELDS", "ComputeTime", "Fractions", "compute_time", "fractions"]
