@@ -76,7 +76,7 @@ from torch import nn
 from cost_models.layout import Layout
 from cost_models.model_spec import ModelSpec
 from cost_models.train_spec import TrainSpec
-from runtime.capabilities import memory_assumptions, merge_constraints, unsupported_reasons
+from runtime.capabilities import MEMORY_ASSUMPTIONS, merge_constraints, unsupported_reasons
 from runtime.fsdp import DTYPES, fully_shard_kwargs, fully_shard_units, needs_compute_dtype_params
 from runtime.context import SequenceParallel
 from runtime.data import BatchSharder, data_parallel_coordinates, data_parallel_sampler
@@ -332,17 +332,19 @@ def probe_topology(world: int, device_type: str):
 
 def plan_for(spec: ModelSpec, base: TrainSpec, topology, world: int, *, global_batch: int | None = None,
              fixed_layout: Mapping[str, int] | None = None, fixed_options: Mapping[str, Any] | None = None,
-             kind: str = "llama"):
+             kind: str = "llama", stack: str | None = None, calibration: str | None = None):
     """Ask the planner for the fastest plan this runtime can execute for a model of ``kind`` (no
-    torch.distributed involved)."""
+    torch.distributed involved), under ``stack`` (default sp-plan) and ``calibration``, with the model
+    kind's memory overrides (:data:`runtime.capabilities.MEMORY_ASSUMPTIONS`) on top."""
     from planner.plan import Hardware, Plan
     from planner.search import PlanSettings, search
 
     layout_pins, option_pins = merge_constraints(fixed_layout or {}, fixed_options or {}, kind, spec)
     sequences = global_batch if global_batch is not None else base.micro_batch
     settings = PlanSettings(global_batch_tokens=sequences * base.seq_len, micro_batch_fixed=True,
-                            fixed_layout=layout_pins, fixed_options=option_pins)
-    result = search(spec, base, topology, settings, memory_assumptions(kind), world=world)
+                            fixed_layout=layout_pins, fixed_options=option_pins, stack=stack,
+                            calibration=calibration, assume=dict(MEMORY_ASSUMPTIONS[kind]))
+    result = search(spec, base, topology, settings, world=world)
     best = result.best
     hardware = Hardware(num_gpus=world, gpus_per_node=min(topology.gpus_per_node, world), gpu=topology.gpu.name,
                         topology=topology.name)
@@ -354,7 +356,8 @@ def plan_for(spec: ModelSpec, base: TrainSpec, topology, world: int, *, global_b
                            f"({runner_up.estimate.time.tokens_per_s:,.0f} tokens/s)")
     est = best.estimate.to_json_dict()
     return Plan(model=spec, train=best.train, layout=best.layout, hardware=hardware, estimate=est,
-                placement=est.get("placement") or {}, explanation=explanation)
+                placement=est.get("placement") or {}, explanation=explanation, stack=result.stack,
+                calibration=result.calibration)
 
 
 def _plan_from_argument(plan: Any):
@@ -583,6 +586,8 @@ def auto_configure(
     cross_document_attention: bool = False,
     sync_weights: bool = True,
     tp_sequence_parallel: bool = True,
+    stack: str | None = None,
+    calibration: str | None = None,
 ) -> AutoConfigured:
     """Plan (or load the plan), build the mesh, swap in SP attention, checkpoint, shard with FSDP2.
 
@@ -594,7 +599,9 @@ def auto_configure(
     (default: one micro-batch, no accumulation); ``fixed_layout``/``fixed_options`` pin degrees or
     options (e.g. ``{"ulysses": 4}``, ``{"tiled_loss": True}``); ``tp_sequence_parallel``: Megatron
     sequence parallelism when the plan uses TP; ``topology`` is a Topology, a preset or topology file, or
-    None to probe this machine. The data arguments configure the :class:`runtime.data.BatchSharder`.
+    None to probe this machine; ``stack`` (a stack name or YAML file, default ``sp-plan``) and
+    ``calibration`` (a calibration file) are what the planner assumes, with the model kind's memory
+    overrides on top. The data arguments configure the :class:`runtime.data.BatchSharder`.
     """
     device_type = init_distributed(device_type)
     world = dist.get_world_size()
@@ -613,7 +620,7 @@ def auto_configure(
         def make_plan():  # rank 0 only: its errors (a bad topology name, no plan fits) reach every rank
             topo = probed if topology is None else load_topology_for(topology, world)
             return plan_for(spec, base, topo, world, global_batch=global_batch, fixed_layout=fixed_layout,
-                            fixed_options=fixed_options, kind=kind)
+                            fixed_options=fixed_options, kind=kind, stack=stack, calibration=calibration)
 
         the_plan = agree_on_plan(make_plan)
     else:

@@ -158,11 +158,15 @@ def no_fit_report(model, train, topology, settings: PlanSettings, result: Search
     if nearest.layout:
         lines.append(f"  closest: {nearest.describe_miss()}")
     suggestions: list[str] = []
-    if settings.fixed_options or settings.fixed_layout:
-        free = settings.model_copy(update={"fixed_options": {}, "fixed_layout": {}})
+    limit = settings.max_offload_bytes
+    if settings.fixed_options or settings.fixed_layout or limit is not None:
+        free = settings.model_copy(update={"fixed_options": {}, "fixed_layout": {}, "max_offload_bytes": None})
         if probe_feasibility(model, train, topology, free, world=world).fits:
-            pins = ", ".join(f"{k}={v}" for k, v in {**settings.fixed_layout, **settings.fixed_options}.items())
-            suggestions.append(f"drop the pinned choices ({pins}): the planner finds a fitting plan without them")
+            pins = [f"{k}={v}" for k, v in {**settings.fixed_layout, **settings.fixed_options}.items()]
+            if limit is not None:
+                pins.append(f"--max-offload-gb {limit / 1e9:g}")
+            suggestions.append(f"drop the pinned choices ({', '.join(pins)}): the planner finds a fitting plan "
+                               "without them")
     try:
         answer = min_gpus(model, train, lambda n: load_topology(topology.name, n, topology.gpus_per_node)
                           if topology.name else topology, topology.gpus_per_node, settings)
@@ -175,7 +179,7 @@ def no_fit_report(model, train, topology, settings: PlanSettings, result: Search
         suggestions.append(f"or shorten the sequence to at most {seq.max_seq_len:,} tokens on these {world} GPUs")
     except PlannerError as exc:
         suggestions.append(str(exc))
-    if train.is_training and not settings.fixed_options:
+    if train.is_training and not settings.fixed_options and limit is None:
         suggestions.append("every memory option (ZeRO-3, full checkpointing, checkpoint/optimizer/parameter offload, "
                            "tiled MLP and loss) was already considered")
     lines += [f"  suggestion: {s}" for s in suggestions]
