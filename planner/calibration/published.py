@@ -1,0 +1,281 @@
+"""The published GPU measurements (``cost_models/data/calibration/published.yaml``) as measured runs.
+
+The YAML keeps each source's figures as published; this module states, per source, what the figures
+leave implicit and the model needs: the machine (a topology preset), the software stack, the options a
+named recipe implies ("alst" = ZeRO-3 + optimizer offload + checkpointing + tiled MLP + checkpoint
+offload + fused loss), the model shapes for models named only by their size, and the FLOP convention of
+TFLOP/s figures. Everything assumed is stated in the run's ``assumed`` text, which the accuracy report
+prints. Entries the model cannot represent (pipeline parallelism) are returned as skipped, with why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from cost_models.errors import CostModelError
+from cost_models.layout import Layout
+from cost_models.model_spec import ModelSpec, get_model_preset
+from cost_models.train_spec import TrainSpec
+from cost_models.yaml_io import safe_load
+
+from .runs import METRICS, MeasuredRun
+
+
+@dataclass(frozen=True)
+class SourceSetup:
+    """What a source's runs share: machine, stack, defaults for options the entries do not repeat."""
+
+    topology: str
+    stack: str
+    defaults: dict[str, Any]
+    memory_overrides: dict[str, Any]
+    note: str
+
+
+#: Per source: the machine, the stack and the defaults its text implies (see the YAML's `sources:`).
+SOURCES: dict[str, SourceSetup] = {
+    "arctic-recipes": SourceSetup(
+        "aws-p5", "hf-deepspeed",
+        {"zero_stage": 3, "offload_optimizer": True, "checkpointing": "full", "tiled_loss": True, "micro_batch": 1},
+        {}, "p5.48xlarge nodes (8 x H100 80GB, EFA); ALST recipe options",
+    ),
+    "torchtitan-h100": SourceSetup(
+        "grand-teton-h100", "torchtitan", {"zero_stage": 3}, {},
+        "Grand Teton H100 96GB; FSDP2 reshard-after-forward (ZeRO-3)",
+    ),
+    "llm-foundry-h100": SourceSetup(
+        "dgx-h100", "torchtitan", {"zero_stage": 3}, {},
+        "8 x H100 80GB; FSDP FULL_SHARD (ZeRO-3) under Composer: the torchtitan (FSDP) stack is the nearest shipped",
+    ),
+    "fpdt": SourceSetup(
+        "dgx-a100", "hf-deepspeed", {"zero_stage": 3, "checkpointing": "none"}, {"norm_implementation": "fused"},
+        "GPU type not stated (80 GB implied): A100 80GB assumed; Megatron-DeepSpeed GPT code (fused norms)",
+    ),
+    "ring-attention": SourceSetup(
+        "dgx-a100", "sp-plan", {"zero_stage": 3, "dtype": "fp32"}, {},
+        "A100 80GB; JAX FSDP + ring attention in fp32: no shipped stack is JAX, sp-plan's assumptions used",
+    ),
+    "factory-360": SourceSetup(
+        "dgx-a800", "hf-deepspeed", {"micro_batch": 1}, {"norm_implementation": "eager"},
+        "A800 80GB; HF + DeepSpeed ZeRO-3 + ring-flash-attn, no Liger (eager RMSNorm)",
+    ),
+    "usp-attention": SourceSetup(
+        "dgx-a100", "sp-plan", {"mode": "prefill", "dtype": "bf16"}, {},
+        "attention forward only, batch 1, yunchang's USP with zigzag ring (flash-attn 2)",
+    ),
+    "megatron-recompute": SourceSetup(
+        "dgx-a100", "sp-plan", {"micro_batch": 4, "attention_kernel": "materialized", "zero_stage": 0,
+                                "dtype": "bf16"},
+        {"selective_policy": "attention_core_recompute"},
+        "DGX A100 (Selene); micro-batch 4 (the paper's 22B configuration); Megatron's fused softmax, no flash",
+    ),
+    "ulysses-paper-figures": SourceSetup(
+        "dgx-a100", "hf-deepspeed", {"micro_batch": 1}, {},
+        "8 DGX-A100 nodes (IB HDR); Megatron-DeepSpeed GPT; TFLOP/s by Megatron-DeepSpeed's formula",
+    ),
+}
+
+#: Source model names -> shipped presets.
+MODEL_ALIASES = {
+    "llama3.1-8b": "llama3-8b",
+    "llama3.1-70b": "llama3-70b",
+    "llama3.1-405b": "llama3-405b",
+    "qwen3-32b": "qwen3-32b",
+    "qwen2.5-7b": "qwen2.5-7b",
+    "qwen2.5-14b": "qwen2.5-14b",
+    "qwen2.5-72b": "qwen2.5-72b",
+    "llama2-7b": "llama2-7b",
+    "mpt-7b": "mpt-7b",
+    "mpt-7b (32L, d4096, 32 heads, vocab 50368)": "mpt-7b",
+    # Ring Attention's "LLaMA architecture" models: dimensions unpublished; LLaMA-1's are assumed.
+    "llama-arch 7B": "llama-7b",
+    "llama-arch 13B": "llama-13b",
+}
+
+
+def _gpt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
+    """A Megatron GPT of the given shape: MHA, 4h GELU FFN, LayerNorm, GPT-2 vocabulary; rotary
+    positions assumed (no position table: the sources do not state it and it is <1% of parameters)."""
+    return ModelSpec(name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=heads,
+                     head_dim=hidden // heads, ffn_hidden_size=4 * hidden, vocab_size=50257, activation="gelu",
+                     norm="layernorm", position_embedding="rope", qkv_bias=True, attn_out_bias=True, mlp_bias=True)
+
+
+#: Models the sources describe only by shape.
+SHAPED_MODELS: dict[str, ModelSpec] = {
+    "gpt 30B dense (64L, d6144, 64 heads)": _gpt("gpt-30b (64L, d6144)", 64, 6144, 64),
+    "gpt 22B layer (h6144, a64, s2048, TP8)": _gpt("gpt-22b (48L, d6144)", 48, 6144, 64),
+}
+
+#: The USP report's attention benchmark: Llama-3-8B's attention shape, one layer.
+USP_ATTENTION_MODEL = ModelSpec(name="llama3-8b attention", num_layers=1, hidden_size=4096, num_heads=32,
+                                num_kv_heads=8, head_dim=128, ffn_hidden_size=14336, vocab_size=128256)
+
+#: Named option bundles of the arctic recipes.
+OPTION_BUNDLES: dict[str, dict[str, Any]] = {
+    "alst": {"tiled_mlp": True, "offload_checkpoints": True},
+    "alst without checkpoint offload": {"tiled_mlp": True},
+    "alst + parameter offload": {"tiled_mlp": True, "offload_checkpoints": True, "offload_params": True},
+}
+
+_LAYOUT_KEYS = ("tp", "ulysses", "ring", "dp_shard", "dp_replicate")
+_OPTION_KEYS = ("zero", "checkpointing", "micro_batch", "dtype", "offload_checkpoints")
+
+
+@dataclass(frozen=True)
+class Skipped:
+    id: str
+    source: str
+    reason: str
+
+
+@cache
+def published_entries() -> dict[str, Any]:
+    text = resources.files("cost_models.data").joinpath("calibration", "published.yaml").read_text()
+    return safe_load(text)
+
+
+def _model(name: str) -> ModelSpec:
+    if name in SHAPED_MODELS:
+        return SHAPED_MODELS[name]
+    alias = MODEL_ALIASES.get(name)
+    if alias is None:
+        raise CostModelError(f"published model {name!r} has no preset mapping; add it to MODEL_ALIASES")
+    return get_model_preset(alias)
+
+
+def _train_kwargs(entry: dict[str, Any], setup: SourceSetup) -> dict[str, Any]:
+    kw: dict[str, Any] = {"mode": "train", **setup.defaults}
+    for key in _OPTION_KEYS:
+        if key in entry:
+            kw["zero_stage" if key == "zero" else key] = entry[key]
+    options = entry.get("options")
+    if options is not None:
+        if options not in OPTION_BUNDLES:
+            raise CostModelError(f"unknown option bundle {options!r}")
+        kw.update(OPTION_BUNDLES[options])
+    offload = entry.get("offload", "")
+    if "optimizer" in offload:
+        kw["offload_optimizer"] = True
+    if "params" in offload:
+        kw["offload_params"] = True
+        kw["offload_optimizer"] = True
+    if kw.get("offload_checkpoints") and kw.get("checkpointing", "full") == "none":
+        kw["checkpointing"] = "full"
+    if kw.get("offload_params"):
+        kw["zero_stage"] = 3
+    return kw
+
+
+def _layout(entry: dict[str, Any]) -> Layout:
+    degrees = {k: entry[k] for k in _LAYOUT_KEYS if k in entry}
+    return Layout.for_world(entry["gpus"], **degrees)
+
+
+def _run(id_: str, entry: dict[str, Any], metric: str, value: float, *, seq_len: int, group: str | None = None,
+         extra_train: dict[str, Any] | None = None, model: ModelSpec | None = None, topology: str | None = None,
+         layout: Layout | None = None, flop_convention: str = "model", assumed: str = "") -> MeasuredRun:
+    source = entry["source"]
+    setup = SOURCES[source]
+    kw = _train_kwargs(entry, setup) | (extra_train or {})
+    kw["seq_len"] = seq_len
+    if kw.get("mode") == "prefill":
+        kw.pop("zero_stage", None)
+    train = TrainSpec(**kw)
+    return MeasuredRun(
+        id=id_, source=source, metric=metric, value=float(value), confidence=entry.get("confidence", "exact"),
+        caveat=entry.get("caveat", ""), group=group, model=model or _model(entry["model"]), train=train,
+        layout=layout or _layout(entry), topology=topology or setup.topology, stack=setup.stack,
+        memory_overrides=dict(setup.memory_overrides), flop_convention=flop_convention,  # type: ignore[arg-type]
+        assumed="; ".join(x for x in (setup.note, assumed) if x),
+    )
+
+
+def _describe(entry: dict[str, Any], seq_len: int | None = None) -> str:
+    layout = "x".join(f"{k}{entry[k]}" for k in _LAYOUT_KEYS if k in entry and entry[k] > 1) or "dp"
+    seq = f" {seq_len // 1000}K" if seq_len else ""
+    opts = f" {entry['options']}" if "options" in entry else ""
+    return f"{entry['source']}: {entry['model'].split(' (')[0]} {entry['gpus']}gpu {layout}{seq}{opts}"
+
+
+def published_runs() -> tuple[list[MeasuredRun], list[Skipped]]:
+    """Every entry of the published file as a run (or a skip with its reason)."""
+    data = published_entries()
+    runs: list[MeasuredRun] = []
+    skipped: list[Skipped] = []
+
+    for entry in data.get("memory", []):
+        metric = entry["metric"]
+        if metric not in METRICS:
+            skipped.append(Skipped(_describe(entry), entry["source"], f"unknown metric {metric}"))
+            continue
+        runs.append(_run(_describe(entry, entry["seq_len"]) + f" [{metric}]", entry, metric, entry["value"],
+                         seq_len=entry["seq_len"]))
+
+    for entry in data.get("max_length", []):
+        runs.append(_run(_describe(entry) + " [max len]", entry, "max_seq_len", entry["value"],
+                         seq_len=1 << 14))
+
+    for entry in data.get("throughput", []):
+        source = entry["source"]
+        if "pipeline" in entry:
+            skipped.append(Skipped(_describe(entry), source, "pipeline parallelism is not modelled"))
+            continue
+        caveat = entry.get("caveat", "")
+        extra = {"fp8_linears": "Float8" in caveat, "compiled": "compile" in caveat and "no torch.compile" not in caveat}
+        if "micro_batch" in entry:
+            extra["micro_batch"] = entry["micro_batch"]
+        convention = "megatron_deepspeed" if source == "ulysses-paper-figures" else "model"
+        if "points" in entry:
+            for seq, value in entry["points"].items():
+                runs.append(_run(_describe(entry, seq) + f" [{entry['metric']}]", entry, entry["metric"], value,
+                                 seq_len=int(seq), group=f"{source}:{entry['model']}", extra_train=extra,
+                                 flop_convention=convention))
+        else:
+            runs.append(_run(_describe(entry, entry["seq_len"]) + f" [{entry['metric']}]", entry, entry["metric"],
+                             entry["value"], seq_len=entry["seq_len"], group=f"{source}:{entry['model']}",
+                             extra_train=extra, flop_convention=convention))
+
+    for entry in data.get("kernel", []):
+        source = entry["source"]
+        if source == "usp-attention":
+            hardware = entry["hardware"]
+            topology = "l20-pcie" if "L20" in hardware else "dgx-a100"
+            group = f"usp {hardware.split(' ')[2]} {entry['seq_len'] // 1024}K"
+            for name, value in entry["points"].items():
+                degrees = _usp_degrees(name)
+                layout = Layout.for_world(8, **degrees)
+                runs.append(_run(f"usp-attention: {group} {name}", {**entry, "gpus": 8, "model": "usp"},
+                                 "iters_per_s", value, seq_len=entry["seq_len"], group=group,
+                                 model=USP_ATTENTION_MODEL, topology=topology, layout=layout))
+        elif source == "megatron-recompute":
+            model = _model(entry["model"])
+            for name, (fwd, bwd) in entry["points"].items():
+                ckpt = {"no_recompute": "none", "full_recompute": "full", "selective": "selective",
+                        "selective_sp": "selective"}[name]
+                extra = {"checkpointing": ckpt, "tp_sequence_parallel": name == "selective_sp"}
+                layout = Layout.for_world(8, tp=8)
+                for metric, value in (("layer_fwd_ms", fwd), ("layer_bwd_ms", bwd)):
+                    runs.append(_run(f"megatron-recompute: 22B layer {name} {metric[6:9]}",
+                                     {**entry, "gpus": 8}, metric, value, seq_len=2048,
+                                     group=f"megatron-recompute {metric[6:9]}", extra_train=extra, model=model,
+                                     layout=layout))
+        else:
+            skipped.append(Skipped(source, source, "unknown kernel source"))
+    return runs, skipped
+
+
+def _usp_degrees(name: str) -> dict[str, int]:
+    """'ulysses4_ring2' -> {'ulysses': 4, 'ring': 2}."""
+    degrees: dict[str, int] = {}
+    for part in name.split("_"):
+        for dim in ("ulysses", "ring"):
+            if part.startswith(dim):
+                degrees[dim] = int(part[len(dim):])
+    return degrees
+
+
+__all__ = ["MODEL_ALIASES", "SOURCES", "Skipped", "published_runs"]
