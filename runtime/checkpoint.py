@@ -49,6 +49,7 @@ import random
 import secrets
 import shutil
 import sys
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -690,24 +691,24 @@ def load_checkpoint(path: str | os.PathLike, *, setup, optimizer=None, scheduler
     check_same_model(state.get("model") or {}, setup.plan.model, path)
     if optimizer is not None and state.get("optimizer") is None:
         raise RuntimeConfigError(f"checkpoint {path} has no optimizer state: load it with optimizer=None")
-    geometry = parameter_geometry(setup)
-    metadata = read_metadata(path)
-    targets, new_state = _load_targets(setup, optimizer, metadata, geometry, path)
-    _check_targets(targets, metadata, path)
-    import torch.distributed.checkpoint as dcp
-
-    with torch.no_grad():
-        dcp.load({}, storage_reader=_reader(path), planner=_load_planner(targets))
-    if optimizer is not None:
-        _restore_optimizer(optimizer, new_state, state["optimizer"], path)
+    if data is not None:  # checked before any tensor is touched: resuming on other data is refused
+        if state.get("data") is None:
+            raise RuntimeConfigError(f"checkpoint {path} has no data position")
+        data.load_state_dict(state["data"])
     if scheduler is not None:
         if state.get("scheduler") is None:
             raise RuntimeConfigError(f"checkpoint {path} has no LR scheduler state")
         scheduler.load_state_dict(state["scheduler"])
-    if data is not None:
-        if state.get("data") is None:
-            raise RuntimeConfigError(f"checkpoint {path} has no data position")
-        data.load_state_dict(state["data"])
+    geometry = parameter_geometry(setup)
+    metadata = read_metadata(path)
+    with torch.no_grad():
+        targets, new_state = _load_targets(setup, optimizer, metadata, geometry, path)
+        _check_targets(targets, metadata, path)
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load({}, storage_reader=_reader(path), planner=_load_planner(targets))
+    if optimizer is not None:
+        _restore_optimizer(optimizer, new_state, state["optimizer"], path)
     same_layout = state.get("world_size") == world and state.get("layout") == setup.plan.layout.model_dump(mode="json")
     if restore_rng:
         saved_rank = rank if state.get("world_size") == world else 0
@@ -764,7 +765,9 @@ def load_full_state_dict(path: str | os.PathLike, *, prefix: str = MODEL) -> dic
         raise RuntimeConfigError(f"checkpoint {path} has no {prefix!r} entries")
     import torch.distributed.checkpoint as dcp
 
-    dcp.load({}, storage_reader=_reader(path), planner=_load_planner(targets), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({}, storage_reader=_reader(path), planner=_load_planner(targets), no_dist=True)
     return {name[len(head):]: chunk.tensor for name, chunk in targets.items()}
 
 
