@@ -18,8 +18,9 @@
    path), the scheduler, telemetry;
 3. **checkpoints** every ``save_every`` steps and after the last step; on SIGTERM/SIGINT (with a
    checkpoint directory) the current step finishes, every rank agrees to stop (the flag is all-reduced
-   with the step's telemetry), a checkpoint is saved and ``fit`` returns (``stopped_by``). A second
-   signal of the same kind acts immediately (the previous handler).
+   with the step's telemetry, so a signal that reaches one rank after that all-reduce stops every rank
+   after the next step), a checkpoint is saved and ``fit`` returns (``stopped_by``). A second signal
+   of the same kind acts immediately (the previous handler: KeyboardInterrupt for SIGINT).
 
 **Telemetry** (rank 0 prints; every rank computes): per step the loss (global token mean), tokens/s
 (valid tokens of all ranks / the step's wall time), **MFU** = the plan's model FLOPs per step
@@ -106,7 +107,7 @@ def _rss_bytes() -> tuple[int, int]:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     except (ImportError, OSError):
         peak = -1
-    return current, peak
+    return current, max(peak, current)  # the kernel updates its high-water mark lazily
 
 
 def mfu_basis(setup) -> tuple[float | None, float | None, str]:
@@ -150,7 +151,7 @@ class Telemetry:
                  progress: bool = True, live_bytes_every: int = 0, print_fn: Callable[[str], None] = print) -> None:
         self.setup = setup
         self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.world = setup.plan.layout.world  # the ranks the plan's FLOPs are spread over
         self.cuda = setup.device.type == "cuda"
         self.log_every, self.live_bytes_every, self.print_fn = log_every, live_bytes_every, print_fn
         self.flops_per_step, self.peak, self.mfu_note = mfu_basis(setup)
