@@ -277,7 +277,7 @@ def target_stack(plan: Plan, target: str) -> str:
 
 def _plan_topology(plan: Plan):
     """The plan's cluster: its topology preset or file, else (a file from another machine) the natural
-    machine of its GPU."""
+    machine of its GPU; None when neither can be built here."""
     from cost_models.errors import CostModelError
     from cost_models.topology import default_topology, load_topology
 
@@ -285,7 +285,11 @@ def _plan_topology(plan: Plan):
     try:
         return load_topology(hw.topology, hw.num_gpus, hw.gpus_per_node)
     except CostModelError:
+        pass
+    try:
         return default_topology(hw.gpu, hw.num_gpus, hw.gpus_per_node)
+    except CostModelError:
+        return None
 
 
 def replan_command(plan: Plan, target: str, stack: str) -> str:
@@ -329,6 +333,9 @@ def check_under_stack(plan: Plan, target: str, stack: str | None = None, calibra
     if calibration is None and ref == plan.stack and plan.calibration:
         calibration = plan.calibration
     topology = _plan_topology(plan)
+    if topology is None:  # a probed topology file that is not on this machine, for a GPU without a preset
+        return [f"not re-checked under the {ref} stack: topology {plan.hardware.topology!r} cannot be loaded here "
+                "and its GPU has no preset; run the export where the topology file is"]
     profile = resolve_profile(topology.gpu.name, ref, calibration)
     est = estimate(plan.model, plan.train, plan.layout, topology, with_placement=False, profile=profile)
     total, capacity = est.memory.total, est.memory.capacity

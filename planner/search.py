@@ -213,7 +213,7 @@ class SearchResult(BaseModel):
     stats: SearchStats
     global_batch_sequences: int
     usable_bytes: float
-    #: What the plans assume (see :func:`profile_refs`): the stack as a shipped name or a file path,
+    #: What the plans assume (see :func:`resolve_settings`): the stack as a shipped name or a file path,
     #: the calibration file (or None), and the resolved profile's display name.
     stack: str = DEFAULT_STACK
     calibration: str | None = None

@@ -508,3 +508,14 @@ def test_auto_configure_plans_with_the_stack_it_is_given(tmp_path):
     fat = stack_file(tmp_path, memory={"fragmentation_fraction": 0.3})
     for r in run_ranks(2, _auto_rank, fat, timeout=120):
         assert r == {"stack": str(Path(fat).resolve()), "detail_stack": "fat"}
+
+
+def test_export_of_a_plan_whose_topology_cannot_be_rebuilt_still_exports_with_a_note(tmp_path):
+    plan = load_plan(_plan_file(tmp_path, ulysses=8))
+    odd = plan.model_copy(update={"hardware": plan.hardware.model_copy(
+        update={"topology": str(tmp_path / "gone.yaml"), "gpu": "cpu-probe"})})
+    notes = check_under_stack(odd, "deepspeed")
+    assert len(notes) == 1 and "not re-checked under the hf-deepspeed stack" in notes[0]
+    # A missing topology file with a known GPU falls back to that GPU's natural machine.
+    known = plan.model_copy(update={"hardware": plan.hardware.model_copy(update={"topology": str(tmp_path / "gone.yaml")})})
+    assert "predicted to need" in check_under_stack(known, "deepspeed")[0]
