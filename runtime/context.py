@@ -204,17 +204,25 @@ class SequenceParallel:
         v: torch.Tensor,
         causal: bool = True,
         scale: float | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Exact attention on local shards ``(batch, local_seq, heads, head_dim)`` in this context's layout."""
+        """Exact attention on local shards ``(batch, local_seq, heads, head_dim)`` in this context's layout.
+
+        ``cu_seqlens``: packed documents, the cumulative document boundaries over the flattened FULL
+        ``(batch x seq_len)`` sequence (the same tensor on every rank, as :class:`runtime.data.BatchSharder`
+        makes it); every token then attends only to tokens of its own document.
+        """
+        backend = self.backend
         if self.ulysses_group is not None and self.ring_group is not None:
-            return usp_attention(
-                q, k, v, self.ulysses_group, self.ring_group, causal=causal, scale=scale, backend=self.backend
-            )
+            return usp_attention(q, k, v, self.ulysses_group, self.ring_group, causal=causal, scale=scale,
+                                 backend=backend, cu_seqlens=cu_seqlens)
         if self.ulysses_group is not None:
-            return ulysses_attention(q, k, v, self.ulysses_group, causal=causal, scale=scale, backend=self.backend)
+            return ulysses_attention(q, k, v, self.ulysses_group, causal=causal, scale=scale, backend=backend,
+                                     cu_seqlens=cu_seqlens)
         if self.ring_group is not None:
-            return ring_attention(q, k, v, self.ring_group, causal=causal, scale=scale, backend=self.backend)
-        return local_attention(q, k, v, causal=causal, scale=scale, backend=self.backend)
+            return ring_attention(q, k, v, self.ring_group, causal=causal, scale=scale, backend=backend,
+                                  layout="zigzag", cu_seqlens=cu_seqlens)
+        return local_attention(q, k, v, causal=causal, scale=scale, backend=backend, cu_seqlens=cu_seqlens)
 
     def __repr__(self) -> str:
         return (

@@ -45,7 +45,7 @@ def _ring_rank(rank: int, world: int) -> dict:
     results["work"] = (work.forward_calls, work.backward_calls, work.forward_flops + work.backward_flops)
     odd = torch.zeros(1, 7, 2, 8)
     try:
-        ring_attention(odd, odd, odd, sp.ring_group, causal=True)
+        ring_attention(odd, odd, odd, sp.ring_group, causal=True, layout="zigzag")
     except RuntimeConfigError as exc:
         results["odd_error"] = str(exc)
     return results

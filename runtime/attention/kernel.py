@@ -18,10 +18,22 @@ flash-attn bottom-right, and requiring a square block makes both mean the same t
 Backends, chosen per call by :func:`select_backend` (override with the ``backend=`` argument or the
 ``SP_PLAN_ATTENTION_BACKEND`` environment variable):
 
+``fa3``
+    FlashAttention-3 (the ``flash_attn_interface`` module of flash-attn's ``hopper/`` build), CUDA
+    compute capability 9.x (Hopper), fp16/bf16, head_dim a multiple of 8 up to 256. Native GQA.
+    Forward through the public ``flash_attn_func(..., return_attn_probs=True)``, backward through
+    the private ``_flash_attn_backward`` bound by parameter name (its argument list changed across
+    FA3 releases). Varlen (document masking) through ``flash_attn_varlen_func``.
 ``flash_attn``
     The flash-attn 2 package (lazy import), CUDA fp16/bf16, head_dim a multiple of 8 up to 256.
     Native GQA. Its backward is the package's private ``_flash_attn_backward``, whose argument list
     changed across 2.x releases; we bind it by parameter name (see :func:`_flash_attn_backward`).
+    Varlen (document masking) through ``flash_attn_varlen_func`` (flash-attn >= 2.5, whose varlen
+    LSE is ``(heads, total_q)``).
+``sdpa_cudnn``
+    PyTorch's cuDNN attention (``aten._scaled_dot_product_cudnn_attention``, which returns the LSE,
+    and its backward), CUDA compute capability >= 9.0 with cuDNN >= 9, fp16/bf16, head_dim a multiple
+    of 8 up to 128. KV heads are repeated.
 ``sdpa_flash`` / ``sdpa_efficient``
     PyTorch's CUDA SDPA ops that return the LSE (``aten._scaled_dot_product_flash_attention`` for
     fp16/bf16, ``aten._scaled_dot_product_efficient_attention`` otherwise) and their backward ops.
@@ -50,15 +62,26 @@ import torch
 
 from runtime.errors import RuntimeConfigError
 
-Backend = Literal["flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu_flash", "math"]
-BACKENDS: tuple[str, ...] = ("flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu_flash", "math")
+Backend = Literal["fa3", "flash_attn", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu_flash", "math"]
+BACKENDS: tuple[str, ...] = ("fa3", "flash_attn", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu_flash",
+                             "math")
 BACKEND_ENV = "SP_PLAN_ATTENTION_BACKEND"
 
 #: Backends whose kernels take fewer KV heads than query heads without a materialised repeat.
-_NATIVE_GQA = frozenset({"flash_attn", "sdpa_cpu_flash", "math"})
+_NATIVE_GQA = frozenset({"fa3", "flash_attn", "sdpa_cpu_flash", "math"})
+#: Backends that write the block gradients into buffers the caller passes (ring attention reuses them).
+GRAD_BUFFER_BACKENDS = frozenset({"fa3", "flash_attn"})
 #: flash-attn 2 and PyTorch's flash kernel: head_dim limits (multiple of 8 for the direct backward call).
 FLASH_MAX_HEAD_DIM = 256
 FLASH_HEAD_DIM_MULTIPLE = 8
+#: cuDNN attention: head_dim limit, and the compute capability / cuDNN version it is selected from.
+CUDNN_MAX_HEAD_DIM = 128
+CUDNN_MIN_CAPABILITY = (9, 0)
+CUDNN_MIN_VERSION = 90000
+#: FlashAttention-3 is selected on Hopper (compute capability 9.x) and later.
+FA3_MIN_CAPABILITY = (9, 0)
+#: flash-attn 2 releases whose varlen LSE is (heads, total_q) (older ones pad it per sequence).
+FLASH_VARLEN_MIN_VERSION = (2, 5)
 #: The CUDA memory-efficient kernel pads its LSE (and expects it padded in backward) to this many rows.
 EFFICIENT_LSE_ALIGNMENT = 32
 
@@ -117,6 +140,54 @@ def flash_attn_available() -> bool:
     return True
 
 
+@functools.cache
+def flash_attn_version() -> tuple[int, ...]:
+    """The installed flash-attn 2 version as integers (() when it does not import)."""
+    if not flash_attn_available():
+        return ()
+    import flash_attn
+
+    parts = []
+    for piece in str(getattr(flash_attn, "__version__", "0")).split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+@functools.cache
+def fa3_available() -> bool:
+    """True when FlashAttention-3's ``flash_attn_interface`` imports and exposes the functions used here."""
+    try:
+        import flash_attn_interface
+    except Exception:  # ImportError, or a CUDA/ABI mismatch raised at import
+        return False
+    return all(hasattr(flash_attn_interface, name) for name in ("flash_attn_func", "_flash_attn_backward"))
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(device))  # type: ignore[return-value]
+
+
+def cudnn_attention_available(device: torch.device) -> bool:
+    """cuDNN SDPA usable on ``device``: the ATen op exists, cuDNN >= 9 and compute capability >= 9.0."""
+    if not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
+        return False
+    try:
+        version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    except Exception:
+        return False
+    return version is not None and version >= CUDNN_MIN_VERSION and _capability(device) >= CUDNN_MIN_CAPABILITY
+
+
+def varlen_available(name: str) -> bool:
+    """Whether backend ``name`` computes document-masked blocks in one varlen call (else one call each)."""
+    if name == "fa3":
+        import flash_attn_interface
+
+        return hasattr(flash_attn_interface, "flash_attn_varlen_func")
+    return name == "flash_attn" and flash_attn_version()[:2] >= FLASH_VARLEN_MIN_VERSION
+
+
 def select_backend(q: torch.Tensor, backend: str | None = None) -> str:
     """The backend for inputs like ``q``: the explicit choice, the env override, or the fastest that fits."""
     choice = backend or os.environ.get(BACKEND_ENV) or None
@@ -128,8 +199,13 @@ def select_backend(q: torch.Tensor, backend: str | None = None) -> str:
     if q.device.type == "cuda":
         half = q.dtype in (torch.float16, torch.bfloat16)
         flash_shape = head_dim <= FLASH_MAX_HEAD_DIM and head_dim % FLASH_HEAD_DIM_MULTIPLE == 0
+        if half and flash_shape and fa3_available() and _capability(q.device) >= FA3_MIN_CAPABILITY:
+            return "fa3"
         if half and flash_shape and flash_attn_available():
             return "flash_attn"
+        cudnn_shape = head_dim <= CUDNN_MAX_HEAD_DIM and head_dim % FLASH_HEAD_DIM_MULTIPLE == 0
+        if half and cudnn_shape and cudnn_attention_available(q.device):
+            return "sdpa_cudnn"
         if half and flash_shape:
             return "sdpa_flash"
         if q.dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -188,7 +264,19 @@ def _record_work(pass_: str, q: torch.Tensor, k: torch.Tensor, causal: bool) -> 
     if not _WORK_COUNTERS:
         return
     batch, seq_q, heads, head_dim = q.shape
-    pairs = attended_pairs(seq_q, k.shape[1], causal) * batch * heads * head_dim
+    _record_pairs(pass_, attended_pairs(seq_q, k.shape[1], causal) * batch * heads * head_dim)
+
+
+def _record_varlen_work(pass_: str, cu_q: torch.Tensor, cu_k: torch.Tensor, heads: int, head_dim: int,
+                        causal: bool) -> None:
+    if not _WORK_COUNTERS:
+        return
+    lengths_q, lengths_k = cu_q.diff().tolist(), cu_k.diff().tolist()
+    pairs = sum(attended_pairs(lq, lk, causal) for lq, lk in zip(lengths_q, lengths_k))
+    _record_pairs(pass_, pairs * heads * head_dim)
+
+
+def _record_pairs(pass_: str, pairs: int) -> None:
     for counter in _WORK_COUNTERS:
         work = counter.work
         if pass_ == "forward":
@@ -233,11 +321,14 @@ def attention_backward(
     causal: bool,
     scale: float | None = None,
     backend: str | None = None,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v for ``out = attention(q, k, v)`` given ``dout``, the output and its LSE.
 
     ``out`` and ``lse`` may be those of a larger softmax that contains this block (ring attention):
     the kernel then returns this block's share of the exact gradients. dq has q's shape, dk/dv k's.
+    ``grads``: buffers of those shapes (last dim contiguous) that the flash-attn backends write the
+    gradients into, so a caller looping over blocks allocates them once; others ignore them.
     """
     check_qkv(q, k, v, causal)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
@@ -245,7 +336,25 @@ def attention_backward(
     _record_work("backward", q, k, causal)
     dout = dout.to(q.dtype)
     out = out.to(q.dtype)
+    if name in GRAD_BUFFER_BACKENDS:
+        return _BACKWARD[name](dout, q, k, v, out, lse, causal, scale, grads=grads)
     return _BACKWARD[name](dout, q, k, v, out, lse, causal, scale)
+
+
+def varlen_forward(name: str, q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool, scale: float):
+    """One varlen kernel call: q ``(total_q, H, D)``, k/v ``(total_k, KVH, D)``, sequence i = rows
+    ``cu_q[i]:cu_q[i+1]`` against ``cu_k[i]:cu_k[i+1]`` (causal: bottom-right aligned, used only for
+    square sequences). Returns the output ``(total_q, H, D)`` and the fp32 LSE ``(H, total_q)``."""
+    _record_varlen_work("forward", cu_q, cu_k, q.shape[1], q.shape[2], causal)
+    return _VARLEN_FORWARD[name](q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+
+
+def varlen_backward(name: str, dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool,
+                    scale: float):
+    """Gradients of one varlen call (``lse``: ``(H, total_q)`` fp32, contiguous)."""
+    _record_varlen_work("backward", cu_q, cu_k, q.shape[1], q.shape[2], causal)
+    return _VARLEN_BACKWARD[name](dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, cu_q, cu_k, max_q, max_k,
+                                  causal, scale)
 
 
 def local_attention(
@@ -257,15 +366,18 @@ def local_attention(
     scale: float | None = None,
     backend: str | None = None,
     return_lse: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Single-device attention (autograd-aware); the LSE, if returned, carries no gradient.
 
+    ``cu_seqlens``: packed documents (:mod:`runtime.attention.documents`): cumulative document
+    boundaries over the flattened ``(batch x seq)``; every token attends only within its document.
     Runs as the ``sp_plan::attention`` custom op (:mod:`runtime.attention.ops`), so selective
     checkpointing keeps its output and LSE instead of re-running the kernel.
     """
     from runtime.attention.ops import attention_op
 
-    out, lse = attention_op(q, k, v, causal, scale, backend)
+    out, lse = attention_op(q, k, v, causal, scale, backend, cu_seqlens)
     return (out, lse) if return_lse else out
 
 
@@ -360,11 +472,47 @@ def _sdpa_efficient_backward(dout, q, k, v, out, lse, causal, scale):
     return dq.transpose(1, 2), _sum_kv_grad(dk, kv_heads), _sum_kv_grad(dv, kv_heads)
 
 
+# -- cuDNN (PyTorch) --
+# Not exercised by the CPU test suite. The LSE is (B, H, S, 1) fp32 in and out; the philox seed and
+# offset are read by the kernel only with dropout, so zero scalars stand in for them in backward.
+
+
+def _cudnn_forward(q, k, v, causal, scale):
+    group = q.shape[2] // k.shape[2]
+    k, v = _repeat_kv(k, group), _repeat_kv(v, group)
+    result = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        _bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, causal, False, scale=scale
+    )
+    return result[0].transpose(1, 2), result[1].reshape(q.shape[0], q.shape[2], q.shape[1])
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
+    kv_heads, group = k.shape[2], q.shape[2] // k.shape[2]
+    # One layout for every operand: (B, S, H, D) contiguous, seen as (B, H, S, D) (the forward's layout).
+    dout, q, out = dout.contiguous(), q.contiguous(), out.contiguous()
+    k, v = _repeat_kv(k, group).contiguous(), _repeat_kv(v, group).contiguous()
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    offset = torch.zeros((), dtype=torch.int64, device=q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.float().contiguous().unsqueeze(-1),
+        seed, offset, None, None, None, q.shape[1], k.shape[1], 0.0, causal, scale=scale,
+    )
+    dk, dv = dk.transpose(1, 2), dv.transpose(1, 2)
+    return dq.transpose(1, 2), _sum_kv_grad(dk, kv_heads), _sum_kv_grad(dv, kv_heads)
+
+
 # -- flash-attn 2 package --
 # Not exercised by the CPU test suite (flash-attn needs CUDA). The forward uses the public
 # ``flash_attn_func(..., return_attn_probs=True)``, stable across 2.x; the backward has no public
 # form, so ``_flash_attn_backward`` is bound by parameter name: 2.3-2.5 take ``window_size``,
 # 2.6 adds ``softcap``, 2.7+ split the window into ``window_size_left``/``window_size_right``.
+# The kernels need only the last dim contiguous (they take the other strides), so ring attention's
+# row slices go in without copies; the LSE must be a contiguous (B, H, S) (the kernel indexes it
+# densely).
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _flash_attn_forward(q, k, v, causal, scale):
@@ -374,22 +522,19 @@ def _flash_attn_forward(q, k, v, causal, scale):
     return out, lse[..., : q.shape[1]]
 
 
-@functools.cache
-def _flash_attn_backward_binding() -> tuple[object, frozenset[str]]:
-    from flash_attn import flash_attn_interface
-
-    fn = flash_attn_interface._flash_attn_backward
-    original = getattr(fn, "_init_fn", fn)  # torch.library.custom_op wraps the function in 2.6+
+def _bind(fn) -> tuple[object, frozenset[str]]:
+    original = getattr(fn, "_init_fn", fn)  # torch.library.custom_op wraps the function
     return fn, frozenset(inspect.signature(original).parameters)
 
 
-def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
-    if q.shape[-1] % FLASH_HEAD_DIM_MULTIPLE:
-        raise RuntimeConfigError(
-            f"backend 'flash_attn' needs head_dim a multiple of {FLASH_HEAD_DIM_MULTIPLE} (got {q.shape[-1]}): "
-            "let select_backend choose, or pad head_dim"
-        )
-    fn, params = _flash_attn_backward_binding()
+@functools.cache
+def _flash_attn_backward_binding(varlen: bool = False) -> tuple[object, frozenset[str]]:
+    from flash_attn import flash_attn_interface
+
+    return _bind(flash_attn_interface._flash_attn_varlen_backward if varlen else flash_attn_interface._flash_attn_backward)
+
+
+def _flash_options(params: frozenset[str], causal: bool, scale: float) -> dict[str, object]:
     options: dict[str, object] = {
         "dropout_p": 0.0, "softmax_scale": scale, "causal": causal, "softcap": 0.0,
         "alibi_slopes": None, "deterministic": False, "rng_state": None,
@@ -398,10 +543,126 @@ def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):
         options.update(window_size_left=-1, window_size_right=-1)
     else:
         options["window_size"] = (-1, -1)
-    options = {name: value for name, value in options.items() if name in params}
-    dout, q, k, v, out = (x.contiguous() for x in (dout, q, k, v, out))
+    return {name: value for name, value in options.items() if name in params}
+
+
+def _grad_buffers(q, k, v, grads):
+    if grads is None:
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return grads
+
+
+def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale, grads=None):
+    if q.shape[-1] % FLASH_HEAD_DIM_MULTIPLE:
+        raise RuntimeConfigError(
+            f"backend 'flash_attn' needs head_dim a multiple of {FLASH_HEAD_DIM_MULTIPLE} (got {q.shape[-1]}): "
+            "let select_backend choose, or pad head_dim"
+        )
+    fn, params = _flash_attn_backward_binding()
+    dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
+    dq, dk, dv = _grad_buffers(q, k, v, grads)
+    fn(dout, q, k, v, out, lse.float().contiguous(), dq, dk, dv, **_flash_options(params, causal, scale))
+    return dq, dk, dv
+
+
+def _flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    from flash_attn import flash_attn_varlen_func
+
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale,
+                                         causal=causal, return_attn_probs=True)
+    if lse.dim() != 2:  # releases before the (heads, total_q) layout pad the LSE per sequence
+        raise RuntimeConfigError(
+            f"flash-attn {'.'.join(map(str, flash_attn_version()))} returns a padded varlen LSE {tuple(lse.shape)}; "
+            "document masking needs the (heads, total_q) layout of newer releases: upgrade flash-attn, or set "
+            "SP_PLAN_ATTENTION_BACKEND=sdpa_flash"
+        )
+    return out, lse
+
+
+def _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+    fn, params = _flash_attn_backward_binding(varlen=True)
+    dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    fn(dout, q, k, v, out, lse.float().contiguous(), dq, dk, dv, **options)
+    fn(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+       max_seqlen_k=max_k, **_flash_options(params, causal, scale))
+    return dq, dk, dv
+
+
+# -- FlashAttention-3 (flash_attn_interface, Hopper) --
+# Not exercised by the CPU test suite. Forward through the public functions (``return_attn_probs=True``
+# returns (out, lse); early FA3 releases returned both unconditionally), backward through the private
+# ``_flash_attn_backward`` bound by parameter name: its arguments were renamed and reordered across FA3
+# releases (``causal`` -> ``is_causal``, ``window_size`` -> ``window_size_left/right``, cu_seqlens added).
+
+
+def _fa3_result(result) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(result, (tuple, list)) or len(result) < 2:
+        raise RuntimeConfigError(
+            "this flash_attn_interface (FlashAttention-3) does not return the softmax LSE that sequence-parallel "
+            "attention needs: update it, or set SP_PLAN_ATTENTION_BACKEND=flash_attn (or sdpa_flash)"
+        )
+    return result[0], result[1]
+
+
+def _fa3_call(fn, *args, **kwargs):
+    params = frozenset(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
+    if "return_attn_probs" in params:
+        kwargs["return_attn_probs"] = True
+    return _fa3_result(fn(*args, **kwargs))
+
+
+def _fa3_forward(q, k, v, causal, scale):
+    import flash_attn_interface
+
+    out, lse = _fa3_call(flash_attn_interface.flash_attn_func, q, k, v, softmax_scale=scale, causal=causal)
+    return out, lse[..., : q.shape[1]]
+
+
+def _fa3_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    import flash_attn_interface
+
+    return _fa3_call(flash_attn_interface.flash_attn_varlen_func, q, k, v, cu_q, cu_k, max_q, max_k,
+                     softmax_scale=scale, causal=causal)
+
+
+@functools.cache
+def _fa3_backward_binding() -> tuple[object, frozenset[str]]:
+    import flash_attn_interface
+
+    return _bind(flash_attn_interface._flash_attn_backward)
+
+
+def _fa3_run_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, varlen=None):
+    fn, params = _fa3_backward_binding()
+    values: dict[str, object] = {
+        "dout": dout, "q": q, "k": k, "v": v, "out": out, "softmax_lse": lse, "dq": dq, "dk": dk, "dv": dv,
+        "softmax_scale": scale, "causal": causal, "is_causal": causal, "window_size": (-1, -1),
+        "window_size_left": -1, "window_size_right": -1, "softcap": 0.0, "deterministic": False, "sm_margin": 0,
+        "cu_seqlens_q": None, "cu_seqlens_k": None, "sequed_q": None, "sequed_k": None, "seqused_q": None,
+        "seqused_k": None, "max_seqlen_q": None, "max_seqlen_k": None,
+    }
+    if varlen is not None:
+        values.update(zip(("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"), varlen))
+    unknown = [name for name in params if name not in values]
+    if unknown or (varlen is not None and "cu_seqlens_q" not in params):
+        raise RuntimeConfigError(
+            f"this FlashAttention-3 build's _flash_attn_backward takes {sorted(params)}, which sp-plan does not know "
+            f"({sorted(unknown) or 'no varlen arguments'}): set SP_PLAN_ATTENTION_BACKEND=flash_attn or sdpa_flash"
+        )
+    fn(**{name: values[name] for name in params})
+
+
+def _fa3_backward(dout, q, k, v, out, lse, causal, scale, grads=None):
+    dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
+    dq, dk, dv = _grad_buffers(q, k, v, grads)
+    _fa3_run_backward(dout, q, k, v, out, lse.float().contiguous(), dq, dk, dv, causal, scale)
+    return dq, dk, dv
+
+
+def _fa3_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+    dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _fa3_run_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, varlen=(cu_q, cu_k, max_q, max_k))
     return dq, dk, dv
 
 
@@ -455,19 +716,25 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale):
 
 
 _FORWARD = {
+    "fa3": _fa3_forward,
     "flash_attn": _flash_attn_forward,
+    "sdpa_cudnn": _cudnn_forward,
     "sdpa_flash": _sdpa_flash_forward,
     "sdpa_efficient": _sdpa_efficient_forward,
     "sdpa_cpu_flash": _cpu_flash_forward,
     "math": _math_forward,
 }
 _BACKWARD = {
+    "fa3": _fa3_backward,
     "flash_attn": _flash_attn_backward,
+    "sdpa_cudnn": _cudnn_backward,
     "sdpa_flash": _sdpa_flash_backward,
     "sdpa_efficient": _sdpa_efficient_backward,
     "sdpa_cpu_flash": _cpu_flash_backward,
     "math": _math_backward,
 }
+_VARLEN_FORWARD = {"fa3": _fa3_varlen_forward, "flash_attn": _flash_attn_varlen_forward}
+_VARLEN_BACKWARD = {"fa3": _fa3_varlen_backward, "flash_attn": _flash_attn_varlen_backward}
 
 
 # ----- exact reference ---------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The attention steps selective checkpointing keeps, as dispatcher-level custom ops (``torch.library``).
+"""The attention steps as dispatcher-level custom ops (``torch.library``): checkpointing and torch.compile.
 
 Selective activation checkpointing (:mod:`runtime.models.checkpointing`) decides per *dispatcher op*
 whether an output is kept or recomputed. A Python ``autograd.Function`` is invisible to it: only the
@@ -8,14 +8,24 @@ all-to-all. Registering each step as one custom op gives the checkpoint one op w
 keep (DESIGN.md: selective keeps the outputs of the attention op and the Ulysses output all-to-all;
 the Q/K/V all-to-alls are recomputed):
 
-- ``sp_plan::attention``: the local kernel (output, LSE);
-- ``sp_plan::ring_attention``: the whole zigzag ring pass (output, LSE);
+- ``sp_plan::attention``: the local kernel (output, LSE), optionally document-masked;
+- ``sp_plan::ring_attention``: the whole ring pass (output, LSE);
+- ``sp_plan::ulysses_qkv_to_heads``: the Q/K/V all-to-all of Ulysses (with KV-head replication);
 - ``sp_plan::ulysses_head_to_seq``: the output all-to-all of Ulysses (head split -> sequence split).
 
-Each op's forward and backward are the plain functions of :mod:`.kernel`, :mod:`.ring` and
-:mod:`.ulysses`; autograd is attached with ``torch.library.register_autograd`` and saves exactly what
-the former ``autograd.Function`` saved (q, k, v, output, LSE; nothing for the all-to-all). Process
-groups cannot be op arguments, so they travel by name (:func:`group_name` registers them).
+**torch.compile.** Each forward op's backward is itself a custom op (``sp_plan::attention_backward``,
+``sp_plan::ring_attention_backward``, and the raw all-to-alls ``sp_plan::ulysses_a2a_*``), so
+AOTAutograd traces both passes as opaque calls with fake implementations and never runs a collective
+on fake tensors. Every op returns contiguous tensors and its fake implementation says so (the LSE of
+the CPU flash kernel, for one, is not contiguous; a fake that guessed other strides than the real
+output is what broke compilation before). Process groups cannot be op arguments: they travel by
+c10d name and are resolved when the op runs (:mod:`runtime.attention.groups`), which also makes
+destroyed and re-created groups work. Packed documents travel as the small CPU ``cu_seqlens``
+tensor (:mod:`runtime.attention.documents`); it is only read inside the ops.
+
+Every op's forward and backward are the plain functions of :mod:`.kernel`, :mod:`.ring`,
+:mod:`.ulysses` and :mod:`.documents`; the autograd formulas save exactly what the former
+``autograd.Function`` saved (q, k, v, output, LSE; nothing for the all-to-alls).
 
 :data:`KEPT_BY_SELECTIVE` lists the op overloads whose outputs selective checkpointing keeps.
 """
@@ -23,66 +33,101 @@ groups cannot be op arguments, so they travel by name (:func:`group_name` regist
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from runtime.attention.kernel import attention_backward, attention_forward, lse_dtype
-from runtime.attention.ring import RingComm, _ring_backward, _ring_forward
-from runtime.attention.ulysses import head_to_seq, seq_to_head
+from runtime.attention.documents import block_pairs, documents_backward, documents_forward, row_bounds
+from runtime.attention.groups import check_agreement, group_name, resolve_group  # noqa: F401 (re-exported)
+from runtime.attention.kernel import (
+    attention_backward,
+    attention_forward,
+    check_qkv,
+    default_scale,
+    lse_dtype,
+)
+from runtime.attention.ring import RingComm, _ring_backward, _ring_forward, validate_ring_call
+from runtime.attention.ulysses import head_to_seq, seq_to_head, ulysses_kv_replication
 from runtime.errors import RuntimeConfigError
-
-_GROUPS: dict[str, dist.ProcessGroup] = {}
-
-
-def group_name(group: dist.ProcessGroup | None) -> str:
-    """A name under which ``group`` (None: the default group) can be passed to the ops below."""
-    group = group if group is not None else dist.group.WORLD
-    name = group.group_name
-    _GROUPS.setdefault(name, group)
-    return name
-
-
-def _group(name: str) -> dist.ProcessGroup:
-    try:
-        return _GROUPS[name]
-    except KeyError:
-        raise RuntimeConfigError(
-            f"process group {name!r} was not registered: call runtime.attention.ops.group_name(group) first"
-        ) from None
 
 
 def _lse_shape(q: torch.Tensor) -> tuple[int, int, int]:
     return (q.shape[0], q.shape[2], q.shape[1])
 
 
+def _empty(x: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
+    """A contiguous tensor like ``x`` (what every real implementation below returns)."""
+    return torch.empty(tuple(x.shape) if shape is None else shape, dtype=dtype or x.dtype, device=x.device)
+
+
 # ----- local kernel ------------------------------------------------------------------------------
+
+
+def _local_pairs(q: torch.Tensor, k: torch.Tensor, causal: bool, cu_seqlens: torch.Tensor | None):
+    """Document sub-blocks of a whole local sequence, or None (no documents / one per row)."""
+    if cu_seqlens is None:
+        return None
+    if q.shape[1] != k.shape[1]:
+        raise RuntimeConfigError(
+            f"document masking needs self-attention (as many keys as queries), got {q.shape[1]} and {k.shape[1]}"
+        )
+    bounds = row_bounds(cu_seqlens, q.shape[0], q.shape[1])
+    if all(len(b) == 2 for b in bounds):
+        return None
+    whole = ((0, q.shape[1]),)
+    return block_pairs(bounds, whole, whole, causal)
 
 
 @torch.library.custom_op("sp_plan::attention", mutates_args=())
 def attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None, backend: str | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None, backend: str | None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local attention: output ``(B, S, H, D)`` and LSE ``(B, H, S)``."""
-    out, lse = attention_forward(q, k, v, causal=causal, scale=scale, backend=backend)
-    return out, lse
+    """Local attention: output ``(B, S, H, D)`` and LSE ``(B, H, S)``; document-masked with ``cu_seqlens``."""
+    check_qkv(q, k, v, causal)
+    pairs = _local_pairs(q, k, causal, cu_seqlens)
+    if pairs is None:
+        out, lse = attention_forward(q, k, v, causal=causal, scale=scale, backend=backend)
+    else:
+        scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+        out, lse = documents_forward(q, k, v, pairs, scale=scale, backend=backend)
+    return out.contiguous(), lse.to(lse_dtype(q.dtype)).contiguous()
 
 
 @attention_op.register_fake
-def _(q, k, v, causal, scale, backend):
-    return torch.empty_like(q), q.new_empty(_lse_shape(q), dtype=lse_dtype(q.dtype))
+def _(q, k, v, causal, scale, backend, cu_seqlens=None):
+    return _empty(q), _empty(q, _lse_shape(q), lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("sp_plan::attention_backward", mutates_args=())
+def attention_backward_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    causal: bool, scale: float | None, backend: str | None, cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of :func:`attention_op`."""
+    pairs = _local_pairs(q, k, causal, cu_seqlens)
+    if pairs is None:
+        grads = attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend)
+    else:
+        scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+        grads = documents_backward(dout, q, k, v, out, lse, pairs, scale=scale, backend=backend)
+    return tuple(g.contiguous() for g in grads)  # type: ignore[return-value]
+
+
+@attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, causal, scale, backend, cu_seqlens=None):
+    return _empty(q), _empty(k), _empty(v)
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, causal, scale, backend = inputs
+    q, k, v, causal, scale, backend, cu_seqlens = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
     ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
     ctx.mark_non_differentiable(lse)
 
 
 def _attention_backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale, backend=ctx.backend)
-    return dq, dk, dv, None, None, None
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.backend, cu_seqlens)
+    return dq, dk, dv, None, None, None, None
 
 
 attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)
@@ -93,50 +138,159 @@ attention_op.register_autograd(_attention_backward, setup_context=_attention_set
 
 @torch.library.custom_op("sp_plan::ring_attention", mutates_args=())
 def ring_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: str, causal: bool, scale: float, backend: str | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: str, causal: bool, scale: float, backend: str | None,
+    layout: str = "zigzag", cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The zigzag ring pass over the named group: output in q's dtype and the merged LSE."""
-    out, lse = _ring_forward(q, k, v, RingComm(_group(group)), causal, scale, backend)
-    return out.to(q.dtype), lse
+    """The ring pass over the named group: output in q's dtype and the merged LSE. ``layout`` "" = none
+    declared (allowed for non-causal attention without documents)."""
+    pg = resolve_group(group)
+    bounds = validate_ring_call(q, k, v, pg, causal, layout or None, cu_seqlens)
+    out, lse = _ring_forward(q, k, v, RingComm(pg), causal, scale, backend, layout or None, bounds)
+    return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
 @ring_attention_op.register_fake
-def _(q, k, v, group, causal, scale, backend):
-    return torch.empty_like(q), q.new_empty(_lse_shape(q), dtype=lse_dtype(q.dtype))
+def _(q, k, v, group, causal, scale, backend, layout="zigzag", cu_seqlens=None):
+    return _empty(q), _empty(q, _lse_shape(q), lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("sp_plan::ring_attention_backward", mutates_args=())
+def ring_attention_backward_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    group: str, causal: bool, scale: float, backend: str | None, layout: str = "zigzag",
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of :func:`ring_attention_op` (the K/V and dK/dV rings)."""
+    from runtime.attention.documents import row_bounds, single_document_rows
+
+    pg = resolve_group(group)
+    comm = RingComm(pg)
+    bounds = None
+    if cu_seqlens is not None:
+        batch, seq_len = q.shape[0], q.shape[1] * comm.world
+        if not single_document_rows(cu_seqlens, batch, seq_len):
+            bounds = row_bounds(cu_seqlens, batch, seq_len)
+    grads = _ring_backward(dout, q, k, v, out, lse, comm, causal, scale, backend, layout or None, bounds)
+    return tuple(g.contiguous() for g in grads)  # type: ignore[return-value]
+
+
+@ring_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, group, causal, scale, backend, layout="zigzag", cu_seqlens=None):
+    return _empty(q), _empty(k), _empty(v)
 
 
 def _ring_setup(ctx, inputs, output):
-    q, k, v, group, causal, scale, backend = inputs
+    q, k, v, group, causal, scale, backend, layout, cu_seqlens = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.group, ctx.causal, ctx.scale, ctx.backend = group, causal, scale, backend
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    ctx.group, ctx.causal, ctx.scale, ctx.backend, ctx.layout = group, causal, scale, backend, layout
     ctx.mark_non_differentiable(lse)
 
 
 def _ring_attention_backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    comm = RingComm(_group(ctx.group))
-    dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, comm, ctx.causal, ctx.scale, ctx.backend)
-    return dq, dk, dv, None, None, None, None
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = ring_attention_backward_op(dout, q, k, v, out, lse, ctx.group, ctx.causal, ctx.scale,
+                                            ctx.backend, ctx.layout, cu_seqlens)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 ring_attention_op.register_autograd(_ring_attention_backward, setup_context=_ring_setup)
 
 
-# ----- Ulysses output all-to-all -------------------------------------------------------------------
+# ----- Ulysses all-to-alls -------------------------------------------------------------------------
+# Shapes: sequence split (B, s, H, D) <-> head split (B, world*s, H/world, D).
+
+
+def _head_split(shape, world: int) -> tuple[int, int, int, int]:
+    b, s, h, d = shape
+    return (b, s * world, h // world, d)
+
+
+def _seq_split(shape, world: int) -> tuple[int, int, int, int]:
+    b, s, h, d = shape
+    return (b, s // world, h * world, d)
+
+
+@torch.library.custom_op("sp_plan::ulysses_a2a_seq_to_head", mutates_args=())
+def ulysses_a2a_seq_to_head(xs: list[torch.Tensor], group: str, world: int, phase: str) -> list[torch.Tensor]:
+    """Raw all-to-all, sequence split -> head split, all tensors in one message (no autograd)."""
+    return [y.contiguous() for y in seq_to_head(list(xs), resolve_group(group), world, phase)]
+
+
+@ulysses_a2a_seq_to_head.register_fake
+def _(xs, group, world, phase):
+    return [_empty(x, _head_split(x.shape, world)) for x in xs]
+
+
+@torch.library.custom_op("sp_plan::ulysses_a2a_head_to_seq", mutates_args=())
+def ulysses_a2a_head_to_seq(xs: list[torch.Tensor], group: str, world: int, phase: str) -> list[torch.Tensor]:
+    """Raw all-to-all, head split -> sequence split, all tensors in one message (no autograd)."""
+    return [y.contiguous() for y in head_to_seq(list(xs), resolve_group(group), world, phase)]
+
+
+@ulysses_a2a_head_to_seq.register_fake
+def _(xs, group, world, phase):
+    return [_empty(x, _seq_split(x.shape, world)) for x in xs]
+
+
+@torch.library.custom_op("sp_plan::ulysses_qkv_to_heads", mutates_args=())
+def ulysses_qkv_to_heads_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: str, world: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q, K, V from the sequence split to the head split in ONE all-to-all, KV heads replicated first when
+    the degree exceeds them. Checks (once per group) that every rank holds the same shapes."""
+    pg = resolve_group(group)
+    check_agreement(pg, "Ulysses attention", (q, k, v))
+    check_qkv(q, k, v, causal=False)
+    rep = ulysses_kv_replication(q.shape[2], k.shape[2], world)
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    return tuple(y.contiguous() for y in seq_to_head([q, k, v], pg, world, "forward"))  # type: ignore[return-value]
+
+
+def _kv_replication(q_heads: int, kv_heads: int, world: int) -> int:
+    """The replication factor without raising (fake implementations run before any check)."""
+    if kv_heads % world == 0 or world % kv_heads:
+        return 1
+    return world // kv_heads
+
+
+@ulysses_qkv_to_heads_op.register_fake
+def _(q, k, v, group, world):
+    rep = _kv_replication(q.shape[2], k.shape[2], world)
+    kv = (k.shape[0], k.shape[1], k.shape[2] * rep, k.shape[3])
+    return _empty(q, _head_split(q.shape, world)), _empty(k, _head_split(kv, world)), _empty(v, _head_split(kv, world))
+
+
+def _qkv_setup(ctx, inputs, output):
+    q, k, v, group, world = inputs
+    ctx.group, ctx.world = group, world
+    ctx.kv_heads = k.shape[2]
+    ctx.rep = _kv_replication(q.shape[2], k.shape[2], world)
+
+
+def _qkv_backward(ctx, dq, dk, dv):
+    dq, dk, dv = ulysses_a2a_head_to_seq([dq, dk, dv], ctx.group, ctx.world, "backward")
+    if ctx.rep > 1:  # sum the gradients of each KV head's replicas (they sit next to each other)
+        b, s, _, d = dk.shape
+        dk = dk.view(b, s, ctx.kv_heads, ctx.rep, d).sum(dim=3)
+        dv = dv.view(b, s, ctx.kv_heads, ctx.rep, d).sum(dim=3)
+    return dq, dk, dv, None, None
+
+
+ulysses_qkv_to_heads_op.register_autograd(_qkv_backward, setup_context=_qkv_setup)
 
 
 @torch.library.custom_op("sp_plan::ulysses_head_to_seq", mutates_args=())
 def ulysses_head_to_seq_op(x: torch.Tensor, group: str, world: int) -> torch.Tensor:
     """``(B, S, h, D)`` head-split -> ``(B, S/world, world*h, D)`` sequence-split (one all-to-all)."""
-    (out,) = head_to_seq([x], _group(group), world, "forward")
-    return out
+    (out,) = head_to_seq([x], resolve_group(group), world, "forward")
+    return out.contiguous()
 
 
 @ulysses_head_to_seq_op.register_fake
 def _(x, group, world):
-    b, s, h, d = x.shape
-    return x.new_empty((b, s // world, h * world, d))
+    return _empty(x, _seq_split(x.shape, world))
 
 
 def _head_to_seq_setup(ctx, inputs, output):
@@ -145,7 +299,7 @@ def _head_to_seq_setup(ctx, inputs, output):
 
 
 def _head_to_seq_backward(ctx, grad):
-    (dx,) = seq_to_head([grad], _group(ctx.group), ctx.world, "backward")
+    (dx,) = ulysses_a2a_seq_to_head([grad], ctx.group, ctx.world, "backward")
     return dx, None, None
 
 

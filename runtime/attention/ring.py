@@ -6,13 +6,19 @@ is already in flight (``batch_isend_irecv`` to rank r+1 / from rank r-1, posted 
 waited after it). Partial outputs and LSEs are merged in fp32 (fp64 for fp64 inputs) with the stable
 log-sum-exp merge (:mod:`runtime.attention.merge`).
 
-Backward (custom autograd): K and V rotate again (P-1 sends in the compute dtype) and the dK/dV
+Backward (its own custom op): K and V rotate again (P-1 sends in the compute dtype) and the dK/dV
 accumulators (fp32) travel with their blocks, each rank adding its share; after P sends every
 accumulator is back with its owner. Block gradients come from the kernel's backward given the
 *merged* output and LSE, which makes them the exact gradients of the global softmax. The dK/dV send
 of step ``i`` overlaps the compute of step ``i+1``.
 
-Zigzag layout (causal): the sequence is cut into 2P chunks and ring rank r holds chunks r and
+**Layouts.** Causal attention depends on which global positions each rank holds, so a causal call
+must say (``layout=``; :class:`runtime.context.SequenceParallel` always passes ``"zigzag"``, the
+layout its shard function produces). There is no default: a contiguous split computed with the zigzag
+schedule would be silently wrong. Every rank of the group must declare the same layout (checked once
+per group, with the local shapes, see :mod:`runtime.attention.groups`).
+
+``"zigzag"`` (load-balanced): the sequence is cut into 2P chunks and ring rank r holds chunks r and
 2P-1-r, concatenated. With ``src`` the rank whose K/V block is visiting:
 
 * ``src == r`` (step 0): local q against local k with a causal kernel (the only causal call);
@@ -24,7 +30,21 @@ Zigzag layout (causal): the sequence is cut into 2P chunks and ring rank r holds
 Every rank therefore does one causal 2c x 2c block plus P-1 blocks of c x 2c (c = chunk length):
 equal work on every rank, and no kernel call ever sees a fully masked row.
 
-Non-causal ring attention is layout-agnostic: every step is the full block, non-causal.
+``"contiguous"``: rank r holds the r-th contiguous 1/P of the sequence. Step 0 is the causal diagonal,
+blocks from earlier ranks are fully visible, blocks from later ranks are skipped (nothing to compute;
+the K/V and dK/dV blocks still travel). Exact but unbalanced: rank P-1 does 2P-1 times rank 0's work.
+
+Non-causal ring attention without documents is layout-agnostic: every step is the full block.
+
+**Documents** (packed sequences, ``cu_seqlens``): each step's block is split per document
+(:mod:`runtime.attention.documents`); a step whose block holds no (query, key) pair of a common
+document is skipped. Needs the layout also when non-causal (to know the global positions).
+
+**GPU path.** K and V travel as two P2P sends straight from the input tensors and two receive buffers
+each (double buffering, allocated once per call, reused across the steps); no K/V stack. The kernels
+get row slices without copies (flash-attn needs only the last dim contiguous); the LSE rows the
+backward kernel reads are made contiguous once per call (at most two distinct row ranges), and with
+the flash-attn backends the block gradients are written into three buffers allocated once per call.
 """
 
 from __future__ import annotations
@@ -35,17 +55,30 @@ import torch
 import torch.distributed as dist
 
 from runtime import comm_counter
-from runtime.attention.kernel import attention_backward, attention_forward, check_qkv, default_scale, lse_dtype
+from runtime.attention.documents import RowBounds, block_pairs, documents_backward, documents_forward, take
+from runtime.attention.kernel import (
+    GRAD_BUFFER_BACKENDS,
+    attention_backward,
+    attention_forward,
+    check_qkv,
+    default_scale,
+    lse_dtype,
+    select_backend,
+)
 from runtime.attention.merge import merge_into
 from runtime.errors import RuntimeConfigError
 
-#: P2P tags keep the K/V rotation and the dK/dV rotation apart (NCCL ignores them; gloo matches on them).
-_KV_TAG = 0
+#: P2P tags keep the K, V and dK/dV messages apart (NCCL ignores them; gloo matches on them).
+_K_TAG = 0
 _DKV_TAG = 1
+_V_TAG = 2
+
+#: Sequence layouts a causal (or document-masked) ring call may declare.
+LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
 
 
 class _Pending:
-    """The outstanding isend/irecv pair of one ring step."""
+    """The outstanding isend/irecv ops of one ring step."""
 
     def __init__(self, works: list) -> None:
         self._works = works
@@ -65,13 +98,12 @@ class RingComm:
         self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor, phase: str, tag: int) -> _Pending:
-        """Post ``send`` -> next and ``recv`` <- previous; returns the handle to wait on."""
-        comm_counter.record("send_recv", comm_counter.tensor_bytes(send), phase)  # type: ignore[arg-type]
-        ops = [
-            dist.P2POp(dist.isend, send, self.next, self.group, tag),
-            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
-        ]
+    def exchange(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], phase: str,
+                 tags: list[int]) -> _Pending:
+        """Post every ``sends[i]`` -> next and ``recvs[i]`` <- previous (tag ``tags[i]``); one handle."""
+        comm_counter.record("send_recv", sum(comm_counter.tensor_bytes(t) for t in sends), phase)  # type: ignore[arg-type]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t, tag in zip(sends, tags)]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t, tag in zip(recvs, tags)]
         return _Pending(dist.batch_isend_irecv(ops))
 
 
@@ -86,81 +118,176 @@ class BlockPlan(NamedTuple):
 _ALL = slice(None)
 
 
-def block_plan(step: int, rank: int, world: int, causal: bool, local_seq: int) -> BlockPlan:
-    """The zigzag schedule (see module docstring) for ring ``rank`` at ``step``."""
+def block_plan(step: int, rank: int, world: int, causal: bool, local_seq: int,
+               layout: str | None = "zigzag") -> BlockPlan | None:
+    """The schedule (see module docstring) for ring ``rank`` at ``step``; None: nothing to compute."""
     if not causal:
         return BlockPlan(_ALL, _ALL, False)
     if step == 0:
         return BlockPlan(_ALL, _ALL, True)
-    half = local_seq // 2
     source = (rank - step) % world
+    if layout == "contiguous":
+        return BlockPlan(_ALL, _ALL, False) if source < rank else None
+    half = local_seq // 2
     if source < rank:
         return BlockPlan(_ALL, slice(0, half), False)
     return BlockPlan(slice(half, None), _ALL, False)
 
 
-def _ring_forward(q, k, v, comm: RingComm, causal: bool, scale: float, backend: str | None):
-    kv = torch.stack((k, v))  # the unit that travels: one message per step
-    spare = torch.empty_like(kv)
-    out = lse = None
+def ring_runs(layout: str, rank: int, world: int, local_seq: int) -> tuple[tuple[int, int], ...]:
+    """Global (start, length) runs of the rows ring ``rank`` holds, in local order."""
+    if layout == "contiguous":
+        return ((rank * local_seq, local_seq),)
+    chunk = local_seq // 2
+    return ((rank * chunk, chunk), ((2 * world - 1 - rank) * chunk, chunk))
+
+
+class _Step(NamedTuple):
+    q_rows: slice
+    kv_rows: slice
+    causal: bool
+    pairs: tuple | None  # document sub-blocks (None: no documents, one kernel call)
+
+
+def _steps(comm: RingComm, causal: bool, layout: str | None, local_seq: int,
+           bounds: RowBounds | None) -> list[_Step | None]:
+    steps: list[_Step | None] = []
+    mine = ring_runs(layout, comm.rank, comm.world, local_seq) if bounds is not None else None
     for step in range(comm.world):
-        pending = comm.exchange(kv, spare, "forward", _KV_TAG) if step + 1 < comm.world else None
-        plan = block_plan(step, comm.rank, comm.world, causal, q.shape[1])
-        block_out, block_lse = attention_forward(
-            q[:, plan.q_rows], kv[0][:, plan.kv_rows], kv[1][:, plan.kv_rows],
-            causal=plan.causal, scale=scale, backend=backend,
-        )
-        if out is None:  # step 0 covers every query row
-            lse = block_lse.clone()
-            visible = torch.isfinite(lse).transpose(1, 2).unsqueeze(-1)
-            out = torch.where(visible, block_out.to(lse.dtype), torch.zeros((), dtype=lse.dtype, device=q.device))
-        else:
-            merge_into(out[:, plan.q_rows], lse[:, :, plan.q_rows], block_out, block_lse)
+        plan = block_plan(step, comm.rank, comm.world, causal, local_seq, layout)
+        if plan is None:
+            steps.append(None)
+            continue
+        if bounds is None:
+            steps.append(_Step(plan.q_rows, plan.kv_rows, plan.causal, None))
+            continue
+        source = (comm.rank - step) % comm.world
+        theirs = ring_runs(layout, source, comm.world, local_seq)
+        q_runs = take(mine, *plan.q_rows.indices(local_seq)[:2])
+        k_runs = take(theirs, *plan.kv_rows.indices(local_seq)[:2])
+        pairs = block_pairs(bounds, q_runs, k_runs, plan.causal)
+        steps.append(_Step(plan.q_rows, plan.kv_rows, plan.causal, pairs) if pairs else None)
+    return steps
+
+
+def _block_forward(q, k, v, step: _Step, scale: float, backend: str | None):
+    if step.pairs is None:
+        return attention_forward(q, k, v, causal=step.causal, scale=scale, backend=backend)
+    return documents_forward(q, k, v, step.pairs, scale=scale, backend=backend)
+
+
+def _ring_forward(q, k, v, comm: RingComm, causal: bool, scale: float, backend: str | None,
+                  layout: str | None = "zigzag", bounds: RowBounds | None = None):
+    """This rank's merged output (accumulation dtype) and LSE."""
+    steps = _steps(comm, causal, layout, q.shape[1], bounds)
+    acc = lse_dtype(q.dtype)
+    k_bufs = [torch.empty_like(k) for _ in range(min(2, comm.world - 1))]
+    v_bufs = [torch.empty_like(v) for _ in range(min(2, comm.world - 1))]
+    k_cur, v_cur = k.contiguous(), v.contiguous()  # sent as they are (no copy unless a strided view)
+    out = lse = None
+    for index, step in enumerate(steps):
+        pending = None
+        if index + 1 < comm.world:
+            k_next, v_next = k_bufs[index % 2], v_bufs[index % 2]
+            pending = comm.exchange([k_cur, v_cur], [k_next, v_next], "forward", [_K_TAG, _V_TAG])
+        if step is not None:
+            block_out, block_lse = _block_forward(q[:, step.q_rows], k_cur[:, step.kv_rows], v_cur[:, step.kv_rows],
+                                                  step, scale, backend)
+            if out is None and step.q_rows == _ALL:  # the first block covering every row initialises
+                lse = block_lse.to(acc).clone()
+                visible = torch.isfinite(lse).transpose(1, 2).unsqueeze(-1)
+                out = torch.where(visible, block_out.to(acc), torch.zeros((), dtype=acc, device=q.device))
+            else:
+                if out is None:
+                    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+                    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
+                merge_into(out[:, step.q_rows], lse[:, :, step.q_rows], block_out, block_lse)
         if pending is not None:
             pending.wait()
-            kv, spare = spare, kv
+            k_cur, v_cur = k_next, v_next
+    if out is None:  # unreachable with a causal diagonal, kept for safety
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
     return out, lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, comm: RingComm, causal: bool, scale: float, backend: str | None):
+def _ring_backward(dout, q, k, v, out, lse, comm: RingComm, causal: bool, scale: float, backend: str | None,
+                   layout: str | None = "zigzag", bounds: RowBounds | None = None):
+    steps = _steps(comm, causal, layout, q.shape[1], bounds)
     acc = lse_dtype(q.dtype)
+    name = select_backend(q, backend)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv = torch.stack((k, v))
-    kv_spare = torch.empty_like(kv)
+    k_bufs = [torch.empty_like(k) for _ in range(min(2, comm.world - 1))]
+    v_bufs = [torch.empty_like(v) for _ in range(min(2, comm.world - 1))]
+    k_cur, v_cur = k.contiguous(), v.contiguous()
+    dkv_shape = (2, *k.shape)
     dkv = None
-    dkv_spare = torch.empty(kv.shape, dtype=acc, device=q.device)
+    dkv_spare = torch.empty(dkv_shape, dtype=acc, device=q.device)
     dkv_pending = None
-    for step in range(comm.world):
-        kv_pending = comm.exchange(kv, kv_spare, "backward", _KV_TAG) if step + 1 < comm.world else None
-        plan = block_plan(step, comm.rank, comm.world, causal, q.shape[1])
-        rows, kv_rows = plan.q_rows, plan.kv_rows
-        block_dq, block_dk, block_dv = attention_backward(
-            dout[:, rows], q[:, rows], kv[0][:, kv_rows], kv[1][:, kv_rows], out[:, rows], lse[:, :, rows],
-            causal=plan.causal, scale=scale, backend=backend,
-        )
-        dq[:, rows] += block_dq
+    # Allocated once per call: the LSE rows each step's kernel reads (contiguous), and with flash-attn
+    # the block gradient buffers the kernel writes into.
+    lse_rows: dict[tuple, torch.Tensor] = {}
+    grad_bufs = None
+    if name in GRAD_BUFFER_BACKENDS and bounds is None:
+        grad_bufs = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    for index, step in enumerate(steps):
+        kv_pending = None
+        if index + 1 < comm.world:
+            k_next, v_next = k_bufs[index % 2], v_bufs[index % 2]
+            kv_pending = comm.exchange([k_cur, v_cur], [k_next, v_next], "backward", [_K_TAG, _V_TAG])
         if dkv_pending is None:
-            dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # our own block's accumulator
+            dkv = torch.zeros(dkv_shape, dtype=acc, device=q.device)  # our own block's accumulator
         else:
             dkv_pending.wait()  # the accumulator of the block we now hold, from the previous rank
             dkv, dkv_spare = dkv_spare, dkv
-        dkv[0][:, kv_rows] += block_dk
-        dkv[1][:, kv_rows] += block_dv
-        dkv_pending = comm.exchange(dkv, dkv_spare, "backward", _DKV_TAG)
+        if step is not None:
+            rows, kv_rows = step.q_rows, step.kv_rows
+            key = rows.indices(q.shape[1])
+            if key not in lse_rows:
+                lse_rows[key] = lse[:, :, rows].contiguous()
+            args = (dout[:, rows], q[:, rows], k_cur[:, kv_rows], v_cur[:, kv_rows], out[:, rows], lse_rows[key])
+            if step.pairs is not None:
+                block_dq, block_dk, block_dv = documents_backward(*args, step.pairs, scale=scale, backend=name)
+            else:
+                grads = None
+                if grad_bufs is not None:
+                    n_q, n_k = args[1].shape[1], args[2].shape[1]
+                    grads = (grad_bufs[0][:, :n_q], grad_bufs[1][:, :n_k], grad_bufs[2][:, :n_k])
+                block_dq, block_dk, block_dv = attention_backward(*args, causal=step.causal, scale=scale,
+                                                                  backend=name, grads=grads)
+            dq[:, rows] += block_dq
+            dkv[0][:, kv_rows] += block_dk
+            dkv[1][:, kv_rows] += block_dv
+        dkv_pending = comm.exchange([dkv], [dkv_spare], "backward", [_DKV_TAG])
         if kv_pending is not None:
             kv_pending.wait()
-            kv, kv_spare = kv_spare, kv
+            k_cur, v_cur = k_next, v_next
     dkv_pending.wait()  # after P hops our own block's accumulator is home
-    return dq.to(q.dtype), dkv_spare[0].to(k.dtype), dkv_spare[1].to(v.dtype)
+    # dK and dV are two halves of one buffer: copies, so the op's outputs never alias each other.
+    return dq.to(q.dtype), dkv_spare[0].to(k.dtype, copy=True), dkv_spare[1].to(v.dtype, copy=True)
 
 
-def check_ring_shapes(q: torch.Tensor, k: torch.Tensor, world: int, causal: bool) -> None:
+def check_layout(layout: str | None, causal: bool, world: int, documents: bool) -> None:
+    """A causal or document-masked ring call must name the layout its shards are in."""
+    if layout is not None and layout not in LAYOUTS:
+        raise RuntimeConfigError(f"unknown ring layout {layout!r}; use one of {', '.join(map(repr, LAYOUTS))}")
+    if layout is None and (causal or documents):
+        why = "causal" if causal else "document-masked"
+        raise RuntimeConfigError(
+            f"{why} ring attention needs to know how the sequence was split across the {world} ring ranks: pass "
+            "layout='zigzag' (the load-balanced layout of runtime.context.shard_segments / SequenceParallel.shard: "
+            "rank r holds chunks r and 2P-1-r of 2P) or layout='contiguous' (rank r holds the r-th contiguous 1/P); "
+            "SequenceParallel.attention passes it for you"
+        )
+
+
+def check_ring_shapes(q: torch.Tensor, k: torch.Tensor, world: int, causal: bool, layout: str | None = "zigzag") -> None:
     if q.shape[1] != k.shape[1]:
         raise RuntimeConfigError(
             f"ring attention needs local q and k/v shards of equal length (self-attention), got "
             f"{q.shape[1]} and {k.shape[1]} tokens"
         )
-    if causal and q.shape[1] % 2:
+    if layout == "zigzag" and q.shape[1] % 2:
         raise RuntimeConfigError(
             f"zigzag causal ring attention needs an even local sequence (two chunks per rank), got "
             f"{q.shape[1]} tokens: pad the sequence to a multiple of 2 x ring = {2 * world}"
@@ -177,25 +304,52 @@ def ring_attention(
     scale: float | None = None,
     backend: str | None = None,
     return_lse: bool = False,
+    layout: str | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over the sequence split across ``group`` (ring degree P = its size).
 
-    q ``(B, s, H, D)``, k/v ``(B, s, KVH, D)`` are this rank's shards (s = S/P tokens); with
-    ``causal=True`` they must be in the zigzag layout (:func:`runtime.context.shard_segments`), with
-    ``causal=False`` any layout works. Returns this rank's output ``(B, s, H, D)`` (and the fp32 LSE
-    ``(B, H, s)`` if ``return_lse``; it carries no gradient).
+    q ``(B, s, H, D)``, k/v ``(B, s, KVH, D)`` are this rank's shards (s = S/P tokens). ``layout``
+    (``"zigzag"`` or ``"contiguous"``, see the module docstring) is required with ``causal=True`` and
+    with ``cu_seqlens``; non-causal attention without documents works with any split. ``cu_seqlens``:
+    packed documents, the cumulative boundaries over the flattened full ``(B x S)`` sequence (the same
+    on every rank). Returns this rank's output ``(B, s, H, D)`` (and the fp32 LSE ``(B, H, s)`` if
+    ``return_lse``; it carries no gradient). All checks (shapes agreeing across the ranks, layout,
+    even zigzag length) run inside the op after one agreement all-gather, so bad input raises the same
+    RuntimeConfigError on every rank.
     """
     from runtime.attention.kernel import local_attention
 
-    check_qkv(q, k, v, causal)
     world = dist.get_world_size(group)
-    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     if world == 1:
-        return local_attention(q, k, v, causal=causal, scale=scale, backend=backend, return_lse=return_lse)
-    check_ring_shapes(q, k, world, causal)
+        if layout is not None and layout not in LAYOUTS:
+            check_layout(layout, causal, world, cu_seqlens is not None)
+        return local_attention(q, k, v, causal=causal, scale=scale, backend=backend, return_lse=return_lse,
+                               cu_seqlens=cu_seqlens)
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     from runtime.attention.ops import group_name, ring_attention_op
 
     # One custom op (forward: the ring pass; backward: the dK/dV ring), so selective checkpointing keeps
     # its output and LSE and never replays the ring in the recompute.
-    out, lse = ring_attention_op(q, k, v, group_name(group), causal, scale, backend)
+    out, lse = ring_attention_op(q, k, v, group_name(group), causal, scale, backend, layout or "", cu_seqlens)
     return (out, lse) if return_lse else out
+
+
+def validate_ring_call(q, k, v, group: dist.ProcessGroup, causal: bool, layout: str | None,
+                       cu_seqlens: torch.Tensor | None) -> RowBounds | None:
+    """Everything a ring call must satisfy, in an order that raises on every rank alike: first the
+    cross-rank agreement (one cached all-gather), then the local checks. Returns the document bounds."""
+    from runtime.attention.documents import row_bounds, single_document_rows
+    from runtime.attention.groups import check_agreement
+
+    check_agreement(group, "ring attention", (q, k, v), layout=layout, causal=causal)
+    world = dist.get_world_size(group)
+    check_qkv(q, k, v, causal)
+    check_layout(layout, causal, world, cu_seqlens is not None)
+    check_ring_shapes(q, k, world, causal, layout if (causal or cu_seqlens is not None) else None)
+    if cu_seqlens is None:
+        return None
+    batch, seq_len = q.shape[0], q.shape[1] * world
+    if single_document_rows(cu_seqlens, batch, seq_len):
+        return None
+    return row_bounds(cu_seqlens, batch, seq_len)

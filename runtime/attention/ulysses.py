@@ -107,28 +107,6 @@ def head_to_seq(tensors: list[torch.Tensor], group, world: int, phase: str = "fo
     return outs
 
 
-class _SeqToHead(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, group, world, *tensors):
-        ctx.group, ctx.world = group, world
-        ctx.shapes = [(t.shape, t.dtype, t.device) for t in tensors]
-        return tuple(seq_to_head(list(tensors), group, world, "forward"))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        # An output that did not reach the loss has no gradient: send zeros in its place.
-        grads = [
-            g if g is not None else torch.zeros(_head_split_shape(shape, ctx.world), dtype=dtype, device=device)
-            for g, (shape, dtype, device) in zip(grads, ctx.shapes)
-        ]
-        return (None, None, *head_to_seq(grads, ctx.group, ctx.world, "backward"))
-
-
-def _head_split_shape(seq_split_shape: torch.Size, world: int) -> tuple[int, int, int, int]:
-    batch, seq, heads, head_dim = seq_split_shape
-    return (batch, seq * world, heads // world, head_dim)
-
-
 InnerAttention = Callable[..., torch.Tensor]
 
 
@@ -142,28 +120,30 @@ def ulysses_attention(
     scale: float | None = None,
     backend: str | None = None,
     inner: InnerAttention | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over the sequence split contiguously across ``group`` (Ulysses degree U).
 
     q ``(B, s, H, D)`` and k/v ``(B, s, KVH, D)`` hold this rank's s = S/U consecutive tokens with all
     local heads; returns this rank's output ``(B, s, H, D)``. ``inner(q, k, v, causal=, scale=,
-    backend=)`` computes attention on the head-split, full-sequence tensors (default: the local
-    kernel; USP passes ring attention over the outer group).
+    backend=, cu_seqlens=)`` computes attention on the head-split, full-sequence tensors (default: the
+    local kernel; USP passes ring attention over the outer group). ``cu_seqlens``: packed documents over
+    the flattened full ``(B x S)`` sequence (:mod:`runtime.attention.documents`), handed to ``inner``
+    unchanged (after the all-to-all each rank holds the whole sequence for its heads). The first call
+    per group checks that every rank holds the same shapes (one small all-gather, cached).
     """
-    check_qkv(q, k, v, causal=False)
     world = dist.get_world_size(group)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     if inner is None:
         inner = local_attention
+    extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
     if world == 1:
-        return inner(q, k, v, causal=causal, scale=scale, backend=backend)
-    rep = ulysses_kv_replication(q.shape[2], k.shape[2], world)
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    qh, kh, vh = _SeqToHead.apply(group, world, q, k, v)
-    out = inner(qh, kh, vh, causal=causal, scale=scale, backend=backend)
-    from runtime.attention.ops import group_name, ulysses_head_to_seq_op
+        check_qkv(q, k, v, causal=False)
+        return inner(q, k, v, causal=causal, scale=scale, backend=backend, **extra)
+    from runtime.attention.ops import group_name, ulysses_head_to_seq_op, ulysses_qkv_to_heads_op
 
-    # The output all-to-all is one custom op so that selective checkpointing keeps its result (the Q/K/V
-    # all-to-all above is an ordinary autograd function and is recomputed).
-    return ulysses_head_to_seq_op(out, group_name(group), world)
+    name = group_name(group)
+    # Q/K/V all-to-all (recomputed by selective checkpointing) and the output all-to-all (kept): custom ops.
+    qh, kh, vh = ulysses_qkv_to_heads_op(q, k, v, name, world)
+    out = inner(qh, kh, vh, causal=causal, scale=scale, backend=backend, **extra)
+    return ulysses_head_to_seq_op(out, name, world)

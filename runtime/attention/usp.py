@@ -31,11 +31,14 @@ def usp_attention(
     causal: bool = True,
     scale: float | None = None,
     backend: str | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention with the sequence split over ring x ulysses (USP layout).
 
     q ``(B, s, H, D)``, k/v ``(B, s, KVH, D)`` with s = S / (R*U) tokens in the USP layout. Query heads
-    must divide by U; KV heads are split or replicated as in :func:`ulysses_attention`.
+    must divide by U; KV heads are split or replicated as in :func:`ulysses_attention`. ``cu_seqlens``:
+    packed documents over the flattened full ``(B x S)`` sequence.
     """
-    inner = functools.partial(ring_attention, group=ring_group)
-    return ulysses_attention(q, k, v, ulysses_group, causal=causal, scale=scale, backend=backend, inner=inner)
+    inner = functools.partial(ring_attention, group=ring_group, layout="zigzag")
+    return ulysses_attention(q, k, v, ulysses_group, causal=causal, scale=scale, backend=backend, inner=inner,
+                             cu_seqlens=cu_seqlens)
