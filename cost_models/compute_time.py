@@ -10,7 +10,8 @@ the shape-aware kernel model (:mod:`cost_models.kernels`), so layouts that shrin
   bound amax/cast passes over their operands.
 - **Attention**: one causal call on the ring-local sequence (heads / (tp U) per GPU); zigzag ring
   attention runs R calls per pass (one causal 2c x 2c block, R-1 full c x 2c blocks, c = S / 2R), each
-  followed by an LSE merge (fp32 accumulators, memory-bound) and a ring step's fixed cost. Packed
+  followed by an LSE merge (fp32 accumulators, memory-bound: the stack's bytes per element) and a ring
+  step's fixed cost. Packed
   documents (``document_length`` D) run as variable-length calls over D-token documents. A
   materialized attention runs its QK^T and PV as batched GEMMs (the softmax traffic is streaming).
 - **Streaming kernels** (norms, rotary, activation, residuals, softmax of a materialized attention):
@@ -38,13 +39,6 @@ from .profile import CostProfile
 from .topology.topology import Topology
 from .train_spec import TrainSpec
 
-FP32 = 4
-#: Bytes an LSE merge moves per query element and step: read the block output (compute dtype), read and
-#: write the fp32 accumulator (the LSE itself is per row, negligible next to head_dim values).
-MERGE_BYTES_PER_ELEMENT_FP32 = 2 * FP32
-#: Backward of a ring step: add the block's dK and dV into the travelling fp32 accumulators (read block
-#: gradient, read and write the accumulator).
-DKV_ACCUMULATE_BYTES_PER_ELEMENT_FP32 = 2 * FP32
 
 Gemm = tuple[float, float, float]  # (m, n, k)
 
@@ -213,9 +207,10 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
         else:
             kernel = attention_seconds(bh, 2 * c, 2 * c, hd, True, peak, frac, ap, sms, ratio)
             kernel += attention_seconds(bh, 2 * c, c, hd, False, peak, frac, ap, sms, ratio, calls=r - 1)
-        merge_bytes = q_elems * (d + MERGE_BYTES_PER_ELEMENT_FP32)  # output/LSE merge, or the dQ accumulation
-        if backward:
-            merge_bytes += 2 * kv_elems * (d + DKV_ACCUMULATE_BYTES_PER_ELEMENT_FP32)
+        if backward:  # dQ into its accumulator, dK/dV into the travelling ones
+            merge_bytes = (q_elems + 2 * kv_elems) * stack.ring_grad_bytes_per_element
+        else:
+            merge_bytes = q_elems * stack.ring_merge_bytes_per_element
         hideable = kernel + r * merge_bytes / hbm  # a K/V hop hides behind a step's kernel and merge,
         return hideable + r * k.ring_step_s, hideable / r  # not behind the step's post/wait itself
 

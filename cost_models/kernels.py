@@ -154,9 +154,10 @@ GENERIC = "generic"
 
 
 @cache
-def kernel_model(gpu: str) -> KernelModel:
-    """The shipped kernel model of a GPU preset (aliases resolve to their family's file; a GPU with no
-    file, such as an inline GPU of a probed topology, gets the generic priors under its own name)."""
+def prior_kernel_model(gpu: str) -> KernelModel:
+    """A GPU's kernel file as written (the documented priors), without fitted values. Aliases resolve
+    to their family's file; a GPU with no file, such as an inline GPU of a probed topology, gets the
+    generic priors under its own name."""
     name = _files().get(gpu) or _files()[GENERIC]
     data = safe_load(_kernel_dir().joinpath(name).read_text())
     data.pop("also_for", None)
@@ -167,12 +168,31 @@ def kernel_model(gpu: str) -> KernelModel:
         raise explain_validation_error(exc, f"kernel file {name}") from exc
 
 
+@cache
+def kernel_model(gpu: str) -> KernelModel:
+    """The kernel model predictions use: the GPU's priors with the values fitted to published runs
+    (``cost_models/data/calibration/fitted.yaml``: parameters fitted for this GPU family and those
+    fitted for all GPUs), with the fit's record attached."""
+    from .fitted import fitted_parameters
+
+    prior = prior_kernel_model(gpu)
+    fitted = fitted_parameters()
+    family = kernel_family(gpu)
+    values = {**fitted.kernels.get("all", {}), **fitted.kernels.get(family, {})}
+    if not values:
+        return prior
+    model = prior.with_values(values)
+    return model.model_copy(update={"fit": fitted.record_for(family, sorted(values))})
+
+
+def kernel_family(gpu: str) -> str:
+    """The kernel file a GPU's model comes from (``h100`` for the H100 80/96 GB and H200, ...)."""
+    return (_files().get(gpu) or _files()[GENERIC]).removesuffix(".yaml")
+
+
 def kernel_gpus() -> list[str]:
     """GPUs with kernel data of their own (not the generic fallback)."""
     return sorted(g for g in _files() if g != GENERIC)
-
-def has_kernel_data(gpu: str) -> bool:
-    return gpu in _files() and gpu != GENERIC
 
 
 # ----- GEMMs ----------------------------------------------------------------------------------------------
@@ -245,6 +265,8 @@ __all__ = [
     "attention_shape_efficiency",
     "gemm_seconds",
     "gemm_shape_efficiency",
+    "kernel_family",
+    "prior_kernel_model",
     "kernel_gpus",
     "kernel_model",
 ]

@@ -81,6 +81,28 @@ class StackTime(BaseModel):
             "reads and writes the buffer once at HBM speed."
         ),
     )
+    ring_merge_bytes_per_element: float = Field(
+        default=42.0,
+        ge=0,
+        le=256,
+        description=(
+            "HBM bytes one ring-attention step's LSE merge moves per output element (forward). An eager "
+            "merge in fp32 costs ~40 B: this runtime's merge_into casts the block output (2+4), scales "
+            "it (8), masks it (8), scales the accumulator in place (8) and adds (12); torch context "
+            "parallel's _SDPAMerger is similar (cast, subtract, sigmoid-weight, subtract: ~38 B); a fused "
+            "merge kernel (TransformerEngine) reads the block and reads/writes the accumulator: ~10 B."
+        ),
+    )
+    ring_grad_bytes_per_element: float = Field(
+        default=14.0,
+        ge=0,
+        le=256,
+        description=(
+            "HBM bytes per element one ring-attention backward step moves to accumulate the block's "
+            "dQ into the fp32 accumulator and dK/dV into the travelling fp32 accumulators (read the "
+            "bf16 block gradient, read and write fp32: 2 + 8, plus the cast)."
+        ),
+    )
     cpu_optimizer_params_per_s_per_core: float = Field(
         default=2.0e7,
         gt=0,
@@ -160,8 +182,20 @@ def parse_stack(text: str, origin: str) -> StackProfile:
 
 
 @cache
-def _shipped(name: str) -> StackProfile:
+def prior_stack(name: str) -> StackProfile:
+    """A shipped stack file as written (documented priors, no fitted values)."""
     return parse_stack(_stack_dir().joinpath(f"{name}.yaml").read_text(), f"{name}.yaml")
+
+
+@cache
+def _shipped(name: str) -> StackProfile:
+    """A shipped stack with the time values fitted to published runs (cost_models/data/calibration/
+    fitted.yaml) applied."""
+    from .fitted import fitted_parameters
+
+    prior = prior_stack(name)
+    values = fitted_parameters().stacks.get(name)
+    return prior.with_overrides(time=values) if values else prior
 
 
 def load_stack(ref: str | Path | None = None) -> StackProfile:
@@ -182,4 +216,4 @@ def load_stack(ref: str | Path | None = None) -> StackProfile:
     raise CostModelError(f"unknown stack {key!r}: choose one of {', '.join(stack_names())} or give a YAML file")
 
 
-__all__ = ["DEFAULT_STACK", "StackProfile", "StackTime", "load_stack", "parse_stack", "stack_names"]
+__all__ = ["DEFAULT_STACK", "StackProfile", "StackTime", "load_stack", "parse_stack", "prior_stack", "stack_names"]

@@ -10,7 +10,7 @@ prints. Entries the model cannot represent (pipeline parallelism) are returned a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -33,6 +33,7 @@ class SourceSetup:
     defaults: dict[str, Any]
     memory_overrides: dict[str, Any]
     note: str
+    time_overrides: dict[str, Any] = field(default_factory=dict)
 
 
 #: Per source: the machine, the stack and the defaults its text implies (see the YAML's `sources:`).
@@ -64,7 +65,9 @@ SOURCES: dict[str, SourceSetup] = {
     ),
     "usp-attention": SourceSetup(
         "dgx-a100", "sp-plan", {"mode": "prefill", "dtype": "bf16"}, {},
-        "attention forward only, batch 1, yunchang's USP with zigzag ring (flash-attn 2)",
+        "attention forward only, batch 1, yunchang's USP with zigzag ring (flash-attn 2); its ring merge is "
+        "ring-flash-attn's TorchScript-fused _update_out_and_lse (~12 B per element)",
+        {"ring_merge_bytes_per_element": 12.0, "alltoall_copy_passes": 2.0},
     ),
     "megatron-recompute": SourceSetup(
         "dgx-a100", "sp-plan", {"micro_batch": 4, "attention_kernel": "materialized", "zero_stage": 0,
@@ -113,6 +116,10 @@ SHAPED_MODELS: dict[str, ModelSpec] = {
 #: The USP report's attention benchmark: Llama-3-8B's attention shape, one layer.
 USP_ATTENTION_MODEL = ModelSpec(name="llama3-8b attention", num_layers=1, hidden_size=4096, num_heads=32,
                                 num_kv_heads=8, head_dim=128, ffn_hidden_size=14336, vocab_size=128256)
+
+#: Why the USP tables are compared by ratios only.
+USP_SCALE_NOTE = ("tables compared by ratios between layouts: the report's 128K rows are ~3x slower than its 32K "
+                  "rows scaled by attention's quadratic work, so the absolute levels of its tables disagree")
 
 #: Named option bundles of the arctic recipes.
 OPTION_BUNDLES: dict[str, dict[str, Any]] = {
@@ -177,7 +184,8 @@ def _layout(entry: dict[str, Any]) -> Layout:
 
 def _run(id_: str, entry: dict[str, Any], metric: str, value: float, *, seq_len: int, group: str | None = None,
          extra_train: dict[str, Any] | None = None, model: ModelSpec | None = None, topology: str | None = None,
-         layout: Layout | None = None, flop_convention: str = "model", assumed: str = "") -> MeasuredRun:
+         layout: Layout | None = None, flop_convention: str = "model", assumed: str = "",
+         scale_free: bool = False) -> MeasuredRun:
     source = entry["source"]
     setup = SOURCES[source]
     kw = _train_kwargs(entry, setup) | (extra_train or {})
@@ -189,7 +197,9 @@ def _run(id_: str, entry: dict[str, Any], metric: str, value: float, *, seq_len:
         id=id_, source=source, metric=metric, value=float(value), confidence=entry.get("confidence", "exact"),
         caveat=entry.get("caveat", ""), group=group, model=model or _model(entry["model"]), train=train,
         layout=layout or _layout(entry), topology=topology or setup.topology, stack=setup.stack,
-        memory_overrides=dict(setup.memory_overrides), flop_convention=flop_convention,  # type: ignore[arg-type]
+        memory_overrides=dict(setup.memory_overrides), time_overrides=dict(setup.time_overrides),
+        flop_convention=flop_convention,  # type: ignore[arg-type]
+        scale_free=scale_free,
         assumed="; ".join(x for x in (setup.note, assumed) if x),
     )
 
@@ -229,14 +239,15 @@ def published_runs() -> tuple[list[MeasuredRun], list[Skipped]]:
         if "micro_batch" in entry:
             extra["micro_batch"] = entry["micro_batch"]
         convention = "megatron_deepspeed" if source == "ulysses-paper-figures" else "model"
+        table = f"{source}: {_model(entry['model']).name}"
         if "points" in entry:
             for seq, value in entry["points"].items():
                 runs.append(_run(_describe(entry, seq) + f" [{entry['metric']}]", entry, entry["metric"], value,
-                                 seq_len=int(seq), group=f"{source}:{entry['model']}", extra_train=extra,
+                                 seq_len=int(seq), group=table, extra_train=extra,
                                  flop_convention=convention))
         else:
             runs.append(_run(_describe(entry, entry["seq_len"]) + f" [{entry['metric']}]", entry, entry["metric"],
-                             entry["value"], seq_len=entry["seq_len"], group=f"{source}:{entry['model']}",
+                             entry["value"], seq_len=entry["seq_len"], group=table,
                              extra_train=extra, flop_convention=convention))
 
     for entry in data.get("kernel", []):
@@ -250,7 +261,8 @@ def published_runs() -> tuple[list[MeasuredRun], list[Skipped]]:
                 layout = Layout.for_world(8, **degrees)
                 runs.append(_run(f"usp-attention: {group} {name}", {**entry, "gpus": 8, "model": "usp"},
                                  "iters_per_s", value, seq_len=entry["seq_len"], group=group,
-                                 model=USP_ATTENTION_MODEL, topology=topology, layout=layout))
+                                 model=USP_ATTENTION_MODEL, topology=topology, layout=layout, scale_free=True,
+                                 assumed=USP_SCALE_NOTE))
         elif source == "megatron-recompute":
             model = _model(entry["model"])
             for name, (fwd, bwd) in entry["points"].items():

@@ -64,6 +64,10 @@ class MeasuredRun(BaseModel):
     caveat: str = ""
     #: Runs that one published table compares (their ordering is scored with Kendall tau).
     group: str | None = None
+    #: Only ratios between the runs of ``group`` are meaningful (the table's absolute level is not
+    #: consistent with the source's other tables): fits and reports use the figure relative to the
+    #: group's geometric mean.
+    scale_free: bool = False
     model: ModelSpec
     train: TrainSpec
     layout: Layout
@@ -72,6 +76,8 @@ class MeasuredRun(BaseModel):
     stack: str
     #: Memory-assumption overrides this run's own settings imply (e.g. no Liger: eager RMSNorm).
     memory_overrides: dict[str, Any] = Field(default_factory=dict)
+    #: Stack time-property overrides the run's software implies (e.g. a fused ring merge).
+    time_overrides: dict[str, Any] = Field(default_factory=dict)
     flop_convention: FlopConvention = "model"
     #: What was assumed where the source is silent (printed in the report).
     assumed: str = ""
