@@ -168,8 +168,9 @@ def tokenizer_vocabulary(args: argparse.Namespace) -> tuple[int, int]:
     """(vocabulary size, padding id) of the run's tokenizer: the byte-level one, or --tokenizer's."""
     if args.tokenizer is None:
         return VOCAB, PAD
-    from runtime.text_data import load_tokenizer
+    from runtime.text_data import check_dataset_source, load_tokenizer
 
+    check_dataset_source(args.dataset)  # fail before the slow parts
     tokenizer = load_tokenizer(args.tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return len(tokenizer), pad

@@ -74,6 +74,14 @@ def _looks_like_path(source: str) -> bool:
     return source.startswith((".", "/", "~")) or source.count("/") > 1 or Path(source).suffix.lower() in BUILDERS
 
 
+def check_dataset_source(source: Any) -> None:
+    """Raise at once for a dataset given as a local path that does not exist (before any slow loading)."""
+    if isinstance(source, (str, os.PathLike)) and _looks_like_path(str(source)) \
+            and not Path(source).expanduser().exists():
+        raise RuntimeConfigError(f"dataset path {source} does not exist: pass a local file or directory "
+                                 "(or a Hugging Face hub dataset name)")
+
+
 def load_text_dataset(source: Any, *, split: str = "train", text_column: str = "text",
                       cache_dir: str | os.PathLike | None = None):
     """A ``datasets.Dataset`` with a string column ``text_column`` from ``source``: a ``Dataset``
@@ -123,9 +131,7 @@ def _load_source(datasets, source: str, split: str, cache_dir) -> Any:
             if len(builders) > 1:
                 raise RuntimeConfigError(f"dataset directory {path} mixes file types {sorted(builders)}: keep one kind")
             return datasets.load_dataset(builders.pop(), data_files=[str(f) for f in files], split=split, **kwargs)
-        if _looks_like_path(source):
-            raise RuntimeConfigError(f"dataset path {source} does not exist: pass a local file or directory "
-                                     "(or a Hugging Face hub dataset name)")
+        check_dataset_source(source)
         return datasets.load_dataset(source, split=split, **kwargs)
     except RuntimeConfigError:
         raise
