@@ -151,6 +151,15 @@ def _files() -> dict[str, str]:
 
 #: The file used for a GPU without one of its own (documented priors; see generic.yaml).
 GENERIC = "generic"
+#: Devices named like this are CPU ranks (the probe on a machine without GPUs): cpu.yaml.
+CPU_PREFIX = "cpu"
+
+
+def _file_for(gpu: str) -> str:
+    files = _files()
+    if gpu in files:
+        return files[gpu]
+    return files[CPU_PREFIX] if gpu.startswith(CPU_PREFIX) else files[GENERIC]
 
 
 @cache
@@ -158,7 +167,7 @@ def prior_kernel_model(gpu: str) -> KernelModel:
     """A GPU's kernel file as written (the documented priors), without fitted values. Aliases resolve
     to their family's file; a GPU with no file, such as an inline GPU of a probed topology, gets the
     generic priors under its own name."""
-    name = _files().get(gpu) or _files()[GENERIC]
+    name = _file_for(gpu)
     data = safe_load(_kernel_dir().joinpath(name).read_text())
     data.pop("also_for", None)
     data["gpu"] = gpu
@@ -187,12 +196,12 @@ def kernel_model(gpu: str) -> KernelModel:
 
 def kernel_family(gpu: str) -> str:
     """The kernel file a GPU's model comes from (``h100`` for the H100 80/96 GB and H200, ...)."""
-    return (_files().get(gpu) or _files()[GENERIC]).removesuffix(".yaml")
+    return _file_for(gpu).removesuffix(".yaml")
 
 
 def kernel_gpus() -> list[str]:
     """GPUs with kernel data of their own (not the generic fallback)."""
-    return sorted(g for g in _files() if g != GENERIC)
+    return sorted(g for g in _files() if g not in (GENERIC, CPU_PREFIX))
 
 
 # ----- GEMMs ----------------------------------------------------------------------------------------------
