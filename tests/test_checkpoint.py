@@ -5,7 +5,8 @@
   checkpoints) and the RNG draws after the resume equal the uninterrupted run's. Layouts: ring 2 with
   ZeRO-3, selective checkpointing and gradient accumulation; TP 2 with replicated K/V weights (1 KV
   head), the host-offloaded optimizer and the tiled loss; dp_shard 2 with FSDP2 parameter offload; Ulysses
-  2 in bf16 with the host optimizer (bf16 device weights, fp32 masters).
+  2 in bf16 with the host optimizer (bf16 device weights, fp32 masters); a transformers Llama with tied
+  embeddings under TP 2.
 - Another layout: a checkpoint of tp 2 x dp_shard 2 on 4 ranks (host optimizer) resumes on 2 ranks as
   ring 2 and as dp_shard 2 with plain AdamW (another world size, no TP, another data-parallel size):
   the loss curve continues within 1e-4 of the uninterrupted 4-rank run, the parameters' updates within
@@ -17,6 +18,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pickle
 import random
@@ -74,11 +76,19 @@ def trainer_for(setup, *, steps: int = STEPS, **kwargs):
     return Trainer(setup, optimizer, data, max_steps=steps, scheduler=schedule, max_grad_norm=1.0, **kwargs)
 
 
-def configure(layout: dict, options: dict, dtype: str = "fp32", global_batch: int = 2, **model_overrides):
+def configure(layout: dict, options: dict, dtype: str = "fp32", global_batch: int = 2, hf: bool = False,
+              **model_overrides):
     from runtime.auto import auto_configure
 
-    return auto_configure(model(**model_overrides), seq_len=SEQ, global_batch=global_batch, dtype=dtype,
-                          topology="dgx-h100", fixed_layout=layout, fixed_options=options)
+    if hf:  # a transformers Llama of the same shape (names like model.layers.0.self_attn.q_proj.weight)
+        from runtime.hf import hf_model_from_spec
+
+        torch.manual_seed(0)
+        net = hf_model_from_spec(spec(**model_overrides), SEQ)
+    else:
+        net = model(**model_overrides)
+    return auto_configure(net, seq_len=SEQ, global_batch=global_batch, dtype=dtype, topology="dgx-h100",
+                          fixed_layout=layout, fixed_options=options)
 
 
 def _rng_draws(store: dict):
@@ -92,7 +102,8 @@ def _train_runs(rank: int, world: int, runs: list[dict]) -> dict:
     torch.manual_seed(0)
     out = {}
     for run in runs:
-        setup = configure(run["layout"], run["options"], run.get("dtype", "fp32"), run.get("global_batch", 2))
+        setup = configure(run["layout"], run["options"], run.get("dtype", "fp32"), run.get("global_batch", 2),
+                          **run.get("model", {}))
         store: dict = {}
         trainer = trainer_for(setup, checkpoint_dir=run["dir"], save_every=SAVE_AT, resume=run.get("resume", False),
                               on_step=_rng_draws(store))
@@ -103,7 +114,7 @@ def _train_runs(rank: int, world: int, runs: list[dict]) -> dict:
     return out
 
 
-#: name -> (layout, options, dtype)
+#: name -> (layout, options, dtype[, model options])
 SAME_LAYOUT = {
     "ring2 zero3 selective accum": ({"ring": 2}, {"zero_stage": 3, "checkpointing": "selective"}, "fp32"),
     "tp2 kv-replicated host-optimizer tiled-loss": ({"tp": 2}, {"zero_stage": 2, "offload_optimizer": True,
@@ -112,6 +123,9 @@ SAME_LAYOUT = {
                                                   "offload_optimizer": True}, "fp32"),
     "ulysses2 bf16 host-optimizer": ({"ulysses": 2}, {"zero_stage": 3, "offload_optimizer": True}, "bf16"),
 }
+if importlib.util.find_spec("transformers") is not None:
+    SAME_LAYOUT["hf llama tp2 tied"] = ({"tp": 2}, {"zero_stage": 3}, "fp32",
+                                        {"hf": True, "tied_embeddings": True, "num_kv_heads": 2})
 
 
 def _slug(name: str) -> str:
@@ -121,8 +135,8 @@ def _slug(name: str) -> str:
 @pytest.fixture(scope="module")
 def same_layout_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("same-layout")
-    runs = [{"name": n, "layout": lay, "options": opt, "dtype": dt, "dir": str(root / ("full-" + _slug(n)))}
-            for n, (lay, opt, dt) in SAME_LAYOUT.items()]
+    runs = [{"name": n, "layout": c[0], "options": c[1], "dtype": c[2], "model": c[3] if len(c) > 3 else {},
+             "dir": str(root / ("full-" + _slug(n)))} for n, c in SAME_LAYOUT.items()]
     full = run_ranks(2, _train_runs, runs, timeout=240)
     resumed_runs = [{**r, "dir": str(root / ("resumed-" + _slug(r["name"]))),
                      "resume": os.path.join(r["dir"], f"step_{SAVE_AT:08d}")} for r in runs]
@@ -171,6 +185,11 @@ def test_the_configurations_ran_what_they_claim(same_layout_runs):
     tp = _all_tensors(root / ("full-" + _slug("tp2 kv-replicated host-optimizer tiled-loss")) / f"step_{STEPS:08d}")
     assert tp["model::layers.0.attn.k_proj.weight"].shape == (16, 64)  # 1 KV head, replicated over TP 2
     assert tp["model::embed_tokens.weight"].shape == (VOCAB, 64)
+    if "hf llama tp2 tied" not in SAME_LAYOUT:
+        return
+    hf = _all_tensors(root / ("full-" + _slug("hf llama tp2 tied")) / f"step_{STEPS:08d}")
+    assert torch.equal(hf["model::lm_head.weight"], hf["model::model.embed_tokens.weight"])  # still tied
+    assert hf["model::model.layers.1.self_attn.q_proj.weight"].shape == (64, 64)
 
 
 # ----- another layout ---------------------------------------------------------------------------------------
