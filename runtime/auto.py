@@ -109,8 +109,9 @@ class SequenceParallelAttention(nn.Module):
         super().__init__()
         self.sp = sp
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
-        return self.sp.attention(q, k, v, causal=causal)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        return self.sp.attention(q, k, v, causal=causal, cu_seqlens=cu_seqlens)
 
     def extra_repr(self) -> str:
         return repr(self.sp)
@@ -170,8 +171,8 @@ class AutoConfigured:
         if self.kind == "hf":
             from runtime.hf import hf_logits
 
-            return hf_logits(self.model, shard["input_ids"], shard["position_ids"])
-        return self.model(shard["input_ids"], shard["position_ids"])
+            return hf_logits(self.model, shard["input_ids"], shard["position_ids"], shard.get("cu_seqlens"))
+        return self.model(shard["input_ids"], shard["position_ids"], shard.get("cu_seqlens"))
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items: int | None = None) -> LossOutput:
         """Token-weighted loss of :meth:`forward`'s logits (see :class:`runtime.loss.TokenLoss`)."""
@@ -187,7 +188,8 @@ class AutoConfigured:
         from runtime.tiled_loss import tiled_cross_entropy
 
         self._grads_synced = False
-        hidden = getattr(self.model, hidden_states_method(self.kind))(shard["input_ids"], shard["position_ids"])
+        hidden = getattr(self.model, hidden_states_method(self.kind))(shard["input_ids"], shard["position_ids"],
+                                                                      shard.get("cu_seqlens"))
         tp = self.tensor_parallel
         local_sum, count = tiled_cross_entropy(
             hidden, self.model.lm_head.weight, shard["labels"],

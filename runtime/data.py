@@ -17,14 +17,18 @@ Padding masks (HF ``attention_mask``) are accepted only as right padding: padded
 ignored labels and the mask is dropped (causal attention never lets a real token see a later pad).
 
 **Packed sequences.** A row may hold several documents, marked HF-style by ``position_ids`` that
-restart at 0 at each document start. The sharder then (a) keeps those positions for RoPE and (b)
-ignores the label that would predict a document's first token from the previous document. The
-attention kernels of this runtime have no variable-length (document-masked) path, so attention stays
-causal over the whole packed row: tokens DO attend to earlier documents of the same row. That is a
-different objective from training on the documents separately, so the sharder refuses restarting
-position ids unless ``cross_document_attention=True`` says this is intended (Megatron-LM's
-``reset_position_ids`` without ``reset_attention_mask`` trains exactly this way). GPT-style packing
-(documents joined by an EOS token, positions continuous) needs no opt-in: see :func:`pack_documents`.
+restart (at 0) at each document start, or by a ``cu_seqlens`` entry: flash-attn's cumulative document
+boundaries over the flattened ``(batch x seq)`` rows. The sharder then (a) keeps the positions for RoPE
+(with ``cu_seqlens`` alone, positions restart at 0 per document), (b) ignores the label that would
+predict a document's first token from the previous document, and (c) adds ``cu_seqlens`` to the
+shard: the boundaries over the whole padded batch (the same on every rank, a small CPU tensor), which
+the model hands to the attention, so every token attends only to its own document (document
+masking, exact on every SP layout: :mod:`runtime.attention.documents`). Padding joins the last
+document of its row (causal: no real token sees it). ``cross_document_attention=True`` is the explicit
+opt-in for the old objective: positions and labels as above but attention causal over the whole row
+(Megatron-LM's ``reset_position_ids`` without ``reset_attention_mask``); no ``cu_seqlens`` then.
+GPT-style packing (documents joined by an EOS token, positions continuous) is one document per row as
+far as the runtime can tell: see :func:`pack_documents`.
 
 **Data parallelism.** Ranks of one sequence-parallel group (and, later, one TP group) must see the
 same sample; different data-parallel ranks (``dp_replicate x dp_shard``) different samples.
@@ -45,8 +49,10 @@ from runtime.errors import RuntimeConfigError
 
 #: Label value PyTorch's cross-entropy (and HF) skip.
 IGNORE_INDEX = -100
-#: Keys of a batch the sharder produces.
+#: Keys of a batch the sharder produces (sharded along the sequence); a packed batch adds
+#: :data:`DOCUMENTS_KEY` (not sharded: boundaries over the whole batch).
 BATCH_KEYS: tuple[str, ...] = ("input_ids", "position_ids", "labels")
+DOCUMENTS_KEY = "cu_seqlens"
 
 
 # ----- full-sequence preparation -----------------------------------------------------------------------
@@ -59,16 +65,39 @@ def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     return starts
 
 
-def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+def document_starts_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    """Bool (batch, seq): True where a document of ``cu_seqlens`` starts after the first token of its row."""
+    from runtime.attention.documents import row_bounds
+
+    starts = torch.zeros(batch, seq, dtype=torch.bool)
+    for row, bounds in enumerate(row_bounds(cu_seqlens, batch, seq)):
+        starts[row, list(bounds[1:-1])] = True
+    return starts
+
+
+def positions_from_starts(starts: torch.Tensor) -> torch.Tensor:
+    """Position ids (batch, seq) that restart at 0 at every document start (HF packed format)."""
+    batch, seq = starts.shape
+    index = torch.arange(seq).expand(batch, seq)
+    begin = torch.where(starts, index, torch.zeros_like(index))
+    begin[:, 0] = 0
+    return index - begin.cummax(dim=1).values
+
+
+def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor | None = None,
+                 starts: torch.Tensor | None = None) -> torch.Tensor:
     """Pre-shift ``labels`` (batch, seq) so position t holds the target of token t: ``labels[t + 1]``.
 
-    The last position, and (for packed rows) every position followed by a document start, get
-    :data:`IGNORE_INDEX`: nothing is predicted across a document boundary.
+    The last position, and (for packed rows) every position followed by a document start (restarting
+    ``position_ids``, or ``starts`` as from :func:`document_starts`), get :data:`IGNORE_INDEX`:
+    nothing is predicted across a document boundary.
     """
     shifted = torch.full_like(labels, IGNORE_INDEX)
     shifted[:, :-1] = labels[:, 1:]
-    if position_ids is not None:
-        shifted[:, :-1].masked_fill_(document_starts(position_ids)[:, 1:], IGNORE_INDEX)
+    if starts is None and position_ids is not None:
+        starts = document_starts(position_ids)
+    if starts is not None:
+        shifted[:, :-1].masked_fill_(starts[:, 1:].to(shifted.device), IGNORE_INDEX)
     return shifted
 
 
@@ -102,11 +131,12 @@ def as_batch_dict(batch: Any) -> dict[str, torch.Tensor]:
             raise RuntimeConfigError(
                 f"batch mapping has keys {sorted(batch)} but no 'input_ids': give token ids as 'input_ids'"
             )
-        unknown = set(batch) - {"input_ids", "labels", "position_ids", "attention_mask"}
+        unknown = set(batch) - {"input_ids", "labels", "position_ids", "attention_mask", DOCUMENTS_KEY}
         if unknown:
             raise RuntimeConfigError(
                 f"batch keys {sorted(unknown)} are not supported by the sequence-parallel data path (it takes "
-                "input_ids, labels, position_ids and a right-padding attention_mask); drop them in the collate_fn"
+                "input_ids, labels, position_ids, cu_seqlens and a right-padding attention_mask); drop them in the "
+                "collate_fn"
             )
         return dict(batch)
     if isinstance(batch, (tuple, list)) and 1 <= len(batch) <= 2 and all(isinstance(t, torch.Tensor) for t in batch):
@@ -122,14 +152,16 @@ def as_batch_dict(batch: Any) -> dict[str, torch.Tensor]:
 
 @dataclass
 class BatchSharder:
-    """Turns a full-sequence batch into this rank's shard: ``{"input_ids", "position_ids", "labels"}``.
+    """Turns a full-sequence batch into this rank's shard: ``{"input_ids", "position_ids", "labels"}``,
+    plus ``"cu_seqlens"`` for packed rows (document masking; see the module docstring).
 
     ``sp`` is the :class:`runtime.context.SequenceParallel` context (anything with ``shard(x, dim)``,
     ``size`` and ``seq_multiple``). ``labels_shifted``: the batch's labels are already aligned with the
     inputs (position t holds the target of token t); by default they are HF-style (labels = the input
-    ids, the model shifts) and are pre-shifted here. ``device``: where the shards go.
-    ``tp_multiple``: the tensor-parallel degree when Megatron sequence parallelism splits each rank's
-    shard again over TP (``Layout.seq_multiple``), else 1.
+    ids, the model shifts) and are pre-shifted here. ``cross_document_attention``: packed rows attend
+    across their documents (no ``cu_seqlens``). ``device``: where the shards go (``cu_seqlens`` stays
+    on the CPU: the attention reads it on the host). ``tp_multiple``: the tensor-parallel degree when
+    Megatron sequence parallelism splits each rank's shard again over TP (``Layout.seq_multiple``), else 1.
     """
 
     sp: Any
@@ -155,27 +187,34 @@ class BatchSharder:
             raise RuntimeConfigError(f"input_ids must be integer token ids, got {input_ids.dtype}")
         batch_size, seq = input_ids.shape
         position_ids = data.get("position_ids")
+        cu_seqlens = data.get(DOCUMENTS_KEY)
+        starts = None  # document starts (batch, seq), when the rows are packed
+        if cu_seqlens is not None:
+            from runtime.attention.documents import check_cu_seqlens
+
+            check_cu_seqlens(cu_seqlens)
+            starts = document_starts_from_cu_seqlens(cu_seqlens, batch_size, seq)
         if position_ids is None:
-            position_ids = torch.arange(seq, device=input_ids.device).expand(batch_size, seq)
+            if starts is not None:
+                position_ids = positions_from_starts(starts).to(input_ids.device)
+            else:
+                position_ids = torch.arange(seq, device=input_ids.device).expand(batch_size, seq)
         else:
             position_ids = position_ids.expand(batch_size, seq) if position_ids.dim() == 1 else position_ids
             if position_ids.shape != input_ids.shape:
                 raise RuntimeConfigError(
                     f"position_ids {tuple(position_ids.shape)} and input_ids {tuple(input_ids.shape)} differ in shape"
                 )
-            if document_starts(position_ids).any() and not self.cross_document_attention:
-                raise RuntimeConfigError(
-                    "position_ids restart inside a row (packed documents), but the runtime's attention has no "
-                    "document masking, so tokens would attend across documents: pass cross_document_attention=True "
-                    "to train that way (Megatron reset_position_ids), or do not pack documents"
-                )
+            if starts is None:
+                restarts = document_starts(position_ids)
+                starts = restarts.cpu() if bool(restarts.any()) else None
         labels = data.get("labels")
         if labels is None:
             labels = input_ids
         if labels.shape != input_ids.shape:
             raise RuntimeConfigError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} differ")
         if not self.labels_shifted:
-            labels = shift_labels(labels, position_ids)
+            labels = shift_labels(labels, starts=starts)
         mask = data.get("attention_mask")
         if mask is not None:
             if mask.dim() != 2 or mask.shape != input_ids.shape:
@@ -193,7 +232,14 @@ class BatchSharder:
             if not self.labels_shifted:  # the last real token must not predict the first pad
                 labels[:, :-1].masked_fill_(pad[:, 1:], IGNORE_INDEX)
         full = {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
-        return pad_to_multiple(full, self.seq_multiple, self.pad_token_id)
+        full = pad_to_multiple(full, self.seq_multiple, self.pad_token_id)
+        if starts is not None and bool(starts.any()) and not self.cross_document_attention:
+            from runtime.attention.documents import cu_seqlens_from_starts
+
+            padded = full["input_ids"].shape[1]
+            starts = torch.nn.functional.pad(starts.to(torch.bool), (0, padded - seq), value=False)
+            full[DOCUMENTS_KEY] = cu_seqlens_from_starts(starts)  # padding joins each row's last document
+        return full
 
     def shard(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's shard of an already prepared (shifted, padded) full batch."""
@@ -202,6 +248,8 @@ class BatchSharder:
             local = self.sp.shard(full[key], dim=1)
             # Always a copy: a narrow view would keep the whole batch alive (autograd saves the token ids).
             out[key] = local.to(self.device if self.device is not None else local.device, copy=True)
+        if full.get(DOCUMENTS_KEY) is not None:
+            out[DOCUMENTS_KEY] = full[DOCUMENTS_KEY].to("cpu", torch.int32)  # the whole batch's boundaries
         return out
 
     def __call__(self, batch: Any) -> dict[str, torch.Tensor]:
@@ -285,8 +333,9 @@ def pack_documents(documents: Iterable[Sequence[int]], seq_len: int, *, separato
 
     Documents are concatenated (``separator`` appended to each, if given) and cut into rows; a document
     may continue in the next row. With ``reset_positions`` positions restart at 0 at each document start
-    (HF packed format; the sharder then needs ``cross_document_attention=True``, see the module doc);
-    otherwise they run 0 .. seq_len-1 in every row (GPT-style packing). A final partial row is dropped.
+    (HF packed format: the sharder turns the restarts into ``cu_seqlens`` and attention is
+    document-masked, see the module doc); otherwise they run 0 .. seq_len-1 in every row (GPT-style
+    packing, documents attend across the separator). A final partial row is dropped.
     """
     buffer: list[int] = []
     positions: list[int] = []

@@ -12,7 +12,10 @@ Optional: ``transformers`` is imported lazily (``pip install 'sp-plan[hf]'``). P
   repeated by HF) and returns ``(batch, seq, heads, head_dim)`` as HF's own kernels do;
 - masks: the name is deliberately NOT registered in ``AttentionMaskInterface``, so transformers builds
   no mask for it; the attention function refuses any mask it is given. Positions come from the
-  ``position_ids`` the sharder produced (global positions of the local tokens, RoPE only);
+  ``position_ids`` the sharder produced (global positions of the local tokens, RoPE only). Packed
+  documents: the sharder's ``cu_seqlens`` (boundaries over the whole batch) is passed as the model
+  keyword ``cu_seqlens``, which transformers forwards through each layer to the attention function
+  (its ``**kwargs``), and attention is document-masked (:mod:`runtime.attention.documents`);
 - checkpointing: each decoder layer (a ``GradientCheckpointingLayer``) checkpoints its ``forward``
   through :func:`runtime.models.checkpointing.run_checkpointed`, so ``none``/``selective``/``full``
   mean exactly what they mean for the runtime's own Llama (FSDP2's hooks stay outside the checkpoint);
@@ -121,7 +124,7 @@ def sequence_parallel_attention_forward(
             )
     causal = module.is_causal if is_causal is None else is_causal
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (b, h, s, d) -> (b, s, h, d)
-    return sp.attention(q, k, v, causal=causal, scale=scaling), None
+    return sp.attention(q, k, v, causal=causal, scale=scaling, cu_seqlens=kwargs.get("cu_seqlens")), None
 
 
 def register_attention() -> None:
@@ -150,9 +153,15 @@ def use_sequence_parallel_attention(model: nn.Module, sp, seq_len: int) -> None:
     config.use_cache = False  # training: no KV cache
 
 
-def hf_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """Logits of the local tokens: global ``position_ids`` for RoPE, no mask, no cache."""
-    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+def _documents(cu_seqlens: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    return {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+
+
+def hf_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+              cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits of the local tokens: global ``position_ids`` for RoPE, no mask, no cache; ``cu_seqlens``
+    (packed documents, boundaries over the whole batch) reaches the attention as a keyword."""
+    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **_documents(cu_seqlens))
     return out.logits
 
 
@@ -160,8 +169,10 @@ def hf_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Ten
 HIDDEN_STATES_METHOD = "sp_plan_hidden_states"
 
 
-def _hidden_states(self: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    hidden = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+def _hidden_states(self: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                   cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    hidden = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                        **_documents(cu_seqlens)).last_hidden_state
     tp = getattr(self, "tensor_parallel", None)
     return tp.enter(hidden) if tp is not None else hidden  # the vocab-parallel head's TP region
 

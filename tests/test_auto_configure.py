@@ -1,6 +1,6 @@
 """auto_configure on 2 gloo ranks: every rank learns rank 0's errors (no hang), ranks holding different plans
 or a plan the runtime cannot run are refused, and packed documents (restarting position ids) train with
-the positions they were given."""
+the positions they were given: document-masked by default, across documents with the opt-in."""
 
 from __future__ import annotations
 
@@ -43,14 +43,14 @@ def _error(fn) -> str | None:
     return None
 
 
-def _packed_reference(ids: torch.Tensor, positions: torch.Tensor) -> float:
-    """Single process: causal attention over the whole row, RoPE with the per-document positions, no
-    label across a document boundary."""
+def _packed_reference(ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> float:
+    """Single process: causal attention over the whole row (or within each document of ``cu_seqlens``),
+    RoPE with the per-document positions, no label across a document boundary."""
     import torch.nn.functional as F
 
     labels = ids[:, 1:].clone()
     labels[positions[:, 1:] == 0] = -100
-    logits = _model()(ids, positions)[:, :-1]
+    logits = _model()(ids, positions, cu_seqlens)[:, :-1]
     return F.cross_entropy(logits.reshape(-1, 64), labels.reshape(-1), ignore_index=-100).item()
 
 
@@ -66,7 +66,8 @@ def _rank(rank: int, world: int) -> dict:
     positions = torch.cat([torch.arange(20), torch.arange(30), torch.arange(14)]).view(1, 64)
     batch = {"input_ids": ids, "position_ids": positions}
     setup = auto_configure(_model(), plan=_plan(64))
-    out["refused_packing"] = _error(lambda: setup.shard(batch))
+    out["masked_loss"] = train_step(setup, [batch]).loss
+    out["masked_reference"] = _packed_reference(ids, positions, torch.tensor([0, 20, 50, 64]))
     setup = auto_configure(_model(), plan=_plan(64), cross_document_attention=True)
     out["packed_loss"] = train_step(setup, [batch]).loss
     out["packed_reference"] = _packed_reference(ids, positions)
@@ -93,7 +94,7 @@ def test_plans_the_runtime_cannot_run_are_refused_on_every_rank(results):
         assert "RuntimeConfigError" in r["unsupported"] and "zero_stage=0" in r["unsupported"]
 
 
-def test_packed_documents_need_the_opt_in_and_then_match_the_reference(results):
+def test_packed_documents_are_masked_by_default_and_attend_across_with_the_opt_in(results):
     for r in results:
-        assert "cross_document_attention" in r["refused_packing"]
+        assert r["masked_loss"] == pytest.approx(r["masked_reference"], abs=1e-5)
         assert r["packed_loss"] == pytest.approx(r["packed_reference"], abs=1e-5)

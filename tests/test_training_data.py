@@ -79,15 +79,17 @@ def test_hf_labels_and_pre_shifted_labels():
     assert torch.equal(same["labels"], aligned)
 
 
-def test_packed_documents_need_an_explicit_opt_in_and_never_predict_across_a_boundary():
+def test_packed_documents_are_document_masked_by_default_and_never_predict_across_a_boundary():
     ids = torch.arange(8).view(1, 8)
     positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]])
-    with pytest.raises(RuntimeConfigError, match="cross_document_attention"):
-        BatchSharder(FakeSP(1, 1)).prepare({"input_ids": ids, "position_ids": positions})
+    masked = BatchSharder(FakeSP(1, 1)).prepare({"input_ids": ids, "position_ids": positions})
+    assert masked["cu_seqlens"].tolist() == [0, 3, 7, 8]  # the documents, for the attention
     full = BatchSharder(FakeSP(1, 1), cross_document_attention=True).prepare(
         {"input_ids": ids, "position_ids": positions})
-    assert full["labels"].tolist() == [[1, 2, IGNORE_INDEX, 4, 5, 6, IGNORE_INDEX, IGNORE_INDEX]]
-    assert torch.equal(full["position_ids"], positions)  # RoPE sees the per-document positions
+    assert "cu_seqlens" not in full  # the explicit opt-in: causal attention over the whole row
+    for prepared in (masked, full):
+        assert prepared["labels"].tolist() == [[1, 2, IGNORE_INDEX, 4, 5, 6, IGNORE_INDEX, IGNORE_INDEX]]
+        assert torch.equal(prepared["position_ids"], positions)  # RoPE sees the per-document positions
     assert shift_labels(ids, positions).tolist() == full["labels"].tolist()
 
 

@@ -10,7 +10,10 @@ stays generic:
 - attention goes through a pluggable ``attention_fn(q, k, v, causal) -> out`` on (batch, seq, heads,
   head_dim) tensors; the default :class:`FlashAttention` saves exactly q, k, v, out and the fp32 LSE
   for backward; :class:`MaterializedAttention` computes softmax(QK^T)V in eager ops (HF eager /
-  Megatron-style, for activation-accounting checks);
+  Megatron-style, for activation-accounting checks). Packed rows: ``forward(..., cu_seqlens=)``
+  (the data path's document boundaries, :mod:`runtime.attention.documents`) reaches every layer's
+  ``attention_fn`` as the keyword ``cu_seqlens`` (only when given, so other attention functions keep
+  working), and each token attends only within its document;
 - :class:`RMSNorm` is a custom autograd function that saves only its input and the fp32 rstd;
 - every block runs under a checkpointing mode (none / selective / full; see
   :mod:`runtime.models.checkpointing`), optionally with its checkpointed input offloaded to host memory
@@ -179,9 +182,16 @@ class FlashAttention(nn.Module):
         self.dropout_p = dropout_p
         self.scale = scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         _check_heads(q, k, v)
         p = self.dropout_p if self.training else 0.0
+        if cu_seqlens is not None:  # packed documents: the runtime's document-masked kernel (same saved tensors)
+            if p > 0:
+                raise RuntimeConfigError("attention dropout with packed documents (cu_seqlens) is not supported")
+            from runtime.attention import local_attention
+
+            return local_attention(q, k, v, causal=causal, scale=self.scale, cu_seqlens=cu_seqlens)
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if q.device.type == "cpu":
             out, _lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -205,8 +215,14 @@ class MaterializedAttention(nn.Module):
         self.softmax_fp32 = softmax_fp32
         self.scale = scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         _check_heads(q, k, v)
+        if cu_seqlens is not None:
+            raise RuntimeConfigError(
+                "MaterializedAttention has no document masking (packed cu_seqlens): use FlashAttention or the "
+                "sequence-parallel attention"
+            )
         b, s, hq, d = q.shape
         hk = k.shape[2]
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(d)
@@ -286,7 +302,8 @@ class LlamaAttention(nn.Module):
         #: backward); None without TP. Heads below are whatever the (possibly sharded) projections give.
         self.tp_enter: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         if self.tp_enter is not None:
             x = self.tp_enter(x)
         b, s, _ = x.shape
@@ -298,7 +315,8 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        out = self.attention_fn(q, k, v, causal=True)
+        documents = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        out = self.attention_fn(q, k, v, causal=True, **documents)
         del q, k, v  # free what autograd did not save before the output projection runs
         return self.o_proj(out.reshape(b, s, -1))
 
@@ -350,12 +368,15 @@ class LlamaBlock(nn.Module):
             return dropout(x, self.hidden_dropout)
         return x
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self._dropout(self.attn(self.input_norm(x), cos, sin))
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self._dropout(self.attn(self.input_norm(x), cos, sin, cu_seqlens))
         return h + self._dropout(self.mlp(self.post_attention_norm(h)))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return run_checkpointed(self._forward, self.checkpointing, x, cos, sin, offload=self.checkpoint_offload)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        return run_checkpointed(self._forward, self.checkpointing, x, cos, sin, cu_seqlens,
+                                offload=self.checkpoint_offload)
 
 
 def check_llama_spec(spec: ModelSpec) -> None:
@@ -373,10 +394,11 @@ def check_llama_spec(spec: ModelSpec) -> None:
 
 
 class LlamaModel(nn.Module):
-    """Decoder-only Llama-style LM. ``forward(input_ids, position_ids=None) -> logits``.
+    """Decoder-only Llama-style LM. ``forward(input_ids, position_ids=None, cu_seqlens=None) -> logits``.
 
     :meth:`hidden_states` stops before the lm_head (the input of a chunked loss, which multiplies by
-    ``lm_head.weight`` chunk by chunk).
+    ``lm_head.weight`` chunk by chunk). ``cu_seqlens``: packed documents (cumulative boundaries over the
+    flattened full batch, as :class:`runtime.data.BatchSharder` makes them): document-masked attention.
     """
 
     def __init__(
@@ -424,16 +446,18 @@ class LlamaModel(nn.Module):
                 else:
                     param.copy_(torch.randn(param.shape, generator=generator) * std)
 
-    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                      cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """The final-norm output the lm_head multiplies (all tokens of this rank's sequence shard)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, cu_seqlens)
         x = self.norm(x)
         return self.head_tp_enter(x) if self.head_tp_enter is not None else x
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.lm_head(self.hidden_states(input_ids, position_ids))
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(input_ids, position_ids, cu_seqlens))
