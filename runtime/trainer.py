@@ -468,7 +468,7 @@ def summary(result: FitResult, mfu_note: str = "") -> str:
     parts = []
     mfus = [r.mfu for r in timed if r.mfu is not None]
     if mfus:
-        parts.append(f"MFU {100 * sum(mfus) / len(mfus):.2f}% ({mfu_note.removeprefix('MFU ')})")
+        parts.append(f"MFU {100 * sum(mfus) / len(mfus):.2f}% {mfu_note.removeprefix('MFU ')}")
     elif mfu_note:
         parts.append(mfu_note)
     mem = {k: max(r.memory.get(k, -1) for r in recs) for k in MEMORY_KEYS}
