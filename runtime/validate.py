@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cost_models.units import GB
+from runtime.capabilities import MEMORY_ASSUMPTIONS
 from runtime.comm_counter import CommCounter
 from runtime.saved_tensor_meter import SavedTensorMeter
 
@@ -175,6 +176,13 @@ class ValidationReport:
     ranks: list[RankMeasurement]
     device: str
     notes: list[str] = field(default_factory=list)
+    #: The configuration that ran (the plan file's content) and the topology the time prediction used,
+    #: so ``sp-plan calibrate`` can re-predict the run under other parameters.
+    plan: dict[str, Any] = field(default_factory=dict)
+    time_topology: dict[str, Any] = field(default_factory=dict)
+    kind: str = "llama"
+    #: The memory-assumption overrides the prediction used for this model kind.
+    memory_overrides: dict[str, Any] = field(default_factory=dict)
 
     def to_json_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -336,7 +344,9 @@ def run_validation(plan, *, steps: int = 3, topology: Any = None, seed: int = 0,
         notes.append("FSDP2 bytes differ from the model where FSDP2 pads a parameter's first dim to a multiple of "
                      "the shard count")
     return ValidationReport(plan_lines=describe_plan(plan), prediction=prediction, ranks=gathered,
-                            device=device_type, notes=notes)
+                            device=device_type, notes=notes, plan=plan.model_dump(mode="json"),
+                            time_topology=topo.spec.model_dump(mode="json"), kind=kind,
+                            memory_overrides=dict(MEMORY_ASSUMPTIONS[kind]))
 
 
 # ----- rendering ------------------------------------------------------------------------------------------
@@ -382,4 +392,6 @@ def render(report: ValidationReport | dict) -> str:
 def _from_dict(data: dict) -> ValidationReport:
     return ValidationReport(plan_lines=data["plan_lines"], prediction=Prediction(**data["prediction"]),
                             ranks=[RankMeasurement(**r) for r in data["ranks"]], device=data["device"],
-                            notes=data.get("notes", []))
+                            notes=data.get("notes", []), plan=data.get("plan", {}),
+                            time_topology=data.get("time_topology", {}), kind=data.get("kind", "llama"),
+                            memory_overrides=data.get("memory_overrides", {}))

@@ -194,7 +194,7 @@ def fit(runs: Sequence[MeasuredRun], params: Sequence[Parameter], *, min_sources
     return FitResult(
         params=used, values=vals, fitted_on=sorted({r.source for r in runs}),
         rms_log_residual=float(math.sqrt(sum(v * v for v in logs) / len(logs))),
-        residuals={r.id: pr / r.value - 1 for pr, r in zip(preds, runs)}, success=success, message=message,
+        residuals={r.id: math.exp(v) - 1 for v, r in zip(logs, runs)}, success=success, message=message,
     )
 
 

@@ -208,7 +208,11 @@ def _describe(entry: dict[str, Any], seq_len: int | None = None) -> str:
     layout = "x".join(f"{k}{entry[k]}" for k in _LAYOUT_KEYS if k in entry and entry[k] > 1) or "dp"
     seq = f" {seq_len // 1000}K" if seq_len else ""
     opts = f" {entry['options']}" if "options" in entry else ""
-    return f"{entry['source']}: {entry['model'].split(' (')[0]} {entry['gpus']}gpu {layout}{seq}{opts}"
+    extra = "".join(f" {label}{entry[key]}" for key, label in (("zero", "zero"), ("checkpointing", "ckpt-"))
+                    if key in entry)
+    extra += " ckpt-offload" if entry.get("offload_checkpoints") else ""
+    extra += f" offload-{entry['offload']}" if "offload" in entry else ""
+    return f"{entry['source']}: {entry['model'].split(' (')[0]} {entry['gpus']}gpu {layout}{seq}{opts}{extra}"
 
 
 def published_runs() -> tuple[list[MeasuredRun], list[Skipped]]:

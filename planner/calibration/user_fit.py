@@ -1,0 +1,146 @@
+"""Calibrate on the user's runs: which parameters, the fit, before/after errors, the calibration file.
+
+The parameters are the ones a cluster and a stack change: the GPU's asymptotic GEMM, attention and
+HBM efficiencies (priors: what the prediction used before, i.e. a probed topology's measured values or
+the kernel model's fitted ones), the fixed costs per GEMM, attention call and ring step, and the stack's
+host-side overheads per layer and per step; with memory figures that include the allocator's cache
+(reserved, nvml), also the fragmentation fraction and the CUDA context size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cost_models.compute_time import fractions
+from cost_models.kernels import kernel_family
+from cost_models.profile import CalibrationError, CalibrationFile, resolve_profile
+
+from .fit import FitResult, Parameter, fit, kendall_tau, leave_one_source_out, predict_all, profile_for, run_gpu
+from .report import errors_of
+from .runs import MeasuredRun, run_topology
+
+#: Metrics that include the allocator's cache and the CUDA context.
+_RESERVED_METRICS = ("reserved_gib", "nvml_used_gib")
+
+
+def user_fit_parameters(runs: Sequence[MeasuredRun]) -> list[Parameter]:
+    """Parameters worth fitting to ``runs`` (all on one GPU type and stack)."""
+    first = runs[0]
+    gpu = run_gpu(first)
+    family = kernel_family(gpu)
+    profile = resolve_profile(gpu, first.stack)
+    topo = run_topology(first.topology, first.layout.world)
+    fr = fractions(topo, profile)
+    k = profile.kernels
+    attn = profile.stack.time.attention_kernel if profile.stack.time.attention_kernel in k.attention else "fa2"
+    a = k.attention[attn]
+    t = profile.stack.time
+    params = [
+        Parameter(target="kernels.gemm.peak_fraction", family=family, prior=fr.matmul, lower=0.01, upper=1.5, sigma=1.5),
+        Parameter(target=f"kernels.attention.{attn}.forward_fraction", family=family, prior=fr.attention_forward,
+                  lower=0.005, upper=1.5, sigma=1.5),
+        Parameter(target=f"kernels.attention.{attn}.backward_fraction", family=family, prior=fr.attention_backward,
+                  lower=0.005, upper=1.5, sigma=1.5),
+        Parameter(target="kernels.memory_fraction", family=family, prior=fr.memory, lower=0.01, upper=1.5, sigma=1.5),
+        Parameter(target="kernels.gemm.launch_s", family=family, prior=max(k.gemm.launch_s, 1e-7), lower=1e-8,
+                  upper=1e-2, sigma=2.0),
+        Parameter(target=f"kernels.attention.{attn}.launch_s", family=family, prior=max(a.launch_s, 1e-7),
+                  lower=1e-8, upper=1e-2, sigma=2.0),
+        Parameter(target="kernels.ring_step_s", family=family, prior=max(k.ring_step_s, 1e-7), lower=1e-8,
+                  upper=0.1, sigma=2.0),
+        Parameter(target="time.layer_overhead_s", stack=first.stack, prior=max(t.layer_overhead_s, 1e-6),
+                  lower=1e-8, upper=1.0, sigma=2.0),
+        Parameter(target="time.step_overhead_s", stack=first.stack, prior=max(t.step_overhead_s, 1e-4),
+                  lower=1e-8, upper=600.0, sigma=2.0),
+    ]
+    if any(r.metric in _RESERVED_METRICS for r in runs):
+        m = profile.memory
+        params.append(Parameter(target="memory.fragmentation_fraction", stack=first.stack,
+                                prior=max(m.fragmentation_fraction, 1e-3), lower=1e-4, upper=2.0, sigma=1.5))
+        params.append(Parameter(target="memory.cuda_context_bytes", stack=first.stack,
+                                prior=float(max(m.cuda_context_bytes, 1 << 20)), lower=float(1 << 20),
+                                upper=float(1 << 34), sigma=1.0))
+    return params
+
+
+@dataclass
+class Calibration:
+    fit: FitResult
+    fitted_runs: list[MeasuredRun]
+    check_runs: list[MeasuredRun]
+    #: Run id -> (before, after) predictions.
+    predictions: dict[str, tuple[float, float]]
+    #: Run id -> held-out prediction when no check runs were given (leave-one-file-out).
+    cross_validated: dict[str, float]
+    errors: list[CalibrationError]
+
+    def to_file(self, description: str) -> CalibrationFile:
+        kernels: dict[str, float] = {}
+        time: dict[str, float] = {}
+        memory: dict[str, float] = {}
+        for p, v in zip(self.fit.params, self.fit.values):
+            section, _, path = p.target.partition(".")
+            value = round(v, 9) if abs(v) < 1e-3 else round(v, 6)
+            if section == "memory" and path == "cuda_context_bytes":
+                value = int(round(v))
+            {"kernels": kernels, "time": time, "memory": memory}[section][path] = value
+        first = self.fitted_runs[0]
+        return CalibrationFile(description=description, gpu=run_gpu(first), stack=first.stack, kernels=kernels,
+                               time=time, memory=memory, fitted_on=[r.id for r in self.fitted_runs],
+                               held_out=[r.id for r in self.check_runs], errors=self.errors)
+
+
+def _mean_abs(errors: Sequence[float]) -> float:
+    return 100.0 * sum(abs(e) for e in errors) / len(errors) if errors else float("nan")
+
+
+def _tau(runs: Sequence[MeasuredRun], predicted: Sequence[float]) -> float | None:
+    """Kendall tau of the step-time ordering (the layouts' ranking) among the step-time runs."""
+    pairs = [(r.value, p) for r, p in zip(runs, predicted) if r.metric == "step_s"]
+    if len(pairs) < 2:
+        return None
+    tau = kendall_tau([a for a, _ in pairs], [b for _, b in pairs])
+    return None if math.isnan(tau) else tau
+
+
+def _error_rows(label: str, runs: Sequence[MeasuredRun], before: Sequence[float],
+                after: Sequence[float]) -> list[CalibrationError]:
+    rows = []
+    for metric in sorted({r.metric for r in runs}):
+        idx = [i for i, r in enumerate(runs) if r.metric == metric]
+        sub = [runs[i] for i in idx]
+        b, a = [before[i] for i in idx], [after[i] for i in idx]
+        rows.append(CalibrationError(
+            metric=f"{metric} ({label})", runs=len(sub),
+            before_mean_abs_pct=_mean_abs(errors_of(sub, b)), after_mean_abs_pct=_mean_abs(errors_of(sub, a)),
+            before_kendall_tau=_tau(sub, b), after_kendall_tau=_tau(sub, a)))
+    return rows
+
+
+def calibrate(fit_runs: Sequence[MeasuredRun], check_runs: Sequence[MeasuredRun] = ()) -> Calibration:
+    """Fit the user parameters to ``fit_runs``; report before/after errors on them and on ``check_runs``
+    (or, without check runs and with three or more files, leave-one-file-out predictions)."""
+    fit_runs, check_runs = list(fit_runs), list(check_runs)
+    params = user_fit_parameters(fit_runs)
+    result = fit(fit_runs, params)
+    everything = fit_runs + check_runs
+    before = predict_all(everything)  # the uncalibrated prediction: the stack and kernel model as shipped
+    after = predict_all(everything, result.params, result.values)
+    predictions = {r.id: (b, a) for r, b, a in zip(everything, before, after)}
+    n = len(fit_runs)
+    errors = _error_rows("fitted on", fit_runs, before[:n], after[:n])
+    cross: dict[str, float] = {}
+    if check_runs:
+        errors += _error_rows("held out", check_runs, before[n:], after[n:])
+    elif len({r.source for r in fit_runs}) >= 3:
+        for held in leave_one_source_out(fit_runs, params):
+            cross.update(held.predictions)
+        ids = [r for r in fit_runs if r.id in cross]
+        errors += _error_rows("leave-one-file-out", ids, [predictions[r.id][0] for r in ids],
+                              [cross[r.id] for r in ids])
+    return Calibration(result, fit_runs, check_runs, predictions, cross, errors)
+
+
+__all__ = ["Calibration", "calibrate", "user_fit_parameters", "profile_for"]

@@ -1,0 +1,74 @@
+"""``sp-plan calibrate``: fit efficiencies and overheads to your own measured runs, write a calibration file.
+
+Inputs are ``sp-plan validate --json`` reports (one run each, configuration included) and/or CSV files
+(one run per row: configuration columns plus measured ``step_s`` / ``tps_per_gpu`` / memory columns; see
+:mod:`planner.calibration.user_runs`). The fit (:mod:`planner.calibration.user_fit`) moves the GPU's
+asymptotic GEMM/attention/HBM efficiencies, per-kernel and per-ring-step fixed costs and the stack's
+overheads from their current values toward the measurements; the file it writes is what
+``estimate``/``plan``/``capacity`` take with ``--calibration FILE``. Give ``--check`` runs to see the
+calibration predict runs it was not fitted on; without them and with three or more files, each file is
+predicted by a fit on the others.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import click
+import yaml
+
+from cost_models.errors import CostModelError
+
+
+@click.command("calibrate")
+@click.argument("runs", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--check", "check", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Runs to predict but not fit on (repeatable): the honest test of the calibration.")
+@click.option("--stack", default="sp-plan", show_default=True,
+              help="Stack the runs used when a file does not say (validate reports record it).")
+@click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), default=Path("calibration.yaml"),
+              show_default=True, help="Calibration YAML to write (use it with --calibration FILE).")
+@click.option("--json", "as_json", is_flag=True, help="Print the before/after errors as JSON.")
+def command(runs: tuple[Path, ...], check: tuple[Path, ...], stack: str, out_file: Path, as_json: bool) -> None:
+    """Fit a calibration to measured runs (validate --json reports or CSV) and print before/after errors."""
+    from planner.calibration.user_fit import calibrate
+    from planner.calibration.user_runs import load_runs
+    from planner.calibration.fit import run_gpu
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = Path(tmp)
+        fit_runs = load_runs(list(runs), cache, stack)
+        check_runs = load_runs(list(check), cache, stack)
+        if not fit_runs:
+            raise CostModelError("no measured runs to fit")
+        gpus = {run_gpu(r) for r in fit_runs + check_runs}
+        stacks = {r.stack for r in fit_runs + check_runs}
+        if len(gpus) > 1 or len(stacks) > 1:
+            raise CostModelError(f"calibrate one GPU type and stack at a time; these runs use GPUs {sorted(gpus)} "
+                                 f"and stacks {sorted(stacks)}")
+        result = calibrate(fit_runs, check_runs)
+        description = (f"fitted by `sp-plan calibrate` on {len(fit_runs)} measurement(s) from "
+                       f"{len({r.source for r in fit_runs})} file(s)")
+        cal = result.to_file(description)
+    out_file.write_text(yaml.safe_dump(cal.model_dump(mode="json"), sort_keys=False, width=120))
+    if as_json:
+        click.echo(json.dumps({"calibration": str(out_file), "errors": [e.model_dump() for e in cal.errors],
+                               "parameters": result.fit.as_dict()}, indent=2))
+        return
+    click.echo(f"fitted {len(result.fit.params)} parameter(s) on {len(fit_runs)} measurement(s); wrote {out_file}")
+    for name, value in result.fit.as_dict().items():
+        click.echo(f"  {name:<48} {value:.4g}")
+    click.echo(f"{'run':<70}{'measured':>11}{'before':>11}{'after':>11}")
+    for r in fit_runs + check_runs:
+        before, after = result.predictions[r.id]
+        tag = " (held out)" if r in check_runs else ""
+        click.echo(f"{(r.id + tag)[:70]:<70}{r.value:>11.4g}{before:>11.4g}{after:>11.4g}")
+    click.echo(f"{'error':<40}{'runs':>5}{'before':>10}{'after':>10}{'tau before':>12}{'tau after':>11}")
+    for e in cal.errors:
+        tb = "-" if e.before_kendall_tau is None else f"{e.before_kendall_tau:.2f}"
+        ta = "-" if e.after_kendall_tau is None else f"{e.after_kendall_tau:.2f}"
+        click.echo(f"{e.metric:<40}{e.runs:>5}{e.before_mean_abs_pct:>9.1f}%{e.after_mean_abs_pct:>9.1f}%"
+                   f"{tb:>12}{ta:>11}")
+    click.echo(f"use it: sp-plan plan ... --calibration {out_file}")
