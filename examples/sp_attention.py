@@ -7,7 +7,10 @@
 Every rank builds the same full-sequence q, k, v (so the check can recompute the answer on one
 device), keeps only its shard, applies RoPE with its *global* positions, runs exact distributed
 attention forward and backward, and compares the gathered output and gradients with single-device
-attention on the whole sequence. Runs on CPU (gloo) or one GPU per rank (NCCL).
+attention on the whole sequence. Then the same for packed rows (``--documents``, default 4 per row):
+positions restart at 0 per document and ``cu_seqlens`` (the document boundaries over the whole batch,
+the same on every rank) makes every token attend only within its document. Runs on CPU (gloo) or one
+GPU per rank (NCCL).
 """
 
 from __future__ import annotations
@@ -47,6 +50,36 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+def packed_documents(seq: int, batch: int, documents: int, gen: torch.Generator):
+    """Document boundaries (the same in every row, for the example's 1-D RoPE positions): per-document
+    positions (seq,) and ``cu_seqlens`` over the flattened (batch x seq)."""
+    cuts = sorted(torch.randperm(seq - 1, generator=gen)[: documents - 1].add(1).tolist())
+    bounds = [0, *cuts, seq]
+    positions = torch.cat([torch.arange(hi - lo) for lo, hi in zip(bounds, bounds[1:])])
+    cu = torch.tensor(sorted({b * seq + p for b in range(batch) for p in bounds}), dtype=torch.int32)
+    return positions, cu
+
+
+def check(sp, q, k, v, dout, positions, cu_seqlens=None) -> dict[str, float]:
+    """Distributed attention on this rank's shards vs single-device attention on the whole sequence."""
+    q_local, k_local, v_local = (sp.shard(x, dim=1).clone().requires_grad_() for x in (q, k, v))
+    local_positions = sp.shard(positions, dim=0)  # global positions (per document when packed)
+    out_local = sp.attention(rope(q_local, local_positions), rope(k_local, local_positions), v_local, causal=True,
+                             cu_seqlens=cu_seqlens)
+    out_local.backward(sp.shard(dout, dim=1))
+
+    q_full, k_full, v_full = (x.clone().requires_grad_() for x in (q, k, v))
+    out_full = local_attention(rope(q_full, positions), rope(k_full, positions), v_full, causal=True,
+                               cu_seqlens=cu_seqlens)
+    out_full.backward(dout)
+    return {
+        "out": rel_err(sp.gather(out_local.detach(), dim=1), out_full.detach()),
+        "dq": rel_err(sp.gather(q_local.grad, dim=1), q_full.grad),
+        "dk": rel_err(sp.gather(k_local.grad, dim=1), k_full.grad),
+        "dv": rel_err(sp.gather(v_local.grad, dim=1), v_full.grad),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plan", help="plan file (YAML/JSON with a 'layout:' mapping); overrides --ring/--ulysses")
@@ -56,6 +89,7 @@ def main() -> int:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--documents", type=int, default=4, help="documents per packed row in the second check")
     args = parser.parse_args()
 
     if args.plan:
@@ -80,32 +114,25 @@ def main() -> int:
     dout = torch.randn(batch, seq, heads, head_dim, generator=gen).to(device)
 
     # --- what a training step does: shard the sequence, use global positions, attend -----------
-    q_local, k_local, v_local = (sp.shard(x, dim=1).clone().requires_grad_() for x in (q, k, v))
-    positions = sp.positions(seq, device=device)
-    out_local = sp.attention(rope(q_local, positions), rope(k_local, positions), v_local, causal=True)
-    out_local.backward(sp.shard(dout, dim=1))
-
-    # --- check: single-device attention on the whole sequence ---------------------------------
-    q_full, k_full, v_full = (x.clone().requires_grad_() for x in (q, k, v))
-    all_positions = torch.arange(seq, device=device)
-    out_full = local_attention(rope(q_full, all_positions), rope(k_full, all_positions), v_full, causal=True)
-    out_full.backward(dout)
-    errors = {
-        "out": rel_err(sp.gather(out_local.detach(), dim=1), out_full.detach()),
-        "dq": rel_err(sp.gather(q_local.grad, dim=1), q_full.grad),
-        "dk": rel_err(sp.gather(k_local.grad, dim=1), k_full.grad),
-        "dv": rel_err(sp.gather(v_local.grad, dim=1), v_full.grad),
-    }
-    worst = torch.tensor(max(errors.values()), dtype=torch.float64, device=device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    ok = worst.item() <= TOLERANCE
+    positions = torch.arange(seq, device=device)
+    packed_positions, cu_seqlens = packed_documents(seq, batch, max(args.documents, 1), gen)
+    runs = {"dense": check(sp, q, k, v, dout, positions),
+            f"packed ({args.documents} documents per row)": check(sp, q, k, v, dout, packed_positions.to(device),
+                                                                  cu_seqlens)}
+    ok = True
     if dist.get_rank() == 0:
+        mine = sp.positions(seq)
         print(f"layout {layout.describe()}: {sp}")
-        print(f"q {tuple(q.shape)} -> local q {tuple(q_local.shape)}; rank 0 holds positions "
-              f"{positions[:4].tolist()}...{positions[-4:].tolist()}")
-        print("max relative error vs single-device attention: "
-              + ", ".join(f"{name} {err:.1e}" for name, err in errors.items())
-              + f" (all ranks: {worst.item():.1e}) -> {'OK' if ok else 'MISMATCH'}")
+        print(f"q {tuple(q.shape)} -> local q {tuple(sp.shard(q, dim=1).shape)}; rank 0 holds positions "
+              f"{mine[:4].tolist()}...{mine[-4:].tolist()}; packed: cu_seqlens {cu_seqlens.tolist()}")
+    for name, errors in runs.items():
+        worst = torch.tensor(max(errors.values()), dtype=torch.float64, device=device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        ok &= worst.item() <= TOLERANCE
+        if dist.get_rank() == 0:
+            print(f"{name}: max relative error vs single-device attention: "
+                  + ", ".join(f"{n} {err:.1e}" for n, err in errors.items())
+                  + f" (all ranks: {worst.item():.1e}) -> {'OK' if worst.item() <= TOLERANCE else 'MISMATCH'}")
     dist.barrier()  # every rank is done with every group before any tears them down
     dist.destroy_process_group()
     return 0 if ok else 1
