@@ -23,11 +23,13 @@
    of the same kind acts immediately (the previous handler: KeyboardInterrupt for SIGINT).
 
 **Telemetry** (rank 0 prints; every rank computes): per step the loss (global token mean), tokens/s
-(valid tokens of all ranks / the step's wall time), **MFU** = the plan's model FLOPs per step
-(:func:`cost_models.flops.model_flops_per_step`: no recomputation) / (step time x world x peak), with
-the peak the plan was made for (``plan.estimate.time.peak_flops``: a GPU datasheet, or on CPU the
-probe's measured matmul rate; MFU is reported as not applicable when the plan's device kind is not the
-one running), the learning rate, the gradient norm, and memory, maximised over ranks: CUDA
+(valid tokens of all ranks / the step's wall time), the achieved **model FLOP/s per rank** = the plan's
+model FLOPs per step (:func:`cost_models.flops.model_flops_per_step`: no recomputation) / (step time
+x ranks), and on GPUs **MFU** = that / the datasheet peak the plan was made for
+(``plan.estimate.time.peak_flops``). On CPU MFU is reported as not meaningful: ranks share cores
+(with each other and with whatever else runs), so there is no per-rank peak, and the probe's measured
+matmul rate, which the planner uses, is not one (a 4-rank CPU run measured 123% "MFU" against it). Also
+the learning rate, the gradient norm, and memory, maximised over ranks: CUDA
 ``max_memory_allocated``/``max_memory_reserved`` of the step; on CPU the process's resident set
 (current and peak RSS: it includes the Python runtime, not just tensors), plus, every
 ``live_bytes_every`` steps, the peak of live tensor bytes over the step measured by
@@ -69,6 +71,7 @@ class StepRecord:
     seconds: float
     tokens_per_s: float
     mfu: float | None
+    model_flops_per_s: float
     lr: float | None
     grad_norm: float | None
     memory: dict[str, int] = field(default_factory=dict)
@@ -110,9 +113,9 @@ def _rss_bytes() -> tuple[int, int]:
     return current, max(peak, current)  # the kernel updates its high-water mark lazily
 
 
-def mfu_basis(setup) -> tuple[float | None, float | None, str]:
+def mfu_basis(setup) -> tuple[float, float | None, str]:
     """(model FLOPs per step, peak FLOP/s per rank, a note on what the peak is) for MFU; the peak is None
-    when it would not describe this run (a GPU plan run on CPU, or the other way round)."""
+    when it would not describe this run: on CPU, or a plan for another device kind."""
     from cost_models.flops import model_flops_per_step
 
     plan = setup.plan
@@ -126,16 +129,19 @@ def mfu_basis(setup) -> tuple[float | None, float | None, str]:
             peak = get_gpu_preset(gpu).flops_for(plan.train.dtype)
         except Exception:
             return flops, None, f"MFU n/a: no peak FLOP/s known for {gpu}"
-    planned_cpu = gpu.startswith("cpu")
-    running_cpu = setup.device.type == "cpu"
-    if planned_cpu != running_cpu:
-        return flops, None, (f"MFU n/a: the plan's peak is {gpu}'s ({peak / 1e12:,.1f} TFLOP/s), this run is on "
-                             f"{setup.device.type}")
-    what = "measured by the probe" if planned_cpu else f"{plan.train.dtype} datasheet peak"
-    return flops, peak, f"MFU vs {gpu} {_flops_text(peak)} per rank ({what})"
+    if setup.device.type == "cpu":
+        if gpu.startswith("cpu"):
+            return flops, None, (f"MFU n/a on CPU: ranks share cores, so there is no per-rank peak (the probe "
+                                 f"measured {_flops_text(peak)} per rank for planning)")
+        return flops, None, f"MFU n/a: the plan's peak is {gpu}'s ({_flops_text(peak)}), this run is on cpu"
+    if gpu.startswith("cpu"):
+        return flops, None, f"MFU n/a: the plan was made for {gpu}, this run is on {setup.device.type}"
+    return flops, peak, f"MFU vs {gpu} {_flops_text(peak)} per rank ({plan.train.dtype} datasheet peak)"
 
 
 def _flops_text(flops: float) -> str:
+    if not math.isfinite(flops):
+        return "n/a FLOP/s"
     return f"{flops / 1e12:,.1f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:,.1f} GFLOP/s"
 
 
@@ -196,11 +202,11 @@ class Telemetry:
         return [values[k] for k in MEMORY_KEYS]
 
     def record(self, step: int, result: StepResult, lr: float | None, memory: list[int]) -> StepRecord:
-        mfu = None
-        if self.peak and result.seconds > 0:
-            mfu = self.flops_per_step / (result.seconds * self.world * self.peak)
+        achieved = self.flops_per_step / (result.seconds * self.world) if result.seconds > 0 else math.nan
+        mfu = achieved / self.peak if self.peak else None
         rec = StepRecord(step=step, loss=result.loss, tokens=result.tokens, seconds=result.seconds,
                          tokens_per_s=result.tokens / result.seconds if result.seconds > 0 else math.nan, mfu=mfu,
+                         model_flops_per_s=achieved,
                          lr=lr, grad_norm=result.grad_norm,
                          memory={k: v for k, v in zip(MEMORY_KEYS, memory) if v >= 0})
         if not self.rank0:
@@ -222,6 +228,7 @@ class Telemetry:
         w.add_scalar("train/loss", rec.loss, rec.step)
         w.add_scalar("train/tokens_per_s", rec.tokens_per_s, rec.step)
         w.add_scalar("train/step_seconds", rec.seconds, rec.step)
+        w.add_scalar("train/model_flops_per_s_per_rank", rec.model_flops_per_s, rec.step)
         if rec.mfu is not None:
             w.add_scalar("train/mfu", rec.mfu, rec.step)
         if rec.lr is not None:
@@ -233,6 +240,7 @@ class Telemetry:
 
     def line(self, rec: StepRecord) -> str:
         parts = [f"step {rec.step}", f"loss {rec.loss:.4f}", f"{rec.tokens_per_s:,.0f} tok/s"]
+        parts.append(f"{_flops_text(rec.model_flops_per_s)}/rank")
         if rec.mfu is not None:
             parts.append(f"MFU {100 * rec.mfu:.2f}%")
         m = rec.memory
@@ -465,7 +473,8 @@ def summary(result: FitResult, mfu_note: str = "") -> str:
     first, last = recs[0].step, recs[-1].step
     lines = [f"done: {len(recs)} steps in {result.seconds:.1f} s (steps {first}..{last}); loss {recs[0].loss:.3f} -> "
              f"{recs[-1].loss:.3f}; {rate:,.0f} tokens/s (steps {timed[0].step}..{last}, all ranks)"]
-    parts = []
+    achieved = sum(r.model_flops_per_s * r.seconds for r in timed) / seconds if seconds else math.nan
+    parts = [f"model {_flops_text(achieved)} per rank"]
     mfus = [r.mfu for r in timed if r.mfu is not None]
     if mfus:
         parts.append(f"MFU {100 * sum(mfus) / len(mfus):.2f}% {mfu_note.removeprefix('MFU ')}")

@@ -1,5 +1,5 @@
 """runtime.trainer.Trainer: telemetry (printed lines, JSON lines, TensorBoard scalars, CPU memory, profiled
-live bytes), MFU from the plan's FLOPs and peak, and exit signals: SIGTERM on one rank stops every rank
+live bytes), achieved model FLOP/s and MFU from the plan's FLOPs and peak (n/a on CPU), and exit signals: SIGTERM on one rank stops every rank
 after the same step with a checkpoint, from which a resumed run continues exactly; a second SIGINT
 interrupts at once."""
 
@@ -50,16 +50,18 @@ def test_telemetry_is_printed_and_logged(telemetry):
     assert lines[0].startswith("MFU n/a: the plan's peak is h100-80gb's")  # a GPU plan run on CPU: said so
     steps = [ln for ln in lines if ln.startswith("step ")]
     assert [ln.split(" | ")[0] for ln in steps] == ["step 1", "step 2", "step 3"]
-    assert all("tok/s" in ln and "RSS" in ln and "lr " in ln and "grad norm" in ln for ln in steps)
+    assert all("tok/s" in ln and "FLOP/s/rank" in ln and "RSS" in ln and "lr " in ln and "grad norm" in ln
+               for ln in steps)
     assert "live tensors" in steps[1] and "live tensors" not in steps[0]
     assert any(ln.startswith("done: 3 steps") for ln in lines)
-    assert any(ln.startswith("telemetry: MFU n/a") and "peak RSS" in ln and "peak live tensors" in ln for ln in lines)
+    assert any(ln.startswith("telemetry: model ") and "MFU n/a" in ln and "peak RSS" in ln and "peak live tensors" in ln
+               for ln in lines)
     records = [json.loads(ln) for ln in (root / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert [r["loss"] for r in records] == out["losses"]  # exact floats
     assert all(r["memory"]["rss"] > 0 and r["memory"]["peak_rss"] >= r["memory"]["rss"] for r in records)
     assert records[1]["memory"]["live_peak"] > 0 and "live_peak" not in records[0]["memory"]
-    assert all(r["mfu"] is None and r["tokens_per_s"] > 0 for r in records)
+    assert all(r["mfu"] is None and r["tokens_per_s"] > 0 and r["model_flops_per_s"] > 0 for r in records)
 
 
 @pytest.mark.multiproc
@@ -71,7 +73,8 @@ def test_tensorboard_scalars(telemetry):
     events = EventAccumulator(str(root / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"train/loss", "train/tokens_per_s", "train/lr", "train/grad_norm", "memory/rss_bytes"} <= tags
+    assert {"train/loss", "train/tokens_per_s", "train/lr", "train/grad_norm", "train/model_flops_per_s_per_rank",
+            "memory/rss_bytes"} <= tags
     losses = [e.value for e in events.Scalars("train/loss")]
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
     assert losses == pytest.approx(out["losses"], rel=1e-6)  # stored as float32
@@ -98,15 +101,23 @@ def test_mfu_is_the_plans_model_flops_over_time_and_peak():
     gpu_setup = SimpleNamespace(plan=plan, device=torch.device("cuda"))
     flops, peak, note = mfu_basis(gpu_setup)
     assert flops == model_flops_per_step(plan.model, plan.train, plan.layout) > 0
-    assert peak == plan.estimate["time"]["peak_flops"] and "h100-80gb" in note
-    cpu_plan = plan.model_copy(update={"hardware": plan.hardware.model_copy(update={"gpu": "cpu-test"})})
-    assert mfu_basis(SimpleNamespace(plan=plan, device=torch.device("cpu")))[1] is None
-    cpu_setup = SimpleNamespace(plan=cpu_plan, device=torch.device("cpu"))
-    assert "measured by the probe" in mfu_basis(cpu_setup)[2]
-    telemetry = Telemetry(cpu_setup, total_steps=1, progress=False, log_every=0)
-    record = telemetry.record(1, StepResult(loss=2.0, tokens=2048, micro_batch_losses=[2.0], seconds=0.5), 1e-3, [])
+    assert peak == plan.estimate["time"]["peak_flops"] and "h100-80gb" in note and "datasheet" in note
+    telemetry = Telemetry(gpu_setup, total_steps=1, progress=False, log_every=0)
+    telemetry.cuda = False  # no CUDA here: the arithmetic is what is tested
+    step = StepResult(loss=2.0, tokens=2048, micro_batch_losses=[2.0], seconds=0.5)
+    record = telemetry.record(1, step, 1e-3, [])
+    assert math.isclose(record.model_flops_per_s, flops / (0.5 * 2))  # per rank: the plan's 2 ranks
     assert math.isclose(record.mfu, flops / (0.5 * 2 * peak))
     assert record.tokens_per_s == 4096
+    # On CPU there is no per-rank peak (ranks share cores): MFU is n/a, the achieved FLOP/s are still reported.
+    cpu_plan = plan.model_copy(update={"hardware": plan.hardware.model_copy(update={"gpu": "cpu-test"})})
+    for p in (plan, cpu_plan):
+        flops_cpu, peak_cpu, note_cpu = mfu_basis(SimpleNamespace(plan=p, device=torch.device("cpu")))
+        assert flops_cpu == flops and peak_cpu is None and note_cpu.startswith("MFU n/a")
+    assert "ranks share cores" in mfu_basis(SimpleNamespace(plan=cpu_plan, device=torch.device("cpu")))[2]
+    cpu = Telemetry(SimpleNamespace(plan=cpu_plan, device=torch.device("cpu")), total_steps=1, progress=False,
+                    log_every=0).record(1, step, 1e-3, [])
+    assert cpu.mfu is None and math.isclose(cpu.model_flops_per_s, record.model_flops_per_s)
 
 
 def test_a_data_source_without_a_position_is_refused():
