@@ -141,7 +141,8 @@ def dependent_sources(runs: Sequence[MeasuredRun], params: Sequence[Parameter]) 
             out[p.name] = set()
             continue
         values = list(base_values)
-        values[i] = p.prior * (1 + _PROBE_STEP) if p.prior else _PROBE_STEP
+        up = p.prior * (1 + _PROBE_STEP) if p.prior else _PROBE_STEP
+        values[i] = up if up <= p.upper else p.prior * (1 - _PROBE_STEP)  # stay inside the bounds
         moved = log_residuals(runs, predict_all(runs, params, values))
         # On the residuals the fit sees: a scale-free table depends on a parameter only through ratios.
         out[p.name] = {r.source for r, a, b in zip(runs, base, moved) if abs(b - a) > _DEPENDENCE}
@@ -184,7 +185,8 @@ def fit(runs: Sequence[MeasuredRun], params: Sequence[Parameter], *, min_sources
 
     if used:
         sol = least_squares(residuals, np.clip(x0, lo, hi), bounds=(lo, hi), method="trf", x_scale="jac",
-                            diff_step=1e-3, max_nfev=max_nfev, loss=LOSS, f_scale=ROBUST_SCALE)
+                            diff_step=1e-3, max_nfev=max_nfev, loss=LOSS, f_scale=ROBUST_SCALE,
+                            ftol=1e-10, xtol=1e-10, gtol=1e-10)
         x, success, message = sol.x, bool(sol.success), str(sol.message)
     else:
         x, success, message = x0, True, "nothing to fit"

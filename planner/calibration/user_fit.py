@@ -21,6 +21,10 @@ from .fit import FitResult, Parameter, fit, kendall_tau, leave_one_source_out, p
 from .report import errors_of
 from .runs import MeasuredRun, run_topology
 
+#: Prior width (log space) of every user parameter: wide enough that a handful of the user's own runs
+#: outweigh the shipped values (their cluster and stack are the truth), narrow enough to keep parameters
+#: that the runs barely constrain from wandering to their bounds.
+USER_PRIOR_SIGMA = 100.0
 #: Metrics that include the allocator's cache and the CUDA context.
 _RESERVED_METRICS = ("reserved_gib", "nvml_used_gib")
 
@@ -38,27 +42,27 @@ def user_fit_parameters(runs: Sequence[MeasuredRun]) -> list[Parameter]:
     a = k.attention[attn]
     t = profile.stack.time
     params = [
-        Parameter(target="kernels.gemm.peak_fraction", family=family, prior=fr.matmul, lower=0.01, upper=1.5, sigma=1.5),
+        Parameter(target="kernels.gemm.peak_fraction", family=family, prior=fr.matmul, lower=0.01, upper=1.0, sigma=USER_PRIOR_SIGMA),
         Parameter(target=f"kernels.attention.{attn}.forward_fraction", family=family, prior=fr.attention_forward,
-                  lower=0.005, upper=1.5, sigma=1.5),
+                  lower=0.005, upper=1.0, sigma=USER_PRIOR_SIGMA),
         Parameter(target=f"kernels.attention.{attn}.backward_fraction", family=family, prior=fr.attention_backward,
-                  lower=0.005, upper=1.5, sigma=1.5),
-        Parameter(target="kernels.memory_fraction", family=family, prior=fr.memory, lower=0.01, upper=1.5, sigma=1.5),
+                  lower=0.005, upper=1.0, sigma=USER_PRIOR_SIGMA),
+        Parameter(target="kernels.memory_fraction", family=family, prior=fr.memory, lower=0.01, upper=1.0, sigma=USER_PRIOR_SIGMA),
         Parameter(target="kernels.gemm.launch_s", family=family, prior=max(k.gemm.launch_s, 1e-7), lower=1e-8,
-                  upper=1e-2, sigma=2.0),
+                  upper=1e-2, sigma=USER_PRIOR_SIGMA),
         Parameter(target=f"kernels.attention.{attn}.launch_s", family=family, prior=max(a.launch_s, 1e-7),
-                  lower=1e-8, upper=1e-2, sigma=2.0),
+                  lower=1e-8, upper=1e-2, sigma=USER_PRIOR_SIGMA),
         Parameter(target="kernels.ring_step_s", family=family, prior=max(k.ring_step_s, 1e-7), lower=1e-8,
-                  upper=0.1, sigma=2.0),
+                  upper=0.1, sigma=USER_PRIOR_SIGMA),
         Parameter(target="time.layer_overhead_s", stack=first.stack, prior=max(t.layer_overhead_s, 1e-6),
-                  lower=1e-8, upper=1.0, sigma=2.0),
+                  lower=1e-8, upper=1.0, sigma=USER_PRIOR_SIGMA),
         Parameter(target="time.step_overhead_s", stack=first.stack, prior=max(t.step_overhead_s, 1e-4),
-                  lower=1e-8, upper=600.0, sigma=2.0),
+                  lower=1e-8, upper=600.0, sigma=USER_PRIOR_SIGMA),
     ]
     if any(r.metric in _RESERVED_METRICS for r in runs):
         m = profile.memory
         params.append(Parameter(target="memory.fragmentation_fraction", stack=first.stack,
-                                prior=max(m.fragmentation_fraction, 1e-3), lower=1e-4, upper=2.0, sigma=1.5))
+                                prior=max(m.fragmentation_fraction, 1e-3), lower=1e-4, upper=2.0, sigma=USER_PRIOR_SIGMA))
         params.append(Parameter(target="memory.cuda_context_bytes", stack=first.stack,
                                 prior=float(max(m.cuda_context_bytes, 1 << 20)), lower=float(1 << 20),
                                 upper=float(1 << 34), sigma=1.0))
