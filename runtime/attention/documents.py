@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import weakref
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -97,10 +98,28 @@ def _row_bounds(cu: tuple[int, ...], batch: int, seq_len: int) -> RowBounds:
     return tuple(rows)
 
 
+_HOST: dict[int, tuple[weakref.ref, tuple[int, ...]]] = {}
+
+
+def host_boundaries(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
+    """``cu_seqlens`` as Python ints. A device copy (FSDP2's root moves a module's tensor inputs to the
+    GPU) is read once per tensor object, not once per layer: the result is cached until the tensor is
+    freed, so a forward and its backward sync with the host once."""
+    if cu_seqlens.device.type == "cpu":
+        return tuple(cu_seqlens.tolist())
+    key = id(cu_seqlens)
+    cached = _HOST.get(key)
+    if cached is not None and cached[0]() is cu_seqlens:
+        return cached[1]
+    values = tuple(cu_seqlens.tolist())
+    _HOST[key] = (weakref.ref(cu_seqlens, lambda _, key=key: _HOST.pop(key, None)), values)
+    return values
+
+
 def row_bounds(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> RowBounds:
     """Validated per-row document boundaries of a ``(batch, seq_len)`` full sequence."""
     check_cu_seqlens(cu_seqlens)
-    return _row_bounds(tuple(cu_seqlens.tolist()), batch, seq_len)
+    return _row_bounds(host_boundaries(cu_seqlens), batch, seq_len)
 
 
 def cu_seqlens_from_starts(starts: torch.Tensor) -> torch.Tensor:
