@@ -75,4 +75,4 @@ def test_categories_are_kept_apart():
     g.input("x", 10)
     g.op("A", ["x"], [TensorSpec("l", 50, kind="logits")], saves=["l"], fwd_workspace=[Workspace(5, "comm")])
     peak = simulate(g.build(outputs=("l",)), "none").forward_peak
-    assert peak.by_kind == {"activation": 10, "logits": 50, "comm": 5, "kv_cache": 0}
+    assert peak.by_kind == {"activation": 10, "logits": 50, "comm": 5, "kv_cache": 0, "grads": 0}

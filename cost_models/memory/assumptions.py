@@ -21,6 +21,19 @@ from ..units import MiB
 SelectivePolicy = Literal["attention_outputs", "attention_core_recompute"]
 MLPImplementation = Literal["eager", "fused_swiglu"]
 NormImplementation = Literal["fused", "eager"]
+CheckpointImplementation = Literal["non_reentrant", "reentrant"]
+RopeImplementation = Literal["eager", "inplace"]
+TiledLossImplementation = Literal["chunked", "liger_flce"]
+Allocator = Literal["fraction", "expandable", "segments"]
+NcclMemory = Literal["flat", "buffers"]
+NcclGroups = Literal["mesh", "purposes"]
+
+#: NCCL's per-connection buffer sizes (src/init.cc, NCCL 2.18-2.27 defaults): SIMPLE protocol
+#: ``DEFAULT_BUFFSIZE`` = 4 MiB (NCCL_BUFFSIZE), LL128 ``120 x 640 x 8 steps x 8 B`` = 4,915,200 B,
+#: LL ``8 x 512 x 8 steps x 16 B`` = 512 KiB.
+NCCL_SIMPLE_BYTES = 1 << 22
+NCCL_LL128_BYTES = 120 * 640 * 8 * 8
+NCCL_LL_BYTES = 8 * 512 * 8 * 16
 
 
 class MemoryAssumptions(BaseModel):
@@ -75,6 +88,48 @@ class MemoryAssumptions(BaseModel):
             "sequence shard is saved and re-gathered in backward."
         ),
     )
+    checkpoint_implementation: CheckpointImplementation = Field(
+        default="non_reentrant",
+        description=(
+            "How activation checkpointing re-runs a block. 'non_reentrant' (torch.utils.checkpoint with "
+            "use_reentrant=False, this project's runtime, torchtitan): saved-tensor hooks recompute at the "
+            "first unpack and stop once every saved tensor is back; the block's output is not kept. "
+            "'reentrant' (use_reentrant=True: HF transformers' default in 4.x gradient_checkpointing_enable, "
+            "ALST's CheckpointFunctionWithCPUOffload, Megatron's CheckpointFunction): backward re-runs the "
+            "whole block forward, holds its output (`outputs`) and the incoming gradient (`args`) until "
+            "torch.autograd.backward over the block returns, so a gradient that would be accumulated into "
+            "the incoming one in place gets a new buffer instead (+2 hidden-sized tensors per block)."
+        ),
+    )
+    rope_implementation: RopeImplementation = Field(
+        default="eager",
+        description=(
+            "'eager' (HF apply_rotary_pos_emb, this project's runtime): x * cos + rotate_half(x) * sin, two "
+            "x-sized temporaries and a new output. 'inplace' (Liger-Kernel's LigerRopeFunction, used by "
+            "ALST's 'liger' model type): a Triton kernel rotates the contiguous q/k projection outputs in "
+            "place and saves only cos/sin: no temporaries, no new tensor (backward is in place too)."
+        ),
+    )
+    alltoall_head_major_copy: bool = Field(
+        default=False,
+        description=(
+            "DeepSpeed's UlyssesSPAttentionHF: after each q/k/v all-to-all the received [seq, batch, "
+            "heads, dim] tensor is rearranged to [batch, heads, seq, dim] with .contiguous(), a copy when a "
+            "GPU holds more than one head (the received tensor is then freed); the attention kernel saves "
+            "the copy. Its backward is a view (no buffer)."
+        ),
+    )
+    flash_varlen_pad_rows: int = Field(
+        default=0,
+        ge=0,
+        le=1024,
+        description=(
+            "FlashAttention-2's varlen backward (mha_varlen_bwd, used by HF for packed sequences given "
+            "position_ids) allocates dq_accum and softmax_d with `total_q + 128 x sequences` rows (128 per "
+            "packed sequence, so neighbouring sequences' atomic adds never overlap): 128 there, 0 for the "
+            "dense kernel. Sequences = micro_batch x documents per sequence (TrainSpec.document_length)."
+        ),
+    )
     # ----- transient buffers inside one layer ------------------------------------------------------
     flash_backward_dq_accum_fp32: bool = Field(
         default=True,
@@ -110,6 +165,19 @@ class MemoryAssumptions(BaseModel):
         ),
     )
     # ----- output layer ----------------------------------------------------------------------------
+    tiled_loss_implementation: TiledLossImplementation = Field(
+        default="chunked",
+        description=(
+            "What `tiled_loss` runs. 'chunked' (this project's runtime.tiled_loss, DeepSpeed's "
+            "TiledFusedLogitsLoss): saves hidden states and fp32 LSE, recomputes each chunk's logits in "
+            "backward (`loss_chunk_tokens`). 'liger_flce' (Liger-Kernel's LigerFusedLinearCrossEntropy, "
+            "ALST's 'liger' model type): the forward computes the gradients: a full input-gradient buffer "
+            "(T x hidden) and an unsharded output-matrix gradient in the compute dtype "
+            "(torch.zeros_like(weight)) live from the loss forward to its backward, and one chunk of "
+            "logits (next_pow2(ceil(T / ceil(vocab / hidden))) tokens, compute dtype) is written and turned "
+            "into its gradient in place."
+        ),
+    )
     loss_chunk_tokens: int = Field(
         default=1024,
         ge=1,
@@ -145,6 +213,14 @@ class MemoryAssumptions(BaseModel):
             "size of the hidden states."
         ),
     )
+    tiled_mlp_concat_outputs: bool = Field(
+        default=False,
+        description=(
+            "False (this project's runtime): each tile writes its slice of a preallocated output. True "
+            "(DeepSpeed's TiledMLP, ALST): forward keeps every tile's output in a list and torch.cat's them, "
+            "so at the cat a second hidden-sized tensor exists (also during a reentrant recompute)."
+        ),
+    )
     # ----- model states and ZeRO -------------------------------------------------------------------
     zero3_prefetch_layers: int = Field(
         default=1,
@@ -153,6 +229,43 @@ class MemoryAssumptions(BaseModel):
         description=(
             "ZeRO-3/FSDP: transformer blocks gathered ahead of the one computing (FSDP2's implicit "
             "forward/backward prefetch gathers the next block while the current one runs)."
+        ),
+    )
+    zero3_prefetch_params: int | None = Field(
+        default=None,
+        ge=0,
+        le=1 << 40,
+        description=(
+            "None: whole blocks are prefetched (FSDP2, `zero3_prefetch_layers`). A number: DeepSpeed "
+            "ZeRO-3's stage3_prefetch_bucket_size (default 5e7 elements): the block being computed stays "
+            "gathered (its parameters are reused within stage3_max_reuse_distance, 1e9, between its "
+            "recompute and its backward) and the prefetcher gathers ahead until this many elements are in "
+            "flight, always at least the next parameter of the trace whole: a block's largest matrix, and "
+            "while the first block runs backward the input embedding (the trace's last module)."
+        ),
+    )
+    zero_reduce_bucket_params: int | None = Field(
+        default=None,
+        ge=0,
+        le=1 << 40,
+        description=(
+            "None: ZeRO-2/3 keep `unsharded_grad_layers` blocks of unsharded gradients (FSDP2). A number: "
+            "DeepSpeed's reduce_bucket_size (default 5e8 elements) with contiguous_gradients: each "
+            "parameter's gradient is copied into a persistent bucket of this many elements (compute dtype; "
+            "ALST sets seq_parallel_communication_data_type bf16) and reduce-scattered when it fills; the "
+            "gradient a parameter produces (its largest matrix) exists until it is copied. Under tiled MLP "
+            "the MLP matrices' gradients accumulate across tiles before they are bucketed (TiledMLP sets "
+            "ds_grad_is_ready=False until the last shard)."
+        ),
+    )
+    zero_reduce_bucket_copies: float = Field(
+        default=2.0,
+        ge=0,
+        le=8,
+        description=(
+            "With `zero_reduce_bucket_params`: buckets' worth of memory the reduction holds: the contiguous "
+            "IPG bucket plus the interleaved, padded flat copy DeepSpeed's reduce_scatter_coalesced builds "
+            "with torch.cat while the reduce-scatter runs."
         ),
     )
     unsharded_grad_layers: int = Field(
@@ -190,6 +303,15 @@ class MemoryAssumptions(BaseModel):
             "and FSDP2's CPUOffloadPolicy both copy gradients to host memory)."
         ),
     )
+    offload_optimizer_keeps_device_grads: bool = Field(
+        default=True,
+        description=(
+            "With the optimizer offloaded: True (this project's runtime) keeps the ZeRO gradient shards on "
+            "the device until the host step copies them; False (DeepSpeed ZeRO-Offload: stage 3 allocates "
+            "grad_partitions_flat_buffer on the host when offload_optimizer is set, stage 1/2 copy each "
+            "reduced partition to the host fp32 gradient) keeps none there between buckets."
+        ),
+    )
     offload_params_moves_grads_and_optimizer: bool = Field(
         default=True,
         description=(
@@ -224,6 +346,73 @@ class MemoryAssumptions(BaseModel):
         description=(
             "CUDA context plus kernel images loaded lazily by a PyTorch training process (about 0.4-0.6 "
             "GiB on Hopper with CUDA 12 lazy loading), outside the caching allocator."
+        ),
+    )
+    nccl_memory: NcclMemory = Field(
+        default="flat",
+        description=(
+            "'flat': `nccl_bytes_per_communicator` per communicator. 'buffers': from NCCL's buffer sizes: "
+            "per communicator `nccl_channels` x (SIMPLE 4 MiB + LL128 4.69 MiB + LL 512 KiB) for its ring "
+            "connections (twice when it spans nodes: tree connections too), plus, for groups that run "
+            "all-to-all or send/recv (Ulysses, ring attention), per peer and P2P channel (`nccl_p2p_channels` "
+            "spread over the peers) a send and a receive buffer (NVLink: 512 KiB P2P chunk x 8 steps; "
+            "network: 128 KiB x 8 steps), so it grows with the group size."
+        ),
+    )
+    nccl_groups: NcclGroups = Field(
+        default="mesh",
+        description=(
+            "'mesh': one communicator per distinct set of ranks (a DeviceMesh shares the communicator of "
+            "identical groups). 'purposes': every process group the framework creates is its own "
+            "communicator even when it holds the same ranks (DeepSpeed: the world group, the sequence-"
+            "parallel group, the ZeRO partition (sequence-data-parallel) group, data-parallel and TP groups)."
+        ),
+    )
+    nccl_channels: int = Field(
+        default=24,
+        ge=1,
+        le=64,
+        description=(
+            "'buffers' mode: collective (ring) channels per communicator; NCCL picks 16-32 on NVSwitch "
+            "H100/A100 nodes (NCCL_MIN_NCHANNELS/NCCL_MAX_NCHANNELS bound it)."
+        ),
+    )
+    nccl_p2p_channels: int = Field(
+        default=32,
+        ge=1,
+        le=128,
+        description=(
+            "'buffers' mode: NCCL's P2P channels (p2pnChannels, 32 by default on recent GPUs), spread over a "
+            "group's peers: pow2Down(p2pnChannels / group size) per peer, at least one."
+        ),
+    )
+    nccl_local_ranks: int = Field(
+        default=8,
+        ge=1,
+        le=1024,
+        description="'buffers' mode: GPUs per node (peers reached over NVLink; a larger group spans nodes).",
+    )
+    cublas_workspace_bytes: int = Field(
+        default=0,
+        ge=0,
+        le=1 << 32,
+        description=(
+            "cuBLAS/cuBLASLt workspace PyTorch allocates through its caching allocator per (handle, stream) "
+            "that runs GEMMs: CUBLAS_WORKSPACE_CONFIG's default is 4096 KiB x 8 = 32 MiB on Hopper (sm90) "
+            "and 4096 KiB x 2 + 16 KiB x 8 on other GPUs; one compute stream. Counted as allocated memory."
+        ),
+    )
+    allocator: Allocator = Field(
+        default="fraction",
+        description=(
+            "PyTorch caching-allocator model for the reserve above the allocated peak. 'fraction': "
+            "`fragmentation_fraction` of the peak. 'expandable' (PYTORCH_CUDA_ALLOC_CONF="
+            "expandable_segments:True) and 'segments' (the default cudaMalloc'd segments): the peak "
+            "phase's alloc/free sequence is replayed through a model of the allocator (512 B rounding, "
+            "best-fit reuse of cached blocks with splitting, one growable segment per stream mapped in "
+            "20 MiB pages vs. one cudaMalloc segment per miss rounded to 2 MiB) and the reserved high-water "
+            "mark above the live peak is the fragmentation; memory other streams' pools cached at another "
+            "moment (the parameter all-gather stream) is added."
         ),
     )
     fragmentation_fraction: float = Field(

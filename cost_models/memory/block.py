@@ -35,11 +35,12 @@ class BlockBuilder:
     """Builds the graph; methods mirror the runtime's modules."""
 
     def __init__(self, model: ModelSpec, d: LocalDims, a: MemoryAssumptions, training: bool, tiled_mlp: bool,
-                 kernel: str) -> None:
+                 kernel: str, mlp_param_grad_bytes: int = 0) -> None:
         self.m, self.d, self.a = model, d, a
         self.training = training
         self.tiled_mlp = tiled_mlp
         self.kernel = kernel
+        self.mlp_param_grad_bytes = mlp_param_grad_bytes
         self.B = d.compute_bytes
         self.g = GraphBuilder()
 
@@ -105,10 +106,11 @@ class BlockBuilder:
         return name
 
     def rope(self, name: str, x: str, nbytes: int) -> str:
-        """x * cos + rotate_half(x) * sin: two x-sized temporaries live at once, forward and backward."""
-        if self.m.position_embedding != "rope":
+        """x * cos + rotate_half(x) * sin: two x-sized temporaries live at once, forward and backward.
+        An in-place kernel (Liger's) rotates ``x`` itself: no op, no new tensor."""
+        if self.m.position_embedding != "rope" or self.a.rope_implementation == "inplace":
             return x
-        ws = [Workspace(2 * nbytes)]
+        ws = [Workspace(nbytes), Workspace(nbytes)]
         return self.simple(name, [x], nbytes, fwd_ws=ws, bwd_ws=ws)
 
     def alltoall(self, name: str, x: str, nbytes: int, tags: tuple[str, ...] = (),
@@ -118,6 +120,13 @@ class BlockBuilder:
             return x
         ws = [Workspace(int(self.a.alltoall_staging_copies * nbytes), "comm")]
         return self.simple(name, [x], nbytes, fwd_ws=ws, bwd_ws=ws, tags=tags, holds=holds)
+
+    def head_major(self, name: str, x: str, nbytes: int, heads: int) -> str:
+        """DeepSpeed Ulysses' [seq, batch, heads, dim] -> [batch, heads, seq, dim] .contiguous() after an
+        all-to-all: a copy when this GPU holds more than one head; its backward hands the gradient through."""
+        if self.d.ulysses == 1 or not self.a.alltoall_head_major_copy or heads <= 1 or self.d.batch * heads <= 1:
+            return x
+        return self.simple(name, [x], nbytes, passthrough=True)
 
     def module_input(self, shard: str, gathered: str) -> tuple[str, ...]:
         """What a TP module's caller keeps referenced until the module returns: its input, and with
@@ -146,9 +155,9 @@ class BlockBuilder:
             k = self.simple("k_repeat", [k], d.k_bytes())
             v = self.simple("v_repeat", [v], d.k_bytes())
         attention_args = (q, k, v)  # the attention function's arguments, referenced until it returns
-        q = self.alltoall("q_alltoall", q, d.q_bytes())
-        k = self.alltoall("k_alltoall", k, d.k_bytes())
-        v = self.alltoall("v_alltoall", v, d.k_bytes())
+        q = self.head_major("q_head_major", self.alltoall("q_alltoall", q, d.q_bytes()), d.q_bytes(), d.q_heads_attn)
+        k = self.head_major("k_head_major", self.alltoall("k_alltoall", k, d.k_bytes()), d.k_bytes(), d.kv_heads_attn)
+        v = self.head_major("v_head_major", self.alltoall("v_alltoall", v, d.k_bytes()), d.k_bytes(), d.kv_heads_attn)
         if inference:
             # The KV cache is preallocated for every layer (static/paged cache, counted by the timeline);
             # K and V are copied into this layer's slice and attention reads them from there.
@@ -186,9 +195,12 @@ class BlockBuilder:
             return self._materialized_attention(q, k, v)
         bwd = []
         if a.flash_backward_dq_accum_fp32:
-            bwd.append(Workspace(q_elems * FP32 + d.tokens * d.q_heads * FP32))  # dq_accum + D = rowsum(dO*O)
+            # D = rowsum(dO*O) (softmax_d) and dq_accum, with flash-attn varlen's 128 padding rows per sequence
+            pad_rows = a.flash_varlen_pad_rows * d.sequences * d.q_heads_attn
+            bwd.append(Workspace((d.tokens * d.q_heads + pad_rows) * FP32))
+            bwd.append(Workspace((q_elems + pad_rows * d.head_dim) * FP32))
         if a.flash_backward_expands_gqa and d.kv_heads_attn < d.q_heads_attn:
-            bwd.append(Workspace(2 * q_elems * B))  # dK, dV per query head before the group sum
+            bwd += [Workspace(q_elems * B), Workspace(q_elems * B)]  # dK, dV per query head before the group sum
         fwd = []
         if d.ring > 1:
             kv_bytes = 2 * d.k_bytes()
@@ -240,8 +252,14 @@ class BlockBuilder:
         saved_in, regather = self._linear_input(n2, n2g)
         if self.tiled_mlp:
             fwd, bwd = self._tile_workspace()
-            return self.simple("tiled_mlp", [n2g], d.tokens * d.hidden * B, saves=[saved_in],
-                               fwd_ws=[Workspace(fwd)], bwd_ws=[Workspace(bwd + regather)])
+            out_bytes = d.tokens * d.hidden * B
+            if self.a.tiled_mlp_concat_outputs:
+                # DeepSpeed's TiledMLP keeps every tile's output in a list and torch.cat's them: at the cat
+                # the list (one output's worth) exists beside the result.
+                fwd = max(fwd, out_bytes)
+            bwd_ws = [Workspace(bwd + regather), Workspace(self.mlp_param_grad_bytes, "grads")]
+            return self.simple("tiled_mlp", [n2g], out_bytes, saves=[saved_in],
+                               fwd_ws=[Workspace(fwd)], bwd_ws=bwd_ws)
         return _mlp_ops(self, n2g, saved_in, regather, d.tokens, holds=self.module_input(n2, n2g))
 
     def _tile_workspace(self) -> tuple[int, int]:
@@ -290,6 +308,9 @@ def kv_cache_bytes_per_layer(d: LocalDims) -> int:
 
 
 def block_graph(model: ModelSpec, dims: LocalDims, assumptions: MemoryAssumptions, *, training: bool,
-                attention_kernel: str, tiled_mlp: bool) -> Graph:
-    """One transformer block's graph; in inference K and V are written into the preallocated KV cache."""
-    return BlockBuilder(model, dims, assumptions, training, tiled_mlp, attention_kernel).build(inference=not training)
+                attention_kernel: str, tiled_mlp: bool, mlp_param_grad_bytes: int = 0) -> Graph:
+    """One transformer block's graph; in inference K and V are written into the preallocated KV cache.
+    ``mlp_param_grad_bytes``: parameter gradients the tiled MLP accumulates across its tiles before ZeRO
+    takes them (DeepSpeed bucketed reduction), held during its backward."""
+    return BlockBuilder(model, dims, assumptions, training, tiled_mlp, attention_kernel,
+                        mlp_param_grad_bytes).build(inference=not training)

@@ -57,6 +57,9 @@ class LocalDims:
     sequence_parallel: bool
     """TP > 1 with Megatron sequence parallelism: an all-gather before and a reduce-scatter after
     each TP region."""
+    sequences: int = 1
+    """Sequences one attention call sees (packed documents count separately: micro_batch x
+    ceil(attention sequence / document_length)); sizes flash-attn varlen's per-sequence padding."""
 
     @property
     def attn_tokens(self) -> int:
@@ -81,7 +84,7 @@ class LocalDims:
 
 
 #: TrainSpec fields local shapes depend on: the memo key (see :mod:`cost_models.memo`).
-DIMS_FIELDS = ("micro_batch", "seq_len", "tp_sequence_parallel", "dtype")
+DIMS_FIELDS = ("micro_batch", "seq_len", "tp_sequence_parallel", "dtype", "document_length")
 _DIMS: Memo[LocalDims] = Memo()
 
 
@@ -121,4 +124,6 @@ def _local_dims(model: ModelSpec, train: TrainSpec, layout: Layout) -> LocalDims
         ring=r,
         tp=tp,
         sequence_parallel=sequence_parallel,
+        sequences=train.micro_batch * (ceil_div(train.seq_len // r, train.document_length)
+                                       if train.document_length else 1),
     )

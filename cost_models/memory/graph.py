@@ -10,7 +10,9 @@ runtime whose ops they mirror.
 
 Categories map to the reported memory components: ``activation`` -> activations, ``logits`` ->
 logits, ``comm`` -> buffers (all-to-all and ring staging), ``kv_cache`` -> kv_cache (prefill's cache is
-preallocated; the graph only marks the zero-byte writes into it).
+preallocated; the graph only marks the zero-byte writes into it), ``grads`` -> buffers (parameter
+gradients a stack accumulates inside an op before handing them to ZeRO's reduction, e.g. DeepSpeed's
+TiledMLP across its tiles).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-KINDS: tuple[str, ...] = ("activation", "logits", "comm", "kv_cache")
+KINDS: tuple[str, ...] = ("activation", "logits", "comm", "kv_cache", "grads")
 
 #: Op tags. ``attention``: outputs kept by selective checkpointing ('attention_outputs' policy).
 #: ``core_attention``: recomputed by Megatron-style selective recompute ('attention_core_recompute').
@@ -64,6 +66,9 @@ class Op:
     tags: frozenset[str] = frozenset()
     grad_passthrough: bool = False
     holds: tuple[str, ...] = ()
+    grad_from_saved: str | None = None
+    """A saved tensor whose memory becomes the input gradient in backward (a kernel that computed the
+    gradient in forward and hands its buffer over, e.g. Liger's fused linear cross-entropy)."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,7 @@ class GraphBuilder:
         tags: tuple[str, ...] = (),
         grad_passthrough: bool = False,
         holds: tuple[str, ...] | list[str] = (),
+        grad_from_saved: str | None = None,
     ) -> Op:
         op = Op(
             name,
@@ -147,6 +153,7 @@ class GraphBuilder:
             frozenset(tags),
             grad_passthrough,
             tuple(dict.fromkeys(h for h in holds if h not in inputs)),
+            grad_from_saved,
         )
         self.ops.append(op)
         return op

@@ -104,18 +104,24 @@ class _State:
     # per-kind breakdown only when a new peak is reached.
     total: int = 0
     peak_total: int = 0
+    #: Allocator events ('a'/'f', key, bytes) when tracing (see :mod:`.allocator`), else None.
+    trace: list | None = None
 
     def alloc(self, spec: TensorSpec) -> None:
         if spec.name not in self.live:
             self.live[spec.name] = spec
             self.usage[spec.kind] += spec.nbytes
             self.total += spec.nbytes
+            if self.trace is not None:
+                self.trace.append(("a", spec.name, spec.nbytes))
 
     def free(self, name: str) -> None:
         spec = self.live.pop(name, None)
         if spec is not None:
             self.usage[spec.kind] -= spec.nbytes
             self.total -= spec.nbytes
+            if self.trace is not None:
+                self.trace.append(("f", name, 0))
 
     def new_grad(self, nbytes: int, kind: str) -> int:
         sid = self.next_id
@@ -123,6 +129,8 @@ class _State:
         self.storages[sid] = [nbytes, kind, 0]
         self.usage[kind] += nbytes
         self.total += nbytes
+        if self.trace is not None:
+            self.trace.append(("a", ("grad", sid), nbytes))
         return sid
 
     def hold(self, sid: int) -> None:
@@ -135,6 +143,8 @@ class _State:
             self.usage[storage[1]] -= storage[0]
             self.total -= storage[0]
             del self.storages[sid]
+            if self.trace is not None:
+                self.trace.append(("f", ("grad", sid), 0))
 
     def ref(self, name: str, sid: int) -> None:
         self.grad_of[name] = sid
@@ -145,6 +155,10 @@ class _State:
 
     def observe(self, at: str, workspace: tuple = ()) -> None:
         """Record a new peak if live bytes plus the op's temporary ``workspace`` exceed it."""
+        if self.trace is not None and workspace:
+            keys = [("ws", at, i) for i in range(len(workspace))]
+            self.trace.extend(("a", k, w.nbytes) for k, w in zip(keys, workspace))
+            self.trace.extend(("f", k, 0) for k in reversed(keys))
         total = self.total + sum(w.nbytes for w in workspace) if workspace else self.total
         if total > self.peak_total:
             current = dict(self.usage)
@@ -180,6 +194,8 @@ def _backward(state: _State) -> None:
         op = graph.ops[i]
         out_grads = [o.name for o in op.outputs if o.name in state.grad_of]
         if out_grads:
+            if op.grad_from_saved is not None:
+                state.free(op.grad_from_saved)  # its buffer becomes the input gradient below
             pending: list[tuple[str, int]] = []  # (input, gradient storage)
             for name in dict.fromkeys(op.inputs):
                 spec = graph.tensors[name]
@@ -228,16 +244,31 @@ class GraphMemory:
     forward_peak: Peak
     backward_peak: Peak | None
     """None for inference."""
+    forward_trace: tuple | None = None
+    """Allocator events of the forward (inputs allocated first), when simulated with ``trace=True``."""
+    backward_trace: tuple | None = None
+    """Allocator events of recompute + backward (starting with the kept tensors and output gradients)."""
+    grad_keys: tuple[tuple, tuple] = ((), ())
+    """With ``trace``: the trace keys of the output gradients backward starts from and of the inputs'
+    gradients it ends with (to chain one graph's backward into the next)."""
 
 
-def simulate(graph: Graph, mode: Mode, selective_policy: str = "attention_outputs") -> GraphMemory:
-    """Forward (and, unless ``mode='inference'``, recompute + backward) of one graph."""
+def simulate(graph: Graph, mode: Mode, selective_policy: str = "attention_outputs", reentrant: bool = False,
+             trace: bool = False) -> GraphMemory:
+    """Forward (and, unless ``mode='inference'``, recompute + backward) of one graph.
+
+    ``reentrant`` (full checkpointing only, MemoryAssumptions.checkpoint_implementation): backward
+    re-runs every op of the graph, the graph's outputs stay referenced while it runs, and the output
+    gradients carry one more reference (the reentrant function's ``args``), so nothing is accumulated
+    into them in place. ``trace``: also record the allocator events of forward and backward.
+    """
     plan = checkpoint_plan(graph, mode, selective_policy)
+    reentrant = reentrant and mode == "full"
     outputs = set(graph.outputs)
     retained = set(graph.retained)
     resident = set(plan.keep) | outputs | retained
 
-    state = _State(graph)
+    state = _State(graph, trace=[] if trace else None)
     for spec in graph.inputs:
         state.alloc(spec)
     _forward(state, range(len(graph.ops)), resident, "forward")
@@ -251,29 +282,42 @@ def simulate(graph: Graph, mode: Mode, selective_policy: str = "attention_output
     for name in retained:
         spec = graph.tensors[name]
         retained_bytes[spec.kind] += spec.nbytes
+    forward_trace = tuple(state.trace) if trace else None
     if mode == "inference":
-        return GraphMemory(saved, {n: s.nbytes for n, s in kept.items()}, retained_bytes, forward_peak, None)
+        return GraphMemory(saved, {n: s.nbytes for n, s in kept.items()}, retained_bytes, forward_peak, None,
+                           forward_trace, None)
 
     # Backward starts from the kept tensors, whatever is retained, and the gradients of the outputs.
-    back = _State(graph)
+    back = _State(graph, trace=[] if trace else None)
     for name, spec in kept.items():
         back.alloc(spec)
     for name in retained:
         back.alloc(graph.tensors[name])
+    out_grad_keys = []
     for name in graph.outputs:
         spec = graph.tensors[name]
         if spec.requires_grad:
-            back.ref(name, back.new_grad(spec.nbytes, spec.kind))
+            sid = back.new_grad(spec.nbytes, spec.kind)
+            back.ref(name, sid)
+            out_grad_keys.append(("grad", sid))
+            if reentrant:
+                back.hold(sid)  # the reentrant function's `args` keeps the incoming gradient
     back.observe("backward:start")
-    if plan.recompute:
+    recompute = tuple(range(len(graph.ops))) if reentrant else plan.recompute
+    if recompute:
         # Recompute brings back what autograd saves. A kept output nothing saves (a selective cache entry)
-        # is consumed by the recompute and dies with it; the block input stays with the checkpoint.
+        # is consumed by the recompute and dies with it; the block input stays with the checkpoint. A
+        # reentrant recompute runs the whole graph and keeps its outputs referenced until backward ends.
         inputs = {t.name for t in graph.inputs}
         restore = graph.saved_by_autograd() | (set(plan.keep) & inputs) | retained
-        _forward(back, plan.recompute, restore, "recompute")
+        if reentrant:
+            restore |= outputs
+        _forward(back, recompute, restore, "recompute")
         for name in set(plan.keep) - restore:
             back.free(name)
     _backward(back)
+    in_grad_keys = tuple(("grad", back.grad_of[t.name]) for t in graph.inputs if t.name in back.grad_of)
     return GraphMemory(
-        saved, {n: s.nbytes for n, s in kept.items()}, retained_bytes, forward_peak, back.peak
+        saved, {n: s.nbytes for n, s in kept.items()}, retained_bytes, forward_peak, back.peak,
+        forward_trace, tuple(back.trace) if trace else None, (tuple(out_grad_keys), in_grad_keys),
     )

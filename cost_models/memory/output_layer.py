@@ -43,6 +43,8 @@ def output_graph(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, *, traini
         logits = b.linear("lm_head", hidden, tokens * d.vocab * B, kind="logits")
         b.simple("logits_fp32", [logits], tokens * d.vocab * FP32, kind="logits")
         return b.g.build(outputs=("logits_fp32",))
+    if tiled_loss and a.tiled_loss_implementation == "liger_flce":
+        return _liger_flce(b, hidden, d)
     if tiled_loss:
         chunk_tokens = min(a.loss_chunk_tokens, d.tokens)
         chunk = chunk_tokens * d.vocab
@@ -69,3 +71,26 @@ def output_graph(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, *, traini
     b.g.op("nll_loss", [logp], [TensorSpec("loss", LOSS_BYTES)])
     retained = (logits,) if a.hf_keeps_logits else ()
     return b.g.build(outputs=("loss",), retained=retained)
+
+
+def liger_chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
+    """Liger's fused linear cross-entropy chunk: next_pow2(ceil(T / ceil(V / H))) tokens, so one chunk of
+    logits is about the size of the hidden states (liger_kernel/ops/fused_linear_cross_entropy.py)."""
+    inc_factor = -(-vocab // hidden)
+    rows = -(-tokens // inc_factor)
+    return min(tokens, 1 << max(0, (rows - 1).bit_length()))
+
+
+def _liger_flce(b: BlockBuilder, hidden: str, d: LocalDims) -> Graph:
+    """LigerFusedLinearCrossEntropyFunction: forward allocates the input gradient (zeros_like(hidden)), an
+    fp32 per-token loss, and per chunk the logits (compute dtype), turns them into their gradient in place
+    and accumulates grad_input/grad_weight; the output matrix's gradient (zeros_like(weight)) is counted
+    with the model's gradients by the timeline. Backward scales the saved grad_input in place and hands it
+    over as the hidden states' gradient (no new buffer)."""
+    B = d.compute_bytes
+    chunk = liger_chunk_tokens(d.tokens, d.vocab, d.hidden)
+    grad_input = TensorSpec("flce.grad_input", d.tokens * d.hidden * B, requires_grad=False)
+    fwd = [Workspace(chunk * d.vocab * B, "logits"), Workspace(chunk * d.hidden * B), Workspace(d.tokens * FP32)]
+    b.g.op("liger_flce", [hidden], [TensorSpec("flce_loss", LOSS_BYTES), grad_input], saves=[grad_input.name],
+           fwd_workspace=fwd, grad_from_saved=grad_input.name)
+    return b.g.build(outputs=("flce_loss",))

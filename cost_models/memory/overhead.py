@@ -1,10 +1,26 @@
 """Device memory outside PyTorch's caching allocator (CUDA context, NCCL) and the allocator's reserve.
 
 NCCL communicators allocate their channel buffers with cudaMalloc directly, per communicator, so a rank
-pays for every process group it belongs to. The runtime builds one group per mesh dimension with more
-than one rank, plus the flattened groups it needs: the FSDP shard group (dp_shard x ring x ulysses), the
-sequence-parallel group (ring x ulysses) and the world. Groups with the same ranks are one communicator
-(a flattened group over a single non-trivial dimension is that dimension's group).
+pays for every process group it belongs to.
+
+Which communicators (``MemoryAssumptions.nccl_groups``):
+
+- ``mesh`` (this project's runtime, torchtitan): one group per mesh dimension with more than one rank,
+  plus the flattened groups the runtime needs: the FSDP shard group (dp_shard x ring x ulysses), the
+  sequence-parallel group (ring x ulysses) and the world. Groups with the same ranks are one
+  communicator (a flattened group over a single non-trivial dimension is that dimension's group).
+- ``purposes`` (DeepSpeed): every group the framework creates with ``dist.new_group`` is its own
+  communicator, even with the same ranks: the world, TP, the sequence-parallel group, the ZeRO
+  partition group (DeepSpeed's sequence-data-parallel group, ``Layout.shard_group``) and the data-
+  parallel group.
+
+How much each holds (``nccl_memory``): ``flat`` = ``nccl_bytes_per_communicator``; ``buffers`` = NCCL's
+buffer sizes (src/init.cc defaults, NCCL 2.18-2.27): per channel one connection's SIMPLE (NCCL_BUFFSIZE
+4 MiB) + LL128 (4,915,200 B) + LL (512 KiB) buffers for the ring and as many for the tree, and, for a
+group that runs all-to-all or send/recv (Ulysses, ring attention), per peer and P2P channel a send and a
+receive buffer of NCCL_P2P_NVL_CHUNKSIZE (512 KiB) x NCCL_STEPS (8) = 4 MiB over NVLink or
+NCCL_P2P_NET_CHUNKSIZE (128 KiB) x 8 = 1 MiB over the network, with NCCL's P2P channels spread over the
+peers (p2pnChannelsPerPeer = pow2Down(p2pnChannels / nRanks), at least 1).
 """
 
 from __future__ import annotations
@@ -13,7 +29,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..layout import MESH_DIMS, Layout
-from .assumptions import MemoryAssumptions
+KiB = 1 << 10
+from .assumptions import NCCL_LL128_BYTES, NCCL_LL_BYTES, NCCL_SIMPLE_BYTES, MemoryAssumptions
 
 #: Flattened groups the runtime builds besides the per-dimension ones, as (name, dims).
 FLATTENED_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -22,12 +39,32 @@ FLATTENED_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("world", MESH_DIMS),
 )
 
+#: Groups DeepSpeed creates, as (name, dims): each its own communicator.
+PURPOSE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("world", MESH_DIMS),
+    ("tp", ("tp",)),
+    ("sequence_parallel", ("ring", "ulysses")),
+    ("zero_partition", ("dp_shard", "ring", "ulysses")),
+    ("data_parallel", ("dp_replicate", "dp_shard")),
+)
+
+#: Dimensions whose groups exchange point-to-point (all-to-all or ring send/recv).
+P2P_DIMS = frozenset({"ring", "ulysses"})
+
+#: Bytes of one ring/tree connection's buffers per channel: SIMPLE + LL128 + LL.
+NCCL_CONNECTION_BYTES = NCCL_SIMPLE_BYTES + NCCL_LL128_BYTES + NCCL_LL_BYTES
+#: P2P buffer per peer, channel and direction: chunk x NCCL_STEPS.
+NCCL_P2P_NVL_BYTES = 512 * KiB * 8
+NCCL_P2P_NET_BYTES = 128 * KiB * 8
+
 
 @dataclass(frozen=True)
 class ProcessGroup:
     name: str
     dims: tuple[str, ...]
     size: int
+    p2p: bool = False
+    """The group exchanges point-to-point (Ulysses all-to-all, ring attention send/recv)."""
 
 
 @lru_cache(maxsize=4096)
@@ -42,11 +79,64 @@ def process_groups(layout: Layout) -> tuple[ProcessGroup, ...]:
         if not active or active in seen:
             continue
         seen.add(active)
-        size = 1
-        for d in active:
-            size *= degrees[d]
-        groups.append(ProcessGroup(name, tuple(d for d in MESH_DIMS if d in active), size))
+        groups.append(_group(name, active, degrees, p2p=name in P2P_DIMS))
     return tuple(groups)
+
+
+@lru_cache(maxsize=4096)
+def purpose_groups(layout: Layout, zero_stage: int) -> tuple[ProcessGroup, ...]:
+    """DeepSpeed's communicators: one per group it creates, identical rank sets not shared. The ZeRO
+    partition group exists with ZeRO (stage >= 1)."""
+    degrees = layout.degrees()
+    groups = []
+    for name, dims in PURPOSE_GROUPS:
+        if name == "zero_partition" and zero_stage < 1:
+            continue
+        active = frozenset(d for d in dims if degrees[d] > 1)
+        if active:
+            groups.append(_group(name, active, degrees, p2p=name == "sequence_parallel"))
+    return tuple(groups)
+
+
+def _group(name: str, active: frozenset[str], degrees: dict[str, int], p2p: bool) -> ProcessGroup:
+    size = 1
+    for d in active:
+        size *= degrees[d]
+    return ProcessGroup(name, tuple(d for d in MESH_DIMS if d in active), size, p2p)
+
+
+def communicator_bytes(group: ProcessGroup, layout: Layout, a: MemoryAssumptions) -> int:
+    """Device bytes NCCL allocates for one communicator (see the module docstring)."""
+    if a.nccl_memory == "flat":
+        return a.nccl_bytes_per_communicator
+    local = _local_members(group, layout, a.nccl_local_ranks)
+    spans_nodes = local < group.size
+    # ring connections; a group across nodes connects its tree too
+    collective = a.nccl_channels * NCCL_CONNECTION_BYTES * (2 if spans_nodes else 1)
+    p2p = 0
+    if group.p2p and group.size > 1:
+        # NCCL spreads its P2P channels over the peers: p2pnChannelsPerPeer = pow2Down(p2pnChannels / nRanks)
+        per_peer = max(1, 1 << max(0, (a.nccl_p2p_channels // group.size).bit_length() - 1))
+        peers_local, peers_net = local - 1, group.size - local
+        p2p = per_peer * 2 * (peers_local * NCCL_P2P_NVL_BYTES + peers_net * NCCL_P2P_NET_BYTES)
+    return collective + p2p
+
+
+def _local_members(group: ProcessGroup, layout: Layout, local_ranks: int) -> int:
+    """Members of ``group`` on this rank's node: mesh dims are laid out innermost-first (tp, ulysses,
+    ring, dp_shard, dp_replicate), so a dim's ranks are ``stride`` apart, ``stride`` = product of the
+    inner dims; its members stay on the node while ``stride x size <= local_ranks``."""
+    degrees = layout.degrees()
+    local, stride = 1, 1
+    for dim in reversed(MESH_DIMS):  # innermost first
+        size = degrees[dim]
+        if dim in group.dims:
+            if stride * size <= local_ranks:
+                local *= size
+            elif stride < local_ranks:
+                local *= max(1, local_ranks // stride)
+        stride *= size
+    return min(local, group.size)
 
 
 @dataclass(frozen=True)
@@ -55,17 +145,23 @@ class Overhead:
     nccl: int
     communicators: tuple[ProcessGroup, ...]
     fragmentation: int
+    communicator_bytes: tuple[int, ...] = ()
 
     @property
     def total(self) -> int:
         return self.cuda_context + self.nccl + self.fragmentation
 
 
-def overhead(layout: Layout, peak_allocated: int, a: MemoryAssumptions) -> Overhead:
-    groups = process_groups(layout)
+def overhead(layout: Layout, peak_allocated: int, a: MemoryAssumptions, *, zero_stage: int = 0,
+             fragmentation: int | None = None) -> Overhead:
+    """Context, NCCL and the allocator's reserve above ``peak_allocated``: ``fragmentation`` when the
+    timeline computed it (allocator replay), else ``fragmentation_fraction`` of the peak."""
+    groups = process_groups(layout) if a.nccl_groups == "mesh" else purpose_groups(layout, zero_stage)
+    sizes = tuple(communicator_bytes(g, layout, a) for g in groups)
     return Overhead(
         cuda_context=a.cuda_context_bytes,
-        nccl=len(groups) * a.nccl_bytes_per_communicator,
+        nccl=sum(sizes),
         communicators=groups,
-        fragmentation=int(round(peak_allocated * a.fragmentation_fraction)),
+        fragmentation=int(round(peak_allocated * a.fragmentation_fraction)) if fragmentation is None else fragmentation,
+        communicator_bytes=sizes,
     )

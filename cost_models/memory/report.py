@@ -102,6 +102,7 @@ class CommunicatorInfo(_Frozen):
     name: str
     dims: list[str]
     size: int
+    bytes: int = Field(default=0, description="Device bytes NCCL holds for this communicator.")
 
 
 class OverheadDetail(_Frozen):
@@ -109,14 +110,16 @@ class OverheadDetail(_Frozen):
     nccl: int
     nccl_bytes_per_communicator: int
     communicators: list[CommunicatorInfo]
-    fragmentation: int
-    peak_reserved: int
+    fragmentation: int = Field(description="Caching-allocator reserve above the allocated peak.")
+    peak_reserved: int = Field(description="torch.cuda.max_memory_reserved(): peak allocated + fragmentation.")
+    allocator: str = Field(default="fraction", description="The allocator model behind `fragmentation`.")
 
 
 class BufferDetail(_Frozen):
     comm_staging: int
     zero3_gathered_params: int
     unsharded_grads: int
+    kernel_workspaces: int = Field(default=0, description="cuBLAS workspaces allocated through the allocator.")
 
 
 class StatesDetail(_Frozen):

@@ -78,6 +78,26 @@ def tp_params(model: ModelSpec, tp: int) -> TPParams:
 
 
 @dataclass(frozen=True)
+class BlockMatrices:
+    """A block's weight matrices per TP rank, as ZeRO-3 gathers and bucket-reduces them one at a time."""
+
+    largest: int
+    """Elements of the block's largest matrix (an MLP matrix, or q/o projection when larger)."""
+    mlp: int
+    """Elements of one MLP matrix (hidden x ffn/tp)."""
+    mlp_count: int
+    """MLP matrices (3 for SwiGLU: gate, up, down; 2 for GELU)."""
+
+
+def block_matrices(model: ModelSpec, tp: int) -> BlockMatrices:
+    h = model.hidden_size
+    q = model.q_size // tp
+    kv = model.num_kv_heads * model.kv_replication(tp) // tp * model.head_dim
+    mlp = h * ceil_div(model.ffn_hidden_size, tp)
+    return BlockMatrices(max(h * q, h * kv, mlp), mlp, 3 if model.activation == "swiglu" else 2)
+
+
+@dataclass(frozen=True)
 class BytesPerParam:
     weights: int
     gradients: int
@@ -111,6 +131,8 @@ class ModelStates:
     optimizer_on_device: bool
     optimizer_step_params: int
     """Parameters the device optimizer step updates (0 when it runs on the host)."""
+    tp: int = 1
+    """The tensor-parallel degree the parameters are split by."""
 
     def grads_device(self, params: float) -> int:
         """Persistent device gradient bytes once ``params`` TP-rank parameters have gradients."""
@@ -184,7 +206,7 @@ def _model_states(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryA
     weights_device, weights_host = (0, weights) if offload_params else (weights, 0)
     if not train.is_training:
         return ModelStates(params, per, group, stage, weights_device, 0, weights_host, 0, 0,
-                           stage >= 2, False, False, 0)
+                           stage >= 2, False, False, 0, layout.tp)
     optimizer = shard(total * per.optimizer, stage >= 1)
     optimizer_on_device = not (train.offload_optimizer or moves_everything)
     if moves_everything and separate_master_bytes(train):
@@ -205,7 +227,9 @@ def _model_states(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryA
         gradients_host=host_grads,
         optimizer_host=0 if optimizer_on_device else optimizer,
         grads_sharded=stage >= 2,
-        grads_on_device=not moves_everything,
+        # DeepSpeed ZeRO-Offload keeps the gradient partitions in host memory (offload_optimizer_keeps_device_grads)
+        grads_on_device=not (moves_everything or (train.offload_optimizer and not a.offload_optimizer_keeps_device_grads)),
         optimizer_on_device=optimizer_on_device,
         optimizer_step_params=opt_params if optimizer_on_device else 0,
+        tp=layout.tp,
     )

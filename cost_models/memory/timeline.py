@@ -29,6 +29,7 @@ from ..gpu_spec import GPUSpec
 from ..layout import Layout
 from ..model_spec import ModelSpec
 from ..train_spec import TrainSpec
+from .allocator import fragmentation as allocator_fragmentation
 from .assumptions import MemoryAssumptions
 from .block import block_graph, kv_cache_bytes_per_layer
 from .dims import LocalDims, local_dims
@@ -51,7 +52,7 @@ from .report import (
     StatesDetail,
     UlyssesShapes,
 )
-from .states import ModelStates, model_states
+from .states import ModelStates, block_matrices, model_states
 
 #: Bytes of a token id, label or position id (int64, as tokenizers and HF collators produce them).
 INDEX_BYTES = 8
@@ -69,25 +70,31 @@ class _Phase:
     comm_staging: int = 0
     zero3_gathered_params: int = 0
     unsharded_grads: int = 0
+    kernel_workspaces: int = 0
     at: str = ""
+    graph: str = ""
+    """Which simulated sequence holds this phase's transient peak (for the allocator replay):
+    'block_forward', 'block_backward', 'head' or '' (none)."""
 
     @property
     def buffers(self) -> int:
-        return self.comm_staging + self.zero3_gathered_params + self.unsharded_grads
+        return self.comm_staging + self.zero3_gathered_params + self.unsharded_grads + self.kernel_workspaces
 
     @property
     def allocated(self) -> int:
         # Spelled out (the sum over ALLOCATED_COMPONENTS, which a test keeps in step): the planner
         # reads this tens of thousands of times per search.
         return (self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.kv_cache
-                + self.comm_staging + self.zero3_gathered_params + self.unsharded_grads)
+                + self.comm_staging + self.zero3_gathered_params + self.unsharded_grads + self.kernel_workspaces)
 
-    def add_peak(self, peak: Peak) -> None:
+    def add_peak(self, peak: Peak, graph: str = "") -> None:
         self.activations += peak.by_kind["activation"]
         self.logits += peak.by_kind["logits"]
         self.comm_staging += peak.by_kind["comm"]
         self.kv_cache += peak.by_kind["kv_cache"]
+        self.unsharded_grads += peak.by_kind["grads"]
         self.at = peak.at
+        self.graph = graph
 
     def to_model(self) -> PhaseMemory:
         return PhaseMemory(**{c: getattr(self, c) for c in ALLOCATED_COMPONENTS}, allocated=self.allocated,
@@ -177,7 +184,8 @@ def memory_core(model: ModelSpec, train: TrainSpec, layout: Layout,
     states = model_states(model, train, layout, a)
     training = train.is_training
     mode = train.checkpointing if training else "inference"
-    block = _block_memory(model, d, a, training, train.attention_kernel, train.tiled_mlp, mode)
+    mlp_grads = _tiled_mlp_param_grad_bytes(model, train, layout.tp, a, states)
+    block = _block_memory(model, d, a, training, train.attention_kernel, train.tiled_mlp, mode, mlp_grads)
     head = _head_memory(model, d, a, training, train.tiled_loss)
     inputs = _inputs_bytes(model, d, training)
     offloaded = _offloaded_checkpoint_bytes(d, train)
@@ -186,12 +194,43 @@ def memory_core(model: ModelSpec, train: TrainSpec, layout: Layout,
     else:
         phases = _prefill_phases(model, a, states, block, head, inputs, kv_cache_bytes_per_layer(d))
     peak = max(phases, key=lambda p: p.allocated)
+    reserve = None
+    if a.allocator != "fraction":
+        frag = _step_fragmentation(model, d, a, training, train.attention_kernel, train.tiled_mlp, train.tiled_loss,
+                                   mode, mlp_grads, bool(offloaded))
+        reserve = reserved_above_peak(phases, frag)
     return MemoryCore(
         dims=d, states=states, block=block, head=head, phases=phases, peak=peak,
-        extra=overhead(layout, peak.allocated, a), offloaded_per_layer=offloaded, inputs=inputs, mode=mode,
+        extra=overhead(layout, peak.allocated, a, zero_stage=train.zero_stage if training else 0, fragmentation=reserve),
+        offloaded_per_layer=offloaded, inputs=inputs, mode=mode,
         host_weights=states.weights_host, host_gradients=states.gradients_host,
         host_optimizer=states.optimizer_host, host_checkpoints=model.num_layers * offloaded,
     )
+
+
+def reserved_above_peak(phases: list[_Phase], fragmentation: int) -> int:
+    """Caching-allocator reserve above the allocated peak (allocator 'expandable'/'segments').
+
+    The compute stream's pool holds, at its worst, a phase's allocated bytes minus the gathered
+    parameters (the ZeRO-3 all-gather stream allocates those from its own pool) plus the
+    ``fragmentation`` the step replay leaves; the all-gather pool keeps its own high-water mark,
+    whenever it was reached. Reserved = compute-pool peak + all-gather-pool peak.
+    """
+    side = max(p.zero3_gathered_params for p in phases)
+    compute = max(p.allocated - p.zero3_gathered_params for p in phases) + fragmentation
+    return compute + side - max(p.allocated for p in phases)
+
+
+def _tiled_mlp_param_grad_bytes(model: ModelSpec, train: TrainSpec, tp: int, a: MemoryAssumptions,
+                                st: ModelStates) -> int:
+    """Parameter gradients a tiled MLP holds through its backward under bucketed ZeRO-2/3 (DeepSpeed): its
+    matrices' gradients accumulated across tiles plus the next tile's gradient of one matrix before it
+    is added in place. FSDP2's per-block unsharded gradients already cover them (0 here)."""
+    if not (train.is_training and train.tiled_mlp and a.zero_reduce_bucket_params is not None
+            and st.zero_stage >= 2):
+        return 0
+    m = block_matrices(model, tp)
+    return (m.mlp_count + 1) * m.mlp * st.per_param.gradients
 
 
 def _offloaded_checkpoint_bytes(d: LocalDims, train: TrainSpec) -> int:
@@ -269,14 +308,16 @@ def memory_report(model: ModelSpec, train: TrainSpec, layout: Layout, gpu: GPUSp
         kv_cache_per_layer=0 if training else kv_cache_bytes_per_layer(d),
         ulysses=_ulysses_shapes(d),
         buffers=BufferDetail(comm_staging=peak.comm_staging, zero3_gathered_params=peak.zero3_gathered_params,
-                             unsharded_grads=peak.unsharded_grads),
+                             unsharded_grads=peak.unsharded_grads, kernel_workspaces=peak.kernel_workspaces),
         overhead=OverheadDetail(
             cuda_context=extra.cuda_context,
             nccl=extra.nccl,
             nccl_bytes_per_communicator=a.nccl_bytes_per_communicator,
-            communicators=[CommunicatorInfo(name=g.name, dims=list(g.dims), size=g.size) for g in extra.communicators],
+            communicators=[CommunicatorInfo(name=g.name, dims=list(g.dims), size=g.size, bytes=b)
+                           for g, b in zip(extra.communicators, extra.communicator_bytes)],
             fragmentation=extra.fragmentation,
             peak_reserved=peak_allocated + extra.fragmentation,
+            allocator=a.allocator,
         ),
         states=StatesDetail(
             params_per_tp_rank=states.params.total,
@@ -293,19 +334,99 @@ def memory_report(model: ModelSpec, train: TrainSpec, layout: Layout, gpu: GPUSp
 
 @lru_cache(maxsize=8192)
 def _block_memory(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, training: bool, attention_kernel: str,
-                  tiled_mlp: bool, mode: str) -> GraphMemory:
+                  tiled_mlp: bool, mode: str, mlp_param_grads: int = 0) -> GraphMemory:
     """One block's simulated memory. It depends only on the local shapes and options, not on how the
     data-parallel ranks are split, so the planner's many layouts that share local dims share it.
     Treat the result as read-only (it is shared)."""
-    graph = _block_graph(model, d, a, training, attention_kernel, tiled_mlp)
-    return simulate(graph, mode, a.selective_policy)
+    graph = _block_graph(model, d, a, training, attention_kernel, tiled_mlp, mlp_param_grads)
+    return simulate(graph, mode, a.selective_policy, reentrant=a.checkpoint_implementation == "reentrant")
 
 
 @lru_cache(maxsize=4096)
 def _block_graph(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, training: bool, attention_kernel: str,
-                 tiled_mlp: bool) -> Graph:
+                 tiled_mlp: bool, mlp_param_grads: int = 0) -> Graph:
     """The block's graph, shared by the checkpointing modes simulated on it (read-only)."""
-    return block_graph(model, d, a, training=training, attention_kernel=attention_kernel, tiled_mlp=tiled_mlp)
+    return block_graph(model, d, a, training=training, attention_kernel=attention_kernel, tiled_mlp=tiled_mlp,
+                       mlp_param_grad_bytes=mlp_param_grads)
+
+
+#: Blocks the allocator replay runs forward and backward (the pattern repeats; a few reach steady state).
+REPLAY_BLOCKS = 6
+
+
+@lru_cache(maxsize=2048)
+def _step_fragmentation(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, training: bool, attention_kernel: str,
+                        tiled_mlp: bool, tiled_loss: bool, mode: str, mlp_param_grads: int, offloaded: bool) -> int:
+    """Reserved bytes above the live peak when the allocator (:mod:`.allocator`, ``a.allocator``) replays
+    a step in miniature: ``REPLAY_BLOCKS`` blocks forward (each block's input is the previous one's output,
+    saved tensors stay allocated, an offloaded checkpoint leaves the device when its block returns), the
+    output layer forward and backward, and the blocks' recompute + backward in reverse (each starting from
+    the gradient the later one produced, the offloaded checkpoint brought back). Tensors allocated before
+    the step and kept through it (weights, buffers) sit below and are left out; the reserve the replay
+    leaves above its own live peak is the fragmentation. Cached: one replay per distinct local shape."""
+    reentrant = a.checkpoint_implementation == "reentrant"
+    graph = _block_graph(model, d, a, training, attention_kernel, tiled_mlp, mlp_param_grads)
+    blk = simulate(graph, mode, a.selective_policy, reentrant=reentrant, trace=True)
+    head_graph = output_graph(model, d, a, training=training, tiled_loss=tiled_loss)
+    head = simulate(head_graph, "none" if training else "inference", trace=True)
+    inp, out = graph.inputs[0].name, graph.outputs[0]
+    kept = set(blk.saved_tensors)
+    events: list = []
+    live: dict = {}  # insertion-ordered: the replay must not depend on hash order
+
+    def emit(kind: str, key: object, nbytes: int) -> None:
+        if kind == "a":
+            if key in live:
+                return
+            live[key] = None
+        elif live.pop(key, 0) is not None:
+            return  # not live: nothing to free
+        events.append((kind, key, nbytes))
+
+    first_input = ("embedding output",)
+    emit("a", first_input, graph.inputs[0].nbytes)
+    inputs = [first_input]
+    for j in range(REPLAY_BLOCKS):
+        def fkey(name: object, j: int = j) -> object:
+            return inputs[j] if name == inp else ("f", j, name)
+        for kind, name, nbytes in blk.forward_trace:
+            emit(kind, fkey(name), nbytes)
+        if offloaded:  # the checkpointed input went to the host; the caller drops it when the block returns
+            for name in kept:
+                emit("f", fkey(name), 0)
+        inputs.append(("f", j, out))
+    if first_input in live and (offloaded or inp not in kept):
+        emit("f", first_input, 0)  # HF keeps inputs_embeds referenced until the model's forward returns
+
+    head_in = head_graph.inputs[0].name
+
+    def hkey(name: object) -> object:
+        return inputs[-1] if name == head_in else ("h", name)
+    for kind, name, nbytes in head.forward_trace:
+        emit(kind, hkey(name), nbytes)
+    if training:
+        for kind, name, nbytes in head.backward_trace or ():
+            emit(kind, hkey(name), nbytes)
+        carried = hkey(head.grad_keys[1][0]) if head.grad_keys[1] else None
+        out_grad, in_grad = blk.grad_keys[0][0], blk.grad_keys[1][0]
+        for j in reversed(range(REPLAY_BLOCKS)):
+            incoming = carried
+
+            def bkey(name: object, j: int = j) -> object:
+                if name == out_grad:
+                    return incoming
+                if name == inp:
+                    return ("b", j, name) if offloaded else inputs[j]
+                if name in kept:
+                    return ("f", j, name)
+                return ("b", j, name)
+            for kind, name, nbytes in blk.backward_trace:
+                emit(kind, bkey(name), nbytes)
+            carried = bkey(in_grad)
+            for key in [k for k in live if (isinstance(k, tuple) and k[:2] == ("b", j)) or k == incoming]:
+                if key != carried:
+                    emit("f", key, 0)
+    return allocator_fragmentation(events, a.allocator)
 
 
 @lru_cache(maxsize=8192)
@@ -337,31 +458,70 @@ def _ulysses_shapes(d: LocalDims) -> UlyssesShapes:
     )
 
 
+def _zero3_gathered(model: ModelSpec, st: ModelStates, a: MemoryAssumptions, tp: int) -> tuple[int, int, int]:
+    """Gathered ZeRO-3 parameters (bytes) in (a block's phases, the first block's backward, the loss).
+
+    FSDP2 (``zero3_prefetch_params`` None): the block computing plus ``zero3_prefetch_layers`` blocks;
+    the output matrix plus the prefetched blocks in the loss. DeepSpeed: the block computing (kept
+    gathered between its recompute and its backward by stage3_max_reuse_distance) plus what the
+    prefetcher fetches ahead: stage3_prefetch_bucket_size elements, at least the next parameter whole
+    (a block's largest matrix; the input embedding while the first block runs backward, the trace's
+    last module).
+    """
+    if st.zero_stage != 3:
+        return 0, 0, 0
+    w, p = st.per_param.weights, st.params
+    if a.zero3_prefetch_params is None:
+        block = (1 + a.zero3_prefetch_layers) * p.per_layer * w
+        return block, block, (p.output_matrix + a.zero3_prefetch_layers * p.per_layer) * w
+    ahead = min(p.per_layer, max(a.zero3_prefetch_params, block_matrices(model, tp).largest))
+    return (p.per_layer + ahead) * w, (p.per_layer + p.embedding) * w, (p.output_matrix + ahead) * w
+
+
+def _unsharded_grads(model: ModelSpec, st: ModelStates, a: MemoryAssumptions, tp: int) -> tuple[int, int]:
+    """ZeRO-2/3 gradient buffers (bytes): (persistent through the step, during a block's backward).
+
+    FSDP2 (``zero_reduce_bucket_params`` None): ``unsharded_grad_layers`` blocks of unsharded gradients
+    in backward. DeepSpeed: the contiguous IPG bucket exists from initialisation; in backward the
+    reduction's flat copy comes on top (``zero_reduce_bucket_copies``) and the gradient a parameter just
+    produced (up to the block's largest matrix) until it is copied into the bucket.
+    """
+    if st.zero_stage < 2:
+        return 0, 0
+    g = st.per_param.gradients
+    if a.zero_reduce_bucket_params is None:
+        return 0, a.unsharded_grad_layers * st.layer_grads_unsharded
+    bucket = a.zero_reduce_bucket_params * g
+    persistent = int(min(1.0, a.zero_reduce_bucket_copies) * bucket)
+    return persistent, int(a.zero_reduce_bucket_copies * bucket) + block_matrices(model, tp).largest * g
+
+
 def _train_phases(model: ModelSpec, train: TrainSpec, a: MemoryAssumptions, st: ModelStates, block: GraphMemory,
                   head: GraphMemory, inputs: int, offloaded: int) -> list[_Phase]:
     L = model.num_layers
     p = st.params
-    zero3 = st.zero_stage == 3
+    tp = st.tp
     saved = block.saved["activation"] - offloaded  # per block, on the device
     in_flight = (a.checkpoint_offload_in_flight - 1) * offloaded  # other blocks' inputs being moved
-    gathered_layers = (1 + a.zero3_prefetch_layers) * st.layer_weights_unsharded if zero3 else 0
-    unsharded = a.unsharded_grad_layers * st.layer_grads_unsharded if st.zero_stage >= 2 else 0
+    gathered_block, gathered_first, gathered_loss = _zero3_gathered(model, st, a, tp)
+    bucket, unsharded = _unsharded_grads(model, st, a, tp)
     grads_all = st.grads_device(p.total)
     persistent = grads_all if (train.grad_accum > 1 or not a.grads_freed_between_steps) else 0
     head_params = p.head + (p.vocab_matrix if model.tied_embeddings else 0)  # tied: lm_head grads land there
     # Stage 0/1 keep full gradients, allocated as backward produces them (the block in progress
     # included); stage 2/3 keep shards, the block in progress is an unsharded buffer.
     in_progress = p.per_layer if st.zero_stage < 2 else 0
+    ws = a.cublas_workspace_bytes
 
     def grads(params_done: int) -> int:
         return max(persistent, st.grads_device(params_done))
 
     def phase(name: str, **values: int) -> _Phase:
-        return _Phase(name, weights=st.weights_device, optimizer=st.optimizer_device, **values)
+        return _Phase(name, weights=st.weights_device, optimizer=st.optimizer_device, kernel_workspaces=ws, **values)
 
     fwd = phase("forward", gradients=persistent, activations=inputs + (L - 1) * saved + in_flight,
-                zero3_gathered_params=gathered_layers)
-    fwd.add_peak(block.forward_peak)
+                zero3_gathered_params=gathered_block, unsharded_grads=bucket)
+    fwd.add_peak(block.forward_peak, "block_forward")
 
     head_peak = _larger(head.forward_peak, head.backward_peak)
     # A tiled loss accumulates the output matrix's gradient chunk by chunk inside the op; the untiled
@@ -371,25 +531,25 @@ def _train_phases(model: ModelSpec, train: TrainSpec, a: MemoryAssumptions, st: 
         "loss",
         gradients=grads(head_params) if head_grads_during else persistent,
         activations=inputs + L * saved + in_flight,
-        zero3_gathered_params=(st.output_weights_unsharded + a.zero3_prefetch_layers * st.layer_weights_unsharded)
-        if zero3 else 0,
-        unsharded_grads=st.output_grads_unsharded if st.zero_stage >= 2 and head_grads_during else 0,
+        zero3_gathered_params=gathered_loss,
+        unsharded_grads=bucket + (st.output_grads_unsharded if st.zero_stage >= 2 and head_grads_during else 0),
     )
-    loss.add_peak(head_peak)
+    loss.add_peak(head_peak, "head")
 
     kept_logits = head.retained["logits"]
     last = phase("backward (last block)", gradients=grads(head_params + in_progress),
                  activations=inputs + (L - 1) * saved + in_flight, logits=kept_logits,
-                 zero3_gathered_params=gathered_layers, unsharded_grads=unsharded)
-    last.add_peak(block.backward_peak)
+                 zero3_gathered_params=gathered_block, unsharded_grads=unsharded)
+    last.add_peak(block.backward_peak, "block_backward")
     first = phase("backward (first block)", gradients=grads(head_params + (L - 1) * p.per_layer + in_progress),
                   activations=inputs + in_flight, logits=kept_logits,
-                  zero3_gathered_params=gathered_layers, unsharded_grads=unsharded)
-    first.add_peak(block.backward_peak)
+                  zero3_gathered_params=gathered_first, unsharded_grads=unsharded)
+    first.add_peak(block.backward_peak, "block_backward")
 
     step_temps = int(st.optimizer_step_params * a.optimizer_step_temp_bytes_per_param)
     opt = _Phase("optimizer step", weights=st.weights_device, gradients=grads_all,
-                 optimizer=st.optimizer_device + step_temps, logits=kept_logits, at="optimizer.step")
+                 optimizer=st.optimizer_device + step_temps, logits=kept_logits, unsharded_grads=bucket,
+                 kernel_workspaces=ws, at="optimizer.step")
     return [fwd, loss, last, first, opt]
 
 
@@ -397,10 +557,12 @@ def _prefill_phases(model: ModelSpec, a: MemoryAssumptions, st: ModelStates, blo
                     inputs: int, kv_per_layer: int) -> list[_Phase]:
     kv = model.num_layers * kv_per_layer  # preallocated for the whole sequence and every layer
     zero3 = st.zero_stage == 3
+    gathered_block = _zero3_gathered(model, st, a, st.tp)[0]
     fwd = _Phase("forward", weights=st.weights_device, activations=inputs, kv_cache=kv,
-                 zero3_gathered_params=(1 + a.zero3_prefetch_layers) * st.layer_weights_unsharded if zero3 else 0)
-    fwd.add_peak(block.forward_peak)
+                 zero3_gathered_params=gathered_block, kernel_workspaces=a.cublas_workspace_bytes)
+    fwd.add_peak(block.forward_peak, "block_forward")
     logits = _Phase("logits", weights=st.weights_device, activations=inputs, kv_cache=kv,
-                    zero3_gathered_params=st.output_weights_unsharded if zero3 else 0)
-    logits.add_peak(head.forward_peak)
+                    zero3_gathered_params=st.output_weights_unsharded if zero3 else 0,
+                    kernel_workspaces=a.cublas_workspace_bytes)
+    logits.add_peak(head.forward_peak, "head")
     return [fwd, logits]
