@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat every measurement this many times, alternating, and pool the iterations")
     parser.add_argument("--no-accuracy", action="store_true")
     args = parser.parse_args(argv)
 
@@ -213,27 +215,37 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# torch {torch.__version__}; deepspeed {ds_version or 'not installed'}; dtype {dtype}; causal; "
           f"batch {args.batch}, seq {args.seq}, heads {args.heads}, kv_heads {args.kv_heads}, "
           f"head_dim {args.head_dim}; "
-          f"median of {args.iters} iterations (each: the slowest rank)")
+          f"median of {args.iters} iterations x {args.rounds} round(s) (each: the slowest rank)")
     runnable = [(path, ring, uly) for path, ring, uly in CONFIGS if not (cuda and ring * uly > gpus)]
     # One baseline per core count the parallel runs use (GPU: one GPU).
     thread_counts = sorted({1} | ({cores_used(r * u, cores) for _, r, u in runnable} if not cuda else set()))
-    baselines: dict[int, float] = {}
+    # Rounds: every measurement once per round, in the same order, and the iterations pooled over the
+    # rounds, so slow drifts of a shared machine's load hit the baselines and the parallel runs alike.
+    single_times: dict[int, list[float]] = {t: [] for t in thread_counts}
+    pooled: dict[tuple, dict] = {}
+    for _ in range(args.rounds):
+        for threads in thread_counts:
+            single = _run(1, _bench_rank, dict(base, path="single", ring=1, ulysses=1), backend=backend,
+                          threads=threads)[0]
+            single_times[threads] += single["times"]["ours"]
+        for path, ring, uly in runnable:
+            result = _run(ring * uly, _bench_rank, dict(base, path=path, ring=ring, ulysses=uly), backend=backend)
+            entry = pooled.setdefault((path, ring, uly), {"times": {}, "result": result})
+            for name, values in result[0]["times"].items():
+                entry["times"].setdefault(name, []).extend(values)
+    baselines = {t: ESTIMATOR(v) for t, v in single_times.items()}
     rows = []
     for threads in thread_counts:
-        single = _run(1, _bench_rank, dict(base, path="single", ring=1, ulysses=1), backend=backend,
-                      threads=threads)[0]
-        baselines[threads] = ESTIMATOR(single["times"]["ours"])
         label = "single process" if cuda else f"single process, {threads} thread{'s' if threads > 1 else ''}"
-        rows.append((label, 1, "-", threads, baselines[threads], _spread(single["times"]["ours"]),
-                     baselines[threads] / baselines[threads], None, None, None))
+        rows.append((label, 1, "-", threads, baselines[threads], _spread(single_times[threads]), 1.0, None, None,
+                     None))
     agreement: list[str] = []
-    for path, ring, uly in runnable:
+    for (path, ring, uly), entry in pooled.items():
         world = ring * uly
-        result = _run(world, _bench_rank, dict(base, path=path, ring=ring, ulysses=uly), backend=backend)
-        times = result[0]["times"]["ours"]
+        result, times = entry["result"], entry["times"]["ours"]
         ours = ESTIMATOR(times)
         used = 1 if cuda else cores_used(world, cores)
-        ds = ESTIMATOR(result[0]["times"]["deepspeed"]) if "deepspeed" in result[0]["times"] else None
+        ds = ESTIMATOR(entry["times"]["deepspeed"]) if "deepspeed" in entry["times"] else None
         flops = [r["flops"] for r in result]
         balance = max(flops) / min(flops) if path != "ulysses" else None
         rows.append((path, world, f"ring={ring} x ulysses={uly}", used, ours, _spread(times), ours / baselines[used],
