@@ -19,8 +19,8 @@
 3. **checkpoints** every ``save_every`` steps and after the last step; on SIGTERM/SIGINT (with a
    checkpoint directory) the current step finishes, every rank agrees to stop (the flag is all-reduced
    with the step's telemetry, so a signal that reaches one rank after that all-reduce stops every rank
-   after the next step), a checkpoint is saved and ``fit`` returns (``stopped_by``). A second signal
-   of the same kind acts immediately (the previous handler: KeyboardInterrupt for SIGINT).
+   after the next step), a checkpoint is saved and ``fit`` returns (``stopped_by``). A second SIGINT
+   acts immediately (KeyboardInterrupt); repeated SIGTERMs are ignored (launchers repeat it).
 
 **Telemetry** (rank 0 prints; every rank computes): per step the loss (global token mean), tokens/s
 (valid tokens of all ranks / the step's wall time), the achieved **model FLOP/s per rank** = the plan's
@@ -281,8 +281,10 @@ class Telemetry:
 
 
 class _ExitSignals:
-    """SIGTERM/SIGINT set a flag (the loop finishes its step, saves and stops); a second one of the same kind
-    goes to the previous handler (e.g. KeyboardInterrupt)."""
+    """SIGTERM/SIGINT set a flag (the loop finishes its step, saves and stops). A second SIGINT goes to the
+    previous handler (KeyboardInterrupt: Ctrl-C twice forces); repeated SIGTERMs are ignored, since launcher
+    stacks deliver it more than once (SLURM signals every task and torchrun forwards its own, for
+    instance) and the launcher's SIGKILL follows anyway."""
 
     SIGNALS = ("SIGTERM", "SIGINT")
 
@@ -300,6 +302,8 @@ class _ExitSignals:
     def _handle(self, signum, frame) -> None:
         if self.received is None:
             self.received = signum
+            return
+        if signum == signal.SIGTERM:
             return
         previous = self._previous.get(signum)
         signal.signal(signum, previous if previous is not None else signal.SIG_DFL)

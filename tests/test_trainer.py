@@ -1,7 +1,7 @@
 """runtime.trainer.Trainer: telemetry (printed lines, JSON lines, TensorBoard scalars, CPU memory, profiled
-live bytes), achieved model FLOP/s and MFU from the plan's FLOPs and peak (n/a on CPU), and exit signals: SIGTERM on one rank stops every rank
-after the same step with a checkpoint, from which a resumed run continues exactly; a second SIGINT
-interrupts at once."""
+live bytes), achieved model FLOP/s and MFU from the plan's FLOPs and peak (n/a on CPU), and exit signals:
+SIGTERM (twice) on one rank stops every rank after the same step with a checkpoint, from which a resumed
+run continues exactly; a second SIGINT interrupts at once."""
 
 from __future__ import annotations
 
@@ -132,9 +132,10 @@ def _sigterm_rank(rank: int, world: int, root: str) -> dict:
     reference = trainer_for(configure({"ring": 2}, {"zero_stage": 2})).fit()
 
     def terminate(trainer, record):
-        # Rank 1 only, once step 1 is done: step 2 (in progress) finishes, and every rank stops after it
-        # (the flag is all-reduced with step 2's telemetry).
+        # Rank 1 only, once step 1 is done, twice (launchers repeat it): step 2 (in progress) finishes, and
+        # every rank stops after it (the flag is all-reduced with step 2's telemetry).
         if record.step == 1 and rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
             os.kill(os.getpid(), signal.SIGTERM)
 
     before = signal.getsignal(signal.SIGTERM)
