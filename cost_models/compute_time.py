@@ -249,6 +249,10 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
         if a.selective_policy == "attention_core_recompute":
             recompute = attn_f + (MATERIALIZED_FORWARD_PASSES * b * heads_local * seq_ring * s * d / hbm
                                   if not flash else 0.0)
+        elif a.selective_policy == "op_sac":
+            # torchtitan's per-op policy keeps the attention outputs and every other matmul's output: half
+            # the GEMMs and all elementwise kernels run again.
+            recompute = layer_f - attn_f - (proj_f + mlp_f + cast_f) / 2
         else:
             recompute = layer_f - attn_f
     if train.tiled_mlp:

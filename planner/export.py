@@ -12,8 +12,8 @@ fit there. The stack each target runs (:func:`target_stack`; ``--stack`` overrid
 
 - ``deepspeed``: ``hf-deepspeed`` (transformers + DeepSpeed ZeRO, Ulysses as in ALST);
 - ``accelerate`` with ``sp`` (Ulysses; Accelerate's DeepSpeed ALST backend): ``hf-deepspeed``;
-- ``accelerate`` otherwise (FSDP2, with ``cp`` = torch context parallel for ring plans): ``torchtitan``,
-  the FSDP2 + torch context-parallel stack (per-block gathers, SDPA ring attention);
+- ``accelerate`` otherwise (FSDP2, with ``cp`` = torch context parallel for ring plans): ``hf-fsdp2``,
+  a transformers model (eager norms, logits kept) under FSDP2 + torch context parallel;
 - ``torchrun``: sp-plan's own runtime, so the plan's own stack (no re-estimate unless ``--stack`` or
   ``--calibration`` asks for one).
 """
@@ -271,7 +271,7 @@ def target_stack(plan: Plan, target: str) -> str:
     if target == "deepspeed":
         return "hf-deepspeed"
     if target == "accelerate":
-        return "hf-deepspeed" if plan.layout.ulysses > 1 else "torchtitan"
+        return "hf-deepspeed" if plan.layout.ulysses > 1 else "hf-fsdp2"
     return plan.stack
 
 

@@ -372,7 +372,7 @@ def test_export_targets_default_to_the_stack_their_launcher_runs(tmp_path):
     ring = load_plan(_plan_file(tmp_path, "r", ring=8))
     assert target_stack(ulysses, "deepspeed") == "hf-deepspeed"
     assert target_stack(ulysses, "accelerate") == "hf-deepspeed"  # Accelerate's sp is DeepSpeed ALST
-    assert target_stack(ring, "accelerate") == "torchtitan"  # its cp is torch context parallel under FSDP2
+    assert target_stack(ring, "accelerate") == "hf-fsdp2"  # a transformers model under FSDP2; cp is torch CP
     assert target_stack(ring, "torchrun") == "sp-plan"
     own = load_plan(_plan_file(tmp_path, "own", stack="torchtitan", ring=8))
     assert target_stack(own, "torchrun") == "torchtitan"
@@ -387,7 +387,7 @@ def test_export_notes_the_memory_under_the_target_stack(tmp_path):
     ring = _plan_file(tmp_path, "ring", ring=8)
     result = invoke("export", ring, "--to", "accelerate")
     assert result.exit_code == 0, result.output
-    assert "under the torchtitan stack (what accelerate runs)" in result.stderr
+    assert "under the hf-fsdp2 stack (what accelerate runs)" in result.stderr
     # torchrun runs the plan's own stack: nothing to re-check unless asked.
     result = invoke("export", ring, "--to", "torchrun")
     assert result.exit_code == 0 and "predicted to need" not in result.stderr
