@@ -239,8 +239,8 @@ class PackedTextDataset(torch.utils.data.Dataset):
             self._tokens = np.memmap(self.directory / TOKENS_FILE, dtype=np.uint32, mode="r",
                                      shape=(self.rows, self.seq_len))
             if self.positions == "per_document":
-                self._starts = np.fromfile(self.directory / STARTS_FILE, dtype=np.int64)
-                self._offsets = np.fromfile(self.directory / OFFSETS_FILE, dtype=np.int64)
+                self._starts = _map_int64(self.directory / STARTS_FILE)
+                self._offsets = _map_int64(self.directory / OFFSETS_FILE)
 
     def __len__(self) -> int:
         return self.rows
@@ -324,6 +324,13 @@ def on_rank_zero(fn: Callable[[], Any], what: str) -> Any:
     if status == "error":
         raise RuntimeConfigError(value)
     return value
+
+
+def _map_int64(file: Path) -> np.ndarray:
+    """A read-only memory map of an int64 file (numpy cannot map an empty one)."""
+    if file.stat().st_size == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.memmap(file, dtype=np.int64, mode="r")
 
 
 def _read_meta(directory: Path) -> dict[str, Any]:

@@ -475,8 +475,8 @@ def summary(result: FitResult, mfu_note: str = "") -> str:
     seconds = sum(r.seconds for r in timed)
     rate = sum(r.tokens for r in timed) / seconds if seconds else math.nan
     first, last = recs[0].step, recs[-1].step
-    lines = [f"done: {len(recs)} steps in {result.seconds:.1f} s (steps {first}..{last}); loss {recs[0].loss:.3f} -> "
-             f"{recs[-1].loss:.3f}; {rate:,.0f} tokens/s (steps {timed[0].step}..{last}, all ranks)"]
+    lines = [(f"done: {len(recs)} steps in {result.seconds:.1f} s (steps {first}..{last}); loss {recs[0].loss:.3f} -> "
+              f"{recs[-1].loss:.3f}; {rate:,.0f} tokens/s (steps {timed[0].step}..{last}, all ranks)")]
     achieved = sum(r.model_flops_per_s * r.seconds for r in timed) / seconds if seconds else math.nan
     parts = [f"model {_flops_text(achieved)} per rank"]
     mfus = [r.mfu for r in timed if r.mfu is not None]
@@ -486,7 +486,8 @@ def summary(result: FitResult, mfu_note: str = "") -> str:
         parts.append(mfu_note)
     mem = {k: max(r.memory.get(k, -1) for r in recs) for k in MEMORY_KEYS}
     if mem["max_allocated"] >= 0:
-        parts.append(f"peak {_gb(mem['max_allocated'])} allocated / {_gb(mem['max_reserved'])} reserved (max over ranks)")
+        parts.append(f"peak {_gb(mem['max_allocated'])} allocated / {_gb(mem['max_reserved'])} reserved "
+                     "(max over ranks)")
     elif mem["peak_rss"] >= 0:
         parts.append(f"peak RSS {_gb(mem['peak_rss'])} per process (max over ranks; includes the Python runtime)")
     if mem["live_peak"] >= 0:

@@ -304,7 +304,7 @@ def single_rank(tmp_path_factory):
 
 @pytest.mark.multiproc
 def test_an_interrupted_save_is_never_the_latest(single_rank):
-    root, out = single_rank
+    _, out = single_rank
     assert out["params_match"]  # load_full_state_dict gives the unparallelised model
     assert out["latest_after_rename_kill"].endswith("step_00000001")
     assert any(name.startswith(".step_00000002.tmp-") for name in out["leftovers"])

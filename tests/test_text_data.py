@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from runtime.data import BatchSharder, IGNORE_INDEX, pack_documents  # noqa: E402
+from runtime.data import IGNORE_INDEX, BatchSharder, pack_documents  # noqa: E402
 from runtime.errors import RuntimeConfigError  # noqa: E402
 from runtime.text_data import (  # noqa: E402
     GlobalBatches,

@@ -34,7 +34,8 @@ def _telemetry_rank(rank: int, world: int, root: str) -> dict:
     except KeyboardInterrupt:
         interrupted = "KeyboardInterrupt"
     return {"lines": lines, "losses": fit.losses, "records": [r.memory for r in fit.records],
-            "interrupted": interrupted, "sigint_restored": signal.getsignal(signal.SIGINT) is signal.default_int_handler}
+            "interrupted": interrupted,
+            "sigint_restored": signal.getsignal(signal.SIGINT) is signal.default_int_handler}
 
 
 @pytest.fixture(scope="module")
