@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from ..units import MiB
 
@@ -54,103 +53,87 @@ def segment_size(nbytes: int) -> int:
     return -(-nbytes // ROUND_LARGE) * ROUND_LARGE
 
 
-@dataclass
-class _Block:
-    addr: int
-    size: int
-    segment: int
-    free: bool = True
-
-
-@dataclass
 class _Pool:
-    """Blocks of one pool (small or large) of one stream, with a sorted index of the free ones."""
+    """Blocks of one pool (small or large) of one stream. A block is ``[size, segment, free]`` keyed by its
+    address; ``ends`` maps each block's end address to its start (O(1) neighbours); ``free_index`` is the
+    sorted (size, address) list of free blocks (best fit by bisection)."""
 
-    small: bool
-    expandable: bool
-    blocks: dict[int, _Block] = field(default_factory=dict)  # addr -> block
-    order: list[int] = field(default_factory=list)  # sorted block addresses
-    free_index: list[tuple[int, int]] = field(default_factory=list)  # sorted (size, addr) of free blocks
-    next_addr: int = 0
-    reserved: int = 0
+    __slots__ = ("small", "expandable", "blocks", "ends", "free_index", "next_addr", "reserved")
 
-    def _insert(self, b: _Block) -> None:
-        self.blocks[b.addr] = b
-        bisect.insort(self.order, b.addr)
-        if b.free:
-            bisect.insort(self.free_index, (b.size, b.addr))
+    def __init__(self, small: bool, expandable: bool) -> None:
+        self.small = small
+        self.expandable = expandable
+        self.blocks: dict[int, list] = {}
+        self.ends: dict[int, int] = {}
+        self.free_index: list[tuple[int, int]] = []
+        self.next_addr = 0
+        self.reserved = 0
 
-    def _remove(self, b: _Block) -> None:
-        del self.blocks[b.addr]
-        self.order.pop(bisect.bisect_left(self.order, b.addr))
-        if b.free:
-            self.free_index.pop(bisect.bisect_left(self.free_index, (b.size, b.addr)))
+    def _insert(self, addr: int, size: int, segment: int, free: bool) -> None:
+        self.blocks[addr] = [size, segment, free]
+        self.ends[addr + size] = addr
+        if free:
+            bisect.insort(self.free_index, (size, addr))
 
-    def _neighbour(self, b: _Block, step: int) -> _Block | None:
-        i = bisect.bisect_left(self.order, b.addr) + step
-        if 0 <= i < len(self.order):
-            n = self.blocks[self.order[i]]
-            if n.segment == b.segment:
-                return n
-        return None
+    def _remove(self, addr: int) -> list:
+        b = self.blocks.pop(addr)
+        del self.ends[addr + b[0]]
+        if b[2]:
+            del self.free_index[bisect.bisect_left(self.free_index, (b[0], addr))]
+        return b
 
     def _should_split(self, remaining: int) -> bool:
         if self.small or self.expandable:
             return remaining >= MIN_BLOCK
         return remaining > SMALL_SIZE
 
-    def _take(self, b: _Block, size: int) -> int:
-        """Allocate ``size`` from the start of free block ``b`` (splitting off the rest)."""
-        self._remove(b)
-        rest = b.size - size
+    def _take(self, addr: int, size: int) -> int:
+        """Allocate ``size`` from the start of the free block at ``addr`` (splitting off the rest)."""
+        bsize, segment, _ = self._remove(addr)
+        rest = bsize - size
         if self._should_split(rest):
-            self._insert(_Block(b.addr + size, rest, b.segment, True))
-            b.size = size
-        b.free = False
-        self._insert(b)
-        return b.addr
+            self._insert(addr + size, rest, segment, True)
+            bsize = size
+        self._insert(addr, bsize, segment, False)
+        return addr
 
     def malloc(self, size: int) -> int:
         i = bisect.bisect_left(self.free_index, (size, -1))
         if i < len(self.free_index):
-            return self._take(self.blocks[self.free_index[i][1]], size)
+            return self._take(self.free_index[i][1], size)
         if self.expandable:
             page = SMALL_BUFFER if self.small else LARGE_BUFFER
-            tail = self.blocks[self.order[-1]] if self.order else None
-            if tail is not None and tail.free:
-                grow = -(-(size - tail.size) // page) * page
-                self._remove(tail)
-                tail.size += grow
-                self._insert(tail)
-                self.reserved += grow
-                self.next_addr += grow
-                return self._take(tail, size)
-            grow = -(-size // page) * page
-            b = _Block(self.next_addr, grow, 0, True)
+            tail = self.ends.get(self.next_addr)
+            if tail is not None and self.blocks[tail][2]:
+                tail_size = self._remove(tail)[0]
+                grow = -(-(size - tail_size) // page) * page
+                self._insert(tail, tail_size + grow, 0, True)
+            else:
+                grow = -(-size // page) * page
+                tail = self.next_addr
+                self._insert(tail, grow, 0, True)
             self.next_addr += grow
             self.reserved += grow
-            self._insert(b)
-            return self._take(b, size)
+            return self._take(tail, size)
         seg = SMALL_BUFFER if self.small else segment_size(size)
-        b = _Block(self.next_addr, seg, self.next_addr, True)
+        addr = self.next_addr
         self.next_addr += seg
         self.reserved += seg
-        self._insert(b)
-        return self._take(b, size)
+        self._insert(addr, seg, addr, True)
+        return self._take(addr, size)
 
     def release(self, addr: int) -> None:
-        b = self.blocks[addr]
-        prev, nxt = self._neighbour(b, -1), self._neighbour(b, 1)
-        self._remove(b)
-        b.free = True
-        if prev is not None and prev.free:
-            self._remove(prev)
-            prev.size += b.size
-            b = prev
-        if nxt is not None and nxt.free:
-            self._remove(nxt)
-            b.size += nxt.size
-        self._insert(b)
+        size, segment, _ = self._remove(addr)
+        prev = self.ends.get(addr)
+        if prev is not None:
+            p = self.blocks[prev]
+            if p[2] and p[1] == segment:
+                size += self._remove(prev)[0]
+                addr = prev
+        nxt = self.blocks.get(addr + size)
+        if nxt is not None and nxt[2] and nxt[1] == segment:
+            size += self._remove(addr + size)[0]
+        self._insert(addr, size, segment, True)
 
 
 class AllocatorModel:

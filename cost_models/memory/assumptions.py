@@ -18,12 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..units import MiB
 
-SelectivePolicy = Literal["attention_outputs", "attention_core_recompute"]
+SelectivePolicy = Literal["attention_outputs", "attention_core_recompute", "op_sac"]
 MLPImplementation = Literal["eager", "fused_swiglu"]
 NormImplementation = Literal["fused", "eager"]
 CheckpointImplementation = Literal["non_reentrant", "reentrant"]
 RopeImplementation = Literal["eager", "inplace"]
 TiledLossImplementation = Literal["chunked", "liger_flce"]
+CrossEntropyImplementation = Literal["hf", "megatron"]
 Allocator = Literal["fraction", "expandable", "segments"]
 NcclMemory = Literal["flat", "buffers"]
 NcclGroups = Literal["mesh", "purposes"]
@@ -51,7 +52,9 @@ class MemoryAssumptions(BaseModel):
             "recomputed in backward, the attention kernel is not. 'attention_core_recompute': "
             "Megatron-LM's selective recompute (Korthikanti et al. 2022): keep everything except the "
             "tensors saved inside core attention (QK^T, softmax, dropout, PV), which are recomputed; "
-            "with a flash kernel that saves nothing beyond 'none'."
+            "with a flash kernel that saves nothing beyond 'none'. 'op_sac': torchtitan's per-op selective "
+            "activation checkpointing (selective_ac_option='op'): the outputs of the flash/SDPA kernel and of "
+            "every other matmul of the block (1st, 3rd, ...) are kept, everything else recomputed."
         ),
     )
     mlp_implementation: MLPImplementation = Field(
@@ -194,6 +197,32 @@ class MemoryAssumptions(BaseModel):
             "Untiled loss only: a HF causal-LM forward returns the bf16 logits in its output object, "
             "which the training loop holds until the step ends, so they stay allocated through "
             "backward and the optimizer step."
+        ),
+    )
+    cross_entropy_implementation: CrossEntropyImplementation = Field(
+        default="hf",
+        description=(
+            "Untiled loss. 'hf' (transformers' ForCausalLMLoss): logits.float(), log_softmax saves its fp32 "
+            "output, backward allocates its gradient (14 B per logit at the log-softmax backward with the "
+            "caller's bf16 logits). 'megatron' (Megatron-LM/-DeepSpeed vocab_parallel_cross_entropy on "
+            "logits.float()): the max-subtracted copy is exponentiated and normalised in place, saved, and "
+            "turned into the gradient in place (10 B per logit in forward, 6 B in backward)."
+        ),
+    )
+    hf_logits_fp32_in_output: bool = Field(
+        default=False,
+        description=(
+            "Untiled loss: the logits the caller keeps are the fp32 upcast (transformers <= 4.45: "
+            "`logits = logits.float()` in LlamaForCausalLM.forward, returned in the output; the bf16 logits "
+            "are freed) instead of the bf16 logits (4.46+: the loss function upcasts internally)."
+        ),
+    )
+    hf_shift_logits_copy: bool = Field(
+        default=False,
+        description=(
+            "Untiled loss: the loss shifts inside (`logits[..., :-1, :].contiguous()`, an fp32 copy; its "
+            "backward builds the gradient in a zero-filled full-size tensor) instead of taking pre-shifted "
+            "labels (shift_labels, what sequence parallelism needs)."
         ),
     )
     prefill_logits_all_tokens: bool = Field(
@@ -413,6 +442,18 @@ class MemoryAssumptions(BaseModel):
             "20 MiB pages vs. one cudaMalloc segment per miss rounded to 2 MiB) and the reserved high-water "
             "mark above the live peak is the fragmentation; memory other streams' pools cached at another "
             "moment (the parameter all-gather stream) is added."
+        ),
+    )
+    allocator_slack_fraction: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description=(
+            "Allocator 'expandable'/'segments' only: reserve the replay does not reproduce, as a fraction of "
+            "the allocated peak (blocks whose reuse waits on another stream's event, e.g. NCCL's with "
+            "recordStream; pools of side streams; the first step's and initialisation's allocations the "
+            "miniature step leaves out). An empirical constant fitted to published runs, not a mechanism: "
+            "see docs/memory_model.md (allocator) for the fit and its held-out error."
         ),
     )
     fragmentation_fraction: float = Field(

@@ -23,7 +23,7 @@ from __future__ import annotations
 from ..model_spec import ModelSpec
 from .assumptions import MemoryAssumptions
 from .dims import LocalDims
-from .graph import ATTENTION, CORE_ATTENTION, Graph, GraphBuilder, TensorSpec, Workspace
+from .graph import ATTENTION, CORE_ATTENTION, MATMUL, SDPA, Graph, GraphBuilder, TensorSpec, Workspace
 from .liveness import simulate
 
 FP32 = 4
@@ -74,7 +74,8 @@ class BlockBuilder:
                kind: str = "activation", holds: tuple[str, ...] = ()) -> str:
         """A linear saves its input; Megatron-style TP saves the shard and re-gathers it in backward."""
         out = TensorSpec(name, out_bytes, kind)
-        self.g.op(name, [x], [out], saves=[saved_input or x], bwd_workspace=[Workspace(regather)], holds=holds)
+        self.g.op(name, [x], [out], saves=[saved_input or x], bwd_workspace=[Workspace(regather)], holds=holds,
+                  tags=(MATMUL,))
         return name
 
     def simple(self, name: str, inputs: list[str], out_bytes: int, saves: list[str] | None = None,
@@ -219,7 +220,7 @@ class BlockBuilder:
         out = TensorSpec("attention", d.q_bytes())
         name = "ring_attention" if d.ring > 1 else "flash_attention"
         self.g.op(name, [q, k, v], [out, lse], saves=[q, k, v, out.name, lse.name],
-                  fwd_workspace=fwd, bwd_workspace=bwd, tags=frozenset({ATTENTION, CORE_ATTENTION}))
+                  fwd_workspace=fwd, bwd_workspace=bwd, tags=frozenset({ATTENTION, CORE_ATTENTION, SDPA}))
         return out.name
 
     def _materialized_attention(self, q: str, k: str, v: str) -> str:

@@ -26,6 +26,10 @@ KINDS: tuple[str, ...] = ("activation", "logits", "comm", "kv_cache", "grads")
 #: ``core_attention``: recomputed by Megatron-style selective recompute ('attention_core_recompute').
 ATTENTION = "attention"
 CORE_ATTENTION = "core_attention"
+#: ``matmul``: a linear layer's GEMM (aten.mm); ``sdpa``: the fused attention kernel (flash/ring). Used by
+#: torchtitan-style per-op selective checkpointing ('op_sac').
+MATMUL = "matmul"
+SDPA = "sdpa"
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .graph import ATTENTION, CORE_ATTENTION, KINDS, Graph, TensorSpec
+from .graph import ATTENTION, CORE_ATTENTION, KINDS, MATMUL, SDPA, Graph, TensorSpec
 
 Mode = Literal["none", "selective", "full", "inference"]
 
@@ -76,6 +76,13 @@ def checkpoint_plan(graph: Graph, mode: Mode, selective_policy: str = "attention
             | (core_outputs & used_outside)
         )
         candidates = core
+    elif selective_policy == "op_sac":
+        # torchtitan's per-op SAC (_save_list): keep the fused attention kernel's outputs and every other
+        # matmul's output (the 1st, 3rd, ... of the block; the even ones are recomputed).
+        mms = [i for i, op in enumerate(ops) if MATMUL in op.tags]
+        kept_ops = {i for i, op in enumerate(ops) if SDPA in op.tags} | set(mms[0::2])
+        keep = inputs | {out.name for i in kept_ops for out in ops[i].outputs}
+        candidates = [i for i in range(len(ops)) if i not in kept_ops]
     else:
         raise ValueError(f"unknown selective policy {selective_policy!r}")
     # Early stop: recomputation ends once the last tensor backward needs again has been produced.

@@ -67,9 +67,22 @@ def output_graph(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, *, traini
         logits32 = b.simple("logits_fp32", [logits], elems * FP32, kind="logits")
     else:
         logits32 = logits
-    logp = b.simple("log_softmax", [logits32], elems * FP32, saves=["log_softmax"], kind="logits")
+    if a.cross_entropy_implementation == "megatron":
+        # Megatron's _VocabParallelCrossEntropy on logits.float(): subtracts the max into a new fp32 tensor,
+        # exponentiates and normalises it in place and saves it; backward turns it into the gradient in place.
+        softmax = TensorSpec("ce.softmax", elems * FP32, kind="logits", requires_grad=False)
+        b.g.op("vocab_parallel_ce", [logits32], [TensorSpec("loss", LOSS_BYTES), softmax], saves=[softmax.name],
+               grad_from_saved=softmax.name)
+        return b.g.build(outputs=("loss",))
+    scores = logits32
+    if a.hf_shift_logits_copy:
+        # ForCausalLMLoss before labels were pre-shifted: logits[..., :-1, :].contiguous() (an fp32 copy); its
+        # backward scatters the gradient into a zero-filled full-size tensor
+        scores = b.simple("shift_logits", [logits32], elems * FP32, kind="logits")
+    logp = b.simple("log_softmax", [scores], elems * FP32, saves=["log_softmax"], kind="logits")
     b.g.op("nll_loss", [logp], [TensorSpec("loss", LOSS_BYTES)])
-    retained = (logits,) if a.hf_keeps_logits else ()
+    kept = logits32 if a.hf_logits_fp32_in_output else logits
+    retained = (kept,) if a.hf_keeps_logits else ()
     return b.g.build(outputs=("loss",), retained=retained)
 
 

@@ -198,7 +198,7 @@ def memory_core(model: ModelSpec, train: TrainSpec, layout: Layout,
     if a.allocator != "fraction":
         frag = _step_fragmentation(model, d, a, training, train.attention_kernel, train.tiled_mlp, train.tiled_loss,
                                    mode, mlp_grads, bool(offloaded))
-        reserve = reserved_above_peak(phases, frag)
+        reserve = reserved_above_peak(phases, frag) + int(a.allocator_slack_fraction * peak.allocated)
     return MemoryCore(
         dims=d, states=states, block=block, head=head, phases=phases, peak=peak,
         extra=overhead(layout, peak.allocated, a, zero_stage=train.zero_stage if training else 0, fragmentation=reserve),
@@ -351,7 +351,9 @@ def _block_graph(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, training:
 
 
 #: Blocks the allocator replay runs forward and backward (the pattern repeats; a few reach steady state).
-REPLAY_BLOCKS = 6
+REPLAY_BLOCKS = 4
+#: Tensors up to this size (the allocator's small pool) are left out of the replay.
+SMALL_TENSOR_BYTES = 1 << 20
 
 
 @lru_cache(maxsize=2048)
@@ -376,8 +378,8 @@ def _step_fragmentation(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, tr
 
     def emit(kind: str, key: object, nbytes: int) -> None:
         if kind == "a":
-            if key in live:
-                return
+            if key in live or nbytes <= SMALL_TENSOR_BYTES:
+                return  # small tensors live in the small pool's 2 MiB segments: no GB-scale fragmentation
             live[key] = None
         elif live.pop(key, 0) is not None:
             return  # not live: nothing to free
@@ -479,18 +481,20 @@ def _zero3_gathered(model: ModelSpec, st: ModelStates, a: MemoryAssumptions, tp:
 
 
 def _unsharded_grads(model: ModelSpec, st: ModelStates, a: MemoryAssumptions, tp: int) -> tuple[int, int]:
-    """ZeRO-2/3 gradient buffers (bytes): (persistent through the step, during a block's backward).
+    """ZeRO gradient buffers (bytes): (persistent through the step, during a block's backward).
 
     FSDP2 (``zero_reduce_bucket_params`` None): ``unsharded_grad_layers`` blocks of unsharded gradients
     in backward. DeepSpeed: the contiguous IPG bucket exists from initialisation; in backward the
     reduction's flat copy comes on top (``zero_reduce_bucket_copies``) and the gradient a parameter just
     produced (up to the block's largest matrix) until it is copied into the bucket.
     """
-    if st.zero_stage < 2:
-        return 0, 0
     g = st.per_param.gradients
     if a.zero_reduce_bucket_params is None:
-        return 0, a.unsharded_grad_layers * st.layer_grads_unsharded
+        return 0, a.unsharded_grad_layers * st.layer_grads_unsharded if st.zero_stage >= 2 else 0
+    if st.zero_stage < 1:
+        return 0, 0
+    # DeepSpeed stage 1 reduces through the same IPG bucket at the accumulation boundary (stage_1_and_2.py);
+    # its full gradients are counted as gradients.
     bucket = a.zero_reduce_bucket_params * g
     persistent = int(min(1.0, a.zero_reduce_bucket_copies) * bucket)
     return persistent, int(a.zero_reduce_bucket_copies * bucket) + block_matrices(model, tp).largest * g

@@ -52,16 +52,28 @@ SOURCES: dict[str, SourceSetup] = {
         "8 x H100 80GB; FSDP FULL_SHARD (ZeRO-3) under Composer: the torchtitan (FSDP) stack is the nearest shipped",
     ),
     "fpdt": SourceSetup(
-        "dgx-a100", "hf-deepspeed", {"zero_stage": 3, "checkpointing": "none"}, {"norm_implementation": "fused"},
-        "GPU type not stated (80 GB implied): A100 80GB assumed; Megatron-DeepSpeed GPT code (fused norms)",
+        "dgx-a100", "hf-deepspeed", {"zero_stage": 3, "checkpointing": "none"},
+        # Megatron-DeepSpeed, not HF + Liger: its own RoPE (eager), no Liger kernels; Megatron's
+        # CheckpointFunction is reentrant like the stack's; fused (apex) norms.
+        {"norm_implementation": "fused", "rope_implementation": "eager", "flash_varlen_pad_rows": 0,
+         "alltoall_head_major_copy": False, "cross_entropy_implementation": "megatron"},
+        "GPU type not stated (80 GB implied): A100 80GB assumed; Megatron-DeepSpeed GPT code (fused norms, eager "
+        "RoPE, DeepSpeed's DistributedAttention all-to-alls, Megatron's in-place vocab-parallel cross-entropy)",
     ),
     "ring-attention": SourceSetup(
         "dgx-a100", "sp-plan", {"zero_stage": 3, "dtype": "fp32"}, {},
         "A100 80GB; JAX FSDP + ring attention in fp32: no shipped stack is JAX, sp-plan's assumptions used",
     ),
     "factory-360": SourceSetup(
-        "dgx-a800", "hf-deepspeed", {"micro_batch": 1}, {"norm_implementation": "eager"},
-        "A800 80GB; HF + DeepSpeed ZeRO-3 + ring-flash-attn, no Liger (eager RMSNorm)",
+        "dgx-a800", "hf-deepspeed", {"micro_batch": 1},
+        # No Liger: HF's eager RMSNorm, SwiGLU and RoPE; ring-flash-attn's zigzag ring calls the dense
+        # flash kernel (no varlen padding) and no Ulysses all-to-all.
+        {"norm_implementation": "eager", "mlp_implementation": "eager", "rope_implementation": "eager",
+         "flash_varlen_pad_rows": 0, "hf_logits_fp32_in_output": True},
+        "A800 80GB; HF + DeepSpeed ZeRO-3 + ring-flash-attn, no Liger (eager RMSNorm, SwiGLU, RoPE); HF "
+        "gradient checkpointing (reentrant), DeepSpeed's default buckets; fp32 logits in the model output (its "
+        "README lists 'commenting logits = logits.float()' among the tricks NOT used for these lengths); labels "
+        "pre-shifted before the zigzag split (no shift copy); lengths are its 'coarse-grained' benchmark",
     ),
     "usp-attention": SourceSetup(
         "dgx-a100", "sp-plan", {"mode": "prefill", "dtype": "bf16"}, {},
@@ -80,6 +92,35 @@ SOURCES: dict[str, SourceSetup] = {
         "8 DGX-A100 nodes (IB HDR); Megatron-DeepSpeed GPT; TFLOP/s by Megatron-DeepSpeed's formula",
     ),
 }
+
+
+def _arctic_entry(entry: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    notes = []
+    if "metric" in entry and entry["model"] == "qwen3-32b" and entry["gpus"] == 32:
+        notes.append("the recipe's comment says this figure was measured with PyTorch 2.4; the others with the "
+                     "2.8 nightly the README names (allocator, NCCL and c10d stream handling differ)")
+    host_bound = (entry["model"] == "llama3.1-70b" and entry["gpus"] >= 16) or (
+        entry["model"] == "qwen3-32b" and entry["gpus"] == 8)
+    if "metric" not in entry and entry.get("options") == "alst" and host_bound:
+        notes.append("host RAM (1.9 TB per node: offloaded checkpoints of every layer + DeepSpeedCPUAdam states, "
+                     "~1.6-1.8 TB per node at these lengths by the model's host accounting) bounds this length "
+                     "(the 32-GPU 70B recipe: 'at the brink of cpu-oom'); the NV memory the 70B recipes report "
+                     "leaves 26-32 GiB of GPU headroom")
+    return {}, "; ".join(notes)
+
+
+def _fpdt_entry(entry: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    if "ulysses" in entry and "checkpointing" not in entry:
+        # Without activation checkpointing Llama-3-8B at 8K tokens per GPU saves ~44 GB of activations on top of
+        # 16 GB of ZeRO states and GBs of logits: more than the 52-59 GB reported. The Ulysses rows are read as
+        # Megatron-DeepSpeed's --checkpoint-activations (full) runs.
+        return {"checkpointing": "full"}, ("checkpointing not stated for the Ulysses + ZeRO rows; full assumed "
+                                           "(without it the reported HBM cannot hold the activations)")
+    return {}, ""
+
+
+#: Per source, what an entry implies beyond the source's defaults: (train options, assumption text).
+ENTRY_ASSUMPTIONS = {"arctic-recipes": _arctic_entry, "fpdt": _fpdt_entry}
 
 #: Source model names -> shipped presets.
 MODEL_ALIASES = {
@@ -188,7 +229,9 @@ def _run(id_: str, entry: dict[str, Any], metric: str, value: float, *, seq_len:
          scale_free: bool = False) -> MeasuredRun:
     source = entry["source"]
     setup = SOURCES[source]
-    kw = _train_kwargs(entry, setup) | (extra_train or {})
+    entry_train, entry_note = ENTRY_ASSUMPTIONS[source](entry) if source in ENTRY_ASSUMPTIONS else ({}, "")
+    assumed = "; ".join(x for x in (assumed, entry_note) if x)
+    kw = _train_kwargs(entry, setup) | entry_train | (extra_train or {})
     kw["seq_len"] = seq_len
     if kw.get("mode") == "prefill":
         kw.pop("zero_stage", None)
