@@ -207,18 +207,24 @@ def kernel_gpus() -> list[str]:
 # ----- GEMMs ----------------------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=65536)
 def gemm_shape_efficiency(m: int, n: int, k: int, gemm: GemmParams, sms: int) -> float:
     """Fraction of ``peak_fraction`` a GEMM of this shape reaches (tile/wave quantisation, small k)."""
     if m <= 0 or n <= 0 or k <= 0:
         return 1.0
+    tiles = tuple((t.m, t.n, t.efficiency) for t in gemm.tiles)
+    return _shape_efficiency(m, n, k, tiles, gemm.k_half, sms)
+
+
+@lru_cache(maxsize=65536)
+def _shape_efficiency(m: int, n: int, k: int, tiles: tuple[tuple[int, int, float], ...], k_half: float,
+                      sms: int) -> float:
+    # Keyed on plain numbers: hashing the pydantic parameter objects would cost more than the arithmetic.
     best = 0.0
-    for tile in gemm.tiles:
-        tiles = math.ceil(m / tile.m) * math.ceil(n / tile.n)
-        waves = math.ceil(tiles / sms)
-        fill = (m * n) / (waves * sms * tile.m * tile.n)
-        best = max(best, tile.efficiency * fill)
-    return best * k / (k + gemm.k_half)
+    for tm, tn, efficiency in tiles:
+        count = math.ceil(m / tm) * math.ceil(n / tn)
+        waves = math.ceil(count / sms)
+        best = max(best, efficiency * (m * n) / (waves * sms * tm * tn))
+    return best * k / (k + k_half)
 
 
 def gemm_seconds(m: float, n: float, k: float, peak: float, fraction: float, gemm: GemmParams, sms: int) -> float:
