@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 REFERENCE = ["--model", "llama3-70b", "--seq-len", "1000000", "--gpus", "8", "--ulysses", "8", "--mode", "prefill",
              "--zero", "3"]
 MEMORY_KEYS = {"weights", "gradients", "optimizer", "activations", "logits", "kv_cache", "buffers", "overhead",
-               "total", "peak_allocated", "capacity"}
+               "total", "peak_allocated", "capacity", "device_used"}
 
 
 def run(args):

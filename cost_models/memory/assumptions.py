@@ -383,8 +383,8 @@ class MemoryAssumptions(BaseModel):
             "'flat': `nccl_bytes_per_communicator` per communicator. 'buffers': from NCCL's buffer sizes: "
             "per communicator `nccl_channels` x (SIMPLE 4 MiB + LL128 4.69 MiB + LL 512 KiB) for its ring "
             "connections (twice when it spans nodes: tree connections too), plus, for groups that run "
-            "all-to-all or send/recv (Ulysses, ring attention), per peer and P2P channel (`nccl_p2p_channels` "
-            "spread over the peers) a send and a receive buffer (NVLink: 512 KiB P2P chunk x 8 steps; "
+            "all-to-all or send/recv (Ulysses, ring attention), per peer and P2P channel "
+            "(`nccl_p2p_channels_per_peer`) a send and a receive buffer (NVLink: 512 KiB P2P chunk x 8 steps; "
             "network: 128 KiB x 8 steps), so it grows with the group size."
         ),
     )
@@ -406,13 +406,13 @@ class MemoryAssumptions(BaseModel):
             "H100/A100 nodes (NCCL_MIN_NCHANNELS/NCCL_MAX_NCHANNELS bound it)."
         ),
     )
-    nccl_p2p_channels: int = Field(
-        default=32,
+    nccl_p2p_channels_per_peer: int = Field(
+        default=2,
         ge=1,
-        le=128,
+        le=32,
         description=(
-            "'buffers' mode: NCCL's P2P channels (p2pnChannels, 32 by default on recent GPUs), spread over a "
-            "group's peers: pow2Down(p2pnChannels / group size) per peer, at least one."
+            "'buffers' mode: P2P channels per peer (NCCL's p2pnChannelsPerPeer: the pow2 of the fewest "
+            "channels any peer path supports, 2 with network peers: NCCL_NCHANNELS_PER_NET_PEER)."
         ),
     )
     nccl_local_ranks: int = Field(

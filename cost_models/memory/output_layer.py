@@ -72,7 +72,7 @@ def output_graph(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, *, traini
         # exponentiates and normalises it in place and saves it; backward turns it into the gradient in place.
         softmax = TensorSpec("ce.softmax", elems * FP32, kind="logits", requires_grad=False)
         b.g.op("vocab_parallel_ce", [logits32], [TensorSpec("loss", LOSS_BYTES), softmax], saves=[softmax.name],
-               grad_from_saved=softmax.name)
+               grad_from_saved=softmax.name, holds=(logits,))  # the caller still references the bf16 logits
         return b.g.build(outputs=("loss",))
     scores = logits32
     if a.hf_shift_logits_copy:

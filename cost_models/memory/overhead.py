@@ -19,8 +19,8 @@ buffer sizes (src/init.cc defaults, NCCL 2.18-2.27): per channel one connection'
 4 MiB) + LL128 (4,915,200 B) + LL (512 KiB) buffers for the ring and as many for the tree, and, for a
 group that runs all-to-all or send/recv (Ulysses, ring attention), per peer and P2P channel a send and a
 receive buffer of NCCL_P2P_NVL_CHUNKSIZE (512 KiB) x NCCL_STEPS (8) = 4 MiB over NVLink or
-NCCL_P2P_NET_CHUNKSIZE (128 KiB) x 8 = 1 MiB over the network, with NCCL's P2P channels spread over the
-peers (p2pnChannelsPerPeer = pow2Down(p2pnChannels / nRanks), at least 1).
+NCCL_P2P_NET_CHUNKSIZE (128 KiB) x 8 = 1 MiB over the network (p2pnChannelsPerPeer channels per peer,
+src/graph/paths.cc: the pow2 of the fewest channels any peer path supports).
 """
 
 from __future__ import annotations
@@ -115,8 +115,7 @@ def communicator_bytes(group: ProcessGroup, layout: Layout, a: MemoryAssumptions
     collective = a.nccl_channels * NCCL_CONNECTION_BYTES * (2 if spans_nodes else 1)
     p2p = 0
     if group.p2p and group.size > 1:
-        # NCCL spreads its P2P channels over the peers: p2pnChannelsPerPeer = pow2Down(p2pnChannels / nRanks)
-        per_peer = max(1, 1 << max(0, (a.nccl_p2p_channels // group.size).bit_length() - 1))
+        per_peer = a.nccl_p2p_channels_per_peer
         peers_local, peers_net = local - 1, group.size - local
         p2p = per_peer * 2 * (peers_local * NCCL_P2P_NVL_BYTES + peers_net * NCCL_P2P_NET_BYTES)
     return collective + p2p
@@ -146,6 +145,10 @@ class Overhead:
     communicators: tuple[ProcessGroup, ...]
     fragmentation: int
     communicator_bytes: tuple[int, ...] = ()
+    cached: int = 0
+    """Reserved at the allocator's high-water mark but handed back before an out-of-memory error (free
+    blocks of other streams' pools, pages under expandable segments' holes): in what NVML shows, not in
+    what must fit."""
 
     @property
     def total(self) -> int:
@@ -153,9 +156,10 @@ class Overhead:
 
 
 def overhead(layout: Layout, peak_allocated: int, a: MemoryAssumptions, *, zero_stage: int = 0,
-             fragmentation: int | None = None) -> Overhead:
-    """Context, NCCL and the allocator's reserve above ``peak_allocated``: ``fragmentation`` when the
-    timeline computed it (allocator replay), else ``fragmentation_fraction`` of the peak."""
+             fragmentation: int | None = None, cached: int | None = None) -> Overhead:
+    """Context, NCCL and the allocator's reserve above ``peak_allocated``: ``fragmentation`` (kept) and
+    ``cached`` (returned under pressure) when the timeline computed them (allocator replay), else
+    ``fragmentation_fraction`` of the peak."""
     groups = process_groups(layout) if a.nccl_groups == "mesh" else purpose_groups(layout, zero_stage)
     sizes = tuple(communicator_bytes(g, layout, a) for g in groups)
     return Overhead(
@@ -164,4 +168,5 @@ def overhead(layout: Layout, peak_allocated: int, a: MemoryAssumptions, *, zero_
         communicators=groups,
         fragmentation=int(round(peak_allocated * a.fragmentation_fraction)) if fragmentation is None else fragmentation,
         communicator_bytes=sizes,
+        cached=cached or 0,
     )

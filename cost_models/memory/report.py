@@ -31,9 +31,12 @@ class MemoryBreakdown(_Frozen):
     kv_cache: int
     buffers: int = Field(description="Communication staging, ZeRO-3 gathered parameters, unsharded gradients.")
     overhead: int = Field(description="CUDA context + NCCL communicators + caching-allocator fragmentation.")
-    total: int
+    total: int = Field(description="What the device must hold: peak_allocated + overhead (fits = total <= capacity).")
     peak_allocated: int
     capacity: int
+    device_used: int = Field(default=0, description=(
+        "What NVML / nvidia-smi shows at the peak: total + blocks the caching allocator keeps cached at its "
+        "high-water mark but would hand back before failing an allocation (allocator replay modes)."))
 
 
 class HostMemory(_Frozen):
@@ -110,7 +113,10 @@ class OverheadDetail(_Frozen):
     nccl: int
     nccl_bytes_per_communicator: int
     communicators: list[CommunicatorInfo]
-    fragmentation: int = Field(description="Caching-allocator reserve above the allocated peak.")
+    fragmentation: int = Field(description="Caching-allocator reserve above the allocated peak it cannot give back.")
+    cached_reserve: int = Field(default=0, description=(
+        "Reserve at the allocator's high-water mark that it hands back under memory pressure (expandable "
+        "segments' holes, other streams' free blocks)."))
     peak_reserved: int = Field(description="torch.cuda.max_memory_reserved(): peak allocated + fragmentation.")
     allocator: str = Field(default="fraction", description="The allocator model behind `fragmentation`.")
 

@@ -194,14 +194,22 @@ def memory_core(model: ModelSpec, train: TrainSpec, layout: Layout,
     else:
         phases = _prefill_phases(model, a, states, block, head, inputs, kv_cache_bytes_per_layer(d))
     peak = max(phases, key=lambda p: p.allocated)
-    reserve = None
+    reserve = cached = None
     if a.allocator != "fraction":
         frag = _step_fragmentation(model, d, a, training, train.attention_kernel, train.tiled_mlp, train.tiled_loss,
                                    mode, mlp_grads, bool(offloaded))
-        reserve = reserved_above_peak(phases, frag) + int(a.allocator_slack_fraction * peak.allocated)
+        slack = int(a.allocator_slack_fraction * peak.allocated)
+        # What the allocator holds at its high-water mark vs what it cannot hand back when an allocation
+        # would fail (release_cached_blocks: free blocks of every stream's pool are released, and with
+        # expandable segments the pages under free blocks are unmapped, so the replay's holes come back;
+        # cudaMalloc'd segments that still hold a live block do not).
+        held = reserved_above_peak(phases, frag) + slack
+        reserve = slack + (frag if a.allocator == "segments" else 0)
+        cached = held - reserve
     return MemoryCore(
         dims=d, states=states, block=block, head=head, phases=phases, peak=peak,
-        extra=overhead(layout, peak.allocated, a, zero_stage=train.zero_stage if training else 0, fragmentation=reserve),
+        extra=overhead(layout, peak.allocated, a, zero_stage=train.zero_stage if training else 0, fragmentation=reserve,
+                       cached=cached),
         offloaded_per_layer=offloaded, inputs=inputs, mode=mode,
         host_weights=states.weights_host, host_gradients=states.gradients_host,
         host_optimizer=states.optimizer_host, host_checkpoints=model.num_layers * offloaded,
@@ -273,6 +281,7 @@ def memory_report(model: ModelSpec, train: TrainSpec, layout: Layout, gpu: GPUSp
         total=core.total,
         peak_allocated=peak_allocated,
         capacity=gpu.memory_bytes,
+        device_used=core.total + extra.cached,
     )
     host = core.host
 
@@ -316,7 +325,8 @@ def memory_report(model: ModelSpec, train: TrainSpec, layout: Layout, gpu: GPUSp
             communicators=[CommunicatorInfo(name=g.name, dims=list(g.dims), size=g.size, bytes=b)
                            for g, b in zip(extra.communicators, extra.communicator_bytes)],
             fragmentation=extra.fragmentation,
-            peak_reserved=peak_allocated + extra.fragmentation,
+            cached_reserve=extra.cached,
+            peak_reserved=peak_allocated + extra.fragmentation + extra.cached,
             allocator=a.allocator,
         ),
         states=StatesDetail(
