@@ -113,8 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--text-column", default="text")
     data.add_argument("--split", default="train")
     data.add_argument("--positions", choices=["continuous", "per-document"], default="continuous",
-                      help="packed rows: GPT-style continuous positions, or HF-style positions restarting per "
-                           "document (needs document-masked attention)")
+                      help="packed rows: GPT-style continuous positions (attention across the documents of a "
+                           "row), or HF-style positions restarting per document (document-masked attention)")
     data.add_argument("--data-cache", type=Path, default=None,
                       help="where packed datasets are cached (default: ~/.cache/sp-plan/packed)")
     data.add_argument("--corpus", type=Path, default=None,
@@ -241,7 +241,7 @@ def make_data(args: argparse.Namespace, setup) -> tuple[GlobalBatches, str]:
                                           split=args.split, positions=args.positions.replace("-", "_"),
                                           cache_dir=args.data_cache, log=log)
         check_vocabulary(dataset, setup.plan.model.vocab_size)
-        if dataset.positions == "per_document":  # refused up front while attention has no document masking
+        if dataset.positions == "per_document":  # refused up front if the runtime cannot train such rows
             try:
                 setup.sharder.prepare({k: v.unsqueeze(0) for k, v in dataset[0].items()})
             except RuntimeConfigError as exc:

@@ -572,28 +572,38 @@ def save_checkpoint(directory: str | os.PathLike, *, step: int, setup, optimizer
     (tmp / RNG_DIR).mkdir(exist_ok=True)
     _write_json(tmp / RNG_DIR / f"rank_{rank}.json", rng_state())
     _barrier()
+    error = None
     if rank == 0:
-        state = {
-            "format": FORMAT_VERSION, "step": step, "world_size": world, "tokens_seen": int(tokens_seen),
-            **_plan_json(setup),
-            "optimizer": None if optimizer is None else {
-                "class": type(getattr(optimizer, "inner", optimizer)).__name__,
-                "host_offload": _is_host_offload(optimizer), "param_groups": _param_groups_json(optimizer)},
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "data": data.state_dict() if data is not None else None,
-            "extra": dict(extra or {}),
-        }
-        _write_json(tmp / STATE_FILE, state)
-        _write_json(tmp / COMPLETE_MARKER, {"step": step})
-        if final.exists():  # an earlier save of this step that never completed
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(directory)
-        if keep is not None:
-            for _, old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
-                shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+        try:
+            _publish(directory, tmp, final, step, keep, {
+                "format": FORMAT_VERSION, "step": step, "world_size": world, "tokens_seen": int(tokens_seen),
+                **_plan_json(setup),
+                "optimizer": None if optimizer is None else {
+                    "class": type(getattr(optimizer, "inner", optimizer)).__name__,
+                    "host_offload": _is_host_offload(optimizer), "param_groups": _param_groups_json(optimizer)},
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "data": data.state_dict() if data is not None else None,
+                "extra": dict(extra or {}),
+            })
+        except Exception as exc:  # every rank must learn it (not wait in a barrier for rank 0)
+            error = str(exc) if isinstance(exc, RuntimeConfigError) else f"{type(exc).__name__}: {exc}"
+    error = _broadcast(error)  # also the final barrier
+    if error is not None:
+        raise RuntimeConfigError(f"saving checkpoint {final} failed on rank 0: {error}")
     return final
+
+
+def _publish(directory: Path, tmp: Path, final: Path, step: int, keep: int | None, state: dict) -> None:
+    """Rank 0: the bookkeeping, the completion marker, the atomic rename, pruning old checkpoints."""
+    _write_json(tmp / STATE_FILE, state)
+    _write_json(tmp / COMPLETE_MARKER, {"step": step})
+    if final.exists():  # an earlier save of this step that never completed
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(directory)
+    if keep is not None and keep > 0:
+        for _, old in list_checkpoints(directory)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _remove_stale(directory: Path) -> None:

@@ -20,9 +20,9 @@ Three pieces (``datasets`` and ``transformers`` come with the ``[hf]`` extra and
      what the runtime's attention computes exactly);
    - ``"per_document"`` (HF packed format): samples are dicts with ``position_ids`` restarting at 0 at
      every document start (and at the row start for a document continued from the previous row). The
-     sharder ignores the labels across document starts. Without document-masked attention tokens still
-     attend to earlier documents of the row, so :class:`runtime.data.BatchSharder` asks for
-     ``cross_document_attention=True`` until the runtime masks documents.
+     sharder (:class:`runtime.data.BatchSharder`) turns them into document boundaries: no label
+     crosses a document start and attention is document-masked (or crosses documents with its
+     ``cross_document_attention=True`` opt-in).
 3. :class:`GlobalBatches`: the order of sequences is one global stream, independent of the layout:
    epoch ``e`` is a permutation of all rows seeded by ``seed + e`` (or the identity without shuffling),
    epochs follow each other, and optimizer step ``k`` consumes stream positions
