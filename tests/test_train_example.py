@@ -189,6 +189,7 @@ def killed_and_resumed(text_corpus, tmp_path_factory):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the rank to kill through /proc (Linux)")
 def test_a_killed_run_resumes_bit_exactly(killed_and_resumed):
     from runtime.checkpoint import load_full_state_dict
 
@@ -214,6 +215,7 @@ def test_a_killed_run_resumes_bit_exactly(killed_and_resumed):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the rank to kill through /proc (Linux)")
 def test_a_two_rank_checkpoint_resumes_on_one_rank(killed_and_resumed, text_corpus):
     work = killed_and_resumed["work"]
     out = _run(_text_command(text_corpus, "--steps", str(LAYOUT_STEPS), "--checkpoint-dir", str(work / "killed"),
