@@ -214,7 +214,8 @@ def _train_packed(rank: int, world: int, root: str, layout: dict, positions: str
     setup = auto_configure(model(vocab_size=320), seq_len=SEQ, global_batch=2, dtype="fp32", topology="dgx-h100",
                            fixed_layout=layout, fixed_options={"zero_stage": 3})
     packed = PackedTextDataset.build(os.path.join(root, "docs.jsonl"), os.path.join(root, "tokenizer"), SEQ,
-                                     positions=positions, cache_dir=os.path.join(root, "packed"))
+                                     positions=positions, cache_dir=os.path.join(root, "packed"),
+                                     hf_cache_dir=os.path.join(root, "hf"))
     data = GlobalBatches.for_setup(setup, packed, seed=0)
     first = setup.shard(GlobalBatches.for_setup(setup, packed, seed=0).next_step()[0])
     optimizer = setup.make_optimizer(lr=1e-2)

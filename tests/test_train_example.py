@@ -118,9 +118,10 @@ def _text_command(root, *extra, nproc: int = 2) -> list[str]:
             str(root / "tokenizer"), "--data-cache", str(root / "packed"), *TEXT_ARGS, *extra]
 
 
-def _env(**extra) -> dict[str, str]:
+def _env(root, **extra) -> dict[str, str]:
+    """Offline, with the datasets cache (the JSON files' Arrow conversion) under the test's directory."""
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
-                **extra)
+                HF_DATASETS_CACHE=str(root / "hf-datasets"), **extra)
 
 
 def _run(cmd, env, timeout=150) -> str:
@@ -154,7 +155,7 @@ def killed_and_resumed(text_corpus, tmp_path_factory):
 
     root = text_corpus
     work = tmp_path_factory.mktemp("killed")
-    env = _env()
+    env = _env(root)
     # 1. the uninterrupted run (checkpoints at 6, 12 and 14 for the comparisons)
     reference = _run(_text_command(root, "--ring", "2", "--steps", str(LAYOUT_STEPS), "--checkpoint-dir",
                                    str(work / "reference"), "--save-every", "6", "--keep-checkpoints", "3",
@@ -164,7 +165,7 @@ def killed_and_resumed(text_corpus, tmp_path_factory):
     killed_dir = work / "killed"
     job = subprocess.Popen(_text_command(root, "--ring", "2", "--steps", "1000", "--checkpoint-dir", str(killed_dir),
                                          "--save-every", "2"),
-                           cwd=ROOT, env=_env(SP_PLAN_TEST_RUN=marker), stdout=subprocess.PIPE,
+                           cwd=ROOT, env=_env(root, SP_PLAN_TEST_RUN=marker), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -219,7 +220,7 @@ def test_a_killed_run_resumes_bit_exactly(killed_and_resumed):
 def test_a_two_rank_checkpoint_resumes_on_one_rank(killed_and_resumed, text_corpus):
     work = killed_and_resumed["work"]
     out = _run(_text_command(text_corpus, "--steps", str(LAYOUT_STEPS), "--checkpoint-dir", str(work / "killed"),
-                             "--resume", "--metrics-file", str(work / "one-rank.jsonl"), nproc=1), _env())
+                             "--resume", "--metrics-file", str(work / "one-rank.jsonl"), nproc=1), _env(text_corpus))
     assert "plan: single device on 1 rank(s)" in out or "on 1 rank(s)" in out, out[-2000:]
     assert "saved on 2 rank(s) as ring=2, resharded" in out, out[-2000:]
     reference, one = _metrics(work / "reference.jsonl"), _metrics(work / "one-rank.jsonl")
