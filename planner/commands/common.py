@@ -127,6 +127,11 @@ def _model_options(func: Callable, seq_len_required: bool) -> Callable:
             default="flash",
             show_default=True,
         ),
+        click.option("--document-length", type=SEQ_LEN, default=None,
+                     help="Packed sequences with document masking: typical document length in tokens "
+                          "(attention stays inside a document; default: one document per sequence)."),
+        click.option("--fp8-linears", is_flag=True, help="Float8 linear layers (torchao / TransformerEngine style)."),
+        click.option("--compiled", is_flag=True, help="The transformer blocks run under torch.compile."),
         click.option(
             "--assume",
             "assume",
@@ -278,6 +283,9 @@ TRAIN_KEYS = (
     "tiled_mlp",
     "tiled_loss",
     "attention_kernel",
+    "document_length",
+    "fp8_linears",
+    "compiled",
 )
 LAYOUT_KEYS = ("tp", "ulysses", "ring", "dp_shard", "dp_replicate")
 
