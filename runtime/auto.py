@@ -590,6 +590,7 @@ def auto_configure(
     tp_sequence_parallel: bool = True,
     stack: str | None = None,
     calibration: str | None = None,
+    document_length: int | None = None,
 ) -> AutoConfigured:
     """Plan (or load the plan), build the mesh, swap in SP attention, checkpoint, shard with FSDP2.
 
@@ -603,7 +604,9 @@ def auto_configure(
     sequence parallelism when the plan uses TP; ``topology`` is a Topology, a preset or topology file, or
     None to probe this machine; ``stack`` (a stack name or YAML file, default ``sp-plan``) and
     ``calibration`` (a calibration file) are what the planner assumes, with the model kind's memory
-    overrides on top. The data arguments configure the :class:`runtime.data.BatchSharder`.
+    overrides on top; ``document_length`` (typical tokens per document of packed, document-masked rows)
+    lets the planner price attention for packed data. The data arguments configure the
+    :class:`runtime.data.BatchSharder`.
     """
     device_type = init_distributed(device_type)
     world = dist.get_world_size()
@@ -614,7 +617,7 @@ def auto_configure(
         try:
             base = TrainSpec(seq_len=seq_len, micro_batch=micro_batch,
                              dtype=dtype or ("bf16" if device_type == "cuda" else "fp32"), optimizer=optimizer,
-                             tp_sequence_parallel=tp_sequence_parallel)
+                             tp_sequence_parallel=tp_sequence_parallel, document_length=document_length)
         except ValueError as exc:
             raise RuntimeConfigError(f"invalid training options: {exc}".splitlines()[0]) from None
         probed = probe_topology(world, device_type) if topology is None else None  # collective
