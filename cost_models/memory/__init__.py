@@ -3,9 +3,10 @@
 Modules, one job each: :mod:`.assumptions` (every implementation choice, documented), :mod:`.dims`
 (per-GPU shapes after TP/Ulysses/Ring), :mod:`.states` (weights, gradients, optimizer under ZeRO and
 offload), :mod:`.graph` + :mod:`.block` + :mod:`.output_layer` (what a block and the loss execute, op by
-op), :mod:`.liveness` (saved bytes and transient peaks from those graphs), :mod:`.overhead` (CUDA
-context, NCCL communicators, fragmentation), :mod:`.timeline` (phases of a step and the peak) and
-:mod:`.report` (result types).
+op), :mod:`.liveness` (saved bytes and transient peaks from those graphs, and their allocator events),
+:mod:`.allocator` (PyTorch's caching allocator replayed on those events), :mod:`.overhead` (CUDA context,
+NCCL communicators, fragmentation), :mod:`.timeline` (phases of a step and the peak) and :mod:`.report`
+(result types).
 """
 
 from .assumptions import MemoryAssumptions
