@@ -385,6 +385,17 @@ class _Searcher:
                     combo[names.index("offload_params")] = 0
         return tuple(combo)
 
+    def saving_fits(self, layout: Layout, options: dict[str, Any]) -> bool:
+        """Whether the most memory-saving options of a bound fit. One axis is not monotone under every
+        stack: DeepSpeed's TiledMLP (``hf-deepspeed``) concatenates its tiles' outputs and holds per-tile
+        parameter gradients, so with two tiles or fewer it costs memory. A bound that turned the tiled MLP
+        on therefore also tries it off, so the pruning never discards a combination that fits."""
+        if self.device_fits(self.memory(layout, self.train_for(layout, options))):
+            return True
+        if options.get("tiled_mlp") and "tiled_mlp" not in self.settings.fixed_options:
+            return self.device_fits(self.memory(layout, self.train_for(layout, {**options, "tiled_mlp": False})))
+        return False
+
     def floor(self, layout: Layout, lattice: OptionLattice, top: Combo) -> Combo:
         """Per expensive axis, the least value that fits with every other axis at its most saving (valid)
         value; cheap axes (:data:`planner.options.CHEAP_AXES`) start at their fastest value, which the
@@ -403,7 +414,7 @@ class _Searcher:
                 probe = lattice.repair_down(top[:k] + (v,) + top[k + 1:], keep=k)
                 if invalid_reason(lattice.values(probe)):
                     continue
-                if self.device_fits(self.memory(layout, self.train_for(layout, lattice.values(probe)))):
+                if self.saving_fits(layout, lattice.values(probe)):
                     chosen = v
                     break
             start.append(chosen)
@@ -443,8 +454,7 @@ class _Searcher:
             # differs from this one only in cheap axes fits: expand along expensive axes only.
             closure = lattice.cheap_closure(item.combo)
             if closure not in closure_fits:
-                train = self.train_for(layout, lattice.values(closure))
-                closure_fits[closure] = self.device_fits(self.memory(layout, train))
+                closure_fits[closure] = self.saving_fits(layout, lattice.values(closure))
             successors = lattice.successors if closure_fits[closure] else lattice.expensive_successors
             for nxt in successors(item.combo):
                 push(nxt)

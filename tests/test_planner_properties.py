@@ -143,3 +143,48 @@ def test_lattice_monotonicity_the_search_relies_on(name, seq, gpus, layout_kw, m
                 assert high.report.total <= low.report.total, (step, lattice.values(combo))
                 assert high.time.step_s / high.time.tokens_per_step >= \
                     low.time.step_s / low.time.tokens_per_step * (1 - 1e-12), (step, lattice.values(combo))
+
+
+@pytest.mark.parametrize("stack, name, seq, gpus", [
+    ("hf-deepspeed", "llama3-8b", 16 * 1024, 8),     # short: DeepSpeed's TiledMLP costs memory (not monotone)
+    ("hf-deepspeed", "llama3-70b", 256 * 1024, 8),
+    ("torchtitan", "llama3-8b", 128 * 1024, 8),
+])
+def test_search_finds_the_brute_force_optimum_under_gpu_stacks(stack, name, seq, gpus):
+    """The pruning stays exact under the GPU stacks' memory models too (the tiled MLP is not monotone under
+    hf-deepspeed; the search's bounds try it both ways)."""
+    from cost_models import get_model_preset
+    from planner.search import brute_force_best
+
+    model = get_model_preset(name)
+    topology = default_topology("h100-80gb", gpus, min(8, gpus))
+    train = TrainSpec(seq_len=seq)
+    settings = PlanSettings(top_k=3, stack=stack)
+    best_score, _, _, _ = brute_force_best(model, train, topology, settings)
+    result = search(model, train, topology, settings)
+    if best_score == float("inf"):
+        assert not result.plans
+    else:
+        assert result.plans[0].score == pytest.approx(best_score, rel=1e-12)
+
+
+def test_bounds_try_the_tiled_mlp_both_ways_where_it_costs_memory():
+    """Under hf-deepspeed a tiled MLP with one or two tiles costs memory. A pruning bound (floor, cheap
+    closure) with the tiled MLP on must still say "fits" when the same options without it fit."""
+    from cost_models import Layout, get_model_preset
+    from planner.search import _Searcher
+
+    model = get_model_preset("llama3-8b")
+    topology = default_topology("h100-80gb", 8, 8)
+    layout = Layout.for_world(8, ulysses=8)
+    base = TrainSpec(seq_len=16 * 1024)
+    options = dict(zero_stage=3, checkpointing="full", offload_checkpoints=False, tiled_loss=True,
+                   offload_optimizer=False, offload_params=False, micro_batch=1)
+    probe = _Searcher(model, base, topology, PlanSettings(stack="hf-deepspeed"), None)
+    tiled = probe.memory(layout, probe.train_for(layout, {**options, "tiled_mlp": True})).total
+    plain = probe.memory(layout, probe.train_for(layout, {**options, "tiled_mlp": False})).total
+    assert tiled > plain  # the non-monotone case
+    headroom = 1 - (plain + tiled) / 2 / topology.gpu.memory_bytes  # usable capacity between the two
+    s = _Searcher(model, base, topology, PlanSettings(stack="hf-deepspeed", headroom=headroom), None)
+    assert not s.device_fits(s.memory(layout, s.train_for(layout, {**options, "tiled_mlp": True})))
+    assert s.saving_fits(layout, {**options, "tiled_mlp": True})

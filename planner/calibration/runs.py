@@ -123,14 +123,14 @@ def predict(run: MeasuredRun, profile: CostProfile) -> float:
         return 1.0 / attention_forward_seconds(run.model, run.train, run.layout, topology, profile)
     est = _estimate(run, profile)
     m = est.memory
-    if run.metric == "nvml_used_gib":
-        return m.total / GiB
+    if run.metric == "nvml_used_gib":  # NVML counts the allocator's cached holes too (device_used, not total)
+        return m.device_used / GiB
     if run.metric == "reserved_gib":
         return est.detail.overhead.peak_reserved / GiB
     if run.metric == "allocated_gib":
         return m.peak_allocated / GiB
     if run.metric == "hbm_gb":
-        return m.total / 1e9
+        return m.device_used / 1e9
     if run.metric == "peak_bytes":
         return float(m.peak_allocated)
     t = est.time
