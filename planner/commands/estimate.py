@@ -80,8 +80,11 @@ def render_table(est: Estimate) -> str:
     rows.append(f"  {'overhead':<26}{_gb(mem.overhead)}")
     rows.append(f"    {'CUDA context':<24}{_gb(o.cuda_context)}")
     rows.append(f"    {'NCCL':<24}{_gb(o.nccl)}   {len(o.communicators)} communicator(s): {comms}")
-    rows.append(f"    {'fragmentation':<24}{_gb(o.fragmentation)}")
-    rows.append(f"  {'= total':<26}{_gb(mem.total)}")
+    rows.append(f"    {'fragmentation':<24}{_gb(o.fragmentation)}   allocator model: {o.allocator}")
+    rows.append(f"  {'= total':<26}{_gb(mem.total)}   (what must fit)")
+    if mem.device_used > mem.total:
+        rows.append(f"  {'nvidia-smi shows':<26}{_gb(mem.device_used)}   (+ {o.cached_reserve / GB:.2f} GB cached "
+                    "blocks the allocator releases before failing)")
     rows.append(f"  {'capacity':<26}{_gb(mem.capacity)}")
     margin = mem.capacity - mem.total
     verdict = f"fits, {margin / GB:.2f} GB to spare" if est.fits else f"does NOT fit: short by {-margin / GB:.2f} GB"
