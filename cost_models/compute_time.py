@@ -223,8 +223,9 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
     scores_f = 0.0
     if not flash:  # the softmax passes of a materialized attention are not fused by compile
         scores_f = MATERIALIZED_FORWARD_PASSES * b * (model.num_heads / (tp * u)) * seq_ring * s * d
-    stream_f = ((w.layer_stream_fwd_bytes - scores_f) * stream + scores_f) / hbm
-    stream_b = (w.layer_stream_bwd_bytes - 2 * scores_f) * stream / hbm + 2 * scores_f / hbm
+    eager = _eager_extra_bytes(model, train, layout, a)  # unfused eager modules' extra passes
+    stream_f = ((w.layer_stream_fwd_bytes - scores_f + eager) * stream + scores_f) / hbm
+    stream_b = ((w.layer_stream_bwd_bytes - 2 * scores_f + 2 * eager) * stream + 2 * scores_f) / hbm
     a2a = 0.0
     if u > 1:
         q_local = tokens * model.num_heads / tp * hd * d
@@ -262,6 +263,27 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
     if train.tiled_loss:
         head_b += head_f
     return ComputeTime(layer_f, layer_b, recompute, attn_f, attn_b, step_f, step_b, head_f, head_b, _report(fr))
+
+
+#: HBM bytes per element of an eager RMSNorm forward in bf16 (HF's LlamaRMSNorm, torchtitan's default
+#: torch.nn.RMSNorm outside compile): cast to fp32 (2 + 4), square (4 + 4), mean (4), rsqrt x (4 + 4 + 4),
+#: cast back (4 + 2), weight multiply (2 + 2 + 2) = 42 B, against a fused kernel's read and write (4 B).
+EAGER_RMSNORM_BYTES_PER_ELEMENT = 42.0
+
+
+def _eager_extra_bytes(model: ModelSpec, train: TrainSpec, layout: Layout, a) -> float:
+    """Forward HBM bytes per layer that unfused (eager) norm and SwiGLU kernels move beyond the fused ones
+    :mod:`cost_models.flops` counts (backward moves about twice as much)."""
+    d = train.dtype_bytes
+    tokens = train.micro_batch * train.seq_len / (layout.ulysses * layout.ring)
+    tp = layout.tp
+    norm_tokens = tokens / tp if (tp > 1 and train.tp_sequence_parallel) else tokens
+    extra = 0.0
+    if a.norm_implementation == "eager" and model.norm == "rmsnorm":
+        extra += 2 * norm_tokens * model.hidden_size * max(0.0, EAGER_RMSNORM_BYTES_PER_ELEMENT * d / 2 - 2 * d)
+    if a.mlp_implementation == "eager" and model.activation == "swiglu":
+        extra += 2 * tokens * model.ffn_hidden_size / tp * d  # silu writes its output, the multiply reads it
+    return extra
 
 
 def _report(fr: Fractions) -> dict[str, float]:

@@ -62,10 +62,12 @@ class Parameter(BaseModel):
         return self.stack is None or self.stack == run.stack
 
     def to_x(self, value: float) -> float:
-        return math.log(value) if self.space == "log" else value
+        # Linear parameters are offset by 1: the solver's finite-difference steps are relative to x, and a
+        # parameter whose value is near 0 would otherwise get steps too small to move any prediction.
+        return math.log(value) if self.space == "log" else value + 1.0
 
     def from_x(self, x: float) -> float:
-        return math.exp(x) if self.space == "log" else x
+        return math.exp(x) if self.space == "log" else x - 1.0
 
 
 def run_gpu(run: MeasuredRun) -> str:
