@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 
 from .errors import CostModelError
-from .flops import FLASH_BACKWARD_RATIO, MATERIALIZED_BACKWARD_RATIO, MATERIALIZED_FORWARD_PASSES, microbatch_work
+from .flops import FLASH_BACKWARD_RATIO, MATERIALIZED_FORWARD_PASSES, microbatch_work
 from .kernels import AttentionParams, GemmParams, attention_seconds, gemm_seconds
 from .layout import Layout
 from .memo import Memo

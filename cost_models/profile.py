@@ -17,13 +17,13 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import CostModelError, explain_validation_error
+from .errors import CostModelError
 from .kernels import KernelModel, kernel_model
 from .memory.assumptions import MemoryAssumptions
 from .stack import StackProfile, load_stack
-from .yaml_io import safe_load
+from .yaml_io import parse_mapping, read_small_text, validated
 
 MAX_CALIBRATION_FILE_BYTES = 1 << 22
 CALIBRATION_KIND = "sp-plan-calibration"
@@ -66,21 +66,11 @@ class CalibrationFile(BaseModel):
 
 def load_calibration(path: str | Path) -> CalibrationFile:
     """Read and validate a calibration YAML (one-line errors for every problem)."""
-    p = Path(path)
-    if not p.is_file():
-        raise CostModelError(f"calibration file {p} does not exist (write one with `sp-plan calibrate`)")
-    if p.stat().st_size > MAX_CALIBRATION_FILE_BYTES:
-        raise CostModelError(f"calibration file {p} is larger than {MAX_CALIBRATION_FILE_BYTES} bytes")
-    try:
-        data = safe_load(p.read_text())
-    except Exception as exc:
-        raise CostModelError(f"calibration file {p} is not valid YAML: {exc}".splitlines()[0]) from exc
-    if not isinstance(data, dict):
-        raise CostModelError(f"calibration file {p} must be a mapping (kind: {CALIBRATION_KIND}, ...)")
-    try:
-        return CalibrationFile(**data)
-    except ValidationError as exc:
-        raise explain_validation_error(exc, f"calibration file {p}") from exc
+    text = read_small_text(path, MAX_CALIBRATION_FILE_BYTES, "calibration file",
+                           "does not exist (write one with `sp-plan calibrate`)")
+    what = f"calibration file {path}"
+    return validated(CalibrationFile, parse_mapping(text, what, f"kind: {CALIBRATION_KIND}, kernels, time, memory"),
+                     what)
 
 
 @dataclass(frozen=True, eq=False)

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import CostModelError, explain_validation_error
 from .memory.assumptions import MemoryAssumptions
-from .yaml_io import safe_load
+from .yaml_io import parse_mapping, read_small_text, validated
 
 #: The stack every command uses unless told otherwise: this project's runtime.
 DEFAULT_STACK = "sp-plan"
@@ -169,16 +169,8 @@ def stack_names() -> tuple[str, ...]:
 
 def parse_stack(text: str, origin: str) -> StackProfile:
     """A stack profile from YAML text (``origin`` names the file in error messages)."""
-    try:
-        data = safe_load(text)
-    except Exception as exc:  # yaml.YAMLError and friends: one line, no traceback
-        raise CostModelError(f"stack file {origin} is not valid YAML: {exc}".splitlines()[0]) from exc
-    if not isinstance(data, dict):
-        raise CostModelError(f"stack file {origin} must be a mapping with name, memory and time sections")
-    try:
-        return StackProfile(**data)
-    except ValidationError as exc:
-        raise explain_validation_error(exc, f"stack file {origin}") from exc
+    what = f"stack file {origin}"
+    return validated(StackProfile, parse_mapping(text, what, "name, memory and time sections"), what)
 
 
 @cache
@@ -208,11 +200,9 @@ def load_stack(ref: str | Path | None = None) -> StackProfile:
         return _shipped(key.lower())
     path = Path(key)
     if path.suffix in (".yaml", ".yml") or path.exists():
-        if not path.is_file():
-            raise CostModelError(f"stack file {path} does not exist; shipped stacks: {', '.join(stack_names())}")
-        if path.stat().st_size > MAX_STACK_FILE_BYTES:
-            raise CostModelError(f"stack file {path} is larger than {MAX_STACK_FILE_BYTES} bytes")
-        return parse_stack(path.read_text(), str(path))
+        text = read_small_text(path, MAX_STACK_FILE_BYTES, "stack file",
+                               f"does not exist; shipped stacks: {', '.join(stack_names())}")
+        return parse_stack(text, str(path))
     raise CostModelError(f"unknown stack {key!r}: choose one of {', '.join(stack_names())} or give a YAML file")
 
 

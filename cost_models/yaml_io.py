@@ -3,9 +3,15 @@ loader: the presets, GPU table and fabrics are parsed on every CLI start), same 
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import yaml
+from pydantic import BaseModel, ValidationError
+
+from .errors import CostModelError, explain_validation_error
+
+M = TypeVar("M", bound=BaseModel)
 
 try:
     from yaml import CSafeLoader as _SafeLoader
@@ -16,3 +22,38 @@ except ImportError:  # PyYAML built without libyaml
 def safe_load(text: str) -> Any:
     """``yaml.safe_load``: plain data only (no arbitrary objects), with the fastest loader available."""
     return yaml.load(text, Loader=_SafeLoader)  # noqa: S506 - a SafeLoader
+
+
+def read_small_text(path: str | Path, max_bytes: int, what: str, missing: str) -> str:
+    """The text of a user-given file, refused in one line when it is missing (``missing`` completes the
+    sentence: what is wrong and what to give instead), too large or not text."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise CostModelError(f"{what} {str(path)!r} {missing}")
+    if path.stat().st_size > max_bytes:
+        raise CostModelError(f"{what} {path} is larger than {max_bytes / (1 << 20):g} MiB, which no {what} is")
+    try:
+        return path.read_text()
+    except UnicodeDecodeError as exc:
+        raise CostModelError(f"{what} {path} is not a text file: {exc}") from exc
+
+
+def parse_mapping(text: str, what: str, expect: str) -> dict[str, Any]:
+    """YAML text that must hold a mapping (``expect`` names its keys in the error), with one-line errors."""
+    try:
+        data = safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise CostModelError(f"{what} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from exc
+    if not isinstance(data, dict):
+        raise CostModelError(f"{what} must be a YAML mapping with {expect}")
+    return data
+
+
+def validated(model: type[M], data: Any, what: str) -> M:
+    """``model`` validated from parsed data, pydantic's report turned into one actionable line."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise explain_validation_error(exc, what) from exc

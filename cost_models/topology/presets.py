@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
 
-from ..errors import CostModelError, explain_validation_error
+from ..errors import CostModelError
 from ..gpu_spec import get_gpu_preset
-from ..yaml_io import safe_load
+from ..yaml_io import parse_mapping, read_small_text, safe_load, validated
 from .spec import MAX_GPUS_PER_NODE, MAX_NICS_PER_NODE, MAX_TOTAL_GPUS, FabricSpec, LinkCalibration, TopologySpec
 from .topology import Topology
 
@@ -83,38 +82,26 @@ def get_preset_spec(name: str) -> TopologySpec:
     return _preset_spec(key)
 
 
+#: What a topology mapping holds (named in the error for anything else).
+_TOPOLOGY_KEYS = "name, gpu, node (and fabric, calibration)"
+
+
 def _spec_from_text(text: str, what: str) -> TopologySpec:
-    try:
-        data = safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise CostModelError(f"{what} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from exc
-    return spec_from_dict(data, what)
+    return validated(TopologySpec, parse_mapping(text, what, _TOPOLOGY_KEYS), what)
 
 
 def spec_from_dict(data: Any, what: str = "topology") -> TopologySpec:
     """Validate a parsed topology mapping, turning pydantic's report into one actionable line."""
     if not isinstance(data, dict):
-        raise CostModelError(f"{what} must be a YAML mapping with name, gpu, node (and fabric, calibration)")
-    try:
-        return TopologySpec.model_validate(data)
-    except ValidationError as exc:
-        raise explain_validation_error(exc, what) from exc
+        raise CostModelError(f"{what} must be a YAML mapping with {_TOPOLOGY_KEYS}")
+    return validated(TopologySpec, data, what)
 
 
 def load_spec_file(path: str | Path) -> TopologySpec:
     """Read and validate a topology YAML file (``yaml.safe_load``, size-bounded)."""
+    text = read_small_text(path, MAX_TOPOLOGY_FILE_BYTES, "topology file",
+                           f"not found: give a preset ({', '.join(preset_names())}) or an existing YAML path")
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise CostModelError(f"topology file {str(path)!r} not found: give a preset ({', '.join(preset_names())}) "
-                             "or an existing YAML path")
-    if path.stat().st_size > MAX_TOPOLOGY_FILE_BYTES:
-        raise CostModelError(f"{path} is larger than 1 MiB, which no topology file is")
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError as exc:
-        raise CostModelError(f"{path} is not a text file: {exc}") from exc
     spec = _spec_from_text(text, f"topology file {path}")
     if isinstance(spec.gpu, str):
         get_gpu_preset(spec.gpu)  # unknown GPU names fail here, with the list of presets
