@@ -34,10 +34,10 @@ import math
 from functools import cache, lru_cache
 from importlib import resources
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import CostModelError, explain_validation_error
-from .yaml_io import safe_load
+from .errors import CostModelError
+from .yaml_io import safe_load, validated
 
 
 class _Frozen(BaseModel):
@@ -105,27 +105,23 @@ class KernelModel(_Frozen):
         "attention.fa2.kv_len_half": 300}`` (the fitting code and calibration files use this form)."""
         data = self.model_dump()
         for path, value in values.items():
-            node = data
-            keys = path.split(".")
-            for key in keys[:-1]:
-                if not isinstance(node, dict) or key not in node:
-                    raise CostModelError(f"kernel parameter {path!r} does not exist for {self.gpu}")
-                node = node[key]
-            if not isinstance(node, dict) or keys[-1] not in node:
-                raise CostModelError(f"kernel parameter {path!r} does not exist for {self.gpu}")
-            node[keys[-1]] = value
-        try:
-            return KernelModel(**data)
-        except ValidationError as exc:
-            raise explain_validation_error(exc, f"kernel parameters of {self.gpu}") from exc
+            parent, key = self._locate(data, path)
+            parent[key] = value
+        return validated(KernelModel, data, f"kernel parameters of {self.gpu}")
 
     def value(self, path: str) -> float:
-        node: object = self.model_dump()
-        for key in path.split("."):
-            if not isinstance(node, dict) or key not in node:
-                raise CostModelError(f"kernel parameter {path!r} does not exist for {self.gpu}")
-            node = node[key]
-        return float(node)  # type: ignore[arg-type]
+        parent, key = self._locate(self.model_dump(), path)
+        return float(parent[key])
+
+    def _locate(self, data: dict, path: str) -> tuple[dict, str]:
+        """The mapping holding a dotted path's last key (and the key), or a one-line error."""
+        node: object = data
+        *parents, last = path.split(".")
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or last not in node:
+            raise CostModelError(f"kernel parameter {path!r} does not exist for {self.gpu}")
+        return node, last
 
 
 # ----- loading ------------------------------------------------------------------------------------------
@@ -170,11 +166,7 @@ def prior_kernel_model(gpu: str) -> KernelModel:
     name = _file_for(gpu)
     data = safe_load(_kernel_dir().joinpath(name).read_text())
     data.pop("also_for", None)
-    data["gpu"] = gpu
-    try:
-        return KernelModel(**data)
-    except ValidationError as exc:
-        raise explain_validation_error(exc, f"kernel file {name}") from exc
+    return validated(KernelModel, {**data, "gpu": gpu}, f"kernel file {name}")
 
 
 @cache
