@@ -103,8 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pins.add_argument("--checkpointing", choices=["none", "selective", "full"], default=None)
     pins.add_argument("--zero", dest="zero_stage", type=int, choices=[1, 2, 3], default=None)
     for option in TECHNIQUE_PINS:
-        pins.add_argument(f"--{option.replace('_', '-')}", dest=option, action="store_true", default=None,
-                          help=f"use {option} (default: the planner decides)")
+        pins.add_argument(f"--{option.replace('_', '-')}", dest=option, action=argparse.BooleanOptionalAction,
+                          default=None, help=f"use (or, with --no-..., never use) {option} (default: the planner "
+                                             "decides)")
     data = p.add_argument_group("data (default: this Python's standard library, byte-level)")
     data.add_argument("--dataset", default=None,
                       help="Hugging Face text dataset: a .jsonl/.json/.txt/.parquet/.csv/.arrow file, a directory of "
