@@ -33,15 +33,12 @@ import yaml  # noqa: E402
 
 from cost_models.fitted import FittedParameters, clear_cache, fitted_parameters  # noqa: E402
 from planner.calibration.fit import FitResult, Parameter, fit, leave_one_source_out, profile_for  # noqa: E402
-from planner.calibration.parameters import TIME_KINDS, published_fit_parameters  # noqa: E402
+from planner.calibration.parameters import SHIPPED_MIN_SOURCES, TIME_KINDS, published_fit_parameters  # noqa: E402
 from planner.calibration.published import published_runs  # noqa: E402
 from planner.calibration.report import errors_of, evaluate, render, summarise, table_orders  # noqa: E402
 from planner.calibration.runs import MeasuredRun, predict  # noqa: E402
 
 COMPARE_STACK = "sp-plan"
-#: No shipped constant rests on one source. Leave-one-source-out folds fit whatever their remaining
-#: sources constrain (a parameter fitted on one source and tested on another is exactly the test).
-SHIPPED_MIN_SOURCES = 2
 FIT_METHOD = ("scipy.optimize.least_squares (trf, soft-L1) on confidence-weighted log(predicted/measured), each "
               "source weighted equally, Gaussian priors on each parameter around the kernel/stack files' values")
 

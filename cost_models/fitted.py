@@ -37,10 +37,9 @@ class FittedParameters(BaseModel):
     #: Source -> run id -> predicted / measured - 1 by a fit that left the source out.
     held_out: dict[str, dict[str, float]] = Field(default_factory=dict)
 
-    def record_for(self, family: str, parameters: list[str]) -> FitRecord:
+    def record_for(self, parameters: list[str]) -> FitRecord:
         return FitRecord(method=self.method, sources=tuple(self.sources), parameters=tuple(parameters),
-                         rms_log_residual=self.rms_log_residual,
-                         residuals={k: v for k, v in self.residuals.items()})
+                         rms_log_residual=self.rms_log_residual, residuals=dict(self.residuals))
 
 
 def fitted_path():
@@ -66,7 +65,7 @@ def clear_cache() -> None:
     fitted_parameters.cache_clear()
     kernels.kernel_model.cache_clear()
     stack._shipped.cache_clear()
-    profile._default_profile.cache_clear()
+    profile.default_profile.cache_clear()
 
 
 __all__ = ["FITTED_FILE", "FittedParameters", "clear_cache", "fitted_parameters", "fitted_path"]

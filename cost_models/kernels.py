@@ -183,7 +183,7 @@ def kernel_model(gpu: str) -> KernelModel:
     if not values:
         return prior
     model = prior.with_values(values)
-    return model.model_copy(update={"fit": fitted.record_for(family, sorted(values))})
+    return model.model_copy(update={"fit": fitted.record_for(sorted(values))})
 
 
 def kernel_family(gpu: str) -> str:

@@ -102,13 +102,10 @@ class CostProfile:
         return CostProfile(self.stack.model_copy(update={"memory": assumptions}), self.kernels, self.overridden)
 
 
-def default_profile(gpu: str) -> CostProfile:
-    """The default stack on ``gpu`` with no calibration (cached: the planner asks per evaluation)."""
-    return _default_profile(gpu)
-
-
 @cache
-def _default_profile(gpu: str) -> CostProfile:
+def default_profile(gpu: str) -> CostProfile:
+    """The default stack on ``gpu`` with no calibration (cached: the planner asks per evaluation, and
+    the cost model's memo tables key on the profile object)."""
     return CostProfile(load_stack(None), kernel_model(gpu))
 
 

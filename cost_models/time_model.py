@@ -1,11 +1,12 @@
-"""Step time: compute at calibrated fractions of peak, communication on the topology, and overlap.
+"""Step time: kernels priced from their shapes, communication on the topology, and overlap.
 
-Entry point: :func:`comm_and_time` (model, train, layout, topology, offload) -> :class:`CommTime`.
+Entry point: :func:`comm_and_time` (model, train, layout, topology, offload, profile) -> :class:`CommTime`.
 
-Compute (per GPU, from :mod:`cost_models.flops`): matmul FLOPs at ``peak x matmul``, attention at
-``peak x attention_forward`` / ``attention_backward``, streaming kernels (norms, rotary, activations,
-materialized scores) at ``HBM bandwidth x memory``; the efficiencies come from the topology's
-``calibration.compute``, so a probed or hand-tuned file changes predictions without code changes.
+Compute (per GPU): :mod:`cost_models.compute_time` prices every GEMM, attention call, ring step and
+streaming kernel of a layer and of the output layer with the GPU's kernel model and the stack's time
+properties (the ``profile``); the asymptotic fractions come from a calibration file, the topology's
+``calibration.compute`` or the kernel model, in that order, so a probed, hand-tuned or calibrated file
+changes predictions without code changes.
 
 Communication: every op of :func:`cost_models.comm_volume.comm_ops` is costed with
 :func:`cost_models.collectives.collective_cost` on the span of its process group
@@ -14,8 +15,8 @@ Communication: every op of :func:`cost_models.comm_volume.comm_ops` is costed wi
 - Ulysses all-to-alls, TP collectives, embedding/LM-head collectives and the loss reduction are
   exposed: the next kernel needs their result.
 - Ring attention: hop i+1's K/V transfer runs while block i is computed, so each of the R-1 hops costs
-  max(0, transfer - block compute) with block compute = the layer's attention time / R. Backward hops
-  carry K/V and the fp32 dK/dV; the last dK/dV hop home has nothing to hide behind.
+  max(0, transfer - one ring step's kernel and merge). Backward hops carry K/V and the fp32 dK/dV; the
+  last dK/dV hop home has nothing to hide behind.
 - FSDP all-gathers (and, in backward, reduce-scatters) are prefetched: layer i+1's traffic hides behind
   layer i's compute; what exceeds it is exposed, plus one pipeline fill per pass (min(comm, compute)).
 - Gradient reductions (DDP buckets, ZeRO-1/2 reduce-scatters, HSDP all-reduces) hide behind backward
@@ -23,12 +24,13 @@ Communication: every op of :func:`cost_models.comm_volume.comm_ops` is costed wi
 - Once-per-step parameter all-gathers (ZeRO-1/2) and the optimizer step are exposed.
 - Offload (inputs in :class:`OffloadTraffic`, normally the memory model's figures): parameter shards
   come in over PCIe ahead of use and checkpointed activations go out and come back asynchronously, so
-  each pass's PCIe time hides behind that pass's compute; the CPU optimizer step (host-memory bound)
-  and the copy of updated parameters back to the GPU are exposed, gradient copies to the host hide
-  behind the last backward.
+  each pass's PCIe time hides behind that pass's compute; the CPU optimizer step (the slower of
+  host-memory bandwidth and the stack's per-core optimizer throughput) and the copy of updated
+  parameters back to the GPU are exposed, gradient copies to the host hide behind the last backward.
 
-Overlapped collectives are assumed not to slow the compute they hide behind (no SM or HBM
-contention) and not to contend with exposed collectives on the same links.
+Overlapped collectives slow the compute they hide behind (NCCL kernels take SMs and HBM bandwidth): the
+kernel model's ``nccl_compute_slowdown`` x the overlapped time, reported as ``interference_s``. They are
+assumed not to contend with exposed collectives on the same links.
 """
 
 from __future__ import annotations
@@ -262,16 +264,17 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
     fwd_overlap = hidden(prefetch_f, c_fwd)
     bwd_overlap_mb = hidden(prefetch_b + grad_mb, c_bwd) if training else 0.0
     bwd_overlap_last = hidden(prefetch_b + grad_mb + grad_step, c_bwd) if training else 0.0
-    slow_mb = layers * (ring_slow_f + ring_slow_b) + interference(prefetch_f, c_fwd)
+    overlap_slow_mb = interference(prefetch_f, c_fwd)  # prefetch/gradient traffic's, per micro-batch
+    slow_last = 0.0  # the last micro-batch's extra (once-per-step gradient reductions)
     if training:
-        slow_mb += interference(prefetch_b + grad_mb, c_bwd)
-    slow_last = interference(prefetch_b + grad_mb + grad_step, c_bwd) - interference(prefetch_b + grad_mb, c_bwd)
+        overlap_slow_mb += interference(prefetch_b + grad_mb, c_bwd)
+        slow_last = interference(prefetch_b + grad_mb + grad_step, c_bwd) - interference(prefetch_b + grad_mb, c_bwd)
 
     layer_f = c_fwd + lf_exposed + ring_exposed_f + ring_slow_f
     layer_b = c_bwd + lb_exposed + ring_exposed_b + ring_slow_b if training else 0.0
     microbatch_s = (layers * (layer_f + layer_b) + fwd_overlap + bwd_overlap_mb + head_f + head_b + model_mb
-                    + interference(prefetch_f, c_fwd) + (interference(prefetch_b + grad_mb, c_bwd) if training else 0))
-    interference_s = accum * slow_mb + (slow_last if training else 0.0)
+                    + overlap_slow_mb)
+    interference_s = accum * (layers * (ring_slow_f + ring_slow_b) + overlap_slow_mb) + slow_last
     step_comm_exposed = (
         accum * (layers * (lf_exposed + lb_exposed + ring_exposed_f + ring_exposed_b) + model_mb + fwd_overlap)
         + (accum - 1) * bwd_overlap_mb + bwd_overlap_last + model_step
@@ -304,7 +307,7 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
         offload_s += accum * per_mb
 
     overhead_s = profile.stack.time.step_overhead_s
-    step_s = (accum * microbatch_s + (bwd_overlap_last - bwd_overlap_mb) + (slow_last if training else 0.0)
+    step_s = (accum * microbatch_s + (bwd_overlap_last - bwd_overlap_mb) + slow_last
               + model_step + optimizer_s + offload_s + overhead_s)
     tokens_per_step = float(train.micro_batch * train.seq_len * accum * layout.dp)
 

@@ -17,12 +17,10 @@ from planner.calibration.fit import (
     predict_all,
     profile_for,
 )
-from planner.calibration.parameters import TIME_KINDS, published_fit_parameters
+from planner.calibration.parameters import SHIPPED_MIN_SOURCES, TIME_KINDS, published_fit_parameters
 from planner.calibration.published import published_entries, published_runs
 from planner.calibration.report import errors_of
 from planner.calibration.runs import METRICS, MeasuredRun, predict
-
-SHIPPED_MIN_SOURCES = 2
 
 
 @pytest.fixture(scope="module")

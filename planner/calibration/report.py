@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .fit import kendall_tau, log_residuals
-from .runs import METRICS, MeasuredRun
+from .runs import MeasuredRun
 
 #: The issue's accuracy targets: |error| per kind, scored on exact-confidence figures (out of sample where
 #: there is a held-out prediction), and Kendall tau per published table.
@@ -121,8 +121,6 @@ def render(results: Sequence[RunResult], *, other_stack: str | None = None) -> l
     lines.append(head)
     for r in results:
         run = r.run
-        unit = METRICS[run.metric][0]
-        del unit
         row = (f"{run.kind[:11]:<11} {run.id[:72]:<72} {run.confidence:<9} {run.stack[:12]:<12} {run.value:>10.4g} "
                f"{r.predicted:>10.4g} {_pct(r.error)} {_pct(r.held_out_error):>8}")
         if other_stack:

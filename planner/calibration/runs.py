@@ -10,7 +10,6 @@ the longest length that ran, a lower bound on the true limit.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from functools import lru_cache
 from typing import Any, Literal
 
@@ -85,10 +84,6 @@ class MeasuredRun(BaseModel):
     @property
     def kind(self) -> Kind:
         return METRICS[self.metric][0]
-
-    @property
-    def label(self) -> str:
-        return self.id
 
 
 @lru_cache(maxsize=256)
@@ -180,15 +175,9 @@ def max_seq_len(run: MeasuredRun, profile: CostProfile, upper: int = 1 << 26) ->
     return lo * granule
 
 
-def relative_error(predicted: float, measured: float) -> float:
-    return predicted / measured - 1.0
-
-
 def log_ratio(predicted: float, measured: float) -> float:
     return math.log(max(predicted, 1e-30) / measured)
 
 
-ProfileFor = Callable[[MeasuredRun], CostProfile]
-
-__all__ = ["METRICS", "MeasuredRun", "ProfileFor", "log_ratio", "max_seq_len", "megatron_deepspeed_flops",
-           "predict", "relative_error", "run_topology"]
+__all__ = ["METRICS", "MeasuredRun", "log_ratio", "max_seq_len", "megatron_deepspeed_flops", "predict",
+           "run_topology"]

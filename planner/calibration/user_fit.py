@@ -17,7 +17,7 @@ from cost_models.compute_time import fractions
 from cost_models.kernels import kernel_family
 from cost_models.profile import CalibrationError, CalibrationFile, resolve_profile
 
-from .fit import FitResult, Parameter, fit, kendall_tau, leave_one_source_out, predict_all, profile_for, run_gpu
+from .fit import FitResult, Parameter, fit, kendall_tau, leave_one_source_out, predict_all, run_gpu
 from .report import errors_of
 from .runs import MeasuredRun, run_topology
 
@@ -147,4 +147,4 @@ def calibrate(fit_runs: Sequence[MeasuredRun], check_runs: Sequence[MeasuredRun]
     return Calibration(result, fit_runs, check_runs, predictions, cross, errors)
 
 
-__all__ = ["Calibration", "calibrate", "user_fit_parameters", "profile_for"]
+__all__ = ["Calibration", "calibrate", "user_fit_parameters"]
