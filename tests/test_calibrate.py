@@ -128,10 +128,13 @@ def test_calibrate_closes_the_loop_on_cpu_ranks(tmp_path):
     reports = []
     for i, layout in enumerate([["--ulysses", "2"], ["--dp-shard", "2"], ["--ring", "2"], ["--tp", "2"]]):
         out = tmp_path / f"run{i}.json"
-        done = _run([sys.executable, "-m", "planner.cli", "validate", "--model", str(config), "--seq-len", "2048",
-                     "--gpus", "2", *layout, "--dtype", "fp32", "--steps", "3", "--time-topology", str(topo),
-                     "--json"])
-        assert done.returncode == 0, done.stderr[-2000:]
+        cmd = [sys.executable, "-m", "planner.cli", "validate", "--model", str(config), "--seq-len", "2048",
+               "--gpus", "2", *layout, "--dtype", "fp32", "--steps", "3", "--time-topology", str(topo), "--json"]
+        done = _run(cmd)
+        if done.returncode != 0:  # one relaunch: a 2-rank launch on a loaded 2-core box can fail to start
+            print(f"validate {layout} failed once, relaunching:\n{done.stderr[-3000:]}")
+            done = _run(cmd)
+        assert done.returncode == 0, done.stderr[-3000:]
         out.write_text(done.stdout)
         reports.append(out)
     cal = tmp_path / "cal.yaml"

@@ -113,7 +113,10 @@ def _launch(plan_path: Path, world: int, steps: int, time_topology: str | None, 
         if done.returncode != 0 or not result.exists():
             lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
             errors = [ln for ln in lines if "error:" in ln or "Error" in ln]
-            tail = "\n".join((errors or lines)[-12:])
+            # The error lines, then the output's last lines: a rank that exits without an exception (a
+            # signal, an abort) leaves only torchrun's own ChildFailedError among the error lines.
+            shown = errors[-12:] + [ln for ln in lines[-8:] if ln not in errors[-12:]]
+            tail = "\n".join(shown or lines[-12:])
             killed = "SIGKILL" in done.stdout + done.stderr
             hint = " A rank was killed (SIGKILL): usually the host ran out of memory; try --layers N." if killed else ""
             raise CostModelError(f"the validation ranks failed (exit {done.returncode}).{hint}\n{tail}")
