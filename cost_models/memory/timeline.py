@@ -555,8 +555,9 @@ def _train_phases(model: ModelSpec, train: TrainSpec, a: MemoryAssumptions, st: 
                  activations=inputs + (L - 1) * saved + in_flight, logits=kept_logits,
                  zero3_gathered_params=gathered_block, unsharded_grads=unsharded)
     last.add_peak(block.backward_peak, "block_backward")
+    # The first block is the last one backward runs: no other block's input is prefetched behind it.
     first = phase("backward (first block)", gradients=grads(head_params + (L - 1) * p.per_layer + in_progress),
-                  activations=inputs + in_flight, logits=kept_logits,
+                  activations=inputs, logits=kept_logits,
                   zero3_gathered_params=gathered_first, unsharded_grads=unsharded)
     first.add_peak(block.backward_peak, "block_backward")
 
