@@ -37,7 +37,7 @@ class EstimateDetail(MemoryDetail):
     #: The software stack the prediction assumes (``--stack``; ``+calibration`` when a calibration file
     #: overrides it).
     stack: str
-    #: Host RAM one GPU's process may use for offloaded state (the node's RAM / GPUs per node).
+    #: Host RAM one GPU's process may use for offloaded state (see :func:`offload_capacity`).
     host_capacity: float
 
 
@@ -71,6 +71,14 @@ def offload_traffic(host: HostMemory) -> OffloadTraffic:
     return OffloadTraffic(optimizer_bytes=host.optimizer, param_bytes=host.weights, checkpoint_bytes=host.checkpoints)
 
 
+def offload_capacity(topology: Topology, assumptions: MemoryAssumptions) -> float:
+    """Host bytes per GPU offloaded state may fill: the GPU's share of the RAM the OS leaves
+    (``host.reserved_fraction``), less what its training process holds anyway (``host_process_bytes``).
+    Planning to the node's full RAM would fail in practice: the long-context runs that offload every
+    checkpoint are the ones bounded by host RAM."""
+    return max(0.0, topology.host_available_per_gpu - assumptions.host_process_bytes)
+
+
 def as_topology(hardware: Topology | GPUSpec, world: int) -> Topology:
     """A topology for ``hardware``: itself, or the natural cluster of that GPU preset for ``world`` GPUs."""
     if isinstance(hardware, Topology):
@@ -96,7 +104,7 @@ def estimate(model: ModelSpec, train: TrainSpec, layout: Layout, hardware: Topol
     gpu = topology.gpu
     profile = (profile or default_profile(gpu.name)).with_assumptions(assumptions)
     report = memory_report(model, train, layout, gpu, profile.memory)
-    host_capacity = topology.host_ram_per_gpu
+    host_capacity = offload_capacity(topology, profile.memory)
     host_fits = report.host_memory.total <= host_capacity
     detail = EstimateDetail(
         **report.detail.model_dump(),

@@ -62,7 +62,7 @@ class FeasibilityProbe(BaseModel):
         device_short = self.total_bytes - self.usable_bytes
         if device_short <= 0:
             bound = ("the --max-offload-gb limit allows" if self.host_limited_by_setting
-                     else "host RAM, which has")
+                     else "the host RAM available to offloads is")
             return (f"{layout} fits device memory ({self.total_bytes / 1e9:.1f} of {self.usable_bytes / 1e9:.1f} GB "
                     f"usable) only by offloading {self.host_bytes / 1e9:.1f} GB per GPU to host RAM; {bound} "
                     f"{self.host_capacity_bytes / 1e9:.1f} GB per GPU: short by {self.shortfall_bytes / 1e9:.1f} GB")

@@ -347,8 +347,8 @@ def check_under_stack(plan: Plan, target: str, stack: str | None = None, calibra
             numbers = (f"needs {total / 1e9:.1f} GB per GPU, over the {usable / 1e9:.1f} GB usable "
                        f"({capacity / 1e9:.1f} GB capacity minus {DEFAULT_HEADROOM:.0%} headroom)")
         else:
-            numbers = (f"offloads {host / 1e9:.1f} GB per GPU to host memory, over the host RAM "
-                       f"({host_ram / 1e9:.1f} GB per GPU)")
+            numbers = (f"offloads {host / 1e9:.1f} GB per GPU to host memory, over the host RAM available to "
+                       f"offloads ({host_ram / 1e9:.1f} GB per GPU)")
         planned = plan.estimate.get("memory", {}).get("total")
         was = (f" (planned under {plan.stack}: {planned / 1e9:.1f} GB)" if planned and ref != plan.stack else "")
         raise PlannerError(
@@ -357,5 +357,5 @@ def check_under_stack(plan: Plan, target: str, stack: str | None = None, calibra
     note = (f"{under} this plan is predicted to need {total / 1e9:.1f} GB per GPU of {usable / 1e9:.1f} GB usable "
             f"({capacity / 1e9:.1f} GB capacity minus {DEFAULT_HEADROOM:.0%} headroom)")
     if host:
-        note += f", and {host / 1e9:.1f} GB of host memory per GPU of {host_ram / 1e9:.1f} GB"
+        note += f", and {host / 1e9:.1f} GB of host memory per GPU of {host_ram / 1e9:.1f} GB available to offloads"
     return [note]

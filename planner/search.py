@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cost_models.errors import CostModelError
-from cost_models.estimate import Estimate, estimate, offload_traffic
+from cost_models.estimate import Estimate, estimate, offload_capacity, offload_traffic
 from cost_models.layout import Layout
 from cost_models.memory import MemoryAssumptions, MemoryCore, host_memory, memory_core
 from cost_models.model_spec import ModelSpec
@@ -255,9 +255,9 @@ class _Searcher:
         self.assumptions = self.profile.memory
         self.gpu = topology.gpu
         self.usable = topology.gpu.memory_bytes * (1.0 - settings.headroom)
-        self.host_ram = topology.host_ram_per_gpu
+        self.host_ram = offload_capacity(topology, self.assumptions)
         limit = settings.max_offload_bytes
-        #: Host memory offloaded state may use per GPU: the node's RAM share, or --max-offload-gb below it.
+        #: Host memory offloaded state may use per GPU: what the node's RAM leaves it, or --max-offload-gb below.
         self.host_capacity = self.host_ram if limit is None else min(self.host_ram, limit)
         self.host_limited_by_setting = limit is not None and limit < self.host_ram
         self.fixed_options = dict(settings.fixed_options)
@@ -625,7 +625,7 @@ def host_limit_text(limit: float, by_setting: bool) -> str:
     """The host-memory bound offloaded state met, in words: the node's RAM or ``--max-offload-gb``."""
     if by_setting:
         return f"the --max-offload-gb limit ({limit / 1e9:.1f} GB per GPU)"
-    return f"the host RAM ({limit / 1e9:.1f} GB per GPU)"
+    return f"the host RAM available to offloads ({limit / 1e9:.1f} GB per GPU)"
 
 
 def _describe_options(options: dict[str, Any]) -> str:

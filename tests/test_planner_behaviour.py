@@ -202,6 +202,33 @@ def test_host_bound_miss_names_host_memory():
     assert "host RAM" in closest and "fits device memory" in closest
 
 
+def test_offloads_leave_the_os_and_the_training_processes_their_host_memory():
+    """Offloaded state may fill the GPU's share of what the OS leaves (host.reserved_fraction) less its
+    own process (host_process_bytes), not the node's whole RAM: a 70B run on 32 GPUs at 5.5M tokens that
+    offloads every checkpoint needs ~261 GB of host memory per GPU, which fits 2 TiB / 8 = 275 GB but not
+    the 257 GB left after the 5% reserve and 4 GiB per process."""
+    from cost_models import Layout
+    from cost_models.estimate import estimate, offload_capacity
+    from cost_models.memory import MemoryAssumptions
+    from cost_models.topology import load_topology
+
+    topology = load_topology("aws-p5", 32)
+    host = topology.spec.node.host
+    a = MemoryAssumptions()
+    assert offload_capacity(topology, a) == host.ram_bytes * (1 - host.reserved_fraction) / 8 - a.host_process_bytes
+    options = dict(zero_stage=3, offload_optimizer=True, checkpointing="full", offload_checkpoints=True,
+                   tiled_loss=True, tiled_mlp=True)
+    est = estimate(get_model_preset("llama3-70b"), TrainSpec(seq_len=5_500_000 // 32 * 32, **options),
+                   Layout(ulysses=32), topology)
+    assert offload_capacity(topology, a) < est.host_memory.total < topology.host_ram_per_gpu
+    assert not est.host_fits and est.detail.host_capacity == offload_capacity(topology, a)
+    # a cluster that reserves nothing and runs lean processes gets the node's whole share
+    lean = topology.spec.model_copy(update={"node": topology.spec.node.model_copy(
+        update={"host": host.model_copy(update={"reserved_fraction": 0.0})})})
+    from cost_models.topology import Topology
+    assert offload_capacity(Topology(lean), a.model_copy(update={"host_process_bytes": 0})) == topology.host_ram_per_gpu
+
+
 def test_capacity_sweep_table_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "sweep.png"

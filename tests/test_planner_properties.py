@@ -7,7 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cost_models import CostModelError, Layout, ModelSpec, TrainSpec
-from cost_models.memory import memory_core
+from cost_models.estimate import offload_capacity
+from cost_models.memory import MemoryAssumptions, memory_core
 from cost_models.topology import default_topology
 from planner.search import PlanSettings, search
 
@@ -57,7 +58,7 @@ def test_every_plan_is_valid_fits_and_is_sorted(model, cluster, seq, mode, gpu):
         assert seq % layout.seq_multiple(plan.train.tp_sequence_parallel) == 0
         core = memory_core(model, plan.train, layout)
         assert core.total <= topology.gpu.memory_bytes * (1 - plan_settings.headroom)
-        assert core.host_total <= topology.host_ram_per_gpu
+        assert core.host_total <= offload_capacity(topology, MemoryAssumptions())
         assert plan.estimate.fits
         if mode == "train":
             per_rank = plan.train.micro_batch * plan.train.grad_accum

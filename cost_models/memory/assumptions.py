@@ -348,6 +348,16 @@ class MemoryAssumptions(BaseModel):
             "and therefore the optimizer states and step all live on the host."
         ),
     )
+    host_process_bytes: int = Field(
+        default=4 << 30,
+        ge=0,
+        le=1 << 40,
+        description=(
+            "Host memory each training process holds besides offloaded state (not available to offloads): "
+            "the interpreter, the torch/CUDA/NCCL libraries and the CUDA context's host mappings (~1.5-3 GiB "
+            "resident for a CUDA PyTorch process), the data loader and its prefetched batches."
+        ),
+    )
     checkpoint_offload_in_flight: int = Field(
         default=2,
         ge=1,

@@ -88,6 +88,11 @@ class HostSpec(_Strict):
     cpu_cores: int = Field(ge=1, le=1 << 14)
     cpu_model: str = Field(default="", max_length=200)
     ram_bytes: int = Field(gt=0, le=MAX_RAM_BYTES)
+    reserved_fraction: float = Field(
+        default=0.05, ge=0.0, lt=1.0,
+        description="share of ram_bytes the training processes cannot have: the kernel's page structures "
+                    "(64 B per 4 KiB page, 1.6%), firmware and kernel reservations (MemTotal below the "
+                    "installed RAM), page cache of code and data, node daemons")
     memory_bandwidth: float = Field(gt=0, le=MAX_BANDWIDTH, description="whole host, bytes/s")
     socket_link_bandwidth: float = Field(default=64e9, gt=0, le=MAX_BANDWIDTH, description="UPI/xGMI per direction")
     socket_link_latency: float = Field(default=1e-6, ge=0, le=MAX_LATENCY)

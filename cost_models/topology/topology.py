@@ -342,6 +342,13 @@ class Topology:
         return self.spec.node.host.ram_bytes / self.gpus_per_node
 
     @property
+    def host_available_per_gpu(self) -> float:
+        """One GPU's share of the host RAM the node's training processes can have (what the OS keeps
+        excluded, ``host.reserved_fraction``)."""
+        host = self.spec.node.host
+        return host.ram_bytes * (1.0 - host.reserved_fraction) / self.gpus_per_node
+
+    @property
     def host_memory_bandwidth_per_gpu(self) -> float:
         """Host DRAM bandwidth available to one GPU's CPU-side work (optimizer step), calibrated."""
         host = self.spec.node.host
