@@ -127,6 +127,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           "SIGINT)")
     run.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     run.add_argument("--keep-checkpoints", type=int, default=2, help="keep the newest N checkpoints")
+    run.add_argument("--async-save", action="store_true",
+                     help="write periodic checkpoints in the background (training waits only for a copy to host "
+                          "memory; costs one host copy of each rank's state)")
     run.add_argument("--resume", action="store_true",
                      help="continue from the latest complete checkpoint in --checkpoint-dir (a fresh start if none)")
     run.add_argument("--tensorboard", type=Path, default=None, help="write TensorBoard scalars to this directory")
@@ -138,6 +141,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if (args.dataset is None) != (args.tokenizer is None):
         p.error("--dataset and --tokenizer go together (the default corpus is byte-level)")
+    if args.async_save and args.checkpoint_dir is None:
+        p.error("--async-save needs --checkpoint-dir")
     if args.resume and args.checkpoint_dir is None:
         p.error("--resume needs --checkpoint-dir")
     if args.save_every and args.checkpoint_dir is None:
@@ -295,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                       checkpoint_dir=args.checkpoint_dir, save_every=args.save_every,
                       keep_checkpoints=args.keep_checkpoints, resume=args.resume, log_every=args.log_every,
                       tensorboard_dir=args.tensorboard, metrics_file=args.metrics_file, progress=args.progress,
-                      live_bytes_every=args.live_bytes_every)
+                      live_bytes_every=args.live_bytes_every, async_save=args.async_save)
     trainer.fit()
     dist.barrier()  # gloo tears down badly if a rank leaves while others still talk
     dist.destroy_process_group()

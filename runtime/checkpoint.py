@@ -482,16 +482,16 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 # ----- save --------------------------------------------------------------------------------------------------
 
 
-def _barrier() -> None:
+def _barrier(group: dist.ProcessGroup | None = None) -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def _broadcast(value: Any) -> Any:
+def _broadcast(value: Any, group: dist.ProcessGroup | None = None) -> Any:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
@@ -543,15 +543,25 @@ class CheckpointState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def save_checkpoint(directory: str | os.PathLike, *, step: int, setup, optimizer=None, scheduler=None,
-                    data=None, tokens_seen: int = 0, extra: Mapping[str, Any] | None = None,
-                    keep: int | None = None) -> Path:
-    """Save a checkpoint of training after ``step`` optimizer steps; collective (every rank calls it).
+@dataclass
+class SaveJob:
+    """A save whose temporary directory, RNG files and bookkeeping exist: what is left is writing the
+    tensor chunks (:func:`commit_save`). Everything in it was captured at the step being saved."""
 
-    Returns ``<directory>/step_<step>``. ``data``: anything with ``state_dict()`` (JSON), e.g.
-    :class:`runtime.text_data.GlobalBatches`; ``extra``: JSON-able bookkeeping; ``keep``: keep only the
-    newest ``keep`` complete checkpoints (None: keep all). Saving a step that is already saved is a no-op.
-    """
+    directory: Path
+    final: Path
+    tmp: Path
+    step: int
+    entries: dict[str, Chunk]
+    state: dict[str, Any]
+    keep: int | None
+
+
+def prepare_save(directory: str | os.PathLike, *, step: int, setup, optimizer=None, scheduler=None, data=None,
+                 tokens_seen: int = 0, extra: Mapping[str, Any] | None = None,
+                 keep: int | None = None) -> SaveJob | Path:
+    """The collective first half of a save: this rank's chunks, the temporary directory, the RNG states and
+    the bookkeeping, all as of now. Returns the final path instead when that step is already saved."""
     directory = Path(directory)
     final = directory / step_dir_name(step)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -566,31 +576,55 @@ def save_checkpoint(directory: str | os.PathLike, *, step: int, setup, optimizer
         _remove_stale(directory)
         tmp.mkdir()
     _barrier()
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save({}, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=_save_planner(entries))
     (tmp / RNG_DIR).mkdir(exist_ok=True)
     _write_json(tmp / RNG_DIR / f"rank_{rank}.json", rng_state())
-    _barrier()
+    state = {
+        "format": FORMAT_VERSION, "step": step, "world_size": world, "tokens_seen": int(tokens_seen),
+        **_plan_json(setup),
+        "optimizer": None if optimizer is None else {
+            "class": type(getattr(optimizer, "inner", optimizer)).__name__,
+            "host_offload": _is_host_offload(optimizer), "param_groups": _param_groups_json(optimizer)},
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "data": data.state_dict() if data is not None else None,
+        "extra": dict(extra or {}),
+    } if rank == 0 else {}
+    return SaveJob(directory, final, tmp, step, entries, state, keep)
+
+
+def commit_save(job: SaveJob, group: dist.ProcessGroup | None = None) -> Path:
+    """The second half: every rank writes its chunks with DCP, then rank 0 marks the directory complete and
+    renames it into place. Collective over ``group`` (all ranks; the default group when None), which is
+    all it uses, so it may run in a background thread on a group of its own."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({}, storage_writer=dcp.FileSystemWriter(str(job.tmp)), planner=_save_planner(job.entries),
+             process_group=group)
+    _barrier(group)
     error = None
-    if rank == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            _publish(directory, tmp, final, step, keep, {
-                "format": FORMAT_VERSION, "step": step, "world_size": world, "tokens_seen": int(tokens_seen),
-                **_plan_json(setup),
-                "optimizer": None if optimizer is None else {
-                    "class": type(getattr(optimizer, "inner", optimizer)).__name__,
-                    "host_offload": _is_host_offload(optimizer), "param_groups": _param_groups_json(optimizer)},
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "data": data.state_dict() if data is not None else None,
-                "extra": dict(extra or {}),
-            })
+            _publish(job.directory, job.tmp, job.final, job.step, job.keep, job.state)
         except Exception as exc:  # every rank must learn it (not wait in a barrier for rank 0)
             error = str(exc) if isinstance(exc, RuntimeConfigError) else f"{type(exc).__name__}: {exc}"
-    error = _broadcast(error)  # also the final barrier
+    error = _broadcast(error, group)  # also the final barrier
     if error is not None:
-        raise RuntimeConfigError(f"saving checkpoint {final} failed on rank 0: {error}")
-    return final
+        raise RuntimeConfigError(f"saving checkpoint {job.final} failed on rank 0: {error}")
+    return job.final
+
+
+def save_checkpoint(directory: str | os.PathLike, *, step: int, setup, optimizer=None, scheduler=None,
+                    data=None, tokens_seen: int = 0, extra: Mapping[str, Any] | None = None,
+                    keep: int | None = None) -> Path:
+    """Save a checkpoint of training after ``step`` optimizer steps; collective (every rank calls it).
+
+    Returns ``<directory>/step_<step>``. ``data``: anything with ``state_dict()`` (JSON), e.g.
+    :class:`runtime.text_data.GlobalBatches`; ``extra``: JSON-able bookkeeping; ``keep``: keep only the
+    newest ``keep`` complete checkpoints (None: keep all). Saving a step that is already saved is a no-op.
+    :class:`runtime.async_checkpoint.AsyncCheckpointer` saves the same files while training goes on.
+    """
+    job = prepare_save(directory, step=step, setup=setup, optimizer=optimizer, scheduler=scheduler, data=data,
+                       tokens_seen=tokens_seen, extra=extra, keep=keep)
+    return job if isinstance(job, Path) else commit_save(job)
 
 
 def _publish(directory: Path, tmp: Path, final: Path, step: int, keep: int | None, state: dict) -> None:

@@ -21,6 +21,9 @@
    with the step's telemetry, so a signal that reaches one rank after that all-reduce stops every rank
    after the next step), a checkpoint is saved and ``fit`` returns (``stopped_by``). A second SIGINT
    acts immediately (KeyboardInterrupt); repeated SIGTERMs are ignored (launchers repeat it).
+   ``async_save=True`` writes the periodic checkpoints in the background
+   (:class:`runtime.async_checkpoint.AsyncCheckpointer`: training waits only for a copy to host memory);
+   ``fit`` returns once the last one is complete.
 
 **Telemetry** (rank 0 prints; every rank computes): per step the loss (global token mean), tokens/s
 (valid tokens of all ranks / the step's wall time), the achieved **model FLOP/s per rank** = the plan's
@@ -334,7 +337,7 @@ class Trainer:
                  resume: bool | str | os.PathLike = False, log_every: int = 10,
                  tensorboard_dir: str | os.PathLike | None = None, metrics_file: str | os.PathLike | None = None,
                  progress: bool = True, handle_signals: bool | None = None, live_bytes_every: int = 0,
-                 print_fn: Callable[[str], None] = print,
+                 async_save: bool = False, print_fn: Callable[[str], None] = print,
                  on_step: Callable[[Trainer, StepRecord], None] | None = None) -> None:
         if max_steps < 0 or save_every < 0:
             raise RuntimeConfigError(f"max_steps ({max_steps}) and save_every ({save_every}) must be >= 0")
@@ -355,19 +358,32 @@ class Trainer:
         self.print_fn, self.on_step = print_fn, on_step
         self.step = 0
         self.tokens_seen = 0
+        self.checkpointer = None
+        if async_save:
+            from runtime.async_checkpoint import AsyncCheckpointer
+
+            self.checkpointer = AsyncCheckpointer()
         self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save(self) -> Path:
-        """Save a checkpoint of the current step under ``checkpoint_dir`` (collective)."""
+        """Save a checkpoint of the current step under ``checkpoint_dir`` (collective). With ``async_save``
+        it returns once the state is staged in host memory and the checkpoint completes in the background
+        (:meth:`wait_for_save`)."""
         from runtime.checkpoint import save_checkpoint
 
         if self.checkpoint_dir is None:
             raise RuntimeConfigError("no checkpoint_dir given")
-        return save_checkpoint(self.checkpoint_dir, step=self.step, setup=self.setup, optimizer=self.optimizer,
-                               scheduler=self.scheduler, data=self.data, tokens_seen=self.tokens_seen,
-                               keep=self.keep_checkpoints)
+        save = save_checkpoint if self.checkpointer is None else self.checkpointer.save
+        return save(self.checkpoint_dir, step=self.step, setup=self.setup, optimizer=self.optimizer,
+                    scheduler=self.scheduler, data=self.data, tokens_seen=self.tokens_seen,
+                    keep=self.keep_checkpoints)
+
+    def wait_for_save(self) -> None:
+        """Block until a background save is complete (no-op without ``async_save``)."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
 
     def _resume(self):
         from runtime.checkpoint import latest_checkpoint, load_checkpoint
@@ -442,6 +458,7 @@ class Trainer:
                     saved = self.save()
             if self.checkpoint_dir is not None and (saved is None or _step_of(saved) != self.step):
                 saved = self.save()
+            self.wait_for_save()
             if saved is not None and self.rank0:
                 telemetry.write(f"checkpoint: {saved}")
         finally:
