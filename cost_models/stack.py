@@ -82,15 +82,16 @@ class StackTime(BaseModel):
         ),
     )
     ring_merge_bytes_per_element: float = Field(
-        default=42.0,
+        default=22.0,
         ge=0,
         le=256,
         description=(
-            "HBM bytes one ring-attention step's LSE merge moves per output element (forward). An eager "
-            "merge in fp32 costs ~40 B: this runtime's merge_into casts the block output (2+4), scales "
-            "it (8), masks it (8), scales the accumulator in place (8) and adds (12); torch context "
-            "parallel's _SDPAMerger is similar (cast, subtract, sigmoid-weight, subtract: ~38 B); a fused "
-            "merge kernel (TransformerEngine) reads the block and reads/writes the accumulator: ~10 B."
+            "HBM bytes one ring-attention step's LSE merge moves per output element (forward). This "
+            "runtime's merge_into works in place on a bf16 block and fp32 accumulator: zero the block's "
+            "dead rows (2+2), scale the accumulator (4+4), addcmul the weighted block (4+2+4): 22 B; an "
+            "eager merge with temporaries, torch context parallel's _SDPAMerger (cast, subtract, "
+            "sigmoid-weight, subtract), ~38 B; a fused merge kernel (TransformerEngine, ring-flash-attn's "
+            "TorchScript one) reads the block and reads/writes the accumulator: ~10-12 B."
         ),
     )
     ring_grad_bytes_per_element: float = Field(

@@ -17,14 +17,18 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, bl
     """Merge ``(block_out, block_lse)`` into the accumulators ``(out, lse)`` in place.
 
     ``out`` is ``(B, S, H, D)`` in the accumulation dtype (fp32 or fp64), ``lse`` ``(B, H, S)`` in the
-    same dtype; both may be views (ring attention merges into the second half of the rows).
+    same dtype; both may be views (ring attention merges into the second half of the rows). ``block_out``
+    is consumed: its rows that contribute nothing are zeroed in place.
+
+    No temporary of the output's size: zero the dead rows of the block (in place), scale the accumulator
+    (in place), add the weighted block (``addcmul_``, which reads the block in its own dtype): ~22 bytes
+    of memory traffic per element for a bf16 block and fp32 accumulator, the per-row weights aside.
     """
     block_lse = block_lse.to(lse.dtype)
     merged = torch.logaddexp(lse, block_lse)
     anchor = torch.where(torch.isfinite(merged), merged, torch.zeros_like(merged))
     keep = torch.exp(lse - anchor).transpose(1, 2).unsqueeze(-1)  # (B, S, H, 1), 0 where lse = -inf
     take = torch.exp(block_lse - anchor).transpose(1, 2).unsqueeze(-1)
-    zero = torch.zeros((), dtype=out.dtype, device=out.device)
-    contribution = torch.where(take > 0, block_out.to(out.dtype) * take, zero)
-    out.mul_(keep).add_(contribution)
+    block_out.masked_fill_(take == 0, 0)  # 0 x NaN would poison the sum
+    out.mul_(keep).addcmul_(block_out, take)
     lse.copy_(merged)
