@@ -302,28 +302,15 @@ def main(argv: list[str] | None = None) -> int:
                       tensorboard_dir=args.tensorboard, metrics_file=args.metrics_file, progress=args.progress,
                       live_bytes_every=args.live_bytes_every, async_save=args.async_save)
     trainer.fit()
-    dist.barrier()  # gloo tears down badly if a rank leaves while others still talk
-    dist.destroy_process_group()
     return 0
-
-
-def exit_now(code: int) -> None:
-    """Leave without the interpreter's teardown once everything is written and the process group is gone.
-
-    With transformers' tokenizer libraries loaded, a worker aborted after training about once in 15
-    launches ("terminate called without an active exception" from a native thread during interpreter
-    finalization, on 2 CPU ranks under load), and a non-zero exit makes torchrun report the finished job
-    as failed (and restart it under --max-restarts). The checkpoint, TensorBoard and metrics files are
-    closed by then; stdout/stderr are flushed here."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":
     try:
-        code = main()
+        main()
     except CostModelError as exc:  # one line, like the CLI (plan, planner and runtime errors)
         print(f"error: {exc}", file=sys.stderr)
-        code = 2
-    exit_now(code)
+        sys.exit(2)
+    from runtime.auto import finish_worker
+
+    finish_worker()

@@ -63,6 +63,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import sys
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -292,6 +293,24 @@ def init_distributed(device_type: str | None = None) -> str:
     else:
         dist.init_process_group(backend)
     return device_type
+
+
+def finish_worker(code: int = 0) -> None:
+    """End a torchrun worker: barrier, destroy the process group, flush, and leave without the interpreter's
+    teardown (``os._exit``).
+
+    With transformers' tokenizer libraries loaded, a worker that had finished everything aborted during
+    interpreter finalization about once in 15 launches ("terminate called without an active exception"
+    from a native thread; 2 CPU ranks under load), and torchrun then reports the finished job as failed
+    (and restarts it under --max-restarts). Files must be closed before this (checkpoints, TensorBoard,
+    metrics: the trainer closes them).
+    """
+    if dist.is_initialized():
+        dist.barrier()  # gloo tears down badly if a rank leaves while others still talk
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ----- 1. the plan ------------------------------------------------------------------------------------------

@@ -177,6 +177,10 @@ def command(plan_path: Path | None, model_name: str | None, seq_len: str | None,
         check_host_memory(plan, world, kind=kind)
     if "WORLD_SIZE" in os.environ or world == 1:
         _run_here(plan, steps, time_topology, as_json, result_file, kind)
+        if "WORLD_SIZE" in os.environ:  # a launched rank: its report is written
+            from runtime.auto import finish_worker
+
+            finish_worker()
         return
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "plan.yaml"
