@@ -65,9 +65,14 @@ class FeasibilityProbe(BaseModel):
                      else "the host RAM available to offloads is")
             return (f"{layout} fits device memory ({self.total_bytes / 1e9:.1f} of {self.usable_bytes / 1e9:.1f} GB "
                     f"usable) only by offloading {self.host_bytes / 1e9:.1f} GB per GPU to host RAM; {bound} "
-                    f"{self.host_capacity_bytes / 1e9:.1f} GB per GPU: short by {self.shortfall_bytes / 1e9:.1f} GB")
+                    f"{self.host_capacity_bytes / 1e9:.1f} GB per GPU: short by {_shortfall_text(self.shortfall_bytes)}")
         return (f"{layout} needs {self.total_bytes / 1e9:.1f} GB per GPU (usable {self.usable_bytes / 1e9:.1f} GB), "
-                f"short by {device_short / 1e9:.1f} GB, with every allowed memory option on")
+                f"short by {_shortfall_text(device_short)}, with every allowed memory option on")
+
+
+def _shortfall_text(nbytes: float) -> str:
+    """GB with one decimal, or MB when that would print 0.0 (a miss by one sequence-length step)."""
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 0.05e9 else f"{nbytes / 1e6:.1f} MB"
 
 
 def probe_feasibility(model: ModelSpec, base: TrainSpec, topology: Topology, settings: PlanSettings,
@@ -112,6 +117,9 @@ class MaxSeqAnswer(BaseModel):
     max_seq_len: int
     plan: RankedPlan | None
     granule: int
+    #: Why one granule more does not fit: the nearest miss there (device memory, or host RAM for the
+    #: offloads), in one line; None at the search's upper limit.
+    bound_by: str | None = None
 
 
 def max_seq_len(model: ModelSpec, base: TrainSpec, topology: Topology, settings: PlanSettings,
@@ -139,7 +147,13 @@ def max_seq_len(model: ModelSpec, base: TrainSpec, topology: Topology, settings:
     best_len = lo * step
     result = search(model, base.model_copy(update={"seq_len": best_len}), topology,
                     settings.model_copy(update={"top_k": 1}), assumptions)
-    return MaxSeqAnswer(max_seq_len=best_len, plan=result.plans[0] if result.plans else None, granule=step)
+    bound_by = None
+    if lo < limit:
+        miss = probe_feasibility(model, base.model_copy(update={"seq_len": (lo + 1) * step}), topology, settings,
+                                 assumptions)
+        bound_by = f"at {(lo + 1) * step:,} tokens {miss.describe_miss()}" if miss.total_bytes is not None else None
+    return MaxSeqAnswer(max_seq_len=best_len, plan=result.plans[0] if result.plans else None, granule=step,
+                        bound_by=bound_by)
 
 
 def candidate_gpu_counts(gpus_per_node: int, max_gpus: int) -> list[int]:

@@ -172,6 +172,9 @@ def test_capacity_max_seq_and_min_gpus_json():
     model = get_model_preset("llama3-8b")
     longer = TrainSpec(seq_len=data["max_seq_len"] + granule)
     assert not probe_feasibility(model, longer, default_topology("h100-80gb", 8, 8), PlanSettings()).fits
+    # ... and the answer says what one step more runs out of (here the device, with everything offloaded)
+    assert data["bound_by"].startswith(f"at {data['max_seq_len'] + granule:,} tokens ")
+    assert "short by" in data["bound_by"] and "every allowed memory option on" in data["bound_by"]
     res = runner.invoke(cli, ["capacity", "--model", "llama3-70b", "--seq-len", "1M", "--json"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
@@ -227,6 +230,16 @@ def test_offloads_leave_the_os_and_the_training_processes_their_host_memory():
         update={"host": host.model_copy(update={"reserved_fraction": 0.0})})})
     from cost_models.topology import Topology
     assert offload_capacity(Topology(lean), a.model_copy(update={"host_process_bytes": 0})) == topology.host_ram_per_gpu
+
+
+def test_capacity_names_host_ram_when_it_is_the_limit():
+    """70B on 32 GPUs of a p5 under the ALST stack: the longest sequence is bound by the host RAM the
+    offloaded checkpoints fill, not by the GPUs, and the answer says so with the offload capacity."""
+    res = CliRunner().invoke(cli, ["capacity", "--model", "llama3-70b", "--gpus", "32", "--topology", "aws-p5",
+                                   "--stack", "hf-deepspeed"])
+    assert res.exit_code == 0, res.output
+    limit = next(line for line in res.output.splitlines() if line.strip().startswith("limit:"))
+    assert "fits device memory" in limit and "host RAM available to offloads is 256.8 GB per GPU" in limit
 
 
 def test_capacity_sweep_table_and_plot(tmp_path):

@@ -116,7 +116,7 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
         answer = max_seq_len(model, base, topology, settings)
         stack = _stack_fields(settings, topology.gpu.name)
         data = {"max_seq_len": answer.max_seq_len, "granule": answer.granule, "gpus": gpus,
-                "plan": _plan_json(answer.plan), **stack}
+                "bound_by": answer.bound_by, "plan": _plan_json(answer.plan), **stack}
         text = (f"{model.name} on {gpus} x {topology.gpu.name}: longest sequence {answer.max_seq_len:,} tokens "
                 f"({format_tokens(answer.max_seq_len)}; searched in steps of {answer.granule:,}; {_stack_note(stack)})")
         plan = answer.plan
@@ -139,6 +139,8 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
         click.echo(f"  plan: {plan.layout.describe()} with {describe_options(plan.options, plan.train.mode)}; "
                    f"{m.total / GB:.1f} GB per GPU, step {t.step_s:.2f} s, {t.tokens_per_s:,.0f} tokens/s, "
                    f"MFU {t.mfu:.1%}")
+    if data.get("bound_by"):
+        click.echo(f"  limit: {data['bound_by']}")
 
 
 def seq_granule_start(gpus: int) -> int:
