@@ -24,18 +24,19 @@ def safe_load(text: str) -> Any:
     return yaml.load(text, Loader=_SafeLoader)  # noqa: S506 - a SafeLoader
 
 
-def read_small_text(path: str | Path, max_bytes: int, what: str, missing: str) -> str:
-    """The text of a user-given file, refused in one line when it is missing (``missing`` completes the
-    sentence: what is wrong and what to give instead), too large or not text."""
+def read_small_text(path: str | Path, max_bytes: int, what: str, missing: str,
+                    error: type[CostModelError] = CostModelError) -> str:
+    """The text of a user-given file, refused in one line (as ``error``) when it is missing (``missing``
+    completes the sentence: what is wrong and what to give instead), too large or not text."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise CostModelError(f"{what} {str(path)!r} {missing}")
+        raise error(f"{what} {str(path)!r} {missing}")
     if path.stat().st_size > max_bytes:
-        raise CostModelError(f"{what} {path} is larger than {max_bytes / (1 << 20):g} MiB, which no {what} is")
+        raise error(f"{what} {path} is larger than {max_bytes / (1 << 20):g} MiB, which no {what} is")
     try:
         return path.read_text()
     except UnicodeDecodeError as exc:
-        raise CostModelError(f"{what} {path} is not a text file: {exc}") from exc
+        raise error(f"{what} {path} is not a text file: {exc}") from exc
 
 
 def parse_mapping(text: str, what: str, expect: str) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from cost_models.stack import DEFAULT_STACK
 from cost_models.train_spec import TrainSpec
 
 from .errors import PlannerError
-from cost_models.yaml_io import safe_load
+from cost_models.yaml_io import read_small_text, safe_load
 
 PLAN_FORMAT_VERSION = 1
 #: Plans are a few KB; refuse anything large before parsing it.
@@ -72,12 +72,10 @@ class Plan(BaseModel):
 def load_plan(path: str | Path) -> Plan:
     """Read and validate a plan file written by ``sp-plan plan --out``."""
     file = Path(path).expanduser()
-    if not file.is_file():
-        raise PlannerError(f"plan file {str(file)!r} not found: create one with `sp-plan plan ... --out plan.yaml`")
-    if file.stat().st_size > _MAX_PLAN_BYTES:
-        raise PlannerError(f"{file} is larger than 4 MiB, which no plan file is")
+    text = read_small_text(file, _MAX_PLAN_BYTES, "plan file",
+                           "not found: create one with `sp-plan plan ... --out plan.yaml`", PlannerError)
     try:
-        data = safe_load(file.read_text())
+        data = safe_load(text)
     except yaml.YAMLError as exc:
         raise PlannerError(f"{file} is not valid YAML: {exc}".splitlines()[0]) from exc
     return plan_from_dict(data, str(file))
