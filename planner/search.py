@@ -255,11 +255,11 @@ class _Searcher:
         self.assumptions = self.profile.memory
         self.gpu = topology.gpu
         self.usable = topology.gpu.memory_bytes * (1.0 - settings.headroom)
-        self.host_ram = offload_capacity(topology, self.assumptions)
+        host_available = offload_capacity(topology, self.assumptions)
         limit = settings.max_offload_bytes
         #: Host memory offloaded state may use per GPU: what the node's RAM leaves it, or --max-offload-gb below.
-        self.host_capacity = self.host_ram if limit is None else min(self.host_ram, limit)
-        self.host_limited_by_setting = limit is not None and limit < self.host_ram
+        self.host_capacity = host_available if limit is None else min(host_available, limit)
+        self.host_limited_by_setting = limit is not None and limit < host_available
         self.fixed_options = dict(settings.fixed_options)
         offload_pins = [k for k in _OFFLOAD_OPTIONS if self.fixed_options.get(k)]
         if limit == 0 and offload_pins:

@@ -47,10 +47,6 @@ class AsyncCheckpointer:
         self._group: dist.ProcessGroup | None = None
         self._group_of: object | None = None  # the default group the private one was made beside
 
-    @property
-    def in_flight(self) -> bool:
-        return self._thread is not None
-
     def save(self, directory: str | os.PathLike, **kwargs: Any) -> Path:
         """Start saving (collective); takes :func:`runtime.checkpoint.save_checkpoint`'s keyword arguments.
 
