@@ -299,11 +299,13 @@ def finish_worker(code: int = 0) -> None:
     """End a torchrun worker: barrier, destroy the process group, flush, and leave without the interpreter's
     teardown (``os._exit``).
 
-    With transformers' tokenizer libraries loaded, a worker that had finished everything aborted during
-    interpreter finalization about once in 15 launches ("terminate called without an active exception"
-    from a native thread; 2 CPU ranks under load), and torchrun then reports the finished job as failed
-    (and restarts it under --max-restarts). Files must be closed before this (checkpoints, TensorBoard,
-    metrics: the trainer closes them).
+    A worker that had finished everything sometimes aborted during interpreter finalization
+    ("terminate called without an active exception" from a native thread), after ``destroy_process_group``
+    had returned: about once in 15 launches of the 2-rank training example with transformers' tokenizer
+    libraries loaded, and once in CI in the 4-rank attention example, which loads no tokenizer. torchrun
+    then reports the finished job as failed (and restarts it under --max-restarts). Every launched entry
+    point (the examples, validate's and probe's ranks) ends here. Files must be closed before this
+    (checkpoints, TensorBoard, metrics: the trainer closes them).
     """
     if dist.is_initialized():
         dist.barrier()  # gloo tears down badly if a rank leaves while others still talk

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -51,3 +52,7 @@ def command(out: Path, sizes: str | None, compute_budget: float | None, link_bud
     result = run_probe(out, sizes=parsed, compute_budget_s=compute_budget, link_budget_s=link_budget, name=name)
     for line in result.lines:
         click.echo(line)
+    if "WORLD_SIZE" in os.environ:  # a torchrun rank: leave before the interpreter's teardown can abort it
+        from runtime.auto import finish_worker
+
+        finish_worker()
