@@ -299,13 +299,17 @@ def finish_worker(code: int = 0) -> None:
     """End a torchrun worker: barrier, destroy the process group, flush, and leave without the interpreter's
     teardown (``os._exit``).
 
-    A worker that had finished everything sometimes aborted during interpreter finalization
-    ("terminate called without an active exception" from a native thread), after ``destroy_process_group``
-    had returned: about once in 15 launches of the 2-rank training example with transformers' tokenizer
-    libraries loaded, and once in CI in the 4-rank attention example, which loads no tokenizer. torchrun
-    then reports the finished job as failed (and restarts it under --max-restarts). Every launched entry
-    point (the examples, validate's and probe's ranks) ends here. Files must be closed before this
-    (checkpoints, TensorBoard, metrics: the trainer closes them).
+    Why not a normal exit: a gloo worker thread releases a finished collective's work object (and with it
+    the Python tensors it held) slightly after ``wait()`` has returned on the main thread. If the
+    interpreter is finalizing by then, dropping those tensors must take the GIL, CPython ends the thread
+    (``PyThread_exit_thread``), and the forced unwind through a ``noexcept`` C++ frame calls
+    ``std::terminate``: "terminate called without an active exception", SIGABRT, and torchrun reports the
+    finished job as failed. Captured in a core dump (``ProcessGroupGloo::runLoop`` ->
+    ``~AsyncBarrierWork`` -> ``~AsyncAllreduceWork`` -> ``TensorImpl::decref_pyobject`` -> ``take_gil``
+    during ``Py_FinalizeEx``) after 1 in ~120 launches of the 4-rank attention example; about 1 in 15 for
+    the training example. ``destroy_process_group`` does not prevent it while any object still refers to
+    a group (the device mesh does), so the process leaves before finalization. Files must be closed before
+    this (checkpoints, TensorBoard, metrics: the trainer closes them).
     """
     if dist.is_initialized():
         dist.barrier()  # gloo tears down badly if a rank leaves while others still talk
