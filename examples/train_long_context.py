@@ -301,16 +301,16 @@ def main(argv: list[str] | None = None) -> int:
                       keep_checkpoints=args.keep_checkpoints, resume=args.resume, log_every=args.log_every,
                       tensorboard_dir=args.tensorboard, metrics_file=args.metrics_file, progress=args.progress,
                       live_bytes_every=args.live_bytes_every, async_save=args.async_save)
-    trainer.fit()
-    return 0
+    result = trainer.fit()
+    return 3 if result.stopped_by == "non-finite" else 0  # diverged: the job must not look successful
 
 
 if __name__ == "__main__":
     try:
-        main()
+        code = main()
     except CostModelError as exc:  # one line, like the CLI (plan, planner and runtime errors)
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     from runtime.auto import finish_worker
 
-    finish_worker()
+    finish_worker(code)

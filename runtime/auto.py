@@ -212,6 +212,20 @@ class AutoConfigured:
             return float(self.tensor_parallel.clip_grad_norm_(self.model, max_norm))
         return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
 
+    def grad_norm(self) -> float:
+        """The global gradient 2-norm :meth:`clip_grad_norm_` clips by, without clipping: the same value on
+        every rank (a NaN or inf on any rank's gradients makes it non-finite everywhere)."""
+        self.sync_gradients()
+        if self.tensor_parallel is not None:
+            return float(self.tensor_parallel.grad_norm(self.model))
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a partial norm over the sharded dims
+            norm = norm.full_tensor()
+        return float(norm)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unparallelised model's parameters (collective: every rank gets all of them), gathered
         over the FSDP shards and the TP shards, keyed like the original model's ``named_parameters``:

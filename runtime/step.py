@@ -15,6 +15,7 @@ exercise one code path:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,12 @@ class StepResult:
     micro_batch_losses: list[float]
     seconds: float
     grad_norm: float | None = None
+    #: The optimizer step was skipped: the loss or the gradient norm was NaN or infinite (``skip_nonfinite``).
+    skipped: bool = False
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.loss) and (self.grad_norm is None or math.isfinite(self.grad_norm))
 
 
 def _set_micro_batch_flags(model: torch.nn.Module, zero_stage: int, last: bool) -> None:
@@ -54,11 +61,17 @@ def synchronize(device: torch.device) -> None:
 
 
 def train_step(setup, micro_batches: Sequence[Any], optimizer: torch.optim.Optimizer | None = None, *,
-               max_grad_norm: float | None = None, sharded: bool = False) -> StepResult:
+               max_grad_norm: float | None = None, sharded: bool = False, skip_nonfinite: bool = False) -> StepResult:
     """Run one optimizer step of ``setup`` (an :class:`runtime.auto.AutoConfigured`) over ``micro_batches``.
 
     ``micro_batches`` are this data-parallel rank's full-sequence batches (or shards, with
     ``sharded=True``). With ``optimizer=None`` only gradients are accumulated (for inspection).
+
+    ``skip_nonfinite``: if the step's loss or global gradient norm is NaN or infinite, drop the gradients
+    instead of stepping, so one bad batch or overflow cannot turn every weight (and every later checkpoint)
+    into NaN. Both numbers are global (all-reduced over the ranks that share them), so every rank takes
+    the same decision without another collective; the norm costs one pass over the gradients when not
+    clipping.
     """
     synchronize(setup.device)
     started = time.perf_counter()
@@ -72,10 +85,17 @@ def train_step(setup, micro_batches: Sequence[Any], optimizer: torch.optim.Optim
         losses.append(out.value)
         weighted += out.value * out.global_tokens
     setup.sync_gradients()
-    grad_norm = setup.clip_grad_norm_(max_grad_norm) if max_grad_norm is not None else None
+    if max_grad_norm is not None:
+        grad_norm = setup.clip_grad_norm_(max_grad_norm)
+    else:
+        grad_norm = setup.grad_norm() if skip_nonfinite else None
+    result = StepResult(loss=weighted / step_tokens if step_tokens else 0.0, tokens=step_tokens,
+                        micro_batch_losses=losses, seconds=0.0, grad_norm=grad_norm)
+    result.skipped = skip_nonfinite and not result.finite
     if optimizer is not None:
-        optimizer.step()
+        if not result.skipped:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     synchronize(setup.device)
-    return StepResult(loss=weighted / step_tokens if step_tokens else 0.0, tokens=step_tokens,
-                      micro_batch_losses=losses, seconds=time.perf_counter() - started, grad_norm=grad_norm)
+    result.seconds = time.perf_counter() - started
+    return result

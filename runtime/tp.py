@@ -318,22 +318,27 @@ class TensorParallel:
         return 1.0
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Clip ``model``'s gradients to a global 2-norm of ``max_norm``; returns the norm before clipping.
+        """Clip ``model``'s gradients to a global 2-norm of ``max_norm``; returns the norm before clipping
+        (:meth:`grad_norm`). Call after :meth:`sync_replicated_grads`."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        total = self.grad_norm(model)
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
 
-        ``torch.nn.utils.clip_grad_norm_`` would see only this rank's TP shards (FSDP2's DTensor gradients
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """The unparallelised model's gradient 2-norm, the same on every rank.
+
+        ``torch.nn.utils.get_total_norm`` would see only this rank's TP shards (FSDP2's DTensor gradients
         are reduced over the FSDP dims, but TP shards are plain local tensors), so TP ranks would clip by
         different norms and drift apart. Here each parameter's squared norm is weighted by
-        :meth:`norm_weight` and summed over the TP group: every rank gets the unparallelised model's norm.
-        Call after :meth:`sync_replicated_grads`.
+        :meth:`norm_weight` and summed over the TP group. Call after :meth:`sync_replicated_grads`.
         """
         by_weight: dict[float, list[torch.Tensor]] = {}
-        params = []
         for name, p in model.named_parameters():
-            if p.grad is None:
-                continue
-            params.append(p)
-            by_weight.setdefault(self.norm_weight(name), []).append(p.grad)
-        if not params:
+            if p.grad is not None:
+                by_weight.setdefault(self.norm_weight(name), []).append(p.grad)
+        if not by_weight:
             return torch.zeros(())
         squared = None
         for weight, grads in by_weight.items():
@@ -348,9 +353,7 @@ class TensorParallel:
             # One scalar, not model traffic: not priced by the comm model, so not counted (like the
             # step's token count).
             dist.all_reduce(squared, group=self.group)
-        total = squared.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        return total
+        return squared.sqrt()
 
 
 def _local_grad(p: nn.Parameter) -> torch.Tensor | None:

@@ -24,6 +24,11 @@
    ``async_save=True`` writes the periodic checkpoints in the background
    (:class:`runtime.async_checkpoint.AsyncCheckpointer`: training waits only for a copy to host memory);
    ``fit`` returns once the last one is complete.
+4. **non-finite steps** (``skip_nonfinite``, on by default): a step whose loss or global gradient norm is
+   NaN or infinite is not applied (the gradients are dropped, the scheduler does not advance; the batch
+   is consumed and the step counts), so a bad batch or an overflow cannot turn the weights, and then
+   every checkpoint, into NaN. ``max_nonfinite_steps`` such steps in a row (3) stop training with
+   ``stopped_by="non-finite"`` and a checkpoint of the last finite weights.
 
 **Telemetry** (rank 0 prints; every rank computes): per step the loss (global token mean), tokens/s
 (valid tokens of all ranks / the step's wall time), the achieved **model FLOP/s per rank** = the plan's
@@ -78,6 +83,8 @@ class StepRecord:
     lr: float | None
     grad_norm: float | None
     memory: dict[str, int] = field(default_factory=dict)
+    #: The optimizer step was skipped (non-finite loss or gradient norm): weights and schedule unchanged.
+    skipped: bool = False
 
 
 @dataclass
@@ -95,6 +102,10 @@ class FitResult:
     @property
     def losses(self) -> list[float]:
         return [r.loss for r in self.records]
+
+    @property
+    def skipped_steps(self) -> list[int]:
+        return [r.step for r in self.records if r.skipped]
 
 
 # ----- telemetry -------------------------------------------------------------------------------------------
@@ -211,7 +222,7 @@ class Telemetry:
                          tokens_per_s=result.tokens / result.seconds if result.seconds > 0 else math.nan, mfu=mfu,
                          model_flops_per_s=achieved,
                          lr=lr, grad_norm=result.grad_norm,
-                         memory={k: v for k, v in zip(MEMORY_KEYS, memory) if v >= 0})
+                         memory={k: v for k, v in zip(MEMORY_KEYS, memory) if v >= 0}, skipped=result.skipped)
         if not self.rank0:
             return rec
         if self.metrics is not None:
@@ -257,6 +268,8 @@ class Telemetry:
             parts.append(f"lr {rec.lr:.2e}")
         if rec.grad_norm is not None:
             parts.append(f"grad norm {rec.grad_norm:.3f}")
+        if rec.skipped:
+            parts.append("SKIPPED (not finite)")
         return " | ".join(parts)
 
     def write(self, text: str) -> None:
@@ -337,10 +350,14 @@ class Trainer:
                  resume: bool | str | os.PathLike = False, log_every: int = 10,
                  tensorboard_dir: str | os.PathLike | None = None, metrics_file: str | os.PathLike | None = None,
                  progress: bool = True, handle_signals: bool | None = None, live_bytes_every: int = 0,
-                 async_save: bool = False, print_fn: Callable[[str], None] = print,
+                 async_save: bool = False, skip_nonfinite: bool = True, max_nonfinite_steps: int = 3,
+                 print_fn: Callable[[str], None] = print,
                  on_step: Callable[[Trainer, StepRecord], None] | None = None) -> None:
         if max_steps < 0 or save_every < 0:
             raise RuntimeConfigError(f"max_steps ({max_steps}) and save_every ({save_every}) must be >= 0")
+        if max_nonfinite_steps < 1:
+            raise RuntimeConfigError(f"max_nonfinite_steps ({max_nonfinite_steps}) must be >= 1: the number of "
+                                     "non-finite steps in a row that stops training")
         if (save_every or resume is True) and checkpoint_dir is None:
             raise RuntimeConfigError("save_every and resume=True need a checkpoint directory (checkpoint_dir=...)")
         if not all(hasattr(data, a) for a in ("next_step", "state_dict", "load_state_dict")):
@@ -350,6 +367,7 @@ class Trainer:
             )
         self.setup, self.optimizer, self.data, self.scheduler = setup, optimizer, data, scheduler
         self.max_steps, self.max_grad_norm = max_steps, max_grad_norm
+        self.skip_nonfinite, self.max_nonfinite_steps = skip_nonfinite, max_nonfinite_steps
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.save_every, self.keep_checkpoints, self.resume = save_every, keep_checkpoints, resume
         self.handle_signals = self.checkpoint_dir is not None if handle_signals is None else handle_signals
@@ -425,6 +443,7 @@ class Trainer:
             telemetry.write(telemetry.mfu_note)
         records: list[StepRecord] = []
         stopped_by, saved = None, None
+        nonfinite_in_row = 0
         signals = _ExitSignals() if self.handle_signals else None
         try:
             if signals is not None:
@@ -440,19 +459,32 @@ class Trainer:
                     result = holder[0]
                 else:
                     result = self._train_step(micro_batches)
-                if self.scheduler is not None:
+                if self.scheduler is not None and not result.skipped:
                     self.scheduler.step()
                 self.step += 1
                 self.tokens_seen += result.tokens
+                nonfinite_in_row = nonfinite_in_row + 1 if result.skipped else 0
                 flag = signals.received if signals is not None and signals.received is not None else 0
                 reduced = self._reduce_max([flag, *telemetry.local_memory(live)])
                 record = telemetry.record(self.step, result, lr, reduced[1:])
                 records.append(record)
                 if self.on_step is not None:
                     self.on_step(self, record)
+                if result.skipped:
+                    telemetry.write(
+                        f"step {self.step}: loss {result.loss:.4g}, gradient norm {result.grad_norm:.4g}: not finite; "
+                        f"optimizer step skipped, weights and schedule unchanged ({nonfinite_in_row} in a row, "
+                        f"training stops at {self.max_nonfinite_steps})")
                 if reduced[0]:
                     stopped_by = signal.Signals(reduced[0]).name
                     telemetry.write(f"{stopped_by} received: stopping after step {self.step}")
+                    break
+                if nonfinite_in_row >= self.max_nonfinite_steps:
+                    stopped_by = "non-finite"
+                    telemetry.write(
+                        f"stopping after step {self.step}: {nonfinite_in_row} steps in a row had a non-finite loss or "
+                        "gradient norm (diverged, or bad data). The weights are those of the last finite step; "
+                        "lower the learning rate or clip gradients (max_grad_norm), then resume")
                     break
                 if self.checkpoint_dir is not None and self.save_every and self.step % self.save_every == 0:
                     saved = self.save()
@@ -473,7 +505,8 @@ class Trainer:
         return result
 
     def _train_step(self, micro_batches) -> StepResult:
-        return train_step(self.setup, micro_batches, self.optimizer, max_grad_norm=self.max_grad_norm)
+        return train_step(self.setup, micro_batches, self.optimizer, max_grad_norm=self.max_grad_norm,
+                          skip_nonfinite=self.skip_nonfinite)
 
     def _reduce_max(self, values: list[int]) -> list[int]:
         if self.world == 1:
@@ -509,6 +542,9 @@ def summary(result: FitResult, mfu_note: str = "") -> str:
         parts.append(f"peak RSS {_gb(mem['peak_rss'])} per process (max over ranks; includes the Python runtime)")
     if mem["live_peak"] >= 0:
         parts.append(f"peak live tensors {_gb(mem['live_peak'])} (profiled steps)")
+    if result.skipped_steps:
+        parts.append(f"{len(result.skipped_steps)} step(s) skipped, loss or gradients not finite: "
+                     + ", ".join(map(str, result.skipped_steps[:10])) + (" ..." if len(result.skipped_steps) > 10 else ""))
     if result.stopped_by:
         parts.append(f"stopped by {result.stopped_by}")
     if parts:

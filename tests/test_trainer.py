@@ -156,3 +156,58 @@ def test_sigterm_stops_every_rank_after_the_step_saves_and_resumes_exactly(tmp_p
         assert out["checkpoint"].endswith("step_00000002") and out["restored"]
         assert out["resumed_from"].endswith("step_00000002") and out["start"] == 2
         assert out["resumed"] == out["reference"][2:]
+
+
+def _poison(setup, rank: int, steps: set[int], trainer_step: list[int], on_rank: int = 1):
+    """Make this rank's embedding output NaN during the given (1-based) steps: a bad batch or an overflow
+    on one rank only."""
+    embedding = next(m for m in setup.model.modules() if isinstance(m, torch.nn.Embedding))
+
+    def hook(module, args, output):
+        return output * float("nan") if rank == on_rank and trainer_step[0] + 1 in steps else output
+    embedding.register_forward_hook(hook)
+
+
+def _nonfinite_rank(rank: int, world: int, root: str) -> dict:
+    out = {}
+    for name, poisoned, kwargs in [("one", {2}, {}), ("stop", {2, 3, 4}, {"checkpoint_dir": os.path.join(root, "ckpt")}),
+                                   ("unguarded", {2}, {"skip_nonfinite": False})]:
+        setup = configure({"ring": 2}, {"zero_stage": 2})
+        current = [0]
+        _poison(setup, rank, poisoned, current)
+        sums = {}
+
+        def on_step(trainer, record, sums=sums, current=current):
+            current[0] = record.step
+            sums[record.step] = sum(float(p.detach().double().sum()) for p in trainer.setup.model.parameters())
+
+        trainer = trainer_for(setup, steps=6, on_step=on_step, **kwargs)
+        fit = trainer.fit()
+        out[name] = {"skipped": fit.skipped_steps, "stopped_by": fit.stopped_by, "step": fit.step, "sums": sums,
+                     "lrs": [r.lr for r in fit.records], "losses": fit.losses,
+                     "checkpoint": str(fit.checkpoint) if fit.checkpoint else None}
+    return out
+
+
+@pytest.mark.multiproc
+def test_non_finite_steps_are_skipped_on_every_rank_and_stop_training(tmp_path):
+    """A NaN on one rank's forward (rank 1 only) makes every rank skip that optimizer step: the weights and
+    the learning-rate schedule stay as they were and training goes on. Three such steps in a row stop
+    training with a checkpoint of the last finite weights. Without the guard the weights turn NaN."""
+    results = run_ranks(2, _nonfinite_rank, str(tmp_path), timeout=240)
+    for out in results:
+        one = out["one"]
+        assert one["skipped"] == [2] and one["stopped_by"] is None and one["step"] == 6
+        assert one["sums"][2] == one["sums"][1] and one["sums"][3] != one["sums"][2]  # step 2 not applied
+        assert one["lrs"][2] == one["lrs"][1]  # the warm-up did not advance on the skipped step
+        assert math.isnan(one["losses"][1]) and all(math.isfinite(v) for i, v in enumerate(one["losses"]) if i != 1)
+
+        stop = out["stop"]
+        assert stop["skipped"] == [2, 3, 4] and stop["stopped_by"] == "non-finite" and stop["step"] == 4
+        assert stop["sums"][4] == stop["sums"][1] and math.isfinite(stop["sums"][4])
+        assert stop["checkpoint"].endswith("step_00000004")
+
+        unguarded = out["unguarded"]
+        assert unguarded["skipped"] == [] and math.isnan(unguarded["sums"][2]) and math.isnan(unguarded["sums"][6])
+    # Every rank saw the same (global) losses: the same steps were skipped everywhere.
+    assert results[0]["one"]["losses"][2:] == results[1]["one"]["losses"][2:]
