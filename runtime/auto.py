@@ -320,7 +320,7 @@ def finish_worker(code: int = 0) -> None:
     ``std::terminate``: "terminate called without an active exception", SIGABRT, and torchrun reports the
     finished job as failed. Captured in a core dump (``ProcessGroupGloo::runLoop`` ->
     ``~AsyncBarrierWork`` -> ``~AsyncAllreduceWork`` -> ``TensorImpl::decref_pyobject`` -> ``take_gil``
-    during ``Py_FinalizeEx``) after 1 in ~120 launches of the 4-rank attention example; about 1 in 15 for
+    during ``Py_FinalizeEx``); 1 abort in 180 launches of the 4-rank attention example, about 1 in 15 for
     the training example. ``destroy_process_group`` does not prevent it while any object still refers to
     a group (the device mesh does), so the process leaves before finalization. Files must be closed before
     this (checkpoints, TensorBoard, metrics: the trainer closes them).
