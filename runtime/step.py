@@ -39,10 +39,6 @@ class StepResult:
     #: The optimizer step was skipped: the loss or the gradient norm was NaN or infinite (``skip_nonfinite``).
     skipped: bool = False
 
-    @property
-    def finite(self) -> bool:
-        return math.isfinite(self.loss) and (self.grad_norm is None or math.isfinite(self.grad_norm))
-
 
 def _set_micro_batch_flags(model: torch.nn.Module, zero_stage: int, last: bool) -> None:
     from torch.distributed.fsdp import FSDPModule
@@ -89,13 +85,13 @@ def train_step(setup, micro_batches: Sequence[Any], optimizer: torch.optim.Optim
         grad_norm = setup.clip_grad_norm_(max_grad_norm)
     else:
         grad_norm = setup.grad_norm() if skip_nonfinite else None
-    result = StepResult(loss=weighted / step_tokens if step_tokens else 0.0, tokens=step_tokens,
-                        micro_batch_losses=losses, seconds=0.0, grad_norm=grad_norm)
-    result.skipped = skip_nonfinite and not result.finite
+    loss = weighted / step_tokens if step_tokens else 0.0
+    finite = math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
+    skipped = skip_nonfinite and not finite
     if optimizer is not None:
-        if not result.skipped:
+        if not skipped:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     synchronize(setup.device)
-    result.seconds = time.perf_counter() - started
-    return result
+    return StepResult(loss=loss, tokens=step_tokens, micro_batch_losses=losses,
+                      seconds=time.perf_counter() - started, grad_norm=grad_norm, skipped=skipped)
