@@ -1,17 +1,21 @@
-"""How well sp-plan's predictions agree with published GPU measurements.
+"""How well sp-plan's predictions agree with published GPU measurements, layer by layer.
 
-Every entry of ``cost_models/data/calibration/published.yaml`` (memory, max length, throughput,
-attention kernel and per-layer timings, with each source's metric semantics) becomes a measured run
-(:mod:`planner.calibration.published`), predicted under its source's software stack and, for
-comparison, under sp-plan's default stack. Throughput, kernel and per-layer figures are also used to
-fit the GPU kernel models' efficiencies and the stacks' overheads; their "held-out" column is the
-prediction of a fit that never saw the figure's source (leave-one-source-out), which is the number to
-believe. Memory has one fitted constant (the allocator slack the GPU stacks ship, fitted on the exact
-memory figures): each source's memory and max-length figures are held out of its fit the same way, and
-figures of sources it was not fitted on are out of sample as they are.
+1. Kernel truth: every kernel-level figure of ``cost_models/data/calibration/kernels.yaml`` (attention
+   kernels by sequence length, head_dim, causality and pass; GEMMs by shape) pins the kernel model
+   (:mod:`planner.calibration.kernel_fit`); each figure is reported in sample and held out by kernel
+   source.
+2. System level: every entry of ``cost_models/data/calibration/published.yaml`` (memory, max length,
+   throughput, attention benchmarks and per-layer timings, with each source's metric semantics) becomes
+   a measured run (:mod:`planner.calibration.published`), predicted under its source's software stack
+   and, for comparison, under sp-plan's default stack. Throughput, attention-benchmark and per-layer
+   figures fit only what they alone can tell (stack overheads, GPU-variant clock factors), on top of the
+   pinned kernels. Their "held-out" column is the prediction of a fit that never saw the figure's
+   source; the harder splits leave out a whole GPU variant or a whole stack. Memory has one fitted
+   constant (the allocator slack the GPU stacks ship): each source's memory and max-length figures are
+   held out of its fit the same way.
 
     python benchmarks/accuracy.py                 # report with the shipped (fitted) parameters
-    python benchmarks/accuracy.py --fit           # refit and recompute the held-out errors (~1 min)
+    python benchmarks/accuracy.py --fit           # refit both layers and recompute the held-out errors (~2 min)
     python benchmarks/accuracy.py --fit --write   # ... and rewrite cost_models/data/calibration/fitted.yaml
     python benchmarks/accuracy.py --json out.json # machine-readable results
 """
@@ -31,32 +35,61 @@ if str(ROOT) not in sys.path:
 
 import yaml  # noqa: E402
 
-from cost_models.fitted import FittedParameters, clear_cache, fitted_parameters  # noqa: E402
-from planner.calibration.fit import FitResult, Parameter, fit, leave_one_source_out, profile_for  # noqa: E402
+from cost_models.fitted import FittedParameters, KernelFitRecord, clear_cache, fitted_parameters, use  # noqa: E402
+from planner.calibration.fit import (  # noqa: E402
+    SPLITS, FitResult, Parameter, fit, leave_one_group_out, profile_for,
+)
+from planner.calibration.kernel_fit import (  # noqa: E402
+    METHOD as KERNEL_METHOD, KernelFitResult, fit_kernels, kernel_figures, leave_one_kernel_source_out,
+)
 from planner.calibration.parameters import SHIPPED_MIN_SOURCES, TIME_KINDS, published_fit_parameters  # noqa: E402
 from planner.calibration.published import published_runs  # noqa: E402
-from planner.calibration.report import errors_of, evaluate, render, summarise, table_orders  # noqa: E402
+from planner.calibration.report import (  # noqa: E402
+    errors_of, evaluate, render, render_kernels, render_splits, summarise, table_orders,
+)
 from planner.calibration.runs import MeasuredRun, predict  # noqa: E402
 
 COMPARE_STACK = "sp-plan"
-FIT_METHOD = ("scipy.optimize.least_squares (trf, soft-L1) on confidence-weighted log(predicted/measured), each "
-              "source weighted equally, Gaussian priors on each parameter around the kernel/stack files' values")
+FIT_METHOD = ("system level: scipy.optimize.least_squares (trf, soft-L1) on confidence-weighted log(predicted/"
+              "measured), each source weighted equally, Gaussian priors around the stack files' and gpus.yaml's "
+              "values; stack overheads and GPU-variant clock factors only, on top of the kernel-pinned model")
 
 
-def fitted_file_content(result: FitResult, held: dict[str, dict[str, float]]) -> dict[str, Any]:
-    kernels: dict[str, dict[str, float]] = {}
+def _round(v: float) -> float:
+    return round(v, 6 if abs(v) > 1e-3 else 9)
+
+
+def kernel_section(result: KernelFitResult, held: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """The ``kernels:`` and ``kernel_fit:`` content of fitted.yaml from the kernel-level fit."""
+    kernels = {family: {k: _round(v) for k, v in values.items()} for family, values in result.by_family().items()}
+    record = KernelFitRecord(method=KERNEL_METHOD, sources=result.sources,
+                             rms_log_residual=round(result.rms_log_residual, 6),
+                             residuals={k: round(v, 6) for k, v in result.residuals.items()},
+                             held_out={s: {k: round(v, 6) for k, v in e.items()} for s, e in held.items()})
+    return {"kernels": kernels, "kernel_fit": record}
+
+
+def fitted_file_content(kernel: dict[str, Any], result: FitResult, held: dict[str, dict[str, float]],
+                        splits: dict[str, dict[str, dict[str, float]]]) -> dict[str, Any]:
+    variants: dict[str, dict[str, float]] = {}
     stacks: dict[str, dict[str, float]] = {}
     for p, v in zip(result.params, result.values):
         section, _, path = p.target.partition(".")
         if section == "kernels":
-            kernels.setdefault(p.family or "all", {})[path] = round(v, 6 if v > 1e-3 else 9)
+            if p.gpu is None:
+                raise ValueError(f"the system-level fit may not set kernel parameter {p.name}")
+            variants.setdefault(p.gpu, {})[path] = _round(v)
         else:
-            stacks.setdefault(p.stack or "all", {})[path] = round(v, 6 if v > 1e-3 else 9)
+            stacks.setdefault(p.stack or "all", {})[path] = _round(v)
+
+    def rounded(table: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        return {s: {k: round(v, 6) for k, v in errs.items()} for s, errs in table.items()}
+
     return FittedParameters(
-        method=FIT_METHOD, sources=result.fitted_on, kernels=kernels, stacks=stacks,
+        method=FIT_METHOD, sources=result.fitted_on, **kernel, variants=variants, stacks=stacks,
         rms_log_residual=round(result.rms_log_residual, 6),
         residuals={k: round(v, 6) for k, v in result.residuals.items()},
-        held_out={s: {k: round(v, 6) for k, v in errs.items()} for s, errs in held.items()},
+        held_out=rounded(held), held_out_splits={split: rounded(t) for split, t in splits.items()},
     ).model_dump()
 
 
@@ -73,36 +106,68 @@ def main(argv: list[str] | None = None) -> int:
     params = published_fit_parameters()
     held_out: dict[str, float] = {}
 
+    figures = kernel_figures()
+    splits: dict[str, dict[str, dict[str, float]]] = {}
     if args.fit:
-        # The shipped values: only parameters that figures of two or more sources constrain are fitted.
-        result = fit(time_runs, params, min_sources=SHIPPED_MIN_SOURCES)
-        print(f"fit on {len(time_runs)} figures from {len(result.fitted_on)} sources: rms log residual "
-              f"{result.rms_log_residual:.3f} ({result.message})")
-        for name, value in result.as_dict().items():
-            print(f"  {name:<50} {value:.4g}")
-        held = {}
-        for h in leave_one_source_out(time_runs, params, progress=lambda s: print(f"  refit without {s} ...")):
-            test = [r for r in time_runs if r.source == h.source]
-            held[h.source] = dict(zip((r.id for r in test), errors_of(test, [h.predictions[r.id] for r in test])))
-            held_out.update(h.predictions)
-        values = result.values
-        fitted_params = result.params
-
-        def predict_time(run: MeasuredRun) -> float:
-            return predict(run, profile_for(run, fitted_params, values))
-
+        # Layer 1, kernel truth: kernel-level figures only.
+        kfit = fit_kernels(figures)
+        kheld = leave_one_kernel_source_out(figures)
+        print(f"kernel fit on {len(figures)} kernel-level figures from {len(kfit.sources)} sources: rms log "
+              f"residual {kfit.rms_log_residual:.3f} ({kfit.message})")
+        for p, v in zip(kfit.params, kfit.values):
+            print(f"  {p.name:<50} {p.prior:>10.4g} -> {v:.4g}")
+        kernel = kernel_section(kfit, kheld)
+        # Layer 2, system level, on top of the pinned kernels: only parameters that figures of two or more
+        # sources constrain are shipped.
+        with use(FittedParameters(**kernel)):
+            result = fit(time_runs, params, min_sources=SHIPPED_MIN_SOURCES)
+            print(f"system fit on {len(time_runs)} figures from {len(result.fitted_on)} sources: rms log residual "
+                  f"{result.rms_log_residual:.3f} ({result.message})")
+            for name, value in result.as_dict().items():
+                print(f"  {name:<50} {value:.4g}")
+            held: dict[str, dict[str, float]] = {}
+            for split, key in SPLITS.items():
+                table: dict[str, dict[str, float]] = {}
+                for h in leave_one_group_out(time_runs, params, key,
+                                             progress=lambda g, s=split: print(f"  refit without {s} {g} ...")):
+                    test = [r for r in time_runs if key(r) == h.source]
+                    table[h.source] = dict(zip((r.id for r in test),
+                                               errors_of(test, [h.predictions[r.id] for r in test])))
+                    if split == "source":
+                        held_out.update(h.predictions)
+                if split == "source":
+                    held = table
+                else:
+                    splits[split] = table
+        content = fitted_file_content(kernel, result, held, splits)
+        new = FittedParameters(**content)
         if args.write:
             from cost_models.fitted import fitted_path
 
             path = pathlib.Path(str(fitted_path()))
-            header = ("# Generated by `python benchmarks/accuracy.py --fit --write` from published.yaml; do not edit.\n"
-                      "# Kernel/stack priors live in cost_models/data/kernels and cost_models/data/stacks.\n")
-            path.write_text(header + yaml.safe_dump(fitted_file_content(result, held), sort_keys=False, width=120))
+            header = ("# Generated by `python benchmarks/accuracy.py --fit --write` from kernels.yaml (kernels:) and\n"
+                      "# published.yaml (variants:, stacks:); do not edit. Priors live in cost_models/data/kernels,\n"
+                      "# cost_models/data/gpus.yaml and cost_models/data/stacks.\n")
+            path.write_text(header + yaml.safe_dump(content, sort_keys=False, width=120))
             clear_cache()
             print(f"wrote {path}")
+        context = use(new)
     else:
-        def predict_time(run: MeasuredRun) -> float:
-            return predict(run, profile_for(run))
+        new = fitted_parameters()
+        splits = dict(new.held_out_splits)
+        context = use(new)
+
+    with context:
+        _report(args, runs, skipped, time_runs, figures, held_out, new, splits, started)
+    return 0
+
+
+def _report(args: argparse.Namespace, runs: list[MeasuredRun], skipped: list, time_runs: list[MeasuredRun],
+            figures: list, held_out: dict[str, float], shipped_fit: FittedParameters,
+            splits: dict[str, dict[str, dict[str, float]]], started: float) -> None:
+    """Predict every figure with ``shipped_fit`` in effect and print the layered report."""
+    def predict_time(run: MeasuredRun) -> float:
+        return predict(run, profile_for(run))
 
     def shipped(run: MeasuredRun) -> float:
         return predict_time(run) if run.kind in TIME_KINDS else predict(run, profile_for(run))
@@ -131,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.fit:  # (the time figures' held-out values come from the shipped file)
         # The shipped file stores each held-out error (group-normalised for scale-free tables); a value
         # scaled by it orders a table exactly as the held-out prediction did.
-        flat = {k: v for errs in fitted_parameters().held_out.values() for k, v in errs.items()}
+        flat = {k: v for errs in shipped_fit.held_out.values() for k, v in errs.items()}
         for r in results:
             if r.run.id in flat and r.run.kind in TIME_KINDS:
                 r.held_out_error = flat[r.run.id]
@@ -142,7 +207,11 @@ def main(argv: list[str] | None = None) -> int:
             r.other_stack[COMPARE_STACK] = predict(alt, profile_for(alt))
 
     print()
+    print("\n".join(render_kernels(figures, shipped_fit.kernel_fit)))
+    print()
     print("\n".join(render(results, other_stack=COMPARE_STACK)))
+    print()
+    print("\n".join(render_splits(results, splits)))
     print()
     for s in skipped:
         print(f"skipped: {s.id}: {s.reason}")
@@ -160,8 +229,9 @@ def main(argv: list[str] | None = None) -> int:
                          "other_stack": r.other_stack} for r in results],
             "summary": [s.__dict__ for s in summarise(results)],
             "tables": [t.__dict__ for t in table_orders(results)],
+            "held_out_splits": splits,
+            "kernel_fit": shipped_fit.kernel_fit.model_dump(),
         }, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

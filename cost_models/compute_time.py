@@ -72,6 +72,8 @@ class Fractions:
     attention_backward: float
     memory: float
     attention: AttentionParams
+    #: Sustained-clock factor of the GPU variant on compute-bound kernels (1.0 on the reference board).
+    clock: float = 1.0
 
 
 def fractions(topology: Topology, profile: CostProfile) -> Fractions:
@@ -92,6 +94,7 @@ def fractions(topology: Topology, profile: CostProfile) -> Fractions:
                                 attention.backward_fraction),
         memory=pick(c.memory, "memory_fraction", k.memory_fraction),
         attention=attention,
+        clock=k.clock_factor if k.clock_factor is not None else topology.gpu.clock_factor,
     )
 
 
@@ -147,7 +150,9 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
     k = profile.kernels
     stack = profile.stack.time
     a = profile.memory
-    peak = topology.peak_flops(train.dtype)
+    # Compute-bound kernels run at the variant's sustained clock (a 500 W H100 is slower than the 700 W
+    # board the kernel data were measured on); streaming kernels are HBM-bound and keep their speed.
+    peak = topology.peak_flops(train.dtype) * fr.clock
     hbm = topology.gpu.memory_bandwidth * fr.memory
     gemm: GemmParams = k.gemm
     sms = k.sms
@@ -156,7 +161,7 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
         if fp8:
             if "fp8" not in topology.gpu.peak_flops:
                 raise CostModelError(f"fp8_linears needs fp8 tensor cores; {topology.gpu.name} lists none")
-            p, f = topology.peak_flops("fp8"), fr.fp8_matmul
+            p, f = topology.peak_flops("fp8") * fr.clock, fr.fp8_matmul
         else:
             p, f = peak, fr.matmul
         return count * sum(gemm_seconds(m, n, kk, p, f, gemm, sms) for m, n, kk in gemms)
@@ -232,13 +237,15 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
         kv_local = tokens * model.num_kv_heads * model.kv_replication(tp * u) / tp * hd * d
         a2a = stack.alltoall_copy_passes * 2 * (2 * q_local + 2 * kv_local) / hbm  # read + write, q k v out
     overhead = stack.layer_overhead_s
+    # The stack's execution overhead around the kernels (fitted per stack from end-to-end runs).
+    gaps = 1.0 + stack.compute_overhead_fraction
 
-    layer_f = proj_f + mlp_f + cast_f + attn_f + stream_f + a2a + overhead
+    layer_f = (proj_f + mlp_f + cast_f + attn_f + stream_f + a2a) * gaps + overhead
     head_tokens = tokens if training else b / (u * r)
     head_rows = min(a.loss_chunk_tokens, head_tokens) if (training and train.tiled_loss) else head_tokens
     head_chunks = math.ceil(head_tokens / head_rows)
     head_g = [(head_rows, model.vocab_size / tp, model.hidden_size)]
-    head_f = gemm_time(head_g, count=head_chunks)
+    head_f = gemm_time(head_g, count=head_chunks) * gaps
     if not training:
         return ComputeTime(layer_f, 0.0, 0.0, attn_f, 0.0, step_f, 0.0, head_f, 0.0, _report(fr))
 
@@ -258,8 +265,8 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
             recompute = layer_f - attn_f
     if train.tiled_mlp:
         recompute += mlp_f  # each tile's forward again, with grad, in backward
-    layer_b = proj_b + mlp_b + cast_b + attn_b + stream_b + a2a + overhead + recompute
-    head_b = gemm_time(_backward(head_g), count=head_chunks)
+    layer_b = (proj_b + mlp_b + cast_b + attn_b + stream_b + a2a) * gaps + overhead + recompute
+    head_b = gemm_time(_backward(head_g), count=head_chunks) * gaps
     if train.tiled_loss:
         head_b += head_f
     return ComputeTime(layer_f, layer_b, recompute, attn_f, attn_b, step_f, step_b, head_f, head_b, _report(fr))
@@ -288,7 +295,7 @@ def _eager_extra_bytes(model: ModelSpec, train: TrainSpec, layout: Layout, a) ->
 
 def _report(fr: Fractions) -> dict[str, float]:
     return {"matmul": fr.matmul, "fp8_matmul": fr.fp8_matmul, "attention_forward": fr.attention_forward,
-            "attention_backward": fr.attention_backward, "memory": fr.memory}
+            "attention_backward": fr.attention_backward, "memory": fr.memory, "clock": fr.clock}
 
 
 __all__ = ["COMPUTE_FIELDS", "ComputeTime", "Fractions", "compute_time", "fractions"]

@@ -1,15 +1,23 @@
-"""Parameter values fitted to the published GPU measurements, as shipped data.
+"""Parameter values fitted to published GPU measurements, as shipped data, in two layers.
 
 ``cost_models/data/calibration/fitted.yaml`` is written by ``python benchmarks/accuracy.py --fit --write``
-(never by hand): the kernel-model parameters per GPU family (``all`` for those shared by every GPU),
-the stack parameters per stack, the sources fitted on, the residual of every figure, and the
-leave-one-source-out error of every source. The kernel files and stack files keep their documented
-priors; :func:`cost_models.kernels.kernel_model` and :func:`cost_models.stack.load_stack` apply these
-values on top. A missing or empty file means "priors only".
+(never by hand):
+
+- ``kernels:`` kernel-model parameters per GPU family (``all`` for those shared by every GPU), pinned
+  by KERNEL-LEVEL measurements only (``kernels.yaml``; ``kernel_fit:`` holds that fit's sources,
+  residuals and leave-one-source-out errors);
+- ``stacks:`` and ``variants:`` what system-level runs (``published.yaml``) alone can tell: a stack's
+  overheads, a GPU variant's sustained-clock factor. Never a kernel efficiency.
+
+The kernel files and stack files keep their documented priors; :func:`cost_models.kernels.kernel_model`
+and :func:`cost_models.stack.load_stack` apply these values on top. A missing or empty file means
+"priors only".
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from importlib import resources
 
@@ -22,32 +30,77 @@ from .yaml_io import safe_load
 FITTED_FILE = "fitted.yaml"
 
 
-class FittedParameters(BaseModel):
+class KernelFitRecord(BaseModel):
+    """The kernel-level fit: which kernel benchmarks pinned the ``kernels:`` values, how well."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     method: str = ""
     sources: list[str] = Field(default_factory=list)
-    #: GPU family (kernel file name, e.g. h100) or "all" -> dotted kernel path -> value.
+    rms_log_residual: float | None = None
+    #: Figure id -> predicted / measured - 1 with the pinned values (in-sample).
+    residuals: dict[str, float] = Field(default_factory=dict)
+    #: Source -> figure id -> predicted / measured - 1 by a kernel fit that left the source out.
+    held_out: dict[str, dict[str, float]] = Field(default_factory=dict)
+
+
+class FittedParameters(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: str = ""
+    #: Sources of the system-level fit (published.yaml).
+    sources: list[str] = Field(default_factory=list)
+    #: GPU family (kernel file name, e.g. h100) or "all" -> dotted kernel path -> value. Kernel-level fit only.
     kernels: dict[str, dict[str, float]] = Field(default_factory=dict)
-    #: Stack name -> StackTime field -> value.
+    kernel_fit: KernelFitRecord = KernelFitRecord()
+    #: GPU variant (gpus.yaml name) -> kernel-model key (``clock_factor``) -> value. System-level fit.
+    variants: dict[str, dict[str, float]] = Field(default_factory=dict)
+    #: Stack name -> StackTime field -> value. System-level fit.
     stacks: dict[str, dict[str, float]] = Field(default_factory=dict)
     rms_log_residual: float | None = None
     #: Run id -> predicted / measured - 1 with the fitted values (in-sample).
     residuals: dict[str, float] = Field(default_factory=dict)
     #: Source -> run id -> predicted / measured - 1 by a fit that left the source out.
     held_out: dict[str, dict[str, float]] = Field(default_factory=dict)
+    #: Harder splits: split ("gpu-variant", "stack") -> held-out group -> run id -> predicted / measured - 1
+    #: by a fit that left the whole group out.
+    held_out_splits: dict[str, dict[str, dict[str, float]]] = Field(default_factory=dict)
 
     def record_for(self, parameters: list[str]) -> FitRecord:
-        return FitRecord(method=self.method, sources=tuple(self.sources), parameters=tuple(parameters),
-                         rms_log_residual=self.rms_log_residual, residuals=dict(self.residuals))
+        """The provenance a kernel model carries: the kernel-level fit (its sources and residuals)."""
+        k = self.kernel_fit
+        return FitRecord(method=k.method, sources=tuple(k.sources), parameters=tuple(parameters),
+                         rms_log_residual=k.rms_log_residual, residuals=dict(k.residuals))
 
 
 def fitted_path():
     return resources.files("cost_models.data").joinpath("calibration", FITTED_FILE)
 
 
-@cache
+#: Values in effect instead of the shipped file (``use``): a refit predicts with what it just fitted.
+_override: list[FittedParameters] = []
+
+
 def fitted_parameters() -> FittedParameters:
+    """The fitted values predictions use: the shipped file, unless :func:`use` replaced it."""
+    return _override[-1] if _override else _shipped()
+
+
+@contextmanager
+def use(params: FittedParameters) -> Iterator[FittedParameters]:
+    """Predict with ``params`` instead of the shipped file inside the block (``benchmarks/accuracy.py
+    --fit`` pins the kernels, then fits the system level on top of the new kernel values)."""
+    _override.append(params)
+    clear_cache()
+    try:
+        yield params
+    finally:
+        _override.pop()
+        clear_cache()
+
+
+@cache
+def _shipped() -> FittedParameters:
     path = fitted_path()
     if not path.is_file():
         return FittedParameters()
@@ -62,10 +115,11 @@ def clear_cache() -> None:
     """Forget loaded fitted values (after rewriting the file)."""
     from . import kernels, profile, stack
 
-    fitted_parameters.cache_clear()
+    _shipped.cache_clear()
     kernels.kernel_model.cache_clear()
     stack._shipped.cache_clear()
     profile.default_profile.cache_clear()
 
 
-__all__ = ["FITTED_FILE", "FittedParameters", "clear_cache", "fitted_parameters", "fitted_path"]
+__all__ = ["FITTED_FILE", "FittedParameters", "KernelFitRecord", "clear_cache", "fitted_parameters", "fitted_path",
+           "use"]

@@ -23,9 +23,17 @@ Attention (FlashAttention-style, one CTA per (batch, head, query tile)):
     head_dim   = (d / (d + head_dim_half)) / (128 / (128 + head_dim_half))
     seconds    = FLOPs / (peak x fraction x fill x kv x diagonal x head_dim) + launch_s
 
-Parameters live in ``cost_models/data/kernels/<gpu>.yaml``, one file per GPU, with where they come
-from: the asymptotic fractions and shape constants are fitted (``benchmarks/accuracy.py --fit``) to
-published measurements and carry their residuals; the rest are documented priors.
+Parameters live in ``cost_models/data/kernels/<gpu>.yaml``, one file per GPU family, as documented
+priors. The values predictions use are pinned by KERNEL-LEVEL measurements only
+(``cost_models/data/calibration/kernels.yaml``: attention kernels by sequence length, head_dim,
+causality and pass, GEMMs by shape) through ``planner/calibration/kernel_fit.py``; the result is the
+``kernels:`` section of ``cost_models/data/calibration/fitted.yaml``. End-to-end training runs never
+move a kernel efficiency: a power cap, a compiler or a framework's overheads are not the kernel's speed.
+
+GPU variants: the same chip at another power cap is another GPU (``cost_models/data/gpus.yaml``) with a
+``clock_factor`` (sustained clock relative to the family's reference board); compute-bound kernels run
+at ``peak x fraction x clock_factor`` (:attr:`KernelModel.clock_factor` overrides the GPU's value where a
+fit or a calibration file sets it).
 """
 
 from __future__ import annotations
@@ -94,6 +102,10 @@ class KernelModel(_Frozen):
     ring_step_s: float = Field(ge=0, le=1e-1, description="per ring-attention step: P2P post/wait and merge launch")
     nccl_compute_slowdown: float = Field(
         ge=0, le=1.0, description="compute slowdown while NCCL kernels run beside it (SM and HBM sharing)")
+    clock_factor: float | None = Field(
+        default=None, gt=0, le=1.5,
+        description=("sustained-clock factor of this GPU variant on compute-bound kernels, when a fit or a "
+                     "calibration sets it (None: the GPU spec's clock_factor, cost_models/data/gpus.yaml)"))
     fit: FitRecord | None = None
 
     def attention_params(self, family: str) -> AttentionParams:
@@ -171,15 +183,17 @@ def prior_kernel_model(gpu: str) -> KernelModel:
 
 @cache
 def kernel_model(gpu: str) -> KernelModel:
-    """The kernel model predictions use: the GPU's priors with the values fitted to published runs
-    (``cost_models/data/calibration/fitted.yaml``: parameters fitted for this GPU family and those
-    fitted for all GPUs), with the fit's record attached."""
+    """The kernel model predictions use: the GPU's priors with the values pinned by kernel-level
+    measurements (``cost_models/data/calibration/fitted.yaml`` ``kernels:``, per GPU family and for all
+    GPUs) and, where the system-level fit set one, the variant's clock factor (``variants:``), with the
+    kernel fit's record attached."""
     from .fitted import fitted_parameters
 
     prior = prior_kernel_model(gpu)
     fitted = fitted_parameters()
     family = kernel_family(gpu)
     values = {**fitted.kernels.get("all", {}), **fitted.kernels.get(family, {})}
+    values.update(fitted.variants.get(gpu, {}))
     if not values:
         return prior
     model = prior.with_values(values)

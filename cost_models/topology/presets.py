@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from ..errors import CostModelError
-from ..gpu_spec import get_gpu_preset
+from ..gpu_spec import canonical_gpu_name, get_gpu_preset
 from ..yaml_io import parse_mapping, read_small_text, safe_load, validated
 from .spec import MAX_GPUS_PER_NODE, MAX_NICS_PER_NODE, MAX_TOTAL_GPUS, FabricSpec, LinkCalibration, TopologySpec
 from .topology import Topology
@@ -33,6 +33,7 @@ NATURAL_NODE_PRESET: dict[str, str] = {
     "a800-80gb": "dgx-a800",
     "h100-80gb": "dgx-h100",
     "h100-96gb": "grand-teton-h100",
+    "h800": "dgx-h800",
     "h200": "dgx-h200",
     "b200": "dgx-b200",
     "l40s": "l40s-pcie",
@@ -219,7 +220,7 @@ def load_topology(preset_or_path: str | Path, num_gpus: int | None = None,
 def default_topology(gpu_name: str, num_gpus: int, gpus_per_node: int | None = None) -> Topology:
     """The natural machine for ``gpu_name`` (DGX/HGX for data-centre GPUs, a PCIe server for L40S),
     with enough nodes for ``num_gpus`` GPUs over the node's usual fabric."""
-    return _default_topology(gpu_name.strip().lower(), num_gpus, gpus_per_node)
+    return _default_topology(canonical_gpu_name(gpu_name), num_gpus, gpus_per_node)
 
 
 @cache

@@ -37,12 +37,14 @@ ROBUST_SCALE = 0.3
 class Parameter(BaseModel):
     """One fitted quantity: ``target`` is ``kernels.<dotted path>``, ``time.<StackTime field>`` or
     ``memory.<MemoryAssumptions field>``; ``family`` limits a kernel parameter to one GPU family (the
-    kernel file's name: h100, a100, l20, ...), ``stack`` a time/memory parameter to one stack."""
+    kernel file's name: h100, a100, l20, ...), ``gpu`` to one GPU variant (a gpus.yaml name: the
+    variant's ``clock_factor``), ``stack`` a time/memory parameter to one stack."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     target: str
     family: str | None = None
+    gpu: str | None = None
     stack: str | None = None
     prior: float
     lower: float
@@ -53,11 +55,13 @@ class Parameter(BaseModel):
 
     @property
     def name(self) -> str:
-        scope = self.family or self.stack
+        scope = self.family or self.gpu or self.stack
         return f"{self.target}@{scope}" if scope else self.target
 
     def applies_to(self, run: MeasuredRun) -> bool:
         if self.target.startswith("kernels."):
+            if self.gpu is not None:
+                return self.gpu == run_gpu(run)
             return self.family is None or self.family == kernel_family(run_gpu(run))
         return self.stack is None or self.stack == run.stack
 
@@ -215,17 +219,41 @@ def leave_one_source_out(runs: Sequence[MeasuredRun], params: Sequence[Parameter
                          sources: Iterable[str] | None = None,
                          progress: Callable[[str], None] | None = None) -> list[HeldOut]:
     """For each source: fit on every other source, predict this one."""
+    return leave_one_group_out(runs, params, lambda r: r.source, sources, progress)
+
+
+#: The held-out splits the accuracy report runs: what a prediction must generalise across.
+SPLITS: dict[str, Callable[[MeasuredRun], str]] = {
+    "source": lambda r: r.source,
+    "gpu-variant": lambda r: run_gpu(r),
+    "stack": lambda r: r.stack,
+}
+
+
+def leave_one_group_out(runs: Sequence[MeasuredRun], params: Sequence[Parameter],
+                        key: Callable[[MeasuredRun], str], groups: Iterable[str] | None = None,
+                        progress: Callable[[str], None] | None = None) -> list[HeldOut]:
+    """For each group (a source, a GPU variant, a stack): fit on the runs outside it, predict it. A
+    parameter only the held-out group constrains falls back to its prior, which is then what is tested."""
     runs = list(runs)
     out = []
-    for source in sources if sources is not None else sorted({r.source for r in runs}):
-        train = [r for r in runs if r.source != source]
-        test = [r for r in runs if r.source == source]
+    for group in groups if groups is not None else sorted({key(r) for r in runs}):
+        train = [r for r in runs if key(r) != group]
+        test = [r for r in runs if key(r) == group]
         if progress:
-            progress(source)
-        result = fit(train, params)
-        preds = predict_all(test, result.params, result.values)
-        out.append(HeldOut(source, result, {r.id: p for r, p in zip(test, preds)}))
+            progress(group)
+        result = fit(train, params) if train else fit_nothing(params)
+        # Every parameter at the fold's value or, where the fold could not fit it, at its prior (never at a
+        # shipped value that the held-out group itself helped fit).
+        values = {p.name: p.prior for p in params} | result.as_dict()
+        preds = predict_all(test, list(params), [values[p.name] for p in params])
+        out.append(HeldOut(group, result, {r.id: p for r, p in zip(test, preds)}))
     return out
+
+
+def fit_nothing(params: Sequence[Parameter]) -> FitResult:
+    """The priors, as a fit result (a fold with no training runs)."""
+    return FitResult(params=[], values=[], fitted_on=[], rms_log_residual=0.0, message="priors only")
 
 
 def kendall_tau(measured: Sequence[float], predicted: Sequence[float]) -> float:
@@ -238,6 +266,7 @@ def kendall_tau(measured: Sequence[float], predicted: Sequence[float]) -> float:
     return float(tau) if tau == tau else float("nan")
 
 
-__all__ = ["CONFIDENCE_WEIGHT", "FitResult", "HeldOut", "Parameter", "fit", "kendall_tau", "leave_one_source_out",
+__all__ = ["CONFIDENCE_WEIGHT", "FitResult", "HeldOut", "Parameter", "SPLITS", "fit", "fit_nothing", "kendall_tau",
+           "leave_one_group_out", "leave_one_source_out",
            "dependent_sources", "log_residuals",
            "overrides", "predict_all", "profile_for", "run_gpu"]

@@ -146,5 +146,77 @@ def render(results: Sequence[RunResult], *, other_stack: str | None = None) -> l
     return lines
 
 
+def step_time_error(run: MeasuredRun, error: float) -> float:
+    """A figure's error as a step-time error: rates (tokens/s, TFLOP/s, iterations/s) are inverse times."""
+    return error if run.metric in ("step_s", "layer_fwd_ms", "layer_bwd_ms") else 1.0 / (1.0 + error) - 1.0
+
+
+def render_splits(results: Sequence[RunResult], splits: dict[str, dict[str, dict[str, float]]]) -> list[str]:
+    """Held-out errors of the time figures under each split: leave one source out (the results' held-out
+    column), one GPU variant out, one stack out. Step time and tokens/s are reported separately (a
+    rate's error is not the time's), each with the issue's 15% target on exact-confidence figures."""
+    by_id = {r.run.id: r for r in results}
+    tables: dict[str, dict[str, dict[str, float]]] = {"source": {}}
+    for r in results:
+        if r.held_out_error is not None and r.run.kind in ("throughput", "attention_kernel", "layer_time"):
+            tables["source"].setdefault(r.run.source, {})[r.run.id] = r.held_out_error
+    tables.update(splits)
+    target = TARGETS["throughput"]
+    lines = [f"{'held-out split':<14} {'left out':<26} {'kind':<17}{'n':>4}{'|tok/s err|':>12}{'|step err|':>11}"
+             f"   step time within {target:.0%} (exact)"]
+    for split, table in tables.items():
+        for group in sorted(table):
+            errs = table[group]
+            for kind in ("throughput", "attention_kernel", "layer_time"):
+                rows = [(by_id[i], e) for i, e in errs.items() if i in by_id and by_id[i].run.kind == kind]
+                if not rows:
+                    continue
+                rate = [abs(e) for r, e in rows if r.run.metric not in ("step_s", "layer_fwd_ms", "layer_bwd_ms")]
+                step = [step_time_error(r.run, e) for r, e in rows]
+                exact = [s for (r, _), s in zip(rows, step) if r.run.confidence == "exact"]
+                within = f"{sum(abs(s) <= target for s in exact)}/{len(exact)}" if exact else "-"
+                rate_s = f"{sum(rate) / len(rate):>12.1%}" if rate else f"{'-':>12}"
+                lines.append(f"{split:<14} {group[:26]:<26} {kind:<17}{len(rows):>4}{rate_s}"
+                             f"{sum(abs(s) for s in step) / len(step):>11.1%}   {within}")
+    lines.append("")
+    lines.append(f"{'split':<14}{'time figures':>13}{'mean |step err|':>17}   step time within {target:.0%}, exact")
+    for split, table in tables.items():
+        rows = [(by_id[i], e) for errs in table.values() for i, e in errs.items() if i in by_id]
+        rows = [(r, e) for r, e in rows if r.run.kind == "throughput"]
+        if not rows:
+            continue
+        step = [step_time_error(r.run, e) for r, e in rows]
+        exact = [s for (r, _), s in zip(rows, step) if r.run.confidence == "exact"]
+        lines.append(f"{split:<14}{len(rows):>13}{sum(abs(s) for s in step) / len(step):>17.1%}   "
+                     f"{sum(abs(s) <= target for s in exact)}/{len(exact)} throughput figures")
+    return lines
+
+
+def render_kernels(figures: Sequence, record) -> list[str]:
+    """Kernel-level accuracy: each published kernel curve predicted by the shipped (kernel-pinned) model,
+    in sample and by a kernel fit that left the curve's source out."""
+    from cost_models.gpu_spec import get_gpu_preset
+    from cost_models.kernels import kernel_model
+
+    curves: dict[str, list[tuple[float, float | None]]] = {}
+    held = {k: v for errs in record.held_out.values() for k, v in errs.items()}
+    for f in figures:
+        err = f.predict(kernel_model(f.gpu), get_gpu_preset(f.gpu)) / f.value - 1
+        curve = f.id.rsplit(" ", 1)[0]
+        curves.setdefault(curve, []).append((err, held.get(f.id)))
+    lines = [f"{'kernel-level curve (source: gpu kernel pass mask head_dim)':<72}{'n':>4}{'mean |err|':>11}"
+             f"{'max err':>9}{'held-out':>10}"]
+    for curve, errs in curves.items():
+        ins = [e for e, _ in errs]
+        ho = [abs(h) for _, h in errs if h is not None]
+        lines.append(f"{curve[:72]:<72}{len(errs):>4}{sum(abs(e) for e in ins) / len(ins):>11.1%}"
+                     f"{max(ins, key=abs):>+9.1%}" + (f"{sum(ho) / len(ho):>10.1%}" if ho else f"{'-':>10}"))
+    all_ins = [abs(e) for errs in curves.values() for e, _ in errs]
+    all_ho = [abs(h) for errs in curves.values() for _, h in errs if h is not None]
+    lines.append(f"{'all kernel figures':<72}{len(all_ins):>4}{sum(all_ins) / len(all_ins):>11.1%}{'':>9}"
+                 + (f"{sum(all_ho) / len(all_ho):>10.1%}" if all_ho else ""))
+    return lines
+
+
 __all__ = ["KindSummary", "RunResult", "TAU_TARGET", "TARGETS", "TableOrder", "errors_of", "evaluate", "render",
-           "summarise", "table_orders"]
+           "render_kernels", "render_splits", "step_time_error", "summarise", "table_orders"]
