@@ -31,11 +31,12 @@ from dataclasses import dataclass
 
 from .errors import CostModelError
 from .flops import FLASH_BACKWARD_RATIO, MATERIALIZED_FORWARD_PASSES, microbatch_work
-from .kernels import AttentionParams, GemmParams, attention_seconds, gemm_seconds
+from .kernels import AttentionParams, GemmParams, attention_seconds, gemm_seconds, kernel_family
 from .layout import Layout
 from .memo import Memo
 from .model_spec import ModelSpec
 from .profile import CostProfile
+from .stack import attention_kernel_for
 from .topology.topology import Topology
 from .train_spec import TrainSpec
 
@@ -79,7 +80,8 @@ class Fractions:
 def fractions(topology: Topology, profile: CostProfile) -> Fractions:
     c = topology.spec.calibration.compute
     k = profile.kernels
-    family = profile.stack.time.attention_kernel
+    gpu = topology.gpu.name
+    family = attention_kernel_for(profile.stack.time, gpu, kernel_family(gpu))
     attention = k.attention_params(family)
     name = family if family in k.attention else "fa2"
 
@@ -100,7 +102,8 @@ def fractions(topology: Topology, profile: CostProfile) -> Fractions:
 
 #: TrainSpec fields compute time depends on (flops.WORK_FIELDS plus the ones only time reads).
 COMPUTE_FIELDS = ("mode", "micro_batch", "seq_len", "dtype", "attention_kernel", "tp_sequence_parallel",
-                  "checkpointing", "tiled_mlp", "tiled_loss", "document_length", "fp8_linears", "compiled")
+                  "checkpointing", "tiled_mlp", "tiled_loss", "document_length", "fp8_linears", "compiled",
+                  "offload_checkpoints")
 
 _COMPUTE: Memo[ComputeTime] = Memo()
 
@@ -250,6 +253,8 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
         return ComputeTime(layer_f, 0.0, 0.0, attn_f, 0.0, step_f, 0.0, head_f, 0.0, _report(fr))
 
     ckpt = train.checkpointing
+    if train.offload_checkpoints and not stack.checkpoint_offload_recomputes:
+        ckpt = "none"  # every saved activation goes to the host and comes back: nothing is recomputed
     recompute = 0.0
     if ckpt == "full":
         recompute = layer_f

@@ -55,6 +55,27 @@ class StackTime(BaseModel):
             "has no entry for it)."
         ),
     )
+    attention_kernel_by_gpu: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=32,
+        description=(
+            "Where the stack runs another attention kernel on some GPUs: GPU variant (gpus.yaml name) or "
+            "kernel family (kernel file name: h100, b200, ...) -> kernel family ('fa2', 'fa3', 'cudnn'); a "
+            "variant's entry wins over its family's, and GPUs not listed run ``attention_kernel``. E.g. "
+            "torch SDPA's fixed priority puts its FlashAttention-2-based flash backend first on Hopper, while "
+            "torchtitan selects the cuDNN backend on Blackwell."
+        ),
+    )
+    checkpoint_offload_recomputes: bool = Field(
+        default=True,
+        description=(
+            "With checkpointed activations offloaded to the host (TrainSpec.offload_checkpoints): True when "
+            "the stack offloads the checkpoints and still recomputes each layer in backward (ALST's "
+            "CheckpointFunctionWithCPUOffload, sp-plan's runtime); False when it keeps every saved activation "
+            "and moves it to the host instead of recomputing (torch.autograd.graph.save_on_cpu, Accelerate's "
+            "activation offloading): no recompute, but all saved activations cross PCIe."
+        ),
+    )
     layer_overhead_s: float = Field(
         default=0.0,
         ge=0,
@@ -147,6 +168,12 @@ class StackTime(BaseModel):
     )
 
 
+def attention_kernel_for(time: StackTime, gpu: str, family: str) -> str:
+    """The attention kernel family a stack runs on a GPU variant of a kernel family."""
+    by_gpu = time.attention_kernel_by_gpu
+    return by_gpu.get(gpu) or by_gpu.get(family) or time.attention_kernel
+
+
 class StackProfile(BaseModel):
     """A named, documented set of memory assumptions and time properties of one training stack."""
 
@@ -218,4 +245,4 @@ def load_stack(ref: str | Path | None = None) -> StackProfile:
     raise CostModelError(f"unknown stack {key!r}: choose one of {', '.join(stack_names())} or give a YAML file")
 
 
-__all__ = ["DEFAULT_STACK", "StackProfile", "StackTime", "load_stack", "parse_stack", "prior_stack", "stack_names"]
+__all__ = ["DEFAULT_STACK", "StackProfile", "StackTime", "attention_kernel_for", "load_stack", "parse_stack", "prior_stack", "stack_names"]

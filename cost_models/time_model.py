@@ -119,6 +119,22 @@ class OffloadTraffic(BaseModel):
         return cls(optimizer_bytes=optimizer, param_bytes=param, checkpoint_bytes=checkpoint)
 
 
+def saved_activation_bytes(model: ModelSpec, train: TrainSpec, layout: Layout) -> float:
+    """Bytes per GPU and micro-batch that autograd saves for backward in all layers without checkpointing,
+    with a flash attention kernel: per token and layer the two norm inputs and outputs (4h), q/k/v and the
+    attention output (2q + 2kv, the LSE aside) and the MLP's gate, activation, up and product (4f for
+    SwiGLU, 2f for GELU), TP-local widths; Korthikanti et al. 2022 count 34h bytes for a GPT layer on the
+    same basis. What a save_on_cpu-style offload moves to the host and back (the memory model owns the
+    device-side accounting)."""
+    tp = layout.tp
+    tokens = train.micro_batch * train.seq_len / (layout.ulysses * layout.ring)
+    q = model.q_size / tp
+    kv = model.num_kv_heads * model.kv_replication(tp) / tp * model.head_dim
+    f = model.ffn_hidden_size / tp * (4 if model.activation == "swiglu" else 2)
+    h = model.hidden_size / (tp if (tp > 1 and train.tp_sequence_parallel) else 1)
+    return model.num_layers * tokens * (4 * h + 2 * q + 2 * kv + f) * train.dtype_bytes
+
+
 class TimeEstimate(BaseModel):
     """One optimizer step (prefill: one forward pass), in seconds unless named otherwise."""
 
@@ -298,9 +314,14 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
             grads_down = cpu_params * d / pcie
             offload_s += cpu_params * d / pcie  # updated weights back to the GPU
             offload_s += max(0.0, grads_down - layers * c_bwd)  # gradient copies hide behind backward
-    if offload.param_bytes or offload.checkpoint_bytes:
-        fwd_pcie = (offload.param_bytes + offload.checkpoint_bytes) / pcie
-        bwd_pcie = ((2 * offload.param_bytes if training else 0.0) + offload.checkpoint_bytes) / pcie
+    checkpoint_bytes = offload.checkpoint_bytes
+    if (training and train.offload_checkpoints and train.checkpointing != "none"
+            and not profile.stack.time.checkpoint_offload_recomputes):
+        # save_on_cpu-style offload: every saved activation crosses PCIe (and nothing is recomputed).
+        checkpoint_bytes = max(checkpoint_bytes, saved_activation_bytes(model, train, layout))
+    if offload.param_bytes or checkpoint_bytes:
+        fwd_pcie = (offload.param_bytes + checkpoint_bytes) / pcie
+        bwd_pcie = ((2 * offload.param_bytes if training else 0.0) + checkpoint_bytes) / pcie
         per_mb = max(0.0, fwd_pcie - layers * c_fwd)
         if training:
             per_mb += max(0.0, bwd_pcie - layers * c_bwd)
@@ -513,6 +534,7 @@ def _split(exposed: dict[str, float], seconds: float, weights: dict[str, float])
 
 
 __all__ = [
+    "saved_activation_bytes",
     "CommTime",
     "OffloadTraffic",
     "attention_forward_seconds",

@@ -169,3 +169,43 @@ def test_kernel_files_keep_their_priors():
     assert prior_kernel_model("h100-80gb").attention_params("fa2").backward_fraction == pytest.approx(0.30)
     assert kernel_model("h100-80gb").fit is not None
     assert "ring-flash-attn-readme" in kernel_model("h100-80gb").fit.sources
+
+
+# ----- what each stack runs -------------------------------------------------------------------------
+
+
+def test_stacks_record_their_attention_kernel_per_gpu():
+    from cost_models.compute_time import compute_time
+    from cost_models.profile import resolve_profile
+    from cost_models.stack import attention_kernel_for, load_stack
+
+    titan = load_stack("torchtitan").time
+    assert attention_kernel_for(titan, "h100-80gb", "h100") == "fa2"
+    assert attention_kernel_for(titan, "b200", "b200") == "cudnn"
+    assert attention_kernel_for(load_stack("hf-fsdp2").time, "h100-80gb", "h100") == "fa2"
+    train = TrainSpec(seq_len=131072, checkpointing="full", zero_stage=3)
+    topo = default_topology("b200", 8)
+    ct = compute_time(LLAMA8, train, Layout(ring=8), topo, resolve_profile("b200", "torchtitan"))
+    assert ct.fractions["attention_forward"] == kernel_model("b200").attention_params("cudnn").forward_fraction
+
+
+def test_save_on_cpu_offload_skips_recompute_and_moves_every_activation():
+    """hf-fsdp2 offloads saved activations instead of recomputing; hf-deepspeed (ALST) offloads the
+    checkpoints and recomputes. Same layout and options, different time."""
+    from cost_models.profile import resolve_profile
+    from cost_models.time_model import saved_activation_bytes
+
+    topo = default_topology("h100-80gb", 8)
+    train = TrainSpec(seq_len=262144, checkpointing="full", zero_stage=3, offload_checkpoints=True)
+    fsdp2 = time_estimate(LLAMA8, train, Layout(ring=8), topo, profile=resolve_profile("h100-80gb", "hf-fsdp2"))
+    recompute_stack = resolve_profile("h100-80gb", "hf-fsdp2").stack.with_overrides(
+        time={"checkpoint_offload_recomputes": True})
+    from cost_models.profile import CostProfile
+
+    recomputing = time_estimate(LLAMA8, train, Layout(ring=8), topo,
+                                profile=CostProfile(recompute_stack, kernel_model("h100-80gb")))
+    assert fsdp2.breakdown["layer_recompute_s"] == 0.0 < recomputing.breakdown["layer_recompute_s"]
+    assert fsdp2.compute_s < recomputing.compute_s * 0.85
+    # All saved activations: ~41 h bytes per token and layer for Llama-3-8B (Korthikanti's GPT: 34 h).
+    per_token_layer = saved_activation_bytes(LLAMA8, train, Layout(ring=8)) / (32 * 262144 / 8)
+    assert 30 * 4096 < per_token_layer < 50 * 4096
