@@ -87,6 +87,16 @@ SOURCES: dict[str, SourceSetup] = {
         {"selective_policy": "attention_core_recompute"},
         "DGX A100 (Selene); micro-batch 4 (the paper's 22B configuration); Megatron's fused softmax, no flash",
     ),
+    "nemo-long-sequence": SourceSetup(
+        "dgx-h100", "megatron-core",
+        {"zero_stage": 1, "checkpointing": "none", "micro_batch": 1, "fp8_linears": True,
+         "tp_sequence_parallel": True},
+        {},
+        "DGX-B200 (LLAMA3-8B) / DGX-H100 (LLAMA2-7B); Megatron-Core + Transformer Engine: FP8 linears, TP with "
+        "sequence parallelism, CP = ring (P2P, load-balanced), distributed optimizer (ZeRO-1 over DP x CP), "
+        "micro-batch 1 and gradient accumulation to the 4M-token global batch, no activation recompute (not "
+        "stated; Megatron's default); TFLOP/s in NeMo's llama formula",
+    ),
     "ulysses-paper-figures": SourceSetup(
         "dgx-a100", "hf-deepspeed", {"micro_batch": 1}, {},
         "8 DGX-A100 nodes (IB HDR); Megatron-DeepSpeed GPT; TFLOP/s by Megatron-DeepSpeed's formula",
@@ -286,6 +296,11 @@ def published_runs() -> tuple[list[MeasuredRun], list[Skipped]]:
         if "micro_batch" in entry:
             extra["micro_batch"] = entry["micro_batch"]
         convention = "megatron_deepspeed" if source == "ulysses-paper-figures" else "model"
+        topology = None
+        if source == "nemo-long-sequence":
+            extra = {"grad_accum": max(1, entry["global_batch"] // entry["dp_shard"])}
+            convention = "nemo_llama"
+            topology = "dgx-b200" if entry["system"] == "b200" else "dgx-h100"
         table = f"{source}: {_model(entry['model']).name}"
         if "points" in entry:
             for seq, value in entry["points"].items():
@@ -295,7 +310,7 @@ def published_runs() -> tuple[list[MeasuredRun], list[Skipped]]:
         else:
             runs.append(_run(_describe(entry, entry["seq_len"]) + f" [{entry['metric']}]", entry, entry["metric"],
                              entry["value"], seq_len=entry["seq_len"], group=table,
-                             extra_train=extra, flop_convention=convention))
+                             extra_train=extra, flop_convention=convention, topology=topology))
 
     for entry in data.get("kernel", []):
         source = entry["source"]

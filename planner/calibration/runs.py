@@ -47,7 +47,7 @@ METRICS: dict[str, tuple[Kind, str]] = {
 }
 
 #: FLOP conventions of published TFLOP/s figures.
-FlopConvention = Literal["model", "megatron_deepspeed"]
+FlopConvention = Literal["model", "megatron_deepspeed", "nemo_llama"]
 
 
 class MeasuredRun(BaseModel):
@@ -108,6 +108,16 @@ def megatron_deepspeed_flops(model: ModelSpec, train: TrainSpec, sequences: int)
     return 24 * c * sequences * s * layers * h * h * (1 + s / (6 * h) + model.vocab_size / (16 * layers * h))
 
 
+def nemo_llama_flops(model: ModelSpec, train: TrainSpec, sequences: int) -> float:
+    """FLOPs per iteration as NeMo's llama2/llama3 formula counts them (nemo/utils/flops_formulas.py):
+    gbs s L h^2 (12 + 12 g/a + 18 f/h + 12 s/h + 6 V/(L h)): forward + backward of every GEMM, the full
+    s x s attention (no causal halving), no recompute."""
+    h, s, layers = model.hidden_size, train.seq_len, model.num_layers
+    return sequences * s * layers * h * h * (
+        12 + 12 * model.num_kv_heads / model.num_heads + 18 * model.ffn_hidden_size / h + 12 * s / h
+        + 6 * model.vocab_size / (layers * h))
+
+
 def predict(run: MeasuredRun, profile: CostProfile) -> float:
     """The cost model's value of ``run.metric`` for ``run`` under ``profile`` (same units as the figure)."""
     kind = run.kind
@@ -134,9 +144,11 @@ def predict(run: MeasuredRun, profile: CostProfile) -> float:
     if run.metric == "step_s":
         return t.step_s
     if run.metric == "tflops_per_gpu":
+        sequences = run.train.micro_batch * run.train.grad_accum * run.layout.dp
         if run.flop_convention == "megatron_deepspeed":
-            sequences = run.train.micro_batch * run.train.grad_accum * run.layout.dp
             flops = megatron_deepspeed_flops(run.model, run.train, sequences)
+        elif run.flop_convention == "nemo_llama":
+            flops = nemo_llama_flops(run.model, run.train, sequences)
         else:
             flops = t.model_flops_per_step
         return flops / t.step_s / run.layout.world / 1e12
@@ -179,5 +191,6 @@ def log_ratio(predicted: float, measured: float) -> float:
     return math.log(max(predicted, 1e-30) / measured)
 
 
-__all__ = ["METRICS", "MeasuredRun", "log_ratio", "max_seq_len", "megatron_deepspeed_flops", "predict",
+__all__ = ["METRICS", "MeasuredRun", "log_ratio", "max_seq_len", "megatron_deepspeed_flops", "nemo_llama_flops",
+           "predict",
            "run_topology"]
