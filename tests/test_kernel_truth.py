@@ -209,3 +209,18 @@ def test_save_on_cpu_offload_skips_recompute_and_moves_every_activation():
     # All saved activations: ~41 h bytes per token and layer for Llama-3-8B (Korthikanti's GPT: 34 h).
     per_token_layer = saved_activation_bytes(LLAMA8, train, Layout(ring=8)) / (32 * 262144 / 8)
     assert 30 * 4096 < per_token_layer < 50 * 4096
+
+
+def test_nccl_tests_bus_bandwidth_against_the_collective_model():
+    """nccl-tests on 8 x H100 NVLink4: ~370 GB/s bus bandwidth for ring all-reduce, all-gather and
+    all-to-all; the collective model on the dgx-h100 preset is within 5%. NVLS all-reduce (480 GB/s) is
+    not modelled and shows as a -25% miss."""
+    from planner.calibration.kernel_fit import collective_checks
+
+    checks = collective_checks()
+    ring = [c for c in checks if "NVLS" not in c.id]
+    assert len(ring) == 3
+    for c in ring:
+        assert abs(c.predicted_gbps / c.measured_gbps - 1) < 0.05, c.id
+    nvls = [c for c in checks if "NVLS" in c.id]
+    assert nvls and nvls[0].predicted_gbps < 0.8 * nvls[0].measured_gbps

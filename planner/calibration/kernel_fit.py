@@ -297,9 +297,50 @@ def leave_one_kernel_source_out(figures: Sequence[KernelFigure] | None = None,
     return out
 
 
+@dataclass(frozen=True)
+class CollectiveCheck:
+    """One nccl-tests bus bandwidth against the collective model on the GPU's natural node (not fitted:
+    link efficiencies are the topology presets' calibration)."""
+
+    id: str
+    measured_gbps: float
+    predicted_gbps: float
+    note: str = ""
+
+
+#: nccl-tests op text -> the cost model's collectives it names (ring algorithms; NVLS is not modelled).
+_NCCL_OPS = {"all-to-all / all-gather / ring all-reduce": ("all_to_all", "all_gather", "all_reduce"),
+             "all-reduce (NVLS)": ("all_reduce",)}
+#: Message size of the check: large enough to be bandwidth-bound (nccl-tests' plateau).
+NCCL_CHECK_BYTES = float(1 << 30)
+
+
+def collective_checks(data: dict[str, Any] | None = None) -> list[CollectiveCheck]:
+    """Intra-node nccl-tests bus bandwidths (busbw = bytes sent per GPU / time, nccl-tests' definition for
+    ring all-reduce, all-gather and all-to-all) vs the model's on the GPU's natural node."""
+    from cost_models.collectives import collective_cost
+    from cost_models.layout import Layout
+    from cost_models.placement import group_spans
+    from cost_models.topology import default_topology
+
+    data = kernel_data() if data is None else data
+    out = []
+    for e in data.get("collectives", []):
+        ops = _NCCL_OPS.get(e.get("op", ""))
+        if not ops or "gpu" not in e or "gpus" not in e:
+            continue  # inter-node entries: the NIC count and node count of the measurement are not stated
+        topo = default_topology(e["gpu"], e["gpus"])
+        span = group_spans(Layout(ulysses=e["gpus"]), topo)["ulysses"]
+        for op in ops:
+            cost = collective_cost(op, NCCL_CHECK_BYTES, span)
+            out.append(CollectiveCheck(f"{e['source']}: {e['gpu']} {e['gpus']} GPUs {op} ({e['op']})",
+                                       float(e["busbw_GBps"]), cost.bytes_sent / cost.time_s / 1e9, e.get("note", "")))
+    return out
+
+
 #: Kernel-model paths that are kernel efficiencies or shape constants: only the kernel fit may set them.
 KERNEL_TRUTH_PREFIXES = ("gemm.", "attention.", "memory_fraction", "sms")
 
-__all__ = ["CONFIDENCE_WEIGHT", "KERNEL_TRUTH_PREFIXES", "KernelFigure", "KernelFitResult", "KernelParameter",
+__all__ = ["CONFIDENCE_WEIGHT", "KERNEL_TRUTH_PREFIXES", "CollectiveCheck", "KernelFigure", "collective_checks", "KernelFitResult", "KernelParameter",
            "fit_kernels", "kernel_data", "kernel_figures", "kernel_fit_parameters", "leave_one_kernel_source_out",
            "predict_figures"]

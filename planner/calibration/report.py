@@ -211,6 +211,11 @@ def render_kernels(figures: Sequence, record) -> list[str]:
         ho = [abs(h) for _, h in errs if h is not None]
         lines.append(f"{curve[:72]:<72}{len(errs):>4}{sum(abs(e) for e in ins) / len(ins):>11.1%}"
                      f"{max(ins, key=abs):>+9.1%}" + (f"{sum(ho) / len(ho):>10.1%}" if ho else f"{'-':>10}"))
+    from .kernel_fit import collective_checks
+
+    for c in collective_checks():
+        lines.append(f"{c.id[:72]:<72}{1:>4}{abs(c.predicted_gbps / c.measured_gbps - 1):>11.1%}"
+                     f"{c.predicted_gbps / c.measured_gbps - 1:>+9.1%}{'(busbw)':>10}")
     all_ins = [abs(e) for errs in curves.values() for e, _ in errs]
     all_ho = [abs(h) for errs in curves.values() for _, h in errs if h is not None]
     lines.append(f"{'all kernel figures':<72}{len(all_ins):>4}{sum(all_ins) / len(all_ins):>11.1%}{'':>9}"
