@@ -38,15 +38,30 @@ import yaml  # noqa: E402
 from cost_models.atomic_io import atomic_write_text  # noqa: E402
 from cost_models.fitted import FittedParameters, KernelFitRecord, clear_cache, fitted_parameters, use  # noqa: E402
 from planner.calibration.fit import (  # noqa: E402
-    SPLITS, FitResult, Parameter, fit, leave_one_group_out, profile_for,
+    SPLITS,
+    FitResult,
+    Parameter,
+    fit,
+    leave_one_group_out,
+    profile_for,
 )
+from planner.calibration.kernel_fit import METHOD as KERNEL_METHOD  # noqa: E402
 from planner.calibration.kernel_fit import (  # noqa: E402
-    METHOD as KERNEL_METHOD, KernelFitResult, fit_kernels, kernel_figures, leave_one_kernel_source_out,
+    KernelFitResult,
+    fit_kernels,
+    kernel_figures,
+    leave_one_kernel_source_out,
 )
 from planner.calibration.parameters import SHIPPED_MIN_SOURCES, TIME_KINDS, published_fit_parameters  # noqa: E402
 from planner.calibration.published import published_runs  # noqa: E402
 from planner.calibration.report import (  # noqa: E402
-    errors_of, evaluate, render, render_kernels, render_splits, summarise, table_orders,
+    errors_of,
+    evaluate,
+    render,
+    render_kernels,
+    render_splits,
+    summarise,
+    table_orders,
 )
 from planner.calibration.runs import MeasuredRun, predict  # noqa: E402
 

@@ -341,6 +341,18 @@ def collective_checks(data: dict[str, Any] | None = None) -> list[CollectiveChec
 #: Kernel-model paths that are kernel efficiencies or shape constants: only the kernel fit may set them.
 KERNEL_TRUTH_PREFIXES = ("gemm.", "attention.", "memory_fraction", "sms")
 
-__all__ = ["CONFIDENCE_WEIGHT", "KERNEL_TRUTH_PREFIXES", "CollectiveCheck", "KernelFigure", "collective_checks", "KernelFitResult", "KernelParameter",
-           "fit_kernels", "kernel_data", "kernel_figures", "kernel_fit_parameters", "leave_one_kernel_source_out",
-           "predict_figures"]
+__all__ = [
+    "CONFIDENCE_WEIGHT",
+    "KERNEL_TRUTH_PREFIXES",
+    "CollectiveCheck",
+    "KernelFigure",
+    "KernelFitResult",
+    "KernelParameter",
+    "collective_checks",
+    "fit_kernels",
+    "kernel_data",
+    "kernel_figures",
+    "kernel_fit_parameters",
+    "leave_one_kernel_source_out",
+    "predict_figures",
+]

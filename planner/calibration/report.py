@@ -162,8 +162,8 @@ def render_splits(results: Sequence[RunResult], splits: dict[str, dict[str, dict
             tables["source"].setdefault(r.run.source, {})[r.run.id] = r.held_out_error
     tables.update(splits)
     target = TARGETS["throughput"]
-    lines = [f"{'held-out split':<14} {'left out':<26} {'kind':<17}{'n':>4}{'|tok/s err|':>12}{'|step err|':>11}"
-             f"   step time within {target:.0%} (exact)"]
+    lines = [(f"{'held-out split':<14} {'left out':<26} {'kind':<17}{'n':>4}{'|tok/s err|':>12}{'|step err|':>11}"
+              f"   step time within {target:.0%} (exact)")]
     for split, table in tables.items():
         for group in sorted(table):
             errs = table[group]
@@ -177,7 +177,7 @@ def render_splits(results: Sequence[RunResult], splits: dict[str, dict[str, dict
                 within = f"{sum(abs(s) <= target for s in exact)}/{len(exact)}" if exact else "-"
                 rate_s = f"{sum(rate) / len(rate):>12.1%}" if rate else f"{'-':>12}"
                 lines.append(f"{split:<14} {group[:26]:<26} {kind:<17}{len(rows):>4}{rate_s}"
-                             f"{sum(abs(s) for s in step) / len(step):>11.1%}   {within}")
+                             + f"{sum(abs(s) for s in step) / len(step):>11.1%}   {within}")
     lines.append("")
     lines.append(f"{'split':<14}{'time figures':>13}{'mean |step err|':>17}   step time within {target:.0%}, exact")
     for split, table in tables.items():
@@ -204,8 +204,8 @@ def render_kernels(figures: Sequence, record) -> list[str]:
         err = f.predict(kernel_model(f.gpu), get_gpu_preset(f.gpu)) / f.value - 1
         curve = f.id.rsplit(" ", 1)[0]
         curves.setdefault(curve, []).append((err, held.get(f.id)))
-    lines = [f"{'kernel-level curve (source: gpu kernel pass mask head_dim)':<72}{'n':>4}{'mean |err|':>11}"
-             f"{'max err':>9}{'held-out':>10}"]
+    lines = [(f"{'kernel-level curve (source: gpu kernel pass mask head_dim)':<72}{'n':>4}{'mean |err|':>11}"
+              f"{'max err':>9}{'held-out':>10}")]
     for curve, errs in curves.items():
         ins = [e for e, _ in errs]
         ho = [abs(h) for _, h in errs if h is not None]
@@ -214,8 +214,8 @@ def render_kernels(figures: Sequence, record) -> list[str]:
     from .kernel_fit import collective_checks
 
     for c in collective_checks():
-        lines.append(f"{c.id[:72]:<72}{1:>4}{abs(c.predicted_gbps / c.measured_gbps - 1):>11.1%}"
-                     f"{c.predicted_gbps / c.measured_gbps - 1:>+9.1%}{'(busbw)':>10}")
+        err = c.predicted_gbps / c.measured_gbps - 1
+        lines.append(f"{c.id[:72]:<72}{1:>4}{abs(err):>11.1%}{err:>+9.1%}{'(busbw)':>10}")
     all_ins = [abs(e) for errs in curves.values() for e, _ in errs]
     all_ho = [abs(h) for errs in curves.values() for _, h in errs if h is not None]
     lines.append(f"{'all kernel figures':<72}{len(all_ins):>4}{sum(all_ins) / len(all_ins):>11.1%}{'':>9}"
@@ -223,5 +223,18 @@ def render_kernels(figures: Sequence, record) -> list[str]:
     return lines
 
 
-__all__ = ["KindSummary", "RunResult", "TAU_TARGET", "TARGETS", "TableOrder", "errors_of", "evaluate", "render",
-           "render_kernels", "render_splits", "step_time_error", "summarise", "table_orders"]
+__all__ = [
+    "TARGETS",
+    "TAU_TARGET",
+    "KindSummary",
+    "RunResult",
+    "TableOrder",
+    "errors_of",
+    "evaluate",
+    "render",
+    "render_kernels",
+    "render_splits",
+    "step_time_error",
+    "summarise",
+    "table_orders",
+]
