@@ -102,8 +102,7 @@ def fractions(topology: Topology, profile: CostProfile) -> Fractions:
 
 #: TrainSpec fields compute time depends on (flops.WORK_FIELDS plus the ones only time reads).
 COMPUTE_FIELDS = ("mode", "micro_batch", "seq_len", "dtype", "attention_kernel", "tp_sequence_parallel",
-                  "checkpointing", "tiled_mlp", "tiled_loss", "document_length", "fp8_linears", "compiled",
-                  "offload_checkpoints")
+                  "checkpointing", "tiled_mlp", "tiled_loss", "document_length", "fp8_linears", "compiled")
 
 _COMPUTE: Memo[ComputeTime] = Memo()
 
@@ -111,7 +110,10 @@ _COMPUTE: Memo[ComputeTime] = Memo()
 def compute_time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
                  profile: CostProfile) -> ComputeTime:
     """Per-layer and output-layer compute seconds of one micro-batch (memoized on what they read)."""
-    key = (model, layout.tp, layout.ulysses, layout.ring, topology, profile,
+    # Checkpoint offload changes compute only where the stack offloads instead of recomputing: keying on
+    # that (not on the flag) keeps one entry for both values of the planner's offload axis elsewhere.
+    no_recompute = train.offload_checkpoints and not profile.stack.time.checkpoint_offload_recomputes
+    key = (model, layout.tp, layout.ulysses, layout.ring, topology, profile, no_recompute,
            *(getattr(train, f) for f in COMPUTE_FIELDS))
     return _COMPUTE.get(key, lambda: _compute(model, train, layout, topology, profile))
 

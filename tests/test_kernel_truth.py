@@ -224,3 +224,18 @@ def test_nccl_tests_bus_bandwidth_against_the_collective_model():
         assert abs(c.predicted_gbps / c.measured_gbps - 1) < 0.05, c.id
     nvls = [c for c in checks if "NVLS" in c.id]
     assert nvls and nvls[0].predicted_gbps < 0.8 * nvls[0].measured_gbps
+
+
+def test_compute_memo_keys_on_offload_only_where_it_changes_compute():
+    from cost_models.compute_time import compute_time
+    from cost_models.profile import resolve_profile
+
+    topo = default_topology("h100-80gb", 8)
+    base = TrainSpec(seq_len=65536, checkpointing="full", zero_stage=3)
+    off = base.model_copy(update={"offload_checkpoints": True})
+    fsdp2 = resolve_profile("h100-80gb", "hf-fsdp2")
+    assert compute_time(LLAMA8, off, Layout(ring=8), topo, fsdp2).layer_recompute == 0.0
+    assert compute_time(LLAMA8, base, Layout(ring=8), topo, fsdp2).layer_recompute > 0.0
+    alst = resolve_profile("h100-80gb", "hf-deepspeed")
+    assert (compute_time(LLAMA8, off, Layout(ring=8), topo, alst)
+            is compute_time(LLAMA8, base, Layout(ring=8), topo, alst))  # one memo entry
