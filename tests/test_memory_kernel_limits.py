@@ -6,6 +6,8 @@ int32 in its RMSNorm and RoPE kernels, so the last row of a per-GPU slice must s
 """
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cost_models.estimate import estimate
 from cost_models.layout import Layout
@@ -101,3 +103,19 @@ def test_alst_qwen3_lengths_are_the_int32_bound(run):
     per_gpu = 262_144 * run.layout.world
     assert per_gpu - 1024 < n <= per_gpu
     assert n >= run.value
+
+
+@settings(max_examples=30, deadline=None)
+@given(tiled_mlp=st.booleans(), tiled_loss=st.booleans(), checkpointing=st.sampled_from(["selective", "full"]),
+       offload_checkpoints=st.booleans(), zero_stage=st.sampled_from([1, 2, 3]),
+       tokens_per_gpu=st.sampled_from([524_287, 524_288, 524_289]))
+def test_the_bound_depends_on_the_slice_not_on_memory_options(tiled_mlp, tiled_loss, checkpointing,
+                                                              offload_checkpoints, zero_stage, tokens_per_gpu):
+    """The planner prunes on it like on device memory: no memory option may change it (monotone lattice)."""
+    profile = resolve_profile("h100-80gb", "hf-deepspeed")
+    train = TrainSpec(seq_len=8 * tokens_per_gpu, mode="train", zero_stage=zero_stage, checkpointing=checkpointing,
+                      tiled_mlp=tiled_mlp, tiled_loss=tiled_loss,
+                      offload_checkpoints=offload_checkpoints and checkpointing != "none", micro_batch=1)
+    core = memory_core(get_model_preset("llama3-8b"), train, Layout.for_world(8, ulysses=8), profile.memory)
+    assert core.row_kernel_offset == (tokens_per_gpu - 1) * 4096
+    assert core.within_kernel_limits == (tokens_per_gpu <= 524_288)
