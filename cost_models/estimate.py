@@ -52,6 +52,8 @@ class Estimate(BaseModel):
     host_memory: HostMemory
     #: Device memory fits (``memory.total <= memory.capacity``) and offloaded state fits in host RAM.
     fits: bool
+    #: The device side: memory within capacity and the slice within the stack's kernels' reach
+    #: (``detail.row_kernel_offset``, docs/memory_model.md section 15).
     device_fits: bool
     host_fits: bool
     detail: EstimateDetail

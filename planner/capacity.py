@@ -49,16 +49,32 @@ class FeasibilityProbe(BaseModel):
     host_capacity_bytes: float | None = None
     #: The host bound is ``--max-offload-gb`` (PlanSettings.max_offload_bytes), not the node's RAM.
     host_limited_by_setting: bool = False
+    #: The stack's kernels cannot address the per-GPU slice (MemoryCore.kernel_limit_reason), else None,
+    #: and by what factor the slice's last row offset overshoots what they address.
+    kernel_limit: str | None = None
+    kernel_overshoot: float = 0.0
+
+    @property
+    def miss_key(self) -> tuple[int, float]:
+        """Order of nearness among misses: memory misses by shortfall, then kernel-limit misses by overshoot
+        (the layout that splits the sequence most is the one to name)."""
+        if self.kernel_limit is not None:
+            return 1, self.kernel_overshoot
+        return 0, self.shortfall_bytes
 
     @property
     def shortfall_bytes(self) -> float:
         if self.fits or self.total_bytes is None:
             return 0.0
+        if self.kernel_limit is not None:  # not a memory miss: any layout short of memory is nearer
+            return math.inf
         return max(self.total_bytes - self.usable_bytes, (self.host_bytes or 0) - (self.host_capacity_bytes or 0))
 
     def describe_miss(self) -> str:
         """The nearest miss in one line: which memory ran out (device, or host RAM for the offloads)."""
         layout = Layout(**(self.layout or {})).describe()
+        if self.kernel_limit is not None:
+            return f"{layout}: {self.kernel_limit}"
         device_short = self.total_bytes - self.usable_bytes
         if device_short <= 0:
             bound = ("the --max-offload-gb limit allows" if self.host_limited_by_setting
@@ -96,10 +112,12 @@ def probe_feasibility(model: ModelSpec, base: TrainSpec, topology: Topology, set
             probe = FeasibilityProbe(fits=fits, layout=layout.degrees(), options=options,
                                      total_bytes=core.total, usable_bytes=s.usable, host_bytes=core.host_total,
                                      host_capacity_bytes=s.host_capacity,
-                                     host_limited_by_setting=s.host_limited_by_setting)
+                                     host_limited_by_setting=s.host_limited_by_setting,
+                                     kernel_limit=core.kernel_limit_reason(),
+                                     kernel_overshoot=core.row_kernel_offset / (core.row_kernel_offset_limit or 1))
             if probe.fits:
                 return probe
-            if nearest is None or probe.shortfall_bytes < nearest.shortfall_bytes:
+            if nearest is None or probe.miss_key < nearest.miss_key:
                 nearest = probe
     return nearest or FeasibilityProbe(fits=False)
 

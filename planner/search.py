@@ -323,13 +323,14 @@ class _Searcher:
 
     def device_fits(self, core: MemoryCore) -> bool:
         """Device memory within capacity minus headroom. Monotone: never lost by moving up the lattice,
-        which is what the floors and closures rely on."""
-        return core.total <= self.usable
+        which is what the floors and closures rely on. A slice the stack's kernels cannot address (int32
+        row offsets) does not fit either; it depends on the layout alone, so monotonicity holds."""
+        return core.total <= self.usable and core.within_kernel_limits
 
     def fits(self, core: MemoryCore) -> bool:
         """Device memory and offloaded host memory both fit (host use only grows with offloading, so
         this is not monotone; the search prunes on :meth:`device_fits` and filters on this)."""
-        return core.total <= self.usable and core.host_total <= self.host_capacity
+        return self.device_fits(core) and core.host_total <= self.host_capacity
 
     def score(self, layout: Layout, options: dict[str, Any], t: StepTime) -> float:
         parts = layout_moving_parts(layout) + moving_parts(options)
@@ -512,7 +513,7 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
             top_core = s.memory(layout, s.train_for(layout, lattice.values(top)))
             if not s.device_fits(top_core):
                 miss = _memory_rejection(layout, lattice.values(top), top_core, s)
-                if layout not in nearest_miss or miss.shortfall_bytes < nearest_miss[layout].shortfall_bytes:
+                if layout not in nearest_miss or _shortfall_order(miss) < _shortfall_order(nearest_miss[layout]):
                     nearest_miss[layout] = miss
                 continue
             viable.add(layout)
@@ -600,9 +601,17 @@ def _structural(r: StructuralRejection) -> Rejection:
     return Rejection(layout={"tp": r.tp, "ulysses": r.ulysses, "ring": r.ring}, kind="structure", reason=r.reason)
 
 
+def _shortfall_order(r: Rejection) -> float:
+    """A rejection's bytes short, for picking a layout's nearest miss (a kernel-limit miss has none)."""
+    return math.inf if r.shortfall_bytes is None else r.shortfall_bytes
+
+
 def _memory_rejection(layout: Layout, options: dict[str, Any], core: MemoryCore, s: _Searcher,
                       host_bound: bool = False) -> Rejection:
     total, host = core.total, core.host_total
+    kernel_reason = core.kernel_limit_reason()
+    if kernel_reason is not None:  # no memory option changes the slice the kernels must address
+        return Rejection(layout=layout.degrees(), options=options, kind="memory", reason=kernel_reason)
     if host_bound:
         reason = ("device memory fits only with offloading, and then the offloaded state exceeds "
                   f"{host_limit_text(s.host_capacity, s.host_limited_by_setting)}")

@@ -113,6 +113,21 @@ class MemoryAssumptions(BaseModel):
             "place and saves only cos/sin: no temporaries, no new tensor (backward is in place too)."
         ),
     )
+    row_kernel_offset_limit: int | None = Field(
+        default=None,
+        ge=1,
+        le=(1 << 63) - 1,
+        description=(
+            "Largest element offset (row index x row stride) at which the stack's Triton row kernels (its "
+            "fused norms, `norm_implementation='fused'`, and in-place RoPE, `rope_implementation='inplace'`) "
+            "can start a row, or None when they index in 64 bits. Liger-Kernel before 0.6.1, the version of "
+            "the ALST runs, computes `tl.program_id(0) * row_stride` in int32 in its RMSNorm/LayerNorm "
+            "forward and backward and RoPE kernels (linkedin/Liger-Kernel#804, fixed in 0.6.1): a per-GPU "
+            "slice whose last row starts past 2^31 - 1 elements faults with an illegal memory access "
+            "(ArcticTraining's 1-GPU Llama-8B recipe: 555K tokens -> 'Triton Error [CUDA]: an illegal memory "
+            "access was encountered'), however much memory is free. Such a length does not fit."
+        ),
+    )
     alltoall_head_major_copy: bool = Field(
         default=False,
         description=(

@@ -149,11 +149,18 @@ class MemoryDetail(_Frozen):
     buffers: BufferDetail
     overhead: OverheadDetail
     states: StatesDetail
+    row_kernel_offset: int = Field(default=0, description=(
+        "Largest element offset (row x row stride) at which the stack's Triton row kernels (fused norms, "
+        "in-place RoPE) start a row on this GPU."))
+    row_kernel_offset_limit: int | None = Field(default=None, description=(
+        "The most those kernels can address (2^31 - 1 for int32 row offsets), None if unbounded; "
+        "beyond it `fits` is false whatever the memory."))
     assumptions: dict
 
 
 class MemoryReport(_Frozen):
     memory: MemoryBreakdown
     host_memory: HostMemory
-    fits: bool
+    fits: bool = Field(description="total <= capacity, and the stack's kernels can address the slice "
+                                   "(detail.row_kernel_offset <= detail.row_kernel_offset_limit).")
     detail: MemoryDetail

@@ -34,6 +34,7 @@ from .assumptions import MemoryAssumptions
 from .block import block_graph, kv_cache_bytes_per_layer
 from .dims import LocalDims, local_dims
 from .graph import Graph
+from .kernel_limits import row_kernel_last_offset, row_kernel_limit_text, within_row_kernel_limit
 from .liveness import GraphMemory, Peak, simulate
 from .output_layer import output_graph
 from .overhead import Overhead, overhead
@@ -153,6 +154,22 @@ class MemoryCore:
     host_gradients: int
     host_optimizer: int
     host_checkpoints: int
+    row_kernel_offset: int
+    """Largest element offset at which the stack's Triton row kernels start a row (kernel_limits.py)."""
+    row_kernel_offset_limit: int | None
+    """The most they can address (``MemoryAssumptions.row_kernel_offset_limit``), None if unbounded."""
+
+    @property
+    def within_kernel_limits(self) -> bool:
+        """The stack's kernels can address this GPU's slice: beyond it a run fails with an illegal memory
+        access however much memory is free, so it does not fit either."""
+        return within_row_kernel_limit(self.row_kernel_offset, self.row_kernel_offset_limit)
+
+    def kernel_limit_reason(self) -> str | None:
+        """Why the slice is out of the kernels' reach, in one line (None when it is not)."""
+        if self.within_kernel_limits:
+            return None
+        return row_kernel_limit_text(self.row_kernel_offset, self.row_kernel_offset_limit, self.dims.tokens)
 
     @property
     def peak_allocated(self) -> int:
@@ -189,6 +206,7 @@ def memory_core(model: ModelSpec, train: TrainSpec, layout: Layout,
     head = _head_memory(model, d, a, training, train.tiled_loss)
     inputs = _inputs_bytes(model, d, training)
     offloaded = _offloaded_checkpoint_bytes(d, train)
+    row_offset = row_kernel_last_offset(model, d, a)
     if training:
         phases = _train_phases(model, train, a, states, block, head, inputs, offloaded)
     else:
@@ -213,6 +231,7 @@ def memory_core(model: ModelSpec, train: TrainSpec, layout: Layout,
         offloaded_per_layer=offloaded, inputs=inputs, mode=mode,
         host_weights=states.weights_host, host_gradients=states.gradients_host,
         host_optimizer=states.optimizer_host, host_checkpoints=model.num_layers * offloaded,
+        row_kernel_offset=row_offset, row_kernel_offset_limit=a.row_kernel_offset_limit,
     )
 
 
@@ -337,9 +356,12 @@ def memory_report(model: ModelSpec, train: TrainSpec, layout: Layout, gpu: GPUSp
                              "optimizer": states.per_param.optimizer},
             optimizer_on_device=states.optimizer_on_device,
         ),
+        row_kernel_offset=core.row_kernel_offset,
+        row_kernel_offset_limit=a.row_kernel_offset_limit,
         assumptions=a.model_dump(),
     )
-    return MemoryReport(memory=memory, host_memory=host, fits=memory.total <= memory.capacity, detail=detail)
+    fits = memory.total <= memory.capacity and core.within_kernel_limits
+    return MemoryReport(memory=memory, host_memory=host, fits=fits, detail=detail)
 
 
 @lru_cache(maxsize=8192)

@@ -154,6 +154,9 @@ def render_sweep(points: list[SweepPoint], mode: str) -> str:
             f"{'MFU':>6}"]
     for p in points:
         if p.plan is None:
+            if p.nearest is not None and p.nearest.kernel_limit is not None:
+                rows.append(f"{p.gpus:>6} {format_tokens(p.seq_len):>10}  does not fit ({p.nearest.kernel_limit})")
+                continue
             short = p.nearest.shortfall_bytes / GB if p.nearest else float("nan")
             rows.append(f"{p.gpus:>6} {format_tokens(p.seq_len):>10}  does not fit (closest is short by {short:.1f} GB)")
             continue

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from cost_models.errors import explain_validation_error
 from cost_models.estimate import Estimate, estimate
+from cost_models.memory.kernel_limits import within_row_kernel_limit
 from cost_models.units import GB, GiB, format_tokens
 
 from .common import (
@@ -88,6 +89,9 @@ def render_table(est: Estimate) -> str:
     rows.append(f"  {'capacity':<26}{_gb(mem.capacity)}")
     margin = mem.capacity - mem.total
     verdict = f"fits, {margin / GB:.2f} GB to spare" if est.fits else f"does NOT fit: short by {-margin / GB:.2f} GB"
+    if margin >= 0 and not within_row_kernel_limit(det.row_kernel_offset, det.row_kernel_offset_limit):
+        verdict = (f"does NOT fit although memory has {margin / GB:.2f} GB to spare: the stack's row kernels compute "
+                   f"offsets in int32 and this GPU's last row starts at element {det.row_kernel_offset:,}")
     rows.append(f"{verdict}; peak phase: {det.peak_phase} (at {det.phases[det.peak_phase].transient_peak_at})")
     rows.append("phases (allocated GB): " + ", ".join(f"{n} {p.allocated / GB:.2f}" for n, p in det.phases.items()))
     b = det.buffers
