@@ -1102,10 +1102,12 @@ def load_checkpoint(path: str | os.PathLike, *, setup, optimizer=None, scheduler
         targets, new_state = _load_targets(setup, optimizer, metadata, geometry, path)
         _check_targets(targets, metadata, path)
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         try:
             dcp.load({}, storage_reader=_reader(path), planner=_load_planner(targets))
-        except Exception as exc:  # DCP raises the same CheckpointException on every rank
+        except (Exception, CheckpointException) as exc:  # DCP raises one CheckpointException on every rank
+            # (a BaseException: it carries every failing rank's traceback, which names no file)
             first = str(exc).strip().splitlines()
             raise RuntimeConfigError(
                 f"reading the tensors of checkpoint {path} failed ({type(exc).__name__}: "
