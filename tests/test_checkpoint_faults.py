@@ -422,3 +422,24 @@ def test_hashing_covers_every_tensor_byte(reference):
         assert at == entry["bytes"] == (_step(ref_root, STEPS) / name).stat().st_size
     assert {"trainer_state.json", ".metadata", "rng/rank_0.json", "rng/rank_1.json"} <= set(manifest["files"])
     assert torch.tensor(0).numel() == 1  # torch imported: the module runs under the runtime extra
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_the_example_exits_non_zero_when_there_is_nothing_to_resume(tmp_path):
+    """``--resume`` on a mistyped directory: exit 2 and one line from the worker, not a fresh run."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    missing = tmp_path / "typo"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           "examples/train_long_context.py", "--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+           "--ffn", "128", "--seq-len", "256", "--steps", "2", "--corpus-bytes", "100000", "--topology", "dgx-h100",
+           "--no-progress", "--checkpoint-dir", str(missing), "--resume"]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=170)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and "exitcode: 2" in out, out[-3000:]
+    assert f"error: cannot resume from {missing}: it does not exist" in done.stderr, out[-3000:]
+    assert "done:" not in out and not missing.exists()  # no step ran, nothing was created
