@@ -231,14 +231,17 @@ def checkpoint_plan(args: argparse.Namespace):
     if not (args.resume or args.resume_or_start) or args.plan or pins_given(args):
         return None
     from planner.plan import plan_from_dict
-    from runtime.checkpoint import latest_checkpoint, read_state
+    from runtime.checkpoint import list_checkpoints, read_verified_state
 
-    path = latest_checkpoint(args.checkpoint_dir)
-    if path is None:
-        return None
-    try:  # the Trainer verifies the checkpoint it resumes from; an unreadable one here just means re-planning
-        state = read_state(path)
-    except RuntimeConfigError:
+    # The newest checkpoint whose bookkeeping matches its manifest (the Trainer then verifies every file of
+    # the one it resumes from, and may fall back further: the same run's plan).
+    for _, path in reversed(list_checkpoints(args.checkpoint_dir)):
+        try:
+            state = read_verified_state(path)
+            break
+        except RuntimeConfigError:
+            continue
+    else:
         return None
     if state.get("world_size") != int(os.environ.get("WORLD_SIZE", "1")) or not state.get("plan"):
         return None

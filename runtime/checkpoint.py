@@ -660,11 +660,28 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
             or manifest.get("algorithm") != DIGEST:
         raise RuntimeConfigError(f"checkpoint manifest {path / MANIFEST} is not a {DIGEST} manifest of this "
                                  "runtime (no 'files', or another algorithm)")
+    for name, entry in manifest["files"].items():  # untrusted: never read outside the checkpoint directory
+        parts = Path(name).parts
+        if not isinstance(entry, dict) or Path(name).is_absolute() or ".." in parts or not parts:
+            raise RuntimeConfigError(f"checkpoint manifest {path / MANIFEST} lists {name!r}, which is not a file "
+                                     "inside the checkpoint directory: refusing it")
     named = step_of(path)
     if named is not None and manifest.get("step") != named:
         raise RuntimeConfigError(f"checkpoint {path}: its directory name says step {named}, its {MANIFEST} says "
                                  f"step {manifest.get('step')!r}; rename or remove the directory")
     return manifest
+
+
+def read_verified_state(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's ``trainer_state.json``, only if it matches the manifest (one process, reads that one
+    small file: for choosing a plan before the collective verification of the whole checkpoint)."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    entry = manifest["files"].get(STATE_FILE)
+    problems = [f"{path / STATE_FILE} is not in the manifest"] if entry is None else _check_file(path, STATE_FILE, entry)
+    if problems:
+        raise CheckpointCorruptError(path, problems)
+    return _read_json(path / STATE_FILE, "checkpoint state")
 
 
 def verify_checkpoint(path: str | os.PathLike, group: dist.ProcessGroup | None = None, *,
@@ -833,6 +850,8 @@ def prepare_save(directory: str | os.PathLike, *, step: int, setup, optimizer=No
             existing = str(read_manifest(final).get("run_id"))
         except RuntimeConfigError as exc:
             existing = f"unreadable manifest ({exc})"
+    elif rank == 0 and final.exists():
+        existing = f"an incomplete checkpoint: no {MANIFEST}"
     existing = _broadcast(existing)
     if existing == run_id:  # this run saved this step already
         return final
@@ -957,8 +976,9 @@ def _finish(job: SaveJob, previous: Path | None, problems: list[str]) -> None:
     if previous is not None:
         shutil.rmtree(previous, ignore_errors=True)
         if job.replaces is not None:
-            _say(job.log, f"checkpoint: replaced {job.final}, saved by another run ({job.replaces}), with this run's "
-                          f"step {job.step} ({job.run_id})")
+            what = job.replaces if job.replaces.startswith(("an incomplete", "unreadable")) else (
+                f"saved by another run ({job.replaces})")
+            _say(job.log, f"checkpoint: replaced {job.final}, {what}, with this run's step {job.step} ({job.run_id})")
     if job.keep is not None and job.keep > 0:
         older = [path for step, path in list_checkpoints(job.directory) if step < job.step]
         for old in older[:max(0, len(older) - (job.keep - 1))]:
@@ -1190,6 +1210,6 @@ def read_state(path: str | os.PathLike) -> dict[str, Any]:
 
 __all__ = [
     "CheckpointCorruptError", "CheckpointState", "Chunk", "check_checkpoint_dir", "find_resumable", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_full_state_dict",
-    "parameter_geometry", "read_manifest", "read_state", "resolve_checkpoint", "save_checkpoint", "verify_checkpoint",
+    "parameter_geometry", "read_manifest", "read_state", "read_verified_state", "resolve_checkpoint", "save_checkpoint", "verify_checkpoint",
 ]
 

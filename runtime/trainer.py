@@ -521,11 +521,14 @@ class Trainer:
         saved_class = saved.get("scheduler_class")
         if self.scheduler is not None and saved_class and saved_class != type(self.scheduler).__name__:
             refused.append(f"scheduler: checkpoint {saved_class} vs now {type(self.scheduler).__name__}")
-        old_config = (saved.get("extra") or {}).get("run_config") or {}
-        for name in sorted(set(old_config) | set(self.run_config)):
-            if old_config.get(name) != _plain(self.run_config.get(name)):
-                refused.append(f"{name}: checkpoint {old_config.get(name)!r} vs now {self.run_config.get(name)!r}")
         reported = []
+        old_config = (saved.get("extra") or {}).get("run_config")
+        if isinstance(old_config, dict):
+            for name in sorted(set(old_config) | set(self.run_config)):
+                if old_config.get(name) != _plain(self.run_config.get(name)):
+                    refused.append(f"{name}: checkpoint {old_config.get(name)!r} vs now {self.run_config.get(name)!r}")
+        else:
+            reported.append("run_config: the checkpoint records none (saved outside the Trainer), not compared")
         if saved.get("world_size") != self.world:
             reported.append(f"world size: checkpoint {saved.get('world_size')} vs now {self.world}")
         layout = self.setup.plan.layout.model_dump(mode="json")

@@ -85,11 +85,16 @@ def truncate(path: Path, keep_fraction: float = 0.5) -> None:
 
 def rewrite_state_step(step_dir: Path, step: int) -> None:
     """Give trainer_state.json another step and re-hash it into the manifest (a consistent-looking copy)."""
+    rewrite_state(step_dir, lambda state: state.__setitem__("step", step))
+
+
+def rewrite_state(step_dir: Path, edit) -> None:
+    """Edit trainer_state.json in place and re-hash it into the manifest (a consistent-looking checkpoint)."""
     import hashlib
 
     state_file = step_dir / "trainer_state.json"
     state = json.loads(state_file.read_text())
-    state["step"] = step
+    edit(state)
     state_file.write_text(json.dumps(state))
     if not (step_dir / "manifest.json").is_file():
         return
@@ -187,6 +192,7 @@ def faults(reference, tmp_path_factory):
     dirs["all damaged auto"] = work / "all damaged auto"
     os.rename(_step(copy("renamed"), 4), _step(dirs["renamed"], 6))
     rewrite_state_step(_step(copy("state step"), 4), 7)
+    rewrite_state(_step(copy("no run_config"), 4), lambda state: state["extra"].pop("run_config"))
     for name in ("fresh into populated", "other lr", "override lr", "other layout", "replaced", "damaged save",
                  "damaged async save"):
         copy(name)
@@ -211,6 +217,7 @@ def faults(reference, tmp_path_factory):
         {"name": "other lr", "lr": NEW_LR},
         {"name": "override lr", "lr": NEW_LR, "override": True, "steps": STEPS + 1},
         {"name": "other layout", "layout": ({"ulysses": 2}, {"zero_stage": 3})},
+        {"name": "no run_config"},
         {"name": "replaced", "resume": str(_step(dirs["replaced"], 2)), "steps": 3},
         {"name": "damaged save", "steps": 5, "keep": 1, "damage_save": "step_00000005"},
         {"name": "damaged async save", "steps": 6, "save_every": 1, "keep": 1, "async_save": True,
@@ -273,6 +280,8 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_resume_falls_back(name, reas
         assert "found" in text, text
     if name == "truncated":
         assert "the manifest says" in text and "truncated" in text, text
+    if name == "missing manifest":  # the resumed run's step 4 replaces the incomplete one, and says so
+        assert f"replaced {_step(dirs[name], STEPS)}, an incomplete checkpoint: no manifest.json" in text, text
 
 
 @pytest.mark.multiproc
@@ -341,6 +350,8 @@ def test_options_that_differ_from_the_checkpoint(faults, reference):
     text = _messages(other)
     assert "layout: checkpoint dp_shard=2 vs now ulysses=2" in text and "grad_accum: checkpoint 1 vs now 2" in text
     assert other["start"] == STEPS
+    bare = _same_on_both_ranks(per_rank, "no run_config")  # saved by save_checkpoint directly: not compared
+    assert bare["start"] == STEPS and "run_config: the checkpoint records none" in _messages(bare)
     out = _same_on_both_ranks(per_rank, "fresh into populated")
     assert "already holds 4 checkpoint(s) (newest step_00000004)" in out["error"] and out["steps_run"] == 0
     assert len(list(dirs["fresh into populated"].iterdir())) == STEPS
@@ -443,3 +454,35 @@ def test_the_example_exits_non_zero_when_there_is_nothing_to_resume(tmp_path):
     assert done.returncode != 0 and "exitcode: 2" in out, out[-3000:]
     assert f"error: cannot resume from {missing}: it does not exist" in done.stderr, out[-3000:]
     assert "done:" not in out and not missing.exists()  # no step ran, nothing was created
+
+
+def test_a_manifest_cannot_point_outside_its_checkpoint(tmp_path):
+    """The manifest is an untrusted file: a listed path that leaves the directory is refused, not read."""
+    from runtime.checkpoint import verify_checkpoint
+
+    step_dir = tmp_path / "step_00000001"
+    step_dir.mkdir()
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not a checkpoint file")
+    (step_dir / "manifest.json").write_text(json.dumps({
+        "format": 2, "algorithm": "sha256", "step": 1,
+        "files": {"../secret.txt": {"bytes": secret.stat().st_size, "sha256": "0" * 64}}}))
+    problems = verify_checkpoint(step_dir, collective=False)
+    assert len(problems) == 1 and "'../secret.txt', which is not a file inside the checkpoint directory" in \
+        problems[0], problems
+
+
+def test_the_bookkeeping_alone_is_checked_before_choosing_a_plan(reference, tmp_path):
+    """The example reuses the plan saved in trainer_state.json before the collective verification: it
+    reads it only if it matches the manifest."""
+    from runtime.checkpoint import CheckpointCorruptError, read_verified_state
+
+    ref_root, _ = reference
+    good = read_verified_state(_step(ref_root, STEPS))
+    assert good["step"] == STEPS and good["plan"]
+    copy = tmp_path / "step_00000004"
+    shutil.copytree(_step(ref_root, STEPS), copy)
+    state_file = copy / "trainer_state.json"
+    state_file.write_text(state_file.read_text().replace('"dp_shard": 2', '"dp_shard": 1'))
+    with pytest.raises(CheckpointCorruptError, match="trainer_state.json: expected sha256"):
+        read_verified_state(copy)
