@@ -486,3 +486,21 @@ def test_the_bookkeeping_alone_is_checked_before_choosing_a_plan(reference, tmp_
     state_file.write_text(state_file.read_text().replace('"dp_shard": 2', '"dp_shard": 1'))
     with pytest.raises(CheckpointCorruptError, match="trainer_state.json: expected sha256"):
         read_verified_state(copy)
+
+
+def test_a_checkpoint_moved_aside_for_replacement_survives_a_crash(tmp_path):
+    """A save that replaces a step moves the old directory aside first; if it dies before its own rename,
+    the next save puts the old one back (and removes the aside copy once a replacement is complete)."""
+    from runtime.checkpoint import _remove_stale, latest_checkpoint
+
+    root = tmp_path / "ckpt"
+    aside = root / ".step_00000003.replaced-0a1b2c3d"
+    aside.mkdir(parents=True)
+    (aside / "manifest.json").write_text("{}")
+    (root / ".step_00000003.tmp-0a1b2c3d").mkdir()  # the replacing save's own leftovers
+    _remove_stale(root)
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000003"]
+    assert latest_checkpoint(root) == _step(root, 3)
+    aside.mkdir()  # now the replacement completed: the aside copy is only garbage
+    _remove_stale(root)
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000003"]
