@@ -678,7 +678,8 @@ def read_verified_state(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     manifest = read_manifest(path)
     entry = manifest["files"].get(STATE_FILE)
-    problems = [f"{path / STATE_FILE} is not in the manifest"] if entry is None else _check_file(path, STATE_FILE, entry)
+    problems = ([f"{path / STATE_FILE} is not in the manifest"] if entry is None
+                else _check_file(path, STATE_FILE, entry))
     if problems:
         raise CheckpointCorruptError(path, problems)
     return _read_json(path / STATE_FILE, "checkpoint state")
@@ -1209,7 +1210,8 @@ def read_state(path: str | os.PathLike) -> dict[str, Any]:
 
 
 __all__ = [
-    "CheckpointCorruptError", "CheckpointState", "Chunk", "check_checkpoint_dir", "find_resumable", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_full_state_dict",
-    "parameter_geometry", "read_manifest", "read_state", "read_verified_state", "resolve_checkpoint", "save_checkpoint", "verify_checkpoint",
+    "CheckpointCorruptError", "CheckpointState", "Chunk", "check_checkpoint_dir", "find_resumable",
+    "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_full_state_dict", "parameter_geometry",
+    "read_manifest", "read_state", "read_verified_state", "resolve_checkpoint", "save_checkpoint",
+    "verify_checkpoint",
 ]
-
