@@ -19,13 +19,17 @@ Let the planner also consider data parallelism, pin a layout, or run a plan file
     torchrun --nproc-per-node 4 examples/train_long_context.py --hf --tp 2 --ulysses 2   # a transformers Llama
     sp-plan export --plan plan.yaml --to torchrun      # prints: torchrun ... train_long_context.py --plan plan.yaml
 
-Real data, checkpoints every 50 steps, resume from the latest complete one (SIGTERM/Ctrl-C: the step
+Real data, checkpoints every 50 steps, resume from the newest one that verifies (SIGTERM/Ctrl-C: the step
 finishes, a checkpoint is saved, the run exits cleanly), TensorBoard::
 
     torchrun --nproc-per-node 4 examples/train_long_context.py --dataset corpus.jsonl --tokenizer tok/ \
         --seq-len 8K --steps 200 --checkpoint-dir ckpt --save-every 50 --resume --tensorboard tb
 
-``--resume`` without ``--plan`` and layout pins on the checkpoint's number of ranks reuses the
+``--resume`` fails (exit 2, one line) when --checkpoint-dir holds no checkpoint that verifies;
+``--resume-or-start`` starts a new run when it holds none at all. A run without either refuses a
+--checkpoint-dir that already holds checkpoints. On resume, a --lr (or seed) other than the
+checkpoint's is an error naming both unless ``--override-hparams`` (then the new lr applies, the
+warm-up schedule keeps its step count). ``--resume`` without ``--plan`` and layout pins on the checkpoint's number of ranks reuses the
 checkpoint's plan (re-planning on a freshly probed machine could choose another layout); on another
 number of ranks the run is re-planned and the checkpoint resharded.
 
@@ -130,8 +134,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--async-save", action="store_true",
                      help="write periodic checkpoints in the background (training waits only for a copy to host "
                           "memory; costs one host copy of each rank's state)")
-    run.add_argument("--resume", action="store_true",
-                     help="continue from the latest complete checkpoint in --checkpoint-dir (a fresh start if none)")
+    resume = run.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true",
+                        help="continue from the newest checkpoint in --checkpoint-dir that verifies (newer ones that "
+                             "do not are skipped, and said); an error (exit 2) if there is none")
+    resume.add_argument("--resume-or-start", action="store_true",
+                        help="like --resume, but start a new run when --checkpoint-dir holds no checkpoint at all")
+    run.add_argument("--override-hparams", action="store_true",
+                     help="on resume, use this command line's --lr (and schedule) even where it differs from the "
+                          "checkpoint's (default: such a difference is an error naming both values)")
     run.add_argument("--tensorboard", type=Path, default=None, help="write TensorBoard scalars to this directory")
     run.add_argument("--metrics-file", type=Path, default=None, help="append one JSON line per step (rank 0)")
     run.add_argument("--log-every", type=int, default=10, help="print a telemetry line every N steps")
@@ -143,8 +154,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--dataset and --tokenizer go together (the default corpus is byte-level)")
     if args.async_save and args.checkpoint_dir is None:
         p.error("--async-save needs --checkpoint-dir")
-    if args.resume and args.checkpoint_dir is None:
-        p.error("--resume needs --checkpoint-dir")
+    if (args.resume or args.resume_or_start) and args.checkpoint_dir is None:
+        p.error("--resume and --resume-or-start need --checkpoint-dir")
     if args.save_every and args.checkpoint_dir is None:
         p.error("--save-every needs --checkpoint-dir")
     return args
@@ -217,15 +228,21 @@ def pins_given(args: argparse.Namespace) -> bool:
 def checkpoint_plan(args: argparse.Namespace):
     """The plan of the checkpoint ``--resume`` will load, when this launch may reuse it: no --plan, no
     pins, the same number of ranks. Re-planning could pick another layout on a noisy probe."""
-    if not args.resume or args.plan or pins_given(args):
+    if not (args.resume or args.resume_or_start) or args.plan or pins_given(args):
         return None
     from planner.plan import plan_from_dict
-    from runtime.checkpoint import latest_checkpoint, read_state
+    from runtime.checkpoint import list_checkpoints, read_verified_state
 
-    path = latest_checkpoint(args.checkpoint_dir)
-    if path is None:
+    # The newest checkpoint whose bookkeeping matches its manifest (the Trainer then verifies every file of
+    # the one it resumes from, and may fall back further: the same run's plan).
+    for _, path in reversed(list_checkpoints(args.checkpoint_dir)):
+        try:
+            state = read_verified_state(path)
+            break
+        except RuntimeConfigError:
+            continue
+    else:
         return None
-    state = read_state(path)
     if state.get("world_size") != int(os.environ.get("WORLD_SIZE", "1")) or not state.get("plan"):
         return None
     return plan_from_dict(state["plan"], f"the plan saved in {path}")
@@ -298,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS))
     trainer = Trainer(setup, optimizer, data, max_steps=args.steps, scheduler=schedule, max_grad_norm=1.0,
                       checkpoint_dir=args.checkpoint_dir, save_every=args.save_every,
-                      keep_checkpoints=args.keep_checkpoints, resume=args.resume, log_every=args.log_every,
+                      keep_checkpoints=args.keep_checkpoints,
+                      resume="auto" if args.resume_or_start else args.resume, override_hparams=args.override_hparams,
+                      run_config={"warmup_steps": WARMUP_STEPS, "seed": args.seed}, log_every=args.log_every,
                       tensorboard_dir=args.tensorboard, metrics_file=args.metrics_file, progress=args.progress,
                       live_bytes_every=args.live_bytes_every, async_save=args.async_save)
     result = trainer.fit()

@@ -5,9 +5,12 @@ A synchronous save stops every rank for as long as its chunk takes to reach stor
 weights and Adam states are ~17 GB per rank on 64 ranks: tens of seconds at a shared file system's
 per-client bandwidth). :class:`AsyncCheckpointer` stops training only for
 :func:`runtime.checkpoint.prepare_save` (the RNG files and bookkeeping) and one device-to-host copy of
-this rank's chunks; DCP's write, the completion marker and the atomic rename then run in a thread. The
-files are exactly those of :func:`runtime.checkpoint.save_checkpoint`, with the same atomicity: a
-checkpoint is visible only once every rank's chunks are written.
+this rank's chunks; DCP's write, the hashing of what was written, the manifest, the atomic rename, the
+re-read verification and the pruning then run in a thread (:func:`runtime.checkpoint.commit_save`, the
+code path of synchronous saves). The files are exactly those of
+:func:`runtime.checkpoint.save_checkpoint`, with the same guarantees: a checkpoint is visible only once
+every rank's chunks are written and its manifest is complete, and nothing older is pruned before it has
+been read back and verified. hashlib releases the GIL while it hashes, so training goes on meanwhile.
 
 - **One save in flight.** A new save (or :meth:`AsyncCheckpointer.wait`) first waits for the previous
   one, so a run never holds two staged copies and a slow file system shows as a longer save, not a
@@ -17,8 +20,10 @@ checkpoint is visible only once every rank's chunks are written.
 - **Its own process group.** The thread's collectives (DCP's plan exchange, the final barrier and the
   error broadcast) run on a gloo group made for it, never on the group training uses, so they cannot
   interleave with training's collectives. Creating it is collective: every rank makes the same saves.
-- **Errors** raised in the thread (a full disk, a rank that failed) are raised by the next
-  :meth:`~AsyncCheckpointer.save` or :meth:`~AsyncCheckpointer.wait`, as :class:`RuntimeConfigError`.
+- **Errors** raised in the thread (a full disk, a rank that failed, a checkpoint that does not verify
+  once written: :class:`runtime.checkpoint.CheckpointCorruptError`, which names the file and chunk)
+  are raised by the next :meth:`~AsyncCheckpointer.save` or :meth:`~AsyncCheckpointer.wait`, as
+  :class:`RuntimeConfigError`; the previous checkpoint is then still there.
 """
 
 from __future__ import annotations

@@ -10,9 +10,21 @@
 
 :meth:`Trainer.fit`:
 
-1. **resume** (``resume=True``: the latest complete checkpoint under ``checkpoint_dir``, if any; or a
-   path): model, optimizer, scheduler, data position, RNG and step (:mod:`runtime.checkpoint`; on
-   another layout DCP reshards);
+1. **resume**: ``resume=True``: the newest checkpoint under ``checkpoint_dir`` that verifies against its
+   manifest (newer ones that do not are skipped, each named with why); none is an error.
+   ``resume="auto"``: the same, or a new run at step 0 when ``checkpoint_dir`` holds no checkpoint at
+   all (step directories that all fail verification are still an error). A path: that checkpoint,
+   verified. ``resume=False`` refuses a ``checkpoint_dir`` that already holds checkpoints (a new run
+   would replace them). Restored: model, optimizer, scheduler, data position, RNG and step
+   (:mod:`runtime.checkpoint`; on another layout DCP reshards). The checkpoint directory is checked for
+   writability and free space (vs the newest checkpoint's size) before training starts.
+   **What differs from the checkpoint** is said at resume, with this precedence: the architecture and
+   the data must match (refused); the optimizer's hyperparameters (base lr, betas, eps, weight decay,
+   ...), the scheduler's class and ``run_config`` (e.g. warm-up steps, gradient clipping) must match,
+   else resuming is refused naming both values, unless ``override_hparams=True``: then this run's values
+   win, the scheduler keeps its step count and its learning rates are rescaled by new/saved base lr;
+   the layout, world size, sequence length, micro-batch, gradient accumulation and dtype are this run's
+   (resharded) and listed.
 2. per step: this rank's micro-batches from ``data`` (``next_step()``, e.g.
    :class:`runtime.text_data.GlobalBatches`), :func:`runtime.step.train_step` (the one step code
    path), the scheduler, telemetry;
@@ -54,7 +66,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+import secrets
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +78,11 @@ import torch.distributed as dist
 from runtime.errors import RuntimeConfigError
 from runtime.step import StepResult, train_step
 
+#: ``Trainer(resume=AUTO)``: resume from the newest verified checkpoint, or start a new run if there is none.
+AUTO = "auto"
+#: Optimizer hyperparameters compared at resume (``initial_lr``: the base lr, when a scheduler set it).
+HPARAMS = ("initial_lr", "lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "amsgrad",
+           "maximize", "alpha", "lr_decay")
 #: Memory figures reduced over ranks each step (bytes; -1 when not measured).
 MEMORY_KEYS = ("max_allocated", "max_reserved", "rss", "peak_rss", "live_peak")
 
@@ -341,13 +359,19 @@ class Trainer:
     """Train ``setup`` (an :class:`runtime.auto.AutoConfigured`) for ``max_steps`` optimizer steps; see the
     module docstring. ``data``: an object with ``next_step()`` (this rank's micro-batches of the next
     step), ``state_dict()`` and ``load_state_dict()`` (:class:`runtime.text_data.GlobalBatches`).
-    ``resume``: False, True (the latest complete checkpoint under ``checkpoint_dir``; a fresh start if
-    there is none) or a checkpoint path. ``on_step(trainer, record)`` runs after every step (all ranks).
+    ``resume``: False, True (the newest verified checkpoint under ``checkpoint_dir``; an error if there is
+    none), ``"auto"`` (the same, or a new run when the directory holds no checkpoint) or a checkpoint path.
+    ``override_hparams``: resume even when the optimizer's hyperparameters, the scheduler's class or
+    ``run_config`` differ from the checkpoint's (this run's values then apply). ``run_config``: JSON-able
+    settings of the run that the optimizer and scheduler states do not capture (warm-up length, ...),
+    saved with every checkpoint and compared at resume. ``on_step(trainer, record)`` runs after every
+    step (all ranks).
     """
 
     def __init__(self, setup, optimizer, data, *, max_steps: int, scheduler=None, max_grad_norm: float | None = None,
                  checkpoint_dir: str | os.PathLike | None = None, save_every: int = 0, keep_checkpoints: int | None = 2,
-                 resume: bool | str | os.PathLike = False, log_every: int = 10,
+                 resume: bool | str | os.PathLike = False, override_hparams: bool = False,
+                 run_config: Mapping[str, Any] | None = None, log_every: int = 10,
                  tensorboard_dir: str | os.PathLike | None = None, metrics_file: str | os.PathLike | None = None,
                  progress: bool = True, handle_signals: bool | None = None, live_bytes_every: int = 0,
                  async_save: bool = False, skip_nonfinite: bool = True, max_nonfinite_steps: int = 3,
@@ -358,8 +382,14 @@ class Trainer:
         if max_nonfinite_steps < 1:
             raise RuntimeConfigError(f"max_nonfinite_steps ({max_nonfinite_steps}) must be >= 1: the number of "
                                      "non-finite steps in a row that stops training")
-        if (save_every or resume is True) and checkpoint_dir is None:
-            raise RuntimeConfigError("save_every and resume=True need a checkpoint directory (checkpoint_dir=...)")
+        if (save_every or resume is True or resume == AUTO) and checkpoint_dir is None:
+            raise RuntimeConfigError(f"save_every and resume=True/{AUTO!r} need a checkpoint directory "
+                                     "(checkpoint_dir=...)")
+        try:
+            json.dumps(dict(run_config or {}))
+        except (TypeError, ValueError) as exc:
+            raise RuntimeConfigError(f"run_config must be JSON-able (it is saved with every checkpoint): {exc}") \
+                from None
         if not all(hasattr(data, a) for a in ("next_step", "state_dict", "load_state_dict")):
             raise RuntimeConfigError(
                 f"data must provide next_step(), state_dict() and load_state_dict() (e.g. runtime.text_data."
@@ -370,6 +400,11 @@ class Trainer:
         self.skip_nonfinite, self.max_nonfinite_steps = skip_nonfinite, max_nonfinite_steps
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.save_every, self.keep_checkpoints, self.resume = save_every, keep_checkpoints, resume
+        self.override_hparams = override_hparams
+        self.run_config = {"max_grad_norm": max_grad_norm, **dict(run_config or {})}
+        #: Identifies this run's checkpoints (a step this run saved is not saved again; another run's is
+        #: replaced, and that is said); rank 0's, set by fit.
+        self.run_id: str | None = None
         self.handle_signals = self.checkpoint_dir is not None if handle_signals is None else handle_signals
         self.telemetry_kwargs = dict(log_every=log_every, tensorboard_dir=tensorboard_dir, metrics_file=metrics_file,
                                      progress=progress, live_bytes_every=live_bytes_every, print_fn=print_fn)
@@ -396,35 +431,131 @@ class Trainer:
         save = save_checkpoint if self.checkpointer is None else self.checkpointer.save
         return save(self.checkpoint_dir, step=self.step, setup=self.setup, optimizer=self.optimizer,
                     scheduler=self.scheduler, data=self.data, tokens_seen=self.tokens_seen,
-                    keep=self.keep_checkpoints)
+                    keep=self.keep_checkpoints, extra={"run_config": self.run_config}, run_id=self.run_id,
+                    log=self._say)
 
     def wait_for_save(self) -> None:
         """Block until a background save is complete (no-op without ``async_save``)."""
         if self.checkpointer is not None:
             self.checkpointer.wait()
 
-    def _resume(self):
-        from runtime.checkpoint import latest_checkpoint, load_checkpoint
+    def _choose_checkpoint(self) -> Path | None:
+        """The checkpoint to resume from (verified, the same on every rank), or None for a new run."""
+        from runtime.checkpoint import find_resumable, list_checkpoints, require_verified, resolve_checkpoint
 
         if self.resume is False or self.resume is None:
+            if self.checkpoint_dir is not None:
+                existing = _broadcast_from_rank0([p.name for _, p in list_checkpoints(self.checkpoint_dir)]
+                                                 if self.rank0 else None)
+                if existing:
+                    raise RuntimeConfigError(
+                        f"checkpoint directory {self.checkpoint_dir} already holds {len(existing)} checkpoint(s) "
+                        f"(newest {existing[-1]}) and this run does not resume: it would replace them. Resume them "
+                        "(resume=True, --resume), or give a new or empty checkpoint directory")
             return None
-        if self.resume is True:
-            path = latest_checkpoint(self.checkpoint_dir)
-            # Every rank must take the same decision (a checkpoint may complete between two ranks' looks).
-            path = _broadcast_from_rank0(str(path) if path is not None else None)
+        if self.resume is True or self.resume == AUTO:
+            path, skipped = find_resumable(self.checkpoint_dir, log=self._say)
             if path is None:
-                self._say(f"resume: no complete checkpoint under {self.checkpoint_dir}; starting at step 0")
-                return None
-        else:
-            path = self.resume
+                if not skipped and self.resume == AUTO:
+                    self._say(f"resume: no checkpoint under {self.checkpoint_dir}; starting a new run at step 0")
+                    return None
+                what = (f"none of its {len(skipped)} step director{'y' if len(skipped) == 1 else 'ies'} verifies "
+                        f"(see above)" if skipped else "it holds no checkpoint (step_NNNNNNNN directories)"
+                        if Path(self.checkpoint_dir).is_dir() else "it does not exist")
+                raise RuntimeConfigError(
+                    f"cannot resume from {self.checkpoint_dir}: {what}. Check the path (--checkpoint-dir); to start "
+                    f"a new run there, drop --resume (resume=False) or use --resume-or-start (resume={AUTO!r})"
+                    + (" after moving the damaged directories away" if skipped else ""))
+            if skipped:
+                self._say(f"resume: falling back to {path}: the newer {', '.join(p.name for p, _ in skipped)} "
+                          "did not verify (reasons above)")
+            return path
+        path = resolve_checkpoint(self.resume)
+        require_verified(path)
+        return path
+
+    def _resume(self) -> Path | None:
+        from runtime.checkpoint import check_checkpoint_dir, load_checkpoint, read_state
+
+        path = self._choose_checkpoint()
+        if self.checkpoint_dir is not None:  # before any step runs: not at the first save
+            check_checkpoint_dir(self.checkpoint_dir)
+        if path is None:
+            return None
+        saved = read_state(path)
+        refused, reported = self._differences(saved)
+        if refused and not self.override_hparams:
+            raise RuntimeConfigError(
+                f"resume from {path}: this run's settings differ from the checkpoint's ({'; '.join(refused)}). "
+                "Resume with the checkpoint's values (the saved run's command line), or pass override_hparams=True "
+                "(--override-hparams) to continue with this run's (the schedule keeps its step count, its learning "
+                "rates rescaled to the new base lr)")
+        now = [dict(g) for g in self.optimizer.param_groups] if self.optimizer is not None else []
         state = load_checkpoint(path, setup=self.setup, optimizer=self.optimizer, scheduler=self.scheduler,
-                                data=self.data)
+                                data=self.data, verify=False)  # verified by _choose_checkpoint
+        if refused:
+            self._apply_hparams(now)
+            self._say(f"resume: overriding the checkpoint's settings with this run's: {'; '.join(refused)}")
+        if reported:
+            self._say(f"resume: this run differs from the checkpoint (this run's values apply): {'; '.join(reported)}")
         self.step, self.tokens_seen = state.step, state.tokens_seen
         how = "same layout: exact continuation" if state.same_layout else (
             f"saved on {state.world_size} rank(s) as {_layout_text(state.layout)}, resharded: the loss curve "
             "continues up to float rounding")
         self._say(f"resumed from {state.path} at step {state.step} ({how})")
         return state.path
+
+    def _differences(self, saved: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+        """(settings that must match unless overridden, settings this run may change) that differ from
+        the checkpoint's, as "name: checkpoint X vs now Y"."""
+        refused: list[str] = []
+        groups = ((saved.get("optimizer") or {}).get("param_groups") or []) if self.optimizer is not None else []
+        for i, (old, new) in enumerate(zip(groups, self.optimizer.param_groups if groups else [])):
+            where = f" (group {i})" if len(groups) > 1 else ""
+            for name in HPARAMS:
+                if name == "lr" and "initial_lr" in old and "initial_lr" in new:
+                    continue  # the scheduled lr moves; the base lr is what was chosen
+                if name in old and name in new and _plain(old[name]) != _plain(new[name]):
+                    label = "lr" if name == "initial_lr" else name
+                    refused.append(f"{label}{where}: checkpoint {_plain(old[name])} vs now {_plain(new[name])}")
+        saved_class = saved.get("scheduler_class")
+        if self.scheduler is not None and saved_class and saved_class != type(self.scheduler).__name__:
+            refused.append(f"scheduler: checkpoint {saved_class} vs now {type(self.scheduler).__name__}")
+        reported = []
+        old_config = (saved.get("extra") or {}).get("run_config")
+        if isinstance(old_config, dict):
+            for name in sorted(set(old_config) | set(self.run_config)):
+                if old_config.get(name) != _plain(self.run_config.get(name)):
+                    refused.append(f"{name}: checkpoint {old_config.get(name)!r} vs now {self.run_config.get(name)!r}")
+        else:
+            reported.append("run_config: the checkpoint records none (saved outside the Trainer), not compared")
+        if saved.get("world_size") != self.world:
+            reported.append(f"world size: checkpoint {saved.get('world_size')} vs now {self.world}")
+        layout = self.setup.plan.layout.model_dump(mode="json")
+        if saved.get("layout") and saved.get("layout") != layout:
+            reported.append(f"layout: checkpoint {_layout_text(saved['layout'])} vs now {_layout_text(layout)}")
+        train = self.setup.plan.train.model_dump(mode="json")
+        for name in sorted(set(saved.get("train") or {}) | set(train)):
+            old_value = (saved.get("train") or {}).get(name)
+            if old_value != train.get(name):
+                reported.append(f"{name}: checkpoint {old_value!r} vs now {train.get(name)!r}")
+        return refused, reported
+
+    def _apply_hparams(self, now: list[dict]) -> None:
+        """After loading with ``override_hparams``: this run's hyperparameters in every parameter group; the
+        scheduled lr rescaled by new/saved base lr (the schedule's step count is the checkpoint's)."""
+        for group, new in zip(self.optimizer.param_groups, now):
+            saved_base = _plain(group.get("initial_lr", group.get("lr")))
+            for name in HPARAMS:
+                if name in new and name != "lr":
+                    group[name] = new[name]
+            if "initial_lr" in new and saved_base:
+                _set_lr(group, _plain(group["lr"]) * _plain(new["initial_lr"]) / saved_base)
+            elif "lr" in new:
+                _set_lr(group, _plain(new["lr"]))
+        if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
+            self.scheduler.base_lrs = [_plain(g.get("initial_lr", g["lr"])) for g in self.optimizer.param_groups]
+            self.scheduler._last_lr = [_plain(g["lr"]) for g in self.optimizer.param_groups]
 
     def _say(self, text: str) -> None:
         if self.rank0:
@@ -436,6 +567,8 @@ class Trainer:
         from runtime.memory_meter import live_peak
 
         started = time.perf_counter()
+        if self.run_id is None:
+            self.run_id = _broadcast_from_rank0(secrets.token_hex(6))
         resumed_from = self._resume()
         start_step = self.step
         telemetry = Telemetry(self.setup, total_steps=self.max_steps, start_step=start_step, **self.telemetry_kwargs)
@@ -488,6 +621,9 @@ class Trainer:
                     break
                 if self.checkpoint_dir is not None and self.save_every and self.step % self.save_every == 0:
                     saved = self.save()
+            if resumed_from is not None and saved is None and self.step == start_step \
+                    and self.checkpoint_dir is not None and resumed_from.parent == self.checkpoint_dir:
+                saved = resumed_from  # nothing ran: the checkpoint resumed from is this state
             if self.checkpoint_dir is not None and (saved is None or _step_of(saved) != self.step):
                 saved = self.save()
             self.wait_for_save()
@@ -558,6 +694,22 @@ def _lr(optimizer) -> float | None:
     except (AttributeError, IndexError, KeyError):
         return None
     return float(lr.item() if isinstance(lr, torch.Tensor) else lr)
+
+
+def _plain(value: Any) -> Any:
+    """A hyperparameter as JSON saw it: tensors as numbers, tuples as lists."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _set_lr(group: dict, lr: float) -> None:
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(lr)
+    else:
+        group["lr"] = lr
 
 
 def _step_of(path: Path) -> int:

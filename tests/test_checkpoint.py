@@ -317,7 +317,7 @@ def test_an_interrupted_save_is_never_the_latest(single_rank):
 def test_bad_checkpoints_get_one_clear_error(single_rank):
     _, out = single_rank
     assert "saved for tiny-ckpt, not this model" in out["other_model"] and "hidden_size" in out["other_model"]
-    assert "incomplete" in out["incomplete"] and "COMPLETE" in out["incomplete"]
+    assert "incomplete" in out["incomplete"] and "manifest.json" in out["incomplete"]
     assert out["latest_ignores_incomplete"].endswith("step_00000004")
     assert "does not exist" in out["missing"]
     assert "refers to other data" in out["other_data"] and "num_sequences" in out["other_data"]

@@ -246,7 +246,7 @@ def test_the_example_refuses_bad_data_arguments(text_corpus, tmp_path, capsys):
     with pytest.raises(RuntimeConfigError, match="tokenizer path .* does not exist"):
         example.main(["--dataset", str(text_corpus / "stdlib.jsonl"), "--tokenizer", str(tmp_path / "nope")])
     for argv, message in ((["--tokenizer", "tok/"], "--dataset and --tokenizer go together"),
-                          (["--resume"], "--resume needs --checkpoint-dir")):
+                          (["--resume"], "--resume and --resume-or-start need --checkpoint-dir")):
         with pytest.raises(SystemExit):
             example.parse_args(argv)
         assert message in capsys.readouterr().err
