@@ -14,6 +14,7 @@ from ..capacity import probe_feasibility
 from ..errors import PlannerError
 from ..plan import plan_from_ranked
 from ..report import explain_rejections, explain_winner, family_champions, headline, render_table, compare
+from ..sanity import check_figures
 from ..search import DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_HEADROOM, PlanSettings, SearchResult, search
 from .common import (
     LAYOUT_KEYS,
@@ -22,6 +23,7 @@ from .common import (
     build_model,
     build_cluster,
     build_train,
+    check_output_path,
     hardware_options,
     layout_options,
     model_options,
@@ -98,6 +100,7 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
     Layout degrees (--tp, --ulysses, ...) and memory options (--zero, --checkpointing, --tiled-mlp, ...)
     given on the command line are pinned; everything else is searched.
     """
+    check_output_path(out_file, "--out")
     settings, train_kwargs, _ = settings_from(ctx, options, top)
     model = build_model(model_name)
     train = build_train(**train_kwargs)
@@ -112,6 +115,7 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
             click.echo(headline(model, train, topology, gpus, result))
             click.echo("\n".join(report["lines"]))
         ctx.exit(1)
+    check_figures([p.to_json_dict() for p in result.plans], "the plans")
     explanation = explain_winner(result, model)
     if out_file:
         plan_from_ranked(result.plans[0], model, topology, gpus, explanation, stack=result.stack,

@@ -10,6 +10,8 @@ import click
 from cost_models.errors import CostModelError
 from cost_models.units import parse_seq_len
 
+from .common import check_output_path
+
 #: Bounds on message sizes: one byte-ish message is pure latency; 4 GiB is more than any link test needs.
 MIN_SIZE, MAX_SIZE = 64, 4 << 30
 
@@ -44,6 +46,7 @@ def command(out: Path, sizes: str | None, compute_budget: float | None, link_bud
     (on one or more nodes) to also fit alpha and beta of the intra- and inter-node links. On a CPU-only
     machine the ranks are CPU processes over gloo. The file works with `--topology FILE` everywhere.
     """
+    check_output_path(out, "--out")
     parsed = _sizes(sizes)
     try:
         from runtime.probe.run import run_probe
