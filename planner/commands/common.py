@@ -5,6 +5,7 @@ One definition keeps spelling, defaults and validation identical across commands
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,17 @@ class SeqLenType(click.ParamType):
 
 
 SEQ_LEN = SeqLenType()
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click's FloatRange, refusing NaN: every comparison with NaN is false, so FloatRange(0, 0.9) lets
+    ``nan`` through (a probe then ran with a NaN time budget, a plan kept NaN headroom)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        result = super().convert(value, param, ctx)
+        if result is not None and not math.isfinite(result):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return result
 
 
 def model_options(func: Callable) -> Callable:

@@ -22,6 +22,7 @@ from .common import (
     build_assume,
     build_model,
     build_cluster,
+    FiniteFloatRange,
     build_train,
     check_output_path,
     hardware_options,
@@ -35,11 +36,11 @@ from .common import (
 def planning_options(func):
     """Flags shared by plan and capacity: --headroom, --global-batch-tokens, --max-offload-gb."""
     for option in reversed([
-        click.option("--headroom", type=click.FloatRange(0.0, 0.9, max_open=True), default=DEFAULT_HEADROOM, show_default=True,
+        click.option("--headroom", type=FiniteFloatRange(0.0, 0.9, max_open=True), default=DEFAULT_HEADROOM, show_default=True,
                      help="Fraction of GPU memory kept free beyond the modelled overheads."),
         click.option("--global-batch-tokens", type=click.IntRange(1, 1 << 40), default=DEFAULT_GLOBAL_BATCH_TOKENS,
                      show_default=True, help="Tokens per optimizer step every layout is compared at."),
-        click.option("--max-offload-gb", type=click.FloatRange(0.0, 1e6), default=None, metavar="GB",
+        click.option("--max-offload-gb", type=FiniteFloatRange(0.0, 1e6), default=None, metavar="GB",
                      help="Most host memory (GB = 1e9 bytes) offloaded state may use per GPU; 0 forbids offloading. "
                           "Default: the node's RAM per GPU."),
     ]):
