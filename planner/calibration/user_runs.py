@@ -39,6 +39,8 @@ from cost_models.train_spec import TrainSpec
 from .runs import MeasuredRun
 
 MAX_RUN_FILE_BYTES = 1 << 26
+#: Most measurements one calibrate reads (all files together): each is predicted before and after the fit
+#: (about 1 ms each), while the fit itself sees at most ``user_fit.MAX_FIT_RUNS`` of them.
 MAX_RUNS = 10_000
 _LAYOUT = ("tp", "ulysses", "ring", "dp_shard", "dp_replicate")
 _BOOL = ("offload_optimizer", "offload_params", "offload_checkpoints", "tiled_mlp", "tiled_loss", "fp8_linears",
@@ -242,6 +244,9 @@ def load_runs(paths: list[Path], cache_dir: Path, stack: str) -> list[MeasuredRu
         if not isinstance(data, dict):
             raise CostModelError(f"{path}: expected the JSON object `sp-plan validate --json` prints")
         runs.extend(runs_from_validate(data, str(path), cache_dir, stack))
+    if len(runs) > MAX_RUNS:
+        raise CostModelError(f"{len(runs)} measurements in {len(paths)} files; calibrate takes at most {MAX_RUNS} "
+                             "(every one is predicted twice; a few hundred constrain every fitted parameter)")
     return runs
 
 
