@@ -362,7 +362,6 @@ def test_the_fit_sees_at_most_max_fit_runs_and_the_rest_are_reported_held_out(tm
     from planner.calibration.user_runs import runs_from_csv
 
     monkeypatch.setattr(user_fit, "MAX_FIT_RUNS", 6)
-    monkeypatch.setattr(user_fit.fit_sample, "__defaults__", (6,))
     seen: list[int] = []
     real_fit = user_fit.fit
 

@@ -100,18 +100,24 @@ def run_topology(ref: str, gpus: int) -> Topology:
 TIME_METRICS = frozenset({"tps_per_gpu", "step_s", "tflops_per_gpu", "layer_fwd_ms", "layer_bwd_ms"})
 
 
-#: (model, train, layout, topology reference, world, memory assumptions as JSON) -> offload traffic.
-_OFFLOAD: Memo[OffloadTraffic] = Memo()
+#: (model, train, layout, topology reference) -> [(memory assumptions, offload traffic)], newest last.
+_OFFLOAD: Memo[list[tuple[MemoryAssumptions, OffloadTraffic]]] = Memo(4096)
 
 
 def _offload(run: MeasuredRun, topology: Topology, assumptions: MemoryAssumptions) -> OffloadTraffic:
     """The host-resident bytes the time model charges PCIe traffic for: they depend on the memory
     assumptions only, not on the kernel and time parameters a calibration fit moves, so a fit that
-    predicts the same run hundreds of times computes its memory report once. (The assumptions are keyed
-    by their JSON: they hold a dict and cannot be hashed.)"""
-    key = (run.model, run.train, run.layout, run.topology, run.layout.world, assumptions.model_dump_json())
-    return _OFFLOAD.get(key, lambda: offload_traffic(
-        memory_report(run.model, run.train, run.layout, topology.gpu, assumptions).host_memory))
+    predicts the same run hundreds of times computes its memory report once. The assumptions hold a dict
+    and cannot be hashed; each fit evaluation builds an equal copy, so they are compared by value among
+    the few seen for the run."""
+    seen = _OFFLOAD.get((run.model, run.train, run.layout, run.topology), list)
+    for known, traffic in reversed(seen):
+        if known is assumptions or known == assumptions:
+            return traffic
+    traffic = offload_traffic(memory_report(run.model, run.train, run.layout, topology.gpu, assumptions).host_memory)
+    seen.append((assumptions, traffic))
+    del seen[:-8]  # a fit of memory parameters sees new assumptions at every step: keep the latest few
+    return traffic
 
 
 def _run_time(run: MeasuredRun, profile: CostProfile) -> TimeEstimate:

@@ -123,20 +123,22 @@ def _error_rows(label: str, runs: Sequence[MeasuredRun], before: Sequence[float]
     return rows
 
 
-#: Most runs the optimizer fits on. Each fit evaluates every run's prediction about a hundred times
-#: (finite-difference Jacobians of up to 11 parameters, ~10 iterations); beyond a few hundred runs more
-#: rows add no information about 11 parameters but cost linear time (1,000 runs took minutes). Larger
+#: Most runs the optimizer fits on. Each fit evaluates every run's prediction 100-150 times
+#: (finite-difference Jacobians of up to 11 parameters, 10-20 iterations); beyond about ten runs per
+#: parameter more rows add little information but cost linear time (1,000 runs took minutes). Larger
 #: sets are fitted on an evenly spread sample (:func:`fit_sample`); every run is still predicted before
 #: and after, and the runs outside the sample are reported as held out.
-MAX_FIT_RUNS = 200
+MAX_FIT_RUNS = 120
 #: Leave-one-file-out cross-validation refits once per fold; with more files than this, files are
 #: grouped into this many folds (whole files stay together).
 MAX_FOLDS = 5
 
 
-def fit_sample(runs: Sequence[MeasuredRun], limit: int = MAX_FIT_RUNS) -> list[MeasuredRun]:
-    """At most ``limit`` of ``runs``, evenly spaced over them sorted by metric, source, layout and size, so
-    every metric, file and layout keeps its share; deterministic (the same runs give the same sample)."""
+def fit_sample(runs: Sequence[MeasuredRun], limit: int | None = None) -> list[MeasuredRun]:
+    """At most ``limit`` (default :data:`MAX_FIT_RUNS`) of ``runs``, evenly spaced over them sorted by
+    metric, source, layout and size, so every metric, file and layout keeps its share; deterministic (the
+    same runs give the same sample)."""
+    limit = MAX_FIT_RUNS if limit is None else max(2, limit)
     runs = list(runs)
     if len(runs) <= limit:
         return runs
