@@ -7,8 +7,8 @@ load; unknown keys are rejected so a typo never silently falls back to a default
 
 A plan file cut short (an interrupted copy, a full disk on an old version that wrote in place) must not
 load as a smaller plan: every file ends with ``end_of_plan: true``, which :func:`load_plan` requires, and
-a plan must be internally consistent (its GPU count is its layout's world size, the nodes hold the GPUs,
-the estimate has its sections), so a hand edit that changes one without the other is refused instead of
+a plan must be internally consistent (its GPU count is its layout's world size, a node holds no more
+GPUs than the plan uses, the estimate has its sections), so a hand edit that changes one without the other is refused instead of
 launching a run of the wrong size. The marker is a last key rather than a checksum so plans stay
 editable by hand.
 """
