@@ -59,6 +59,23 @@ def test_topo_show_prints_a_preset_with_unset_efficiencies_and_writes_out(tmp_pa
     assert load_topology(out).spec == load_topology("dgx-h100").spec
 
 
+def test_topo_show_renders_every_preset_and_a_file_with_its_own_efficiencies(tmp_path, capsys):
+    from cost_models.topology import preset_names
+    from cost_models.topology.presets import spec_to_yaml
+
+    for name in preset_names():
+        code, stdout, err = sp(["topo", "show", name], capsys)
+        assert code == 0 and "Compute efficiency" in stdout, (name, err)
+    data = yaml.safe_load(spec_to_yaml(load_topology("l40s-pcie").spec))
+    data.setdefault("calibration", {})["compute"] = {"matmul": 0.42}
+    path = tmp_path / "own.yaml"
+    path.write_text(yaml.safe_dump(data))
+    code, stdout, err = sp(["topo", "show", path], capsys)
+    assert code == 0, err
+    line = next(ln for ln in stdout.splitlines() if "Compute efficiency" in ln)
+    assert "matmul 0.42," in line and "attention fwd" in line and "(kernel model)" in line
+
+
 # ----- exit codes: "no plan fits" is 1 -----------------------------------------------------------------
 
 
