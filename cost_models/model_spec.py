@@ -7,6 +7,7 @@ only as good as this count, and the tests check it against each model's publishe
 from __future__ import annotations
 
 import json
+import math
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -194,6 +195,26 @@ _HF_FAMILIES: dict[str, tuple[bool, bool]] = {
 }
 
 
+#: Deepest JSON nesting a config.json may have (real ones nest two or three levels: rope_scaling,
+#: quantization_config). Checked before parsing: Python's json recurses and a hostile file of nested
+#: brackets would otherwise end in a RecursionError.
+_MAX_CONFIG_DEPTH = 32
+
+
+def _json_depth_ok(text: str, limit: int = _MAX_CONFIG_DEPTH) -> bool:
+    """True when no bracket nesting in ``text`` goes deeper than ``limit`` (brackets inside strings are
+    counted too: an over-estimate that only a config with 32 nested brackets in its strings could hit)."""
+    depth = 0
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+            if depth > limit:
+                return False
+        elif ch in "]}":
+            depth -= 1
+    return True
+
+
 def load_hf_config(path: Path) -> ModelSpec:
     """Read a local Hugging Face ``config.json`` (Llama/Mistral/Qwen2/Qwen3) without network access."""
     if path.is_dir():
@@ -203,15 +224,68 @@ def load_hf_config(path: Path) -> ModelSpec:
     if path.stat().st_size > _MAX_CONFIG_BYTES:
         raise CostModelError(f"{path} is larger than 1 MiB, which no model config.json is")
     try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        text = path.read_text()
+    except UnicodeDecodeError as exc:
+        raise CostModelError(f"{path} is not a UTF-8 text file, so not a config.json: {exc.reason}") from exc
+    except OSError as exc:
+        raise CostModelError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if not _json_depth_ok(text):
+        raise CostModelError(f"{path} nests deeper than {_MAX_CONFIG_DEPTH} levels, which no model config.json does")
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise CostModelError(f"{path} is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # belt and braces: the depth check above should have caught it
+        raise CostModelError(f"{path} nests too deeply to be a model config.json") from exc
     if not isinstance(config, dict):
         raise CostModelError(f"{path} must hold a JSON object")
     return model_from_hf_dict(config, name=path.parent.name or path.stem)
 
 
+#: config.json size fields -> the ModelSpec bound they must respect (the same limits, named for the user).
+_HF_SIZE_FIELDS = {
+    "num_hidden_layers": ModelSpec.model_fields["num_layers"],
+    "hidden_size": ModelSpec.model_fields["hidden_size"],
+    "num_attention_heads": ModelSpec.model_fields["num_heads"],
+    "num_key_value_heads": ModelSpec.model_fields["num_kv_heads"],
+    "head_dim": ModelSpec.model_fields["head_dim"],
+    "intermediate_size": ModelSpec.model_fields["ffn_hidden_size"],
+    "vocab_size": ModelSpec.model_fields["vocab_size"],
+}
+
+
+def _bounds(field: object) -> tuple[int, int]:
+    lo, hi = 1, None
+    for meta in getattr(field, "metadata", ()):
+        lo = getattr(meta, "ge", None) or lo
+        hi = getattr(meta, "le", None) or hi
+    return int(lo), int(hi if hi is not None else 1 << 62)
+
+
+def _size(config: dict, key: str, name: str, default: int | None = None) -> int:
+    """A config.json size field as a positive int within the model's bounds, or one clear error.
+
+    JSON (as Python reads it) allows Infinity, NaN, 1e400, booleans, strings and fractions where a size is
+    expected; int() would raise OverflowError on some, truncate others and a zero would reach a division.
+    """
+    value = config.get(key)
+    if value is None:
+        if default is not None:
+            return default
+        raise CostModelError(f"{name}: config.json lacks required field {key!r}")
+    lo, hi = _bounds(_HF_SIZE_FIELDS[key])
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CostModelError(f"{name}: config.json field {key!r} must be a whole number, not {value!r}")
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        raise CostModelError(f"{name}: config.json field {key!r} must be a finite whole number, not {value!r}")
+    number = int(value)
+    if not lo <= number <= hi:
+        raise CostModelError(f"{name}: config.json field {key!r} is {number}; it must be between {lo} and {hi:,}")
+    return number
+
+
 def model_from_hf_dict(config: dict, name: str = "hf-model") -> ModelSpec:
+    """A ModelSpec from a parsed HF config, every size checked (positive, finite, bounded, heads consistent)."""
     model_type = str(config.get("model_type", "")).lower()
     if model_type not in _HF_FAMILIES:
         raise CostModelError(
@@ -220,30 +294,34 @@ def model_from_hf_dict(config: dict, name: str = "hf-model") -> ModelSpec:
     if config.get("num_experts") or config.get("num_local_experts"):
         raise CostModelError(f"{name}: mixture-of-experts configs are not modelled yet; use a dense model")
     qkv_bias_default, qk_norm = _HF_FAMILIES[model_type]
-    try:
-        heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
-        fields = dict(
-            name=name,
-            num_layers=int(config["num_hidden_layers"]),
-            hidden_size=hidden,
-            num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-            ffn_hidden_size=int(config["intermediate_size"]),
-            vocab_size=int(config["vocab_size"]),
-            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-            activation="swiglu",
-            norm="rmsnorm",
-            qkv_bias=bool(config.get("attention_bias", qkv_bias_default)),
-            attn_out_bias=bool(config.get("attention_bias", False)) and model_type == "llama",
-            mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=qk_norm,
-        )
-    except KeyError as exc:
-        raise CostModelError(f"{name}: config.json lacks required field {exc.args[0]!r}") from exc
-    except (TypeError, ValueError) as exc:
-        raise CostModelError(f"{name}: config.json has a non-numeric size field ({exc})") from exc
+    heads = _size(config, "num_attention_heads", name)
+    hidden = _size(config, "hidden_size", name)
+    kv_heads = _size(config, "num_key_value_heads", name, default=heads)
+    if config.get("head_dim") is None and hidden % heads:
+        raise CostModelError(
+            f"{name}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} and config.json gives "
+            "no head_dim; add head_dim or fix the head count")
+    if heads % kv_heads:
+        raise CostModelError(
+            f"{name}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads} (each KV head "
+            "serves a whole number of query heads); fix one of them")
+    fields = dict(
+        name=name,
+        num_layers=_size(config, "num_hidden_layers", name),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=_size(config, "head_dim", name, default=hidden // heads or 1),
+        ffn_hidden_size=_size(config, "intermediate_size", name),
+        vocab_size=_size(config, "vocab_size", name),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        activation="swiglu",
+        norm="rmsnorm",
+        qkv_bias=bool(config.get("attention_bias", qkv_bias_default)),
+        attn_out_bias=bool(config.get("attention_bias", False)) and model_type == "llama",
+        mlp_bias=bool(config.get("mlp_bias", False)),
+        qk_norm=qk_norm,
+    )
     try:
         return ModelSpec(**fields)
     except ValidationError as exc:

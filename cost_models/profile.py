@@ -12,12 +12,13 @@ Three layers, later ones win:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .errors import CostModelError
 from .kernels import KernelModel, kernel_model
@@ -27,6 +28,12 @@ from .yaml_io import parse_mapping, read_small_text, validated
 
 MAX_CALIBRATION_FILE_BYTES = 1 << 22
 CALIBRATION_KIND = "sp-plan-calibration"
+#: Smallest fraction of peak (GEMM, attention, HBM efficiency) a calibration may set. Real kernels reach
+#: 0.1-0.8 of peak; below 1/1000 a GPU would be slower than a CPU core, so such a value is a typo or a
+#: unit mix-up, and would print a step of centuries as a prediction (1e-300 gave a 2e297 s step).
+MIN_EFFICIENCY = 1e-3
+#: Largest fixed cost per kernel launch, ring step or layer a calibration may set (seconds).
+MAX_FIXED_COST_S = 1.0
 
 
 class CalibrationError(BaseModel):
@@ -36,8 +43,9 @@ class CalibrationError(BaseModel):
 
     metric: str
     runs: int = Field(ge=0)
-    before_mean_abs_pct: float
-    after_mean_abs_pct: float
+    #: Finite: an infinite percentage means a measurement was not validated (calibrate refuses those).
+    before_mean_abs_pct: float = Field(ge=0, allow_inf_nan=False)
+    after_mean_abs_pct: float = Field(ge=0, allow_inf_nan=False)
     before_kendall_tau: float | None = None
     after_kendall_tau: float | None = None
 
@@ -62,6 +70,32 @@ class CalibrationFile(BaseModel):
     fitted_on: list[str] = Field(default_factory=list, max_length=10_000, description="runs used by the fit")
     held_out: list[str] = Field(default_factory=list, max_length=10_000, description="runs used to check it")
     errors: list[CalibrationError] = Field(default_factory=list)
+
+    @field_validator("kernels")
+    @classmethod
+    def _sane_kernels(cls, kernels: dict[str, float]) -> dict[str, float]:
+        """Fractions of peak in [MIN_EFFICIENCY, 1], fixed costs in [0, MAX_FIXED_COST_S], all finite."""
+        for path, value in kernels.items():
+            if not math.isfinite(value):
+                raise ValueError(f"kernels.{path} = {value} is not a finite number")
+            if path.endswith(("fraction", "efficiency")) and not MIN_EFFICIENCY <= value <= 1.0:
+                raise ValueError(
+                    f"kernels.{path} = {value:g} is not a fraction of peak in [{MIN_EFFICIENCY:g}, 1] (below "
+                    f"{MIN_EFFICIENCY:g} a GPU would be slower than a CPU core: a typo or a unit mix-up)")
+            if path.endswith("_s") and not 0 <= value <= MAX_FIXED_COST_S:
+                raise ValueError(f"kernels.{path} = {value:g} s is not a fixed cost in [0, {MAX_FIXED_COST_S:g}] s")
+            if value < 0:
+                raise ValueError(f"kernels.{path} = {value:g} is negative")
+        return kernels
+
+    @field_validator("time", "memory")
+    @classmethod
+    def _finite(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """Numbers must be finite (the stack's own bounds check the rest when the overrides apply)."""
+        for key, value in values.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{key} = {value} is not a finite number")
+        return values
 
 
 def load_calibration(path: str | Path) -> CalibrationFile:

@@ -23,7 +23,7 @@ from cost_models.topology import Topology
 from cost_models.train_spec import TrainSpec
 from cost_models.units import MAX_SEQ_LEN
 
-from .errors import PlannerError
+from .errors import NoFitError, PlannerError
 from .search import PlanSettings, RankedPlan, SearchResult, _Searcher, search
 from .space import layout_space
 
@@ -151,8 +151,11 @@ def max_seq_len(model: ModelSpec, base: TrainSpec, topology: Topology, settings:
         return probe_feasibility(model, train, topology, settings, assumptions).fits
 
     if not feasible(1):
-        raise PlannerError(
-            f"{model.name} does not fit on {world} x {topology.gpu.name} even at {step} tokens; "
+        closest = probe_feasibility(model, base.model_copy(update={"seq_len": step}), topology, settings,
+                                    assumptions)
+        miss = f" (closest: {closest.describe_miss()})" if closest.layout else ""
+        raise NoFitError(
+            f"{model.name} does not fit on {world} x {topology.gpu.name} even at {step} tokens{miss}; "
             "use more GPUs (see `sp-plan capacity --seq-len ...`) or allow offloading"
         )
     lo, hi = 1, 2
@@ -230,9 +233,16 @@ def min_gpus(model: ModelSpec, base: TrainSpec, topology_for: TopologyFactory, g
         hi = hi * 2 + 1
     if hi >= len(chain):
         if not feasible(chain[-1]):
-            raise PlannerError(
+            miss = ""
+            try:
+                closest = probe_feasibility(model, base, topology_for(chain[-1]), settings, assumptions)
+                miss = f" (closest on {chain[-1]} GPUs: {closest.describe_miss()})" if closest.layout else ""
+            except CostModelError:
+                pass  # no topology of that size: the message below still says what to change
+            raise NoFitError(
                 f"{model.name} at {base.seq_len:,} tokens does not fit on up to {chain[-1]} x "
-                f"{topology_for(gpus_per_node).gpu.name}; shorten the sequence or allow more memory options"
+                f"{topology_for(gpus_per_node).gpu.name}{miss}; shorten the sequence, raise --max-gpus or allow "
+                "more memory options"
             )
         hi = len(chain) - 1
     lo = (hi - 1) // 2 if hi > 0 else -1  # last index known (or assumed) infeasible

@@ -2,7 +2,8 @@
 
 Subcommands live in ``planner.commands.<name>`` and are imported only when invoked, so ``sp-plan
 --help`` stays fast and never pulls in heavy modules (and never torch). Every project error is
-printed as one line on stderr with exit code 2, without a traceback.
+printed as one line on stderr with exit code 2, without a traceback; "nothing fits" answers (a
+:class:`~planner.errors.NoFitError` or a command's own ``ctx.exit(1)``) exit 1.
 """
 
 from __future__ import annotations
@@ -55,9 +56,15 @@ def main(argv: list[str] | None = None) -> None:
     from pydantic import ValidationError
 
     from cost_models.errors import CostModelError, explain_validation_error
+    from planner.errors import NoFitError
 
     try:
-        cli.main(args=argv, standalone_mode=False)
+        # Without standalone mode click *returns* the code a command exits with (``ctx.exit(1)``: no plan
+        # fits) instead of raising it: pass it on, or every such answer would leave with status 0.
+        code = cli.main(args=argv, standalone_mode=False)
+    except NoFitError as exc:  # a valid question whose answer is "nothing fits": exit 1, as README promises
+        click.echo(f"no fit: {exc}", err=True)
+        sys.exit(1)
     except CostModelError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -72,6 +79,16 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    except RecursionError:  # a pathologically nested input that slipped past a reader's own bound
+        click.echo("error: the input is nested too deeply to read; give a flat file of the documented format",
+                   err=True)
+        sys.exit(2)
+    except OSError as exc:  # a file the user named cannot be read or written: name it, no traceback
+        where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+        click.echo(f"error: cannot access{where}: {exc.strerror or exc}", err=True)
+        sys.exit(2)
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

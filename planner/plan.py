@@ -4,16 +4,24 @@ A plan pins everything needed to reproduce the run: the full model architecture 
 from a local config.json works on a machine without that file), the training options, the layout,
 the hardware it was planned for, and the prediction it was chosen on. YAML on disk, validated on
 load; unknown keys are rejected so a typo never silently falls back to a default.
+
+A plan file cut short (an interrupted copy, a full disk on an old version that wrote in place) must not
+load as a smaller plan: every file ends with ``end_of_plan: true``, which :func:`load_plan` requires, and
+a plan must be internally consistent (its GPU count is its layout's world size, a node holds no more
+GPUs than the plan uses, the estimate has its sections), so a hand edit that changes one without the other is refused instead of
+launching a run of the wrong size. The marker is a last key rather than a checksum so plans stay
+editable by hand.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from cost_models.atomic_io import atomic_write_text
 from cost_models.errors import explain_validation_error
 from cost_models.layout import Layout
 from cost_models.model_spec import ModelSpec
@@ -26,6 +34,10 @@ from cost_models.yaml_io import read_small_text, safe_load
 PLAN_FORMAT_VERSION = 1
 #: Plans are a few KB; refuse anything large before parsing it.
 _MAX_PLAN_BYTES = 4 << 20
+#: The last key of every plan file; its absence means the file was cut short.
+END_MARKER = "end_of_plan"
+#: Sections a recorded estimate must have (what export's notes and validate's comparison read).
+ESTIMATE_SECTIONS = ("memory", "fits", "time")
 
 
 class Hardware(BaseModel):
@@ -61,12 +73,32 @@ class Plan(BaseModel):
     stack: str = Field(default=DEFAULT_STACK, min_length=1, max_length=4096)
     #: The calibration file the prediction used (``--calibration``), or None.
     calibration: str | None = Field(default=None, max_length=4096)
+    #: Completeness marker: declared last so it is the file's last line (see the module docstring).
+    end_of_plan: Literal[True] = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Plan":
+        """Refuse plans whose parts disagree: each part alone is valid, together they describe no run."""
+        world, hw = self.layout.world, self.hardware
+        if hw.num_gpus != world:
+            raise ValueError(
+                f"hardware.num_gpus is {hw.num_gpus} but the layout ({self.layout.describe()}) uses {world} GPUs; "
+                "the file was edited or cut: re-run `sp-plan plan ... --out` for the cluster you mean")
+        if hw.gpus_per_node > hw.num_gpus:
+            raise ValueError(f"hardware.gpus_per_node {hw.gpus_per_node} exceeds num_gpus {hw.num_gpus}")
+        if self.estimate:
+            missing = [k for k in ESTIMATE_SECTIONS if k not in self.estimate]
+            if missing:
+                raise ValueError(f"the estimate lacks {', '.join(missing)} (the file is incomplete); "
+                                 "re-run `sp-plan plan ... --out`")
+        return self
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_yaml())
+        """Write the plan whole or not at all (a crash mid-write leaves the previous file, never half)."""
+        atomic_write_text(path, self.to_yaml(), error=PlannerError)
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -78,10 +110,12 @@ def load_plan(path: str | Path) -> Plan:
         data = safe_load(text)
     except yaml.YAMLError as exc:
         raise PlannerError(f"{file} is not valid YAML: {exc}".splitlines()[0]) from exc
-    return plan_from_dict(data, str(file))
+    return plan_from_dict(data, str(file), require_end=True)
 
 
-def plan_from_dict(data: Any, source: str = "plan") -> Plan:
+def plan_from_dict(data: Any, source: str = "plan", *, require_end: bool = False) -> Plan:
+    """A validated plan from parsed data. ``require_end``: the data came from a file, which must carry the
+    completeness marker (a dict handed over in memory, e.g. from a checkpoint, cannot be cut short)."""
     if not isinstance(data, dict):
         raise PlannerError(f"{source} must hold a mapping with model, train, layout and hardware")
     version = data.get("sp_plan_format", PLAN_FORMAT_VERSION)
@@ -89,6 +123,10 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
         raise PlannerError(
             f"{source} has plan format {version}; this sp-plan reads format {PLAN_FORMAT_VERSION}: re-run `sp-plan plan`"
         )
+    if require_end and data.get(END_MARKER) is not True:
+        raise PlannerError(
+            f"{source} does not end with `{END_MARKER}: true`: the file was cut short (an interrupted write or "
+            "copy) or predates the marker; write it again with `sp-plan plan ... --out`")
     try:
         return Plan(**data)
     except ValidationError as exc:

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from ..atomic_io import atomic_write_text
 from ..errors import CostModelError
 from ..gpu_spec import canonical_gpu_name, get_gpu_preset
 from ..yaml_io import parse_mapping, read_small_text, safe_load, validated
@@ -257,8 +258,5 @@ def save_topology(topology: Topology | TopologySpec, path: str | Path) -> Path:
     spec = topology.spec if isinstance(topology, Topology) else topology
     path = Path(path).expanduser()
     header = f"# sp-plan topology, written {_dt.date.today().isoformat()}; edit calibration to tune predictions\n"
-    try:
-        path.write_text(header + spec_to_yaml(spec))
-    except OSError as exc:
-        raise CostModelError(f"cannot write topology to {path}: {exc.strerror}") from exc
+    atomic_write_text(path, header + spec_to_yaml(spec))  # whole or not at all; one-line errors
     return path

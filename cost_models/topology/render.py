@@ -29,6 +29,37 @@ def _tflops(value: float) -> str:
     return f"{tera:,.1f}" if tera >= 10 else f"{tera:.3g}"
 
 
+def _compute_efficiencies(topology: Topology) -> str:
+    """matmul / attention / HBM fractions the predictions use on this topology, each tagged with its origin.
+
+    A topology leaves these unset (None) unless a probe or a user measured them; the prediction then uses
+    the GPU's kernel model (fitted to published runs). Showing that value, labelled, tells the user what
+    the estimates assume instead of failing on the unset field or hiding it.
+    """
+    from ..compute_time import fractions  # lazy: compute_time imports the topology package
+    from ..errors import CostModelError
+    from ..profile import default_profile
+
+    c = topology.spec.calibration.compute
+    try:
+        used = fractions(topology, default_profile(topology.gpu.name))
+        fallback = {"matmul": used.matmul, "attention_forward": used.attention_forward,
+                    "attention_backward": used.attention_backward, "memory": used.memory}
+    except CostModelError:  # an inline GPU without a kernel file: nothing to fall back on
+        fallback = {}
+    parts = []
+    for label, field in (("matmul", "matmul"), ("attention fwd", "attention_forward"),
+                         ("bwd", "attention_backward"), ("HBM", "memory")):
+        own = getattr(c, field)
+        if own is not None:
+            parts.append(f"{label} {own:.2f}")
+        elif field in fallback:
+            parts.append(f"{label} {fallback[field]:.2f} (kernel model)")
+        else:
+            parts.append(f"{label} unset")
+    return ", ".join(parts)
+
+
 def render(topology: Topology) -> str:
     spec, gpu = topology.spec, topology.gpu
     node, host = spec.node, spec.node.host
@@ -82,8 +113,8 @@ def render(topology: Topology) -> str:
     c = cal.compute
     lines.append("")
     lines.append(
-        f"  Compute efficiency (fraction of peak): matmul {c.matmul:.2f}, attention fwd {c.attention_forward:.2f}, "
-        f"bwd {c.attention_backward:.2f}; HBM {c.memory:.2f}, PCIe {c.pcie:.2f}, host memory {c.host_memory:.2f}"
+        f"  Compute efficiency (fraction of peak): {_compute_efficiencies(topology)}; PCIe {c.pcie:.2f}, "
+        f"host memory {c.host_memory:.2f}"
     )
     lines.append(f"  Calibration source: {cal.source}")
     for cls, entry in cal.links.items():

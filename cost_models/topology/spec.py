@@ -38,6 +38,9 @@ MAX_SOCKETS = 8
 MAX_BANDWIDTH = 1e15
 MAX_LATENCY = 1.0
 MAX_RAM_BYTES = 1 << 50
+#: Smallest efficiency (achieved / nominal) a topology may state. Probes and NCCL reach 0.3-0.95; below
+#: 1/1000 the figure is a unit mix-up or a typo, and would turn into predictions of centuries per step.
+MIN_EFFICIENCY = 1e-3
 _Bandwidth = Field(gt=0, le=MAX_BANDWIDTH, description="bytes/s per direction")
 _Latency = Field(ge=0, le=MAX_LATENCY, description="seconds per hop")
 
@@ -138,7 +141,7 @@ class LinkCalibration(_Strict):
     """
 
     alpha: float | None = Field(default=None, ge=0, le=MAX_LATENCY)
-    efficiency: float | None = Field(default=None, gt=0, le=1.5)
+    efficiency: float | None = Field(default=None, ge=MIN_EFFICIENCY, le=1.5)
     bandwidth: float | None = Field(default=None, gt=0, le=MAX_BANDWIDTH)
     fitted_from: str = Field(default="", max_length=500, description="how these numbers were obtained")
 
@@ -158,12 +161,12 @@ class ComputeCalibration(_Strict):
     the GPU's kernel file, which is fitted to published runs. Pinned-memory copies default to ~80% of
     the PCIe link and a CPU AdamW to ~50% of the host memory bandwidth."""
 
-    matmul: float | None = Field(default=None, gt=0, le=1.5)
-    attention_forward: float | None = Field(default=None, gt=0, le=1.5)
-    attention_backward: float | None = Field(default=None, gt=0, le=1.5)
-    memory: float | None = Field(default=None, gt=0, le=1.5)
-    pcie: float = Field(default=0.80, gt=0, le=1.5)
-    host_memory: float = Field(default=0.50, gt=0, le=1.5)
+    matmul: float | None = Field(default=None, ge=MIN_EFFICIENCY, le=1.5)
+    attention_forward: float | None = Field(default=None, ge=MIN_EFFICIENCY, le=1.5)
+    attention_backward: float | None = Field(default=None, ge=MIN_EFFICIENCY, le=1.5)
+    memory: float | None = Field(default=None, ge=MIN_EFFICIENCY, le=1.5)
+    pcie: float = Field(default=0.80, ge=MIN_EFFICIENCY, le=1.5)
+    host_memory: float = Field(default=0.50, ge=MIN_EFFICIENCY, le=1.5)
 
 
 class CalibrationSpec(_Strict):

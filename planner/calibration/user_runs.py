@@ -21,12 +21,14 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from cost_models.atomic_io import atomic_write_text
 from cost_models.errors import CostModelError, explain_validation_error
 from cost_models.layout import Layout
 from cost_models.model_spec import ModelSpec, load_model
@@ -37,6 +39,8 @@ from cost_models.train_spec import TrainSpec
 from .runs import MeasuredRun
 
 MAX_RUN_FILE_BYTES = 1 << 26
+#: Most measurements one calibrate reads (all files together): each is predicted before and after the fit
+#: (about 1 ms each), while the fit itself sees at most ``user_fit.MAX_FIT_RUNS`` of them.
 MAX_RUNS = 10_000
 _LAYOUT = ("tp", "ulysses", "ring", "dp_shard", "dp_replicate")
 _BOOL = ("offload_optimizer", "offload_params", "offload_checkpoints", "tiled_mlp", "tiled_loss", "fp8_linears",
@@ -58,34 +62,54 @@ def _topology_file(spec: dict[str, Any], cache_dir: Path) -> str:
     text = spec_to_yaml(parsed)
     path = cache_dir / f"topology-{hashlib.sha256(text.encode()).hexdigest()[:16]}.yaml"
     if not path.exists():
-        path.write_text(text)
+        atomic_write_text(path, text)
     return str(path)
 
 
 def runs_from_validate(data: dict[str, Any], origin: str, cache_dir: Path, stack: str) -> list[MeasuredRun]:
-    """Measured runs in one ``sp-plan validate --json`` report: its step time, and peak memory on GPUs."""
-    if not data.get("plan") or not data.get("time_topology"):
+    """Measured runs in one ``sp-plan validate --json`` report: its step time, and peak memory on GPUs.
+
+    The report is a user file: every section is checked for its type and every measurement for its
+    bounds (:data:`MEASURE_BOUNDS`), and each problem is one line naming the file."""
+    plan, topo = data.get("plan"), data.get("time_topology")
+    if not isinstance(plan, dict) or not isinstance(topo, dict):
         raise CostModelError(f"{origin}: this validate report has no plan/time_topology section; re-run "
                              "`sp-plan validate --json` with this version of sp-plan")
-    plan = data["plan"]
     try:
         model = ModelSpec(**plan["model"])
         train = TrainSpec(**plan["train"])
         layout = Layout(**plan["layout"])
-    except (ValidationError, KeyError) as exc:
+    except (ValidationError, KeyError, TypeError) as exc:
         raise CostModelError(f"{origin}: the report's plan is not a valid configuration ({exc})".splitlines()[0]) \
             from exc
-    topology = _topology_file(data["time_topology"], cache_dir)
+    try:
+        layout.check_against(model, train.seq_len, train.tp_sequence_parallel)
+    except CostModelError as exc:
+        raise CostModelError(f"{origin}: the report's plan is not a valid configuration ({exc})") from exc
+    topology = _topology_file(topo, cache_dir)
     ranks = data.get("ranks") or []
-    if not ranks:
+    if not isinstance(ranks, list) or not ranks or not all(isinstance(r, dict) for r in ranks):
         raise CostModelError(f"{origin}: the report has no rank measurements")
+    overrides = data.get("memory_overrides") or {}
+    if not isinstance(overrides, dict):
+        raise CostModelError(f"{origin}: memory_overrides must be a mapping")
     common = dict(source=origin, confidence="measured", model=model, train=train, layout=layout,
                   topology=topology, stack=plan.get("stack", stack),
-                  memory_overrides=data.get("memory_overrides", {}), group="user runs")
-    step = max(statistics.median(r["step_seconds"]) for r in ranks if r.get("step_seconds"))
+                  memory_overrides=overrides, group="user runs")
+    medians = []
+    for rank, r in enumerate(ranks):
+        steps = r.get("step_seconds")
+        if not steps:
+            continue
+        if not isinstance(steps, list):
+            raise CostModelError(f"{origin}: rank {rank}'s step_seconds must be a list of seconds")
+        medians.append(statistics.median(measured_value(v, "step_s", f"{origin} rank {rank}") for v in steps))
+    if not medians:
+        raise CostModelError(f"{origin}: no rank has timed steps (step_seconds); run validate with --steps 2 or more")
     label = f"{Path(origin).name}: {model.name} {layout.describe()} {train.seq_len} tokens"
-    runs = [MeasuredRun(id=f"{label} [step_s]", metric="step_s", value=step, **common)]
-    peaks = [r.get("peak_allocated") for r in ranks if r.get("peak_allocated")]
+    runs = [MeasuredRun(id=f"{label} [step_s]", metric="step_s", value=max(medians), **common)]
+    peaks = [measured_value(r["peak_allocated"], "peak_bytes", f"{origin} rank {rank}")
+             for rank, r in enumerate(ranks) if r.get("peak_allocated")]
     if peaks:
         runs.append(MeasuredRun(id=f"{label} [peak]", metric="peak_bytes", value=float(max(peaks)),
                                 **{**common, "group": None}))
@@ -98,28 +122,69 @@ def _cell(row: dict[str, str], key: str) -> str | None:
 
 
 def runs_from_csv(path: Path, stack: str) -> list[MeasuredRun]:
-    """One run per row (see the module docstring for the columns)."""
+    """One run per row (see the module docstring for the columns); every problem is one line naming the
+    file and row."""
     runs: list[MeasuredRun] = []
-    with path.open(newline="") as handle:
-        reader = csv.DictReader(handle)
-        missing = {"model", "seq_len", "gpus"} - set(reader.fieldnames or ())
-        if missing:
-            raise CostModelError(f"{path}: CSV needs the columns {', '.join(sorted(missing))} "
-                                 "(plus layout, options and at least one measurement column)")
-        for i, row in enumerate(reader, start=2):
-            if len(runs) > MAX_RUNS:
-                raise CostModelError(f"{path}: more than {MAX_RUNS} runs")
-            where = f"{path}:{i}"
-            try:
-                runs.extend(_csv_row(row, where, stack))
-            except (ValueError, ValidationError) as exc:
-                if isinstance(exc, CostModelError):
-                    raise
-                raise CostModelError(f"{where}: {exc}".splitlines()[0]) from exc
+    try:
+        with path.open(newline="", encoding="utf-8") as handle:
+            reader = csv.DictReader(handle)
+            fields = reader.fieldnames or ()
+            missing = {"model", "seq_len", "gpus"} - set(fields)
+            if missing:
+                raise CostModelError(f"{path}: CSV needs the columns {', '.join(sorted(missing))} "
+                                     "(plus layout, options and at least one measurement column)")
+            for i, row in enumerate(reader, start=2):
+                where = f"{path}:{i}"
+                if len(runs) >= MAX_RUNS:
+                    raise CostModelError(f"{where}: more than {MAX_RUNS} runs; calibrate on fewer (a few dozen "
+                                         "layouts constrain every fitted parameter)")
+                # DictReader pads a short row with None and files a long row's extra cells under None.
+                if None in row or any(value is None for value in row.values()):
+                    cells = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None) or ())
+                    raise CostModelError(f"{where}: the row has {cells} cells but the header has {len(fields)} "
+                                         "columns; fix the row (empty cells are fine, missing commas are not)")
+                try:
+                    runs.extend(_csv_row(row, where, stack, str(path)))
+                except (ValueError, ValidationError) as exc:
+                    if isinstance(exc, CostModelError):
+                        raise
+                    if isinstance(exc, ValidationError):
+                        raise explain_validation_error(exc, f"run at {where}") from exc
+                    raise CostModelError(f"{where}: {exc}".splitlines()[0]) from exc
+    except UnicodeDecodeError as exc:
+        raise CostModelError(f"{path} is not UTF-8 text (byte {exc.start}): save the CSV as UTF-8") from exc
+    except csv.Error as exc:
+        raise CostModelError(f"{path} is not a readable CSV: {exc}") from exc
     return runs
 
 
-def _csv_row(row: dict[str, str], where: str, stack: str) -> list[MeasuredRun]:
+#: Physical bounds of a measured figure (unit of the CSV column): a value outside them is a typo or a unit
+#: mix-up (milliseconds as seconds, bytes as GiB), not a measurement; fitting to it would drag every
+#: parameter to its bound and print percentage errors of inf.
+MEASURE_BOUNDS: dict[str, tuple[float, float, str]] = {
+    "step_s": (1e-6, 1e6, "seconds per optimizer step (a microsecond to about 11 days)"),
+    "tps_per_gpu": (1e-3, 1e8, "tokens per second per GPU"),
+    "peak_allocated_gib": (1e-6, 1e4, "GiB per GPU"),
+    "reserved_gib": (1e-6, 1e4, "GiB per GPU"),
+    "nvml_used_gib": (1e-6, 1e4, "GiB per GPU"),
+    "peak_bytes": (1.0, 1e4 * (1 << 30), "bytes per rank"),
+}
+
+
+def measured_value(text: object, column: str, where: str) -> float:
+    """A measurement cell as a finite float inside :data:`MEASURE_BOUNDS`, or one error naming the cell."""
+    try:
+        value = float(text)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise CostModelError(f"{where}: {column} {text!r} is not a number") from None
+    lo, hi, unit = MEASURE_BOUNDS[column]
+    if not math.isfinite(value) or not lo <= value <= hi:
+        raise CostModelError(f"{where}: {column} = {text} is outside {lo:g}..{hi:g} {unit}; give the measured "
+                             "value in the column's unit")
+    return value
+
+
+def _csv_row(row: dict[str, str], where: str, stack: str, source: str) -> list[MeasuredRun]:
     model = load_model(row["model"].strip())
     gpus = int(row["gpus"])
     train_kw: dict[str, Any] = {"seq_len": row["seq_len"].strip()}
@@ -141,12 +206,15 @@ def _csv_row(row: dict[str, str], where: str, stack: str) -> list[MeasuredRun]:
     if topology is None:
         raise CostModelError(f"{where}: give a topology (preset or file) or a known gpu")
     label = _cell(row, "id") or f"{Path(where).name}: {model.name} {layout.describe()} {train.seq_len} tokens"
-    common = dict(source=where, confidence="measured", model=model, train=train, layout=layout, topology=topology,
+    # The source is the file, not the row: leave-one-file-out cross-validation holds out a file at a time
+    # (one fit per file; per row it was one fit per row, quadratic in the rows); ids and errors keep the row.
+    common = dict(source=source, confidence="measured", model=model, train=train, layout=layout, topology=topology,
                   stack=_cell(row, "stack") or stack)
     out = []
     for column, (metric, factor) in _MEASURES.items():
         if _cell(row, column):
-            out.append(MeasuredRun(id=f"{label} [{metric}]", metric=metric, value=float(_cell(row, column)) * factor,
+            value = measured_value(_cell(row, column), column, where)
+            out.append(MeasuredRun(id=f"{label} [{metric}]", metric=metric, value=value * factor,
                                    group="user runs" if metric in ("step_s", "tps_per_gpu") else None, **common))
     if not out:
         raise CostModelError(f"{where}: no measurement; give at least one of {', '.join(_MEASURES)}")
@@ -158,19 +226,27 @@ def load_runs(paths: list[Path], cache_dir: Path, stack: str) -> list[MeasuredRu
     runs: list[MeasuredRun] = []
     for path in paths:
         if not path.is_file():
-            raise CostModelError(f"{path} does not exist")
+            raise CostModelError(f"{path} does not exist or is not a file: give a CSV or a validate --json report")
         if path.stat().st_size > MAX_RUN_FILE_BYTES:
             raise CostModelError(f"{path} is larger than {MAX_RUN_FILE_BYTES} bytes")
         if path.suffix.lower() == ".csv":
             runs.extend(runs_from_csv(path, stack))
             continue
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
             raise CostModelError(f"{path} is neither a CSV nor a validate JSON report: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise CostModelError(f"{path} is not UTF-8 text: give a CSV or a `sp-plan validate --json` report") \
+                from exc
+        except RecursionError as exc:
+            raise CostModelError(f"{path} nests too deeply to be a validate report") from exc
         if not isinstance(data, dict):
             raise CostModelError(f"{path}: expected the JSON object `sp-plan validate --json` prints")
         runs.extend(runs_from_validate(data, str(path), cache_dir, stack))
+    if len(runs) > MAX_RUNS:
+        raise CostModelError(f"{len(runs)} measurements in {len(paths)} files; calibrate takes at most {MAX_RUNS} "
+                             "(every one is predicted twice; a few hundred constrain every fitted parameter)")
     return runs
 
 

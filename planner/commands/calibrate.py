@@ -19,6 +19,7 @@ from pathlib import Path
 import click
 import yaml
 
+from cost_models.atomic_io import atomic_write_text
 from cost_models.errors import CostModelError
 
 
@@ -37,6 +38,9 @@ def command(runs: tuple[Path, ...], check: tuple[Path, ...], stack: str, out_fil
     from planner.calibration.user_runs import load_runs
     from planner.calibration.fit import run_gpu
 
+    from .common import check_output_path
+
+    check_output_path(out_file, "--out")
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp)
         fit_runs = load_runs(list(runs), cache, stack)
@@ -49,21 +53,25 @@ def command(runs: tuple[Path, ...], check: tuple[Path, ...], stack: str, out_fil
             raise CostModelError(f"calibrate one GPU type and stack at a time; these runs use GPUs {sorted(gpus)} "
                                  f"and stacks {sorted(stacks)}")
         result = calibrate(fit_runs, check_runs)
-        description = (f"fitted by `sp-plan calibrate` on {len(fit_runs)} measurement(s) from "
+        sampled = len(result.fitted_runs)
+        sample_note = "" if sampled == len(fit_runs) else f" (an evenly spread sample of {len(fit_runs)})"
+        description = (f"fitted by `sp-plan calibrate` on {sampled} measurement(s){sample_note} from "
                        f"{len({r.source for r in fit_runs})} file(s)")
         cal = result.to_file(description)
-    out_file.write_text(yaml.safe_dump(cal.model_dump(mode="json"), sort_keys=False, width=120))
+    atomic_write_text(out_file, yaml.safe_dump(cal.model_dump(mode="json"), sort_keys=False, width=120))
     if as_json:
         click.echo(json.dumps({"calibration": str(out_file), "errors": [e.model_dump() for e in cal.errors],
                                "parameters": result.fit.as_dict()}, indent=2))
         return
-    click.echo(f"fitted {len(result.fit.params)} parameter(s) on {len(fit_runs)} measurement(s); wrote {out_file}")
+    click.echo(f"fitted {len(result.fit.params)} parameter(s) on {sampled} measurement(s){sample_note}; "
+               f"wrote {out_file}")
     for name, value in result.fit.as_dict().items():
         click.echo(f"  {name:<48} {value:.4g}")
     click.echo(f"{'run':<70}{'measured':>11}{'before':>11}{'after':>11}")
+    checked, sampled_ids = {id(r) for r in check_runs}, {id(r) for r in result.fitted_runs}
     for r in fit_runs + check_runs:
         before, after = result.predictions[r.id]
-        tag = " (held out)" if r in check_runs else ""
+        tag = (" (held out)" if id(r) in checked else "" if id(r) in sampled_ids else " (not in fit sample)")
         click.echo(f"{(r.id + tag)[:70]:<70}{r.value:>11.4g}{before:>11.4g}{after:>11.4g}")
     click.echo(f"{'error':<40}{'runs':>5}{'before':>10}{'after':>10}{'tau before':>12}{'tau after':>11}")
     for e in cal.errors:

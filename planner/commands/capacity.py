@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import click
 
+from cost_models.atomic_io import atomic_output
 from cost_models.errors import CostModelError
 from cost_models.units import GB, format_tokens, parse_seq_len
 
 from ..capacity import MAX_GPUS, SweepPoint, max_seq_len, min_gpus, sweep
 from ..errors import PlannerError
 from ..report import describe_options
-from .common import build_model, build_topology, build_train, hardware_options, layout_options, \
-    model_options_optional_seq
+from ..sanity import check_figures
+from .common import build_model, build_topology, build_train, check_output_path, hardware_options, \
+    layout_options, model_options_optional_seq
 from .plan import planning_options, settings_from
 
 
@@ -72,6 +75,7 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
     Without --seq-len: the longest sequence --gpus can train (and the plan that reaches it).
     With --seq-len: the fewest GPUs that can train it. --sweep prints the best plan at each point.
     """
+    check_output_path(plot_file, "--plot")
     settings, train_kwargs, _ = settings_from(ctx, options, top=1)
     model = build_model(model_name)
     seq_len = train_kwargs.pop("seq_len", None)
@@ -94,6 +98,7 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
             points = [(gpus, s) for s in values]
         base = build_train(seq_len=points[0][1], **train_kwargs)
         results = sweep(model, base, topology_for, points, settings)
+        check_figures([_plan_json(p.plan) for p in results if p.plan is not None], "the sweep")
         stack = _stack_fields(settings, topology_for(points[0][0]).gpu.name)
         if plot_file:
             draw_sweep(results, key, plot_file, model.name)
@@ -107,6 +112,8 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
             click.echo(render_sweep(results, base.mode))
         if plot_file:
             click.echo(f"wrote {plot_file}", err=True)
+        if not any(p.plan for p in results):  # every point is a "no plan fits" answer: exit 1 (README)
+            ctx.exit(1)
         return
     if seq_len is None:
         if gpus is None:
@@ -130,6 +137,7 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
         data = {"min_gpus": answer.min_gpus, "seq_len": seq_len, "plan": _plan_json(answer.plan), **stack}
         text = f"{model.name} at {seq_len:,} tokens needs at least {answer.min_gpus} x {gpu} ({_stack_note(stack)})"
         plan = answer.plan
+    check_figures(data, "the capacity answer")
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
@@ -157,14 +165,25 @@ def render_sweep(points: list[SweepPoint], mode: str) -> str:
             if p.nearest is not None and p.nearest.kernel_limit is not None:
                 rows.append(f"{p.gpus:>6} {format_tokens(p.seq_len):>10}  does not fit ({p.nearest.kernel_limit})")
                 continue
-            short = p.nearest.shortfall_bytes / GB if p.nearest else float("nan")
-            rows.append(f"{p.gpus:>6} {format_tokens(p.seq_len):>10}  does not fit (closest is short by {short:.1f} GB)")
+            miss = (f" (closest is short by {p.nearest.shortfall_bytes / GB:.1f} GB)"
+                    if p.nearest and p.nearest.shortfall_bytes is not None else "")
+            rows.append(f"{p.gpus:>6} {format_tokens(p.seq_len):>10}  does not fit{miss}")
             continue
         t, m = p.plan.estimate.time, p.plan.estimate.memory
         rows.append(f"{p.gpus:>6} {format_tokens(p.seq_len):>10}  {p.plan.layout.describe():<32} "
                     f"{describe_options(p.plan.options, mode):<48} {m.total / GB:>6.1f} GB {t.step_s:>8.2f} s "
                     f"{t.tokens_per_s:>11,.0f} {t.mfu:>6.1%}")
     return "\n".join(rows)
+
+
+#: Formats --plot writes, by file suffix (matplotlib's Agg backend; PNG when the suffix names none).
+PLOT_FORMATS = ("png", "svg", "pdf")
+
+
+def _plot_format(path: str) -> str:
+    """The image format for ``path``: savefig into a file object cannot guess it from the name."""
+    suffix = Path(path).suffix.lower().lstrip(".")
+    return suffix if suffix in PLOT_FORMATS else "png"
 
 
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "kv_cache", "buffers", "overhead")
@@ -198,5 +217,9 @@ def draw_sweep(points: list[SweepPoint], key: str, path: str, title: str) -> Non
     ax.legend(loc="upper left", fontsize=7, ncol=2)
     ax.set_title(f"{title}: best plan per point")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        # matplotlib writes in place: a crash mid-write would leave half a PNG; write whole or not at all.
+        with atomic_output(path, "wb") as handle:
+            fig.savefig(handle, format=_plot_format(path), dpi=120)
+    finally:
+        plt.close(fig)

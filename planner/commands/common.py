@@ -5,7 +5,9 @@ One definition keeps spelling, defaults and validation identical across commands
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -39,6 +41,17 @@ class SeqLenType(click.ParamType):
 
 
 SEQ_LEN = SeqLenType()
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click's FloatRange, refusing NaN: every comparison with NaN is false, so FloatRange(0, 0.9) lets
+    ``nan`` through (a probe then ran with a NaN time budget, a plan kept NaN headroom)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        result = super().convert(value, param, ctx)
+        if result is not None and not math.isfinite(result):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return result
 
 
 def model_options(func: Callable) -> Callable:
@@ -188,6 +201,24 @@ def layout_options(func: Callable) -> Callable:
     return func
 
 
+def check_output_path(path: str | Path | None, option: str) -> None:
+    """Refuse an output path that cannot be written *before* the work that produces it (a plan search or a
+    sweep can take seconds): its directory must exist and the path must not be a directory. The write
+    itself is atomic (:mod:`cost_models.atomic_io`) and reports the remaining failures (permissions)."""
+    if path is None:
+        return
+    if not str(path).strip():
+        raise CostModelError(f"{option} is empty: give a file name")
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise CostModelError(f"{option} {target} is a directory; give a file name")
+    parent = target.parent
+    if not parent.is_dir():
+        what = "does not exist" if not parent.exists() else "is not a directory"
+        raise CostModelError(f"{option} {target}: the directory {parent} {what}; create it first or choose "
+                             "another path")
+
+
 def build_model(model_name: str) -> ModelSpec:
     return load_model(model_name)
 
@@ -211,9 +242,16 @@ def build_topology(gpus: int | None, gpus_per_node: int | None, gpu_name: str, t
     """
     from cost_models.topology import default_topology, load_topology
 
-    if topology_ref:
+    if topology_ref is not None:  # "" too: an empty --topology is a mistake to report, not "no topology"
+        if not topology_ref.strip():
+            from cost_models.topology import preset_names
+
+            raise CostModelError(f"--topology is empty: give a preset ({', '.join(preset_names())}) or a topology "
+                                 "YAML file, or leave the option out")
         topology = load_topology(topology_ref, gpus, gpus_per_node)
     else:
+        if gpus is None:
+            raise click.UsageError("Missing option '--gpus' (or give --topology PRESET|FILE)")
         per_node = gpus_per_node or min(8, gpus)
         topology = default_topology(gpu_name, gpus, per_node)
     per_node = topology.gpus_per_node

@@ -13,6 +13,7 @@ from cost_models.estimate import Estimate, estimate
 from cost_models.memory.kernel_limits import within_row_kernel_limit
 from cost_models.units import GB, GiB, format_tokens
 
+from ..sanity import check_figures
 from .common import (
     build_assume,
     build_cluster,
@@ -54,8 +55,10 @@ def command(model_name: str, gpus: int | None, gpus_per_node: int | None, gpu_na
     buffers and overheads at the peak phase of the step, host memory), its communication volume per
     layer and per step, and the predicted step time, tokens/s and MFU on the topology."""
     result = run_estimate(model_name, gpus, gpus_per_node, gpu_name, topology_ref, options)
+    data = result.to_json_dict()
+    check_figures(data, "the estimate")  # never print a NaN or a 10^297 s step as an answer
     if as_json:
-        click.echo(json.dumps(result.to_json_dict(), indent=2))
+        click.echo(json.dumps(data, indent=2))
     else:
         click.echo(render_table(result))
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
 import yaml
 
+from cost_models.atomic_io import atomic_write_text
+
 from ..export import DEFAULT_TRAIN_SCRIPT, EXPORTERS, check_under_stack, to_torchrun
 from ..plan import load_plan
+from .common import check_output_path
 
 
 @click.command("export")
@@ -27,6 +29,7 @@ def command(plan_file: str, target: str, out_file: str | None, script: str, stac
             calibration: str | None) -> None:
     """Write PLAN_FILE (from `sp-plan plan --out`) as a launcher config, after checking that the plan
     still fits under the stack that launcher runs (refused, with the re-plan command, when not)."""
+    check_output_path(out_file, "--out")
     plan = load_plan(plan_file)
     if target == "torchrun":
         exported = to_torchrun(plan, plan_path=plan_file, script=script)
@@ -41,7 +44,7 @@ def command(plan_file: str, target: str, out_file: str | None, script: str, stac
     else:
         text = yaml.safe_dump(exported.content, sort_keys=False)
     if out_file:
-        Path(out_file).write_text(text)
+        atomic_write_text(out_file, text)
         click.echo(f"wrote {target} config to {out_file}", err=True)
     else:
         click.echo(text, nl=False)

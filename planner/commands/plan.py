@@ -14,6 +14,7 @@ from ..capacity import probe_feasibility
 from ..errors import PlannerError
 from ..plan import plan_from_ranked
 from ..report import explain_rejections, explain_winner, family_champions, headline, render_table, compare
+from ..sanity import check_figures
 from ..search import DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_HEADROOM, PlanSettings, SearchResult, search
 from .common import (
     LAYOUT_KEYS,
@@ -21,7 +22,9 @@ from .common import (
     build_assume,
     build_model,
     build_cluster,
+    FiniteFloatRange,
     build_train,
+    check_output_path,
     hardware_options,
     layout_options,
     model_options,
@@ -33,11 +36,11 @@ from .common import (
 def planning_options(func):
     """Flags shared by plan and capacity: --headroom, --global-batch-tokens, --max-offload-gb."""
     for option in reversed([
-        click.option("--headroom", type=click.FloatRange(0.0, 0.9, max_open=True), default=DEFAULT_HEADROOM, show_default=True,
+        click.option("--headroom", type=FiniteFloatRange(0.0, 0.9, max_open=True), default=DEFAULT_HEADROOM, show_default=True,
                      help="Fraction of GPU memory kept free beyond the modelled overheads."),
         click.option("--global-batch-tokens", type=click.IntRange(1, 1 << 40), default=DEFAULT_GLOBAL_BATCH_TOKENS,
                      show_default=True, help="Tokens per optimizer step every layout is compared at."),
-        click.option("--max-offload-gb", type=click.FloatRange(0.0, 1e6), default=None, metavar="GB",
+        click.option("--max-offload-gb", type=FiniteFloatRange(0.0, 1e6), default=None, metavar="GB",
                      help="Most host memory (GB = 1e9 bytes) offloaded state may use per GPU; 0 forbids offloading. "
                           "Default: the node's RAM per GPU."),
     ]):
@@ -98,6 +101,7 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
     Layout degrees (--tp, --ulysses, ...) and memory options (--zero, --checkpointing, --tiled-mlp, ...)
     given on the command line are pinned; everything else is searched.
     """
+    check_output_path(out_file, "--out")
     settings, train_kwargs, _ = settings_from(ctx, options, top)
     model = build_model(model_name)
     train = build_train(**train_kwargs)
@@ -112,6 +116,7 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
             click.echo(headline(model, train, topology, gpus, result))
             click.echo("\n".join(report["lines"]))
         ctx.exit(1)
+    check_figures([p.to_json_dict() for p in result.plans], "the plans")
     explanation = explain_winner(result, model)
     if out_file:
         plan_from_ranked(result.plans[0], model, topology, gpus, explanation, stack=result.stack,

@@ -10,6 +10,8 @@ import click
 from cost_models.errors import CostModelError
 from cost_models.units import parse_seq_len
 
+from .common import FiniteFloatRange, check_output_path
+
 #: Bounds on message sizes: one byte-ish message is pure latency; 4 GiB is more than any link test needs.
 MIN_SIZE, MAX_SIZE = 64, 4 << 30
 
@@ -31,9 +33,9 @@ def _sizes(text: str | None) -> list[int] | None:
               show_default=True, help="Topology YAML to write (rank 0 writes it).")
 @click.option("--sizes", default=None,
               help="Message sizes in bytes for link timings, e.g. 4K,64K,1M (default: small on CPU, up to 256M on GPUs).")
-@click.option("--compute-budget", type=click.FloatRange(0.01, 60), default=None,
+@click.option("--compute-budget", type=FiniteFloatRange(0.01, 60), default=None,
               help="Seconds per compute measurement.")
-@click.option("--link-budget", type=click.FloatRange(0.1, 600), default=None,
+@click.option("--link-budget", type=FiniteFloatRange(0.1, 600), default=None,
               help="Seconds for all timings of one link class.")
 @click.option("--name", default=None, help="Topology name (default: probe-<host>).")
 def command(out: Path, sizes: str | None, compute_budget: float | None, link_budget: float | None,
@@ -44,6 +46,7 @@ def command(out: Path, sizes: str | None, compute_budget: float | None, link_bud
     (on one or more nodes) to also fit alpha and beta of the intra- and inter-node links. On a CPU-only
     machine the ranks are CPU processes over gloo. The file works with `--topology FILE` everywhere.
     """
+    check_output_path(out, "--out")
     parsed = _sizes(sizes)
     try:
         from runtime.probe.run import run_probe

@@ -17,6 +17,8 @@ from cost_models.topology import (
 from cost_models.topology.presets import fabric_description, parse_reference
 from cost_models.topology.render import render
 
+from .common import check_output_path
+
 
 @click.group(name="topo", context_settings={"help_option_names": ["-h", "--help"]})
 def command() -> None:
@@ -43,6 +45,7 @@ def show(topology: str | None, gpus: int | None, gpus_per_node: int | None, fabr
     if topology is None:
         _list()
         return
+    check_output_path(out, "--out")
     if fabric is not None or nics_per_node is not None:
         if "@" in topology:
             raise click.UsageError("give the fabric either in the name (NAME@FABRIC) or with --fabric, not both")

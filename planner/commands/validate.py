@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from cost_models.atomic_io import atomic_write_text
 from cost_models.errors import CostModelError
 
 from .common import (
@@ -205,7 +206,7 @@ def _run_here(plan, steps: int, time_topology: str | None, as_json: bool, result
         if report is not None:
             data = report.to_json_dict()
             if result_file is not None:
-                result_file.write_text(json.dumps(data))
+                atomic_write_text(result_file, json.dumps(data))
             else:
                 _emit(data, as_json)
     finally:
