@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from cost_models.compute_time import fractions
 from cost_models.kernels import kernel_family
 from cost_models.profile import CalibrationError, CalibrationFile, resolve_profile
+from cost_models.stack import attention_kernel_for
 
 from .fit import FitResult, Parameter, fit, kendall_tau, predict_all, run_gpu
 from .report import errors_of
@@ -38,7 +39,9 @@ def user_fit_parameters(runs: Sequence[MeasuredRun]) -> list[Parameter]:
     topo = run_topology(first.topology, first.layout.world)
     fr = fractions(topo, profile)
     k = profile.kernels
-    attn = profile.stack.time.attention_kernel if profile.stack.time.attention_kernel in k.attention else "fa2"
+    # The kernel this stack runs on this GPU variant (e.g. torchtitan runs cuDNN on B200), as the time model prices it.
+    chosen = attention_kernel_for(profile.stack.time, gpu, family)
+    attn = chosen if chosen in k.attention else "fa2"
     a = k.attention[attn]
     t = profile.stack.time
     params = [
