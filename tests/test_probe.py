@@ -187,3 +187,27 @@ def test_latency_bound_timings_degrade_gracefully():
     spec = build_spec(facts)
     assert spec.node.interconnect.bandwidth == 5e9
     assert any("do not grow with message size" in m for m in spec.provenance.not_measured)
+    # ... but they do measure gloo's latency: 100 us per send/recv step, half of it per graph hop.
+    assert spec.node.interconnect.latency == pytest.approx(5e-5)
+
+
+def test_cpu_attention_fraction_is_of_the_measured_dtype_and_shape_corrected():
+    """CPU attention is timed in fp32 at one causal shape: its fraction is of the fp32 matmul rate (not
+    bf16's, twice as fast on CPU) and divided by the kernel model's efficiency for that shape, so the
+    time model gives the benchmark's own shape back the measured rate."""
+    from cost_models.kernels import attention_shape_efficiency, prior_kernel_model
+
+    shape = (1, 4, 1024, 64)
+    facts = ProbeFacts(hosts=["x"], local_world=1, host=_host(),
+                       device=DeviceFacts(kind="cpu", name="EPYC", memory_bytes=1 << 30,
+                                          matmul_flops={"fp32": 50e9, "bf16": 110e9}, memory_bandwidth=5e9,
+                                          attention_forward_flops=20e9, attention_backward_flops=10e9,
+                                          attention_dtype="fp32", attention_shape=shape))
+    spec = build_spec(facts)
+    kernels = prior_kernel_model(spec.gpu.name)
+    eff = attention_shape_efficiency(4, 1024, 1024, 64, True, kernels.attention["fa2"], kernels.sms)
+    assert 0 < eff < 1
+    compute = spec.calibration.compute
+    assert compute.attention_forward == pytest.approx(20e9 / (50e9 * eff))
+    assert compute.attention_backward == pytest.approx(10e9 / (50e9 * eff))
+    assert any("bf16 runs" in n for n in spec.provenance.notes)
