@@ -63,6 +63,11 @@ def _median_time(fn: Callable[[], object], device: torch.device, budget_s: float
     return statistics.median(times)
 
 
+#: Barrier-aligned windows a concurrent CPU timing is split into; the median window is kept, so a burst of
+#: other jobs' load during one window (a quick probe's window is tens of milliseconds) does not set the rate.
+CONCURRENT_WINDOWS = 3
+
+
 def _concurrent_time(fn: Callable[[], object], device: torch.device, budget_s: float, min_reps: int,
                      max_reps: int) -> float:
     """Seconds per call while every CPU rank runs ``fn`` at once (a collective call).
@@ -73,19 +78,26 @@ def _concurrent_time(fn: Callable[[], object], device: torch.device, budget_s: f
     out time slices of a few milliseconds: a call shorter than a slice either runs untouched at the full
     core's speed or waits a whole slice, so per-call times are bimodal and their median lands on either
     mode (the probe once reported fp32 GEMMs 10x slower than bf16 ones for this reason). The throughput
-    a rank gets is the whole loop's wall time over its calls; the slowest rank's loop is the one training
-    waits for.
+    a rank gets is a loop's wall time over its calls, and the slowest rank's loop is the one training
+    waits for. The calls run in :data:`CONCURRENT_WINDOWS` barrier-aligned windows; the median window's
+    figure is returned.
     """
     dist.barrier()
     start = time.perf_counter()
     fn()
     single = _slowest(time.perf_counter() - start, None, device)
     reps = int(min(max_reps, max(min_reps, budget_s / max(single, 1e-6))))
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return _slowest((time.perf_counter() - start) / reps, None, device)
+    per_window = max(1, -(-reps // CONCURRENT_WINDOWS))
+    seconds = []
+    for _ in range(CONCURRENT_WINDOWS):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(per_window):
+            fn()
+        seconds.append((time.perf_counter() - start) / per_window)
+    slowest = torch.tensor(seconds, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return statistics.median(slowest.tolist())
 
 
 def matmul_flops(device: torch.device, dtype: torch.dtype, budget_s: float) -> float:
