@@ -37,8 +37,11 @@ def synchronize(device: torch.device) -> None:
 
 
 def _concurrent(device: torch.device) -> bool:
-    """CPU ranks of one job share the host's cores: their compute timings must overlap, as in training."""
-    return device.type == "cpu" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    """CPU ranks of one job share the host's cores: their compute timings must overlap, as in training.
+    Only CPU ranks (a gloo group): GPU ranks' host-side copies stay per rank, and NCCL could not reduce
+    the CPU tensors that agree on repetition counts."""
+    return (device.type == "cpu" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            and dist.get_backend() == "gloo")
 
 
 def _median_time(fn: Callable[[], object], device: torch.device, budget_s: float, min_reps: int = 3,
