@@ -7,8 +7,8 @@ probe, then time a few steps. Nothing here is fitted to these runs: the probe me
 kernel model (cpu.yaml) prices shapes, the time model adds them up.
 
 Robustness on a shared machine: the probe and the steps run back to back under whatever else loads the
-cores, so the ratio compares like with like, but ranks that wait on a collective hand their core to the
-other jobs instead of to their peers, which no probe of this machine can foresee. So each run also
+cores, so the ratio compares like with like, but ranks that wait on a collective can hand their core to
+other jobs instead of to their peers, which a probe of busy ranks does not see. So each run also
 measures how much CPU time other processes took while it ran (the machine's busy time from /proc/stat
 minus this test's children's); a run that misses while others took a visible share is run once more.
 Runs on a quiet machine (as in CI) must be within 25% and agree with one another within 25% (the
@@ -45,8 +45,6 @@ CONFIGS = {
 TOLERANCE = 0.25
 #: One warm-up step (also measured for bytes), then three timed ones: their median per rank.
 STEPS = "4"
-
-
 #: Bound for runs that other jobs kept loading even on the retry (see the module docstring).
 LOADED_FACTOR = 2.0
 #: Share of the machine's CPU time other processes may take while a run counts as quiet.

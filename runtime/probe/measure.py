@@ -48,14 +48,14 @@ def _median_time(fn: Callable[[], object], device: torch.device, budget_s: float
                  max_reps: int = 50) -> float:
     """Seconds per call of ``fn`` after warm-up.
 
-    Alone: the median call, repetitions running until ``budget_s`` is spent. CPU ranks under
-    torch.distributed share the host's cores; see :func:`_concurrent_time`.
+    GPUs: the median call, repetitions running until ``budget_s`` is spent. CPUs: throughput over
+    windows of calls (:func:`_cpu_time`), all ranks at once when there are several.
     """
     for _ in range(WARMUP_CALLS[device.type]):
         fn()
     synchronize(device)
-    if _concurrent(device):
-        return _concurrent_time(fn, device, budget_s, min_reps, max_reps)
+    if device.type == "cpu":
+        return _cpu_time(fn, device, budget_s, min_reps, max_reps)
     times: list[float] = []
     deadline = time.perf_counter() + budget_s
     while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() < deadline):
@@ -66,41 +66,49 @@ def _median_time(fn: Callable[[], object], device: torch.device, budget_s: float
     return statistics.median(times)
 
 
-#: Barrier-aligned windows a concurrent CPU timing is split into; the median window is kept, so a burst of
-#: other jobs' load during one window (a quick probe's window is tens of milliseconds) does not set the rate.
-CONCURRENT_WINDOWS = 3
+#: Windows a CPU timing is split into; the median window is kept, so a burst of other jobs' load during one
+#: window (a quick probe's window is tens of milliseconds) does not set the rate.
+CPU_WINDOWS = 3
 
 
-def _concurrent_time(fn: Callable[[], object], device: torch.device, budget_s: float, min_reps: int,
-                     max_reps: int) -> float:
-    """Seconds per call while every CPU rank runs ``fn`` at once (a collective call).
+def _cpu_time(fn: Callable[[], object], device: torch.device, budget_s: float, min_reps: int,
+              max_reps: int) -> float:
+    """Seconds per call of ``fn`` on CPU: the throughput a rank gets, all CPU ranks at once (a collective
+    call when there are several).
 
-    Two traps make a per-call median wrong here. A rank timed while the others wait has a core to itself
+    Two traps make a per-call median wrong on CPU. A rank timed while the others wait has a core to itself
     and overstates its training share, so every rank agrees on one repetition count (from the slowest
-    rank's single call) and starts after a barrier. And with more ranks than cores the scheduler hands
-    out time slices of a few milliseconds: a call shorter than a slice either runs untouched at the full
-    core's speed or waits a whole slice, so per-call times are bimodal and their median lands on either
-    mode (the probe once reported fp32 GEMMs 10x slower than bf16 ones for this reason). The throughput
-    a rank gets is a loop's wall time over its calls, and the slowest rank's loop is the one training
-    waits for. The calls run in :data:`CONCURRENT_WINDOWS` barrier-aligned windows; the median window's
-    figure is returned.
+    rank's single call) and starts after a barrier. And with more ranks (or OpenMP threads) than free
+    cores the scheduler hands out time slices of a few milliseconds: a call shorter than a slice either
+    runs untouched at a whole core's speed or waits a whole slice, so per-call times are bimodal and their
+    median lands on either mode (a 4-rank probe once reported fp32 GEMMs at a tenth of the bf16 rate
+    for this reason). The throughput is a loop's wall time over its calls, and with several ranks the
+    slowest rank's loop, the one training waits for. The calls run in :data:`CPU_WINDOWS`
+    (barrier-aligned) windows; the median window's figure is returned.
     """
-    dist.barrier()
+    together = _concurrent(device)
+    if together:
+        dist.barrier()
     start = time.perf_counter()
     fn()
-    single = _slowest(time.perf_counter() - start, None, device)
+    single = time.perf_counter() - start
+    if together:
+        single = _slowest(single, None, device)
     reps = int(min(max_reps, max(min_reps, budget_s / max(single, 1e-6))))
-    per_window = max(1, -(-reps // CONCURRENT_WINDOWS))
+    per_window = max(1, -(-reps // CPU_WINDOWS))
     seconds = []
-    for _ in range(CONCURRENT_WINDOWS):
-        dist.barrier()
+    for _ in range(CPU_WINDOWS):
+        if together:
+            dist.barrier()
         start = time.perf_counter()
         for _ in range(per_window):
             fn()
         seconds.append((time.perf_counter() - start) / per_window)
-    slowest = torch.tensor(seconds, dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return statistics.median(slowest.tolist())
+    if together:
+        slowest = torch.tensor(seconds, dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        seconds = slowest.tolist()
+    return statistics.median(seconds)
 
 
 def matmul_flops(device: torch.device, dtype: torch.dtype, budget_s: float) -> float:
