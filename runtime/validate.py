@@ -48,6 +48,11 @@ TP_ROW = "tp (all collectives)"
 MIN_TIMED_STEPS = 2
 #: Agreement bounds shown as verdicts (the tests enforce them on CPU).
 ACTIVATION_TOLERANCE = 0.05
+#: Seconds per compute measurement and for all link timings of the CPU probe that the step-time prediction
+#: comes from: a few times auto_configure's quick probe, because the prediction is compared with steps
+#: timed right after it and a 50 ms measurement window on cores shared by ranks (and other jobs) is a
+#: lottery; still about 2 s, against the several seconds the timed steps take.
+CPU_PROBE_BUDGETS = (0.2, 1.0)
 
 
 # ----- FSDP traffic at the dispatcher ---------------------------------------------------------------------
@@ -295,10 +300,9 @@ def prediction_topology(plan, topology: Any, device_type: str):
             return load_topology(plan.hardware.topology, world), f"the plan's topology ({plan.hardware.topology})"
         except CostModelError:  # a topology file from another machine: the GPU's natural node instead
             return default_topology(plan.hardware.gpu, world), f"the natural node of {plan.hardware.gpu}"
-    from runtime.auto import AUTO_PROBE_BUDGETS
     from runtime.probe.run import run_probe
 
-    compute_s, link_s = AUTO_PROBE_BUDGETS["cpu"]
+    compute_s, link_s = CPU_PROBE_BUDGETS
     with tempfile.TemporaryDirectory() as tmp:
         result = run_probe(Path(tmp) / "cpu.yaml", compute_budget_s=compute_s, link_budget_s=link_s)
         topo = load_topology(str(result.path), world) if dist.get_rank() == 0 else None

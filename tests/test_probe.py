@@ -187,3 +187,52 @@ def test_latency_bound_timings_degrade_gracefully():
     spec = build_spec(facts)
     assert spec.node.interconnect.bandwidth == 5e9
     assert any("do not grow with message size" in m for m in spec.provenance.not_measured)
+    # ... but they do measure gloo's latency: 100 us per send/recv step, half of it per graph hop.
+    assert spec.node.interconnect.latency == pytest.approx(5e-5)
+
+
+def test_cpu_attention_fraction_is_of_the_measured_dtype_and_shape_corrected():
+    """CPU attention is timed in fp32 at one causal shape: its fraction is of the fp32 matmul rate (not
+    bf16's, twice as fast on CPU) and divided by the kernel model's efficiency for that shape, so the
+    time model gives the benchmark's own shape back the measured rate."""
+    from cost_models.kernels import attention_shape_efficiency, prior_kernel_model
+
+    shape = (1, 4, 1024, 64)
+    facts = ProbeFacts(hosts=["x"], local_world=1, host=_host(),
+                       device=DeviceFacts(kind="cpu", name="EPYC", memory_bytes=1 << 30,
+                                          matmul_flops={"fp32": 50e9, "bf16": 110e9}, memory_bandwidth=5e9,
+                                          attention_forward_flops=20e9, attention_backward_flops=10e9,
+                                          attention_dtype="fp32", attention_shape=shape))
+    spec = build_spec(facts)
+    kernels = prior_kernel_model(spec.gpu.name)
+    eff = attention_shape_efficiency(4, 1024, 1024, 64, True, kernels.attention["fa2"], kernels.sms)
+    assert 0 < eff < 1
+    compute = spec.calibration.compute
+    assert compute.attention_forward == pytest.approx(20e9 / (50e9 * eff))
+    assert compute.attention_backward == pytest.approx(10e9 / (50e9 * eff))
+    assert any("bf16 runs" in n for n in spec.provenance.notes)
+
+
+def test_cpu_attention_faster_than_gemms_raises_the_peak_not_the_fractions():
+    """Ranks sharing cores can run attention faster (shape-corrected) than GEMMs: the fractions stay within
+    the kernel model's bound of 1 (sp-plan calibrate fits within it) and every kernel keeps its rate."""
+    from cost_models.kernels import attention_shape_efficiency, prior_kernel_model
+
+    facts = ProbeFacts(hosts=["x"], local_world=4, host=_host(),
+                       device=DeviceFacts(kind="cpu", name="EPYC", memory_bytes=1 << 30,
+                                          matmul_flops={"fp32": 20e9, "bf16": 45e9}, memory_bandwidth=5e9,
+                                          attention_forward_flops=13e9, attention_backward_flops=6e9,
+                                          attention_dtype="fp32", attention_shape=(1, 4, 1024, 64)))
+    spec = build_spec(facts)
+    compute = spec.calibration.compute
+    kernels = prior_kernel_model(spec.gpu.name)
+    eff = attention_shape_efficiency(4, 1024, 1024, 64, True, kernels.attention["fa2"], kernels.sms)
+    assert 13e9 / (20e9 * eff) > 1  # the case this test is about
+    assert max(compute.matmul, compute.attention_forward, compute.attention_backward) == pytest.approx(1.0)
+    peak = spec.gpu.peak_flops
+    assert peak["fp32"] * compute.matmul == pytest.approx(20e9)
+    assert peak["bf16"] * compute.matmul == pytest.approx(45e9)
+    assert peak["fp32"] * compute.attention_forward * eff == pytest.approx(13e9)
+    assert peak["fp32"] * compute.attention_backward * eff == pytest.approx(6e9)
+    kernels.with_values({"attention.fa2.forward_fraction": compute.attention_forward,
+                         "gemm.peak_fraction": compute.matmul})  # within the kernel model's bounds

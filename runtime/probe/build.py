@@ -11,9 +11,10 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import re
+import statistics
 from dataclasses import dataclass, field
 
-from cost_models.calibration import AlphaBetaFit, TimingSample, fit_alpha_beta, link_calibration
+from cost_models.calibration import AlphaBetaFit, TimingSample, fit_alpha_beta, link_calibration, model_terms
 from cost_models.errors import CostModelError
 from cost_models.gpu_spec import GPUSpec, get_gpu_preset
 from cost_models.topology import (
@@ -67,6 +68,10 @@ class DeviceFacts:
     matmul_flops: dict[str, float] = field(default_factory=dict)
     attention_forward_flops: float | None = None
     attention_backward_flops: float | None = None
+    #: The dtype and (batch, heads, seq, head_dim) of the causal attention benchmark: the CPU fractions are
+    #: taken against that dtype's matmul rate and corrected for the shape (see :func:`_cpu_attention`).
+    attention_dtype: str = "bf16"
+    attention_shape: tuple[int, int, int, int] | None = None
     memory_bandwidth: float | None = None
     host_to_device: float | None = None
 
@@ -183,15 +188,66 @@ def _device(facts: ProbeFacts) -> tuple[str | GPUSpec, ComputeCalibration]:
         memory_bandwidth=bandwidth,
     )
     # The peak IS the measured rate, so matmul and memory run at efficiency 1; attention relative to it.
-    reference = peaks.get("bf16", measured_peak)
+    matmul = 1.0
+    if dev.kind == "cpu":
+        attention_forward, attention_backward = _cpu_attention(dev, gpu.name, peaks, facts)
+        # Ranks sharing cores can run attention (relative to its shape) faster than GEMMs, whose packed
+        # blocks time slicing evicts from cache. Fractions above 1 are outside the kernel model's range
+        # (sp-plan calibrate fits within it), so the peak is raised to the fastest kernel and the GEMM
+        # fraction becomes rate / peak: every kernel keeps its measured rate.
+        scale = max(1.0, attention_forward, attention_backward)
+        if scale > 1.0:
+            gpu = gpu.model_copy(update={"peak_flops": {k: v * scale for k, v in gpu.peak_flops.items()}})
+            matmul, attention_forward, attention_backward = 1.0 / scale, attention_forward / scale, \
+                attention_backward / scale
+            facts.notes.append(f"attention ran at {scale:.2f}x the matmul rate (shape-corrected): peak FLOP/s "
+                               f"raised by that factor, GEMMs at {matmul:.2f} of it")
+    else:
+        reference = peaks.get("bf16", measured_peak)
+        attention_forward = _clamp((dev.attention_forward_flops or 0.6 * reference) / reference)
+        attention_backward = _clamp((dev.attention_backward_flops or 0.5 * reference) / reference)
     return gpu, ComputeCalibration(
-        matmul=1.0,
-        attention_forward=_clamp((dev.attention_forward_flops or 0.6 * reference) / reference),
-        attention_backward=_clamp((dev.attention_backward_flops or 0.5 * reference) / reference),
+        matmul=matmul,
+        attention_forward=attention_forward,
+        attention_backward=attention_backward,
         memory=1.0,
         pcie=1.0,
         host_memory=1.0,
     )
+
+
+def _cpu_attention(dev: DeviceFacts, name: str, peaks: dict[str, float], facts: ProbeFacts) -> tuple[float, float]:
+    """Asymptotic attention fractions of CPU ranks, for the kernel model (cpu.yaml) to scale by shape.
+
+    The time model prices attention as FLOPs / (peak[training dtype] x fraction x shape efficiency). The
+    probe times one causal shape in ``dev.attention_dtype`` (fp32 on CPU), so the fraction is taken
+    against that dtype's matmul rate, and divided by the shape efficiency the kernel model gives the
+    benchmark's own shape, so that shape is not penalised twice. CPU attention is no faster in bf16
+    (aten's CPU flash kernel accumulates in fp32 and is bound by its softmax, not its GEMMs), while bf16
+    GEMMs run about twice as fast: a bf16 CPU run's attention is priced optimistically, and a note says so.
+    """
+    from cost_models.kernels import attention_shape_efficiency, prior_kernel_model
+
+    reference = peaks.get(dev.attention_dtype) or max(peaks.values())
+    kernels = prior_kernel_model(name)
+    params = kernels.attention_params("fa2")
+    shape_eff = 1.0
+    if dev.attention_shape is not None:
+        b, h, s, d = dev.attention_shape
+        shape_eff = attention_shape_efficiency(b * h, s, s, d, True, params, kernels.sms)
+    out = []
+    for measured, default, what in ((dev.attention_forward_flops, params.forward_fraction, "forward"),
+                                    (dev.attention_backward_flops, params.backward_fraction, "backward")):
+        if measured:
+            out.append(_clamp(measured / (reference * shape_eff)))
+        else:
+            facts.not_measured.append(f"attention {what} (kept cpu.yaml's fraction {default:.2f})")
+            out.append(default)
+    if dev.attention_dtype != "bf16" and "bf16" in peaks:
+        facts.notes.append(f"attention measured in {dev.attention_dtype}: its fractions are of the "
+                           f"{dev.attention_dtype} matmul rate, so bf16 runs (whose GEMMs are faster) get "
+                           "optimistic attention times")
+    return out[0], out[1]
 
 
 def _clamp(value: float) -> float:
@@ -272,12 +328,29 @@ def _loopback(facts: ProbeFacts) -> tuple[float, float]:
         try:
             fit = fit_alpha_beta(facts.intra_samples)
         except CostModelError as exc:
+            # Latency-bound timings still measure the latency: gloo's hundreds of microseconds per step,
+            # not a GPU hop's half microsecond, which would price a CPU run's many small collectives at
+            # nothing.
+            alpha = _latency_only(facts.intra_samples)
             facts.not_measured.append(f"rank-to-rank bandwidth ({exc}; assumed the memory copy bandwidth)")
-            return bandwidth, DEFAULT_HOP_LATENCY
+            facts.measured.append(f"loopback latency {alpha * 1e6:.1f} us per step (latency-bound timings)")
+            return bandwidth, alpha / 2
         # Two hops (rank -> host -> rank) per step in the graph.
         return fit.bandwidth or bandwidth, fit.alpha / 2
     facts.not_measured.append("rank-to-rank bandwidth (one rank: assumed the memory copy bandwidth)")
     return bandwidth, DEFAULT_HOP_LATENCY
+
+
+def _latency_only(samples: list[TimingSample]) -> float:
+    """Seconds per algorithm step from timings that do not grow with size: the median over the smallest
+    message of each collective of its time divided by its steps (all-reduce 2(P-1), send/recv 1, the
+    rest P-1)."""
+    smallest: dict[str, TimingSample] = {}
+    for sample in samples:
+        if sample.collective not in smallest or sample.nbytes < smallest[sample.collective].nbytes:
+            smallest[sample.collective] = sample
+    per_step = [s.seconds / max(1.0, model_terms(s.collective, s.group_size, s.nbytes)[0]) for s in smallest.values()]
+    return statistics.median(per_step)
 
 
 # ----- fabric ------------------------------------------------------------------------------------

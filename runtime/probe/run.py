@@ -87,7 +87,12 @@ def _probe(out: Path, world: int, device: torch.device, kind: str, sizes: list[i
     # ----- compute (every rank at once: CPU ranks share the host's cores as in training) -----
     threads = max(1, host.physical_cores // gpn)
     if kind == "cpu":
-        torch.set_num_threads(threads)
+        # Measure with the threads this rank trains with (torchrun gives each rank OMP_NUM_THREADS=1):
+        # the probe runs inside validate and auto_configure, so it must neither change the count nor
+        # measure at another one. More threads than cores, or threads left idle, are the run's own.
+        threads = torch.get_num_threads()
+        notes.append(f"CPU rates measured per rank with {gpn} rank(s) x {threads} thread(s) on {host.physical_cores} "
+                     "core(s), all ranks at once: a rank's share of the cores, valid for runs with as many ranks")
     matmul: dict[str, float] = {}
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32} if kind == "cpu" else {"bf16": torch.bfloat16}
     for label, dtype in dtypes.items():
@@ -96,8 +101,11 @@ def _probe(out: Path, world: int, device: torch.device, kind: str, sizes: list[i
         except RuntimeError as exc:  # dtype unsupported on this device
             not_measured.append(f"{label} matmul ({exc.__class__.__name__})")
     attn_f = attn_b = None
-    try:  # in bf16, like the matmul peak it is compared with
-        attn_f, attn_b = measure.attention_flops(device, torch.bfloat16, compute_budget)
+    # GPUs: in bf16, like the matmul peak it is compared with. CPUs: in fp32, the dtype CPU ranks train in
+    # (aten's CPU flash kernel computes in fp32 either way, so bf16 is no faster there).
+    attention_dtype = "fp32" if kind == "cpu" else "bf16"
+    try:
+        attn_f, attn_b = measure.attention_flops(device, dtypes[attention_dtype], compute_budget)
     except RuntimeError as exc:
         not_measured.append(f"attention throughput ({exc.__class__.__name__})")
     copy_bw = measure.copy_bandwidth(device, compute_budget)
@@ -113,7 +121,8 @@ def _probe(out: Path, world: int, device: torch.device, kind: str, sizes: list[i
     host_bw = sum(r[5] for r in per_rank[:gpn])  # node 0's ranks copying at once
     measured.append(
         "matmul " + ", ".join(f"{k} {v / 1e12:.3f} TFLOP/s" for k, v in matmul.items())
-        + (f"; attention fwd {attn_f / 1e12:.3f}, bwd {attn_b / 1e12:.3f} TFLOP/s" if attn_f and attn_b else "")
+        + (f"; {attention_dtype} attention fwd {attn_f / 1e12:.3f}, bwd {attn_b / 1e12:.3f} TFLOP/s"
+           if attn_f and attn_b else "")
         + f"; memory copy {copy_bw / 1e9:.1f} GB/s per rank; host memory {host_bw / 1e9:.1f} GB/s per node"
         + (f"; host-to-GPU {h2d / 1e9:.1f} GB/s" if h2d else "")
     )
@@ -168,6 +177,7 @@ def _probe(out: Path, world: int, device: torch.device, kind: str, sizes: list[i
         host=host,
         device=DeviceFacts(kind=kind, name=name_, memory_bytes=memory, matmul_flops=matmul,
                            attention_forward_flops=attn_f, attention_backward_flops=attn_b,
+                           attention_dtype=attention_dtype, attention_shape=measure.ATTENTION_SHAPE[kind],
                            memory_bandwidth=copy_bw, host_to_device=h2d),
         connectivity=connectivity,
         pcie_links=pcie_links,
