@@ -61,6 +61,10 @@ class ComputeTime:
     head_forward: float
     head_backward: float
     fractions: dict[str, float]
+    #: One micro-batch's compute by component (every layer and the output layer; forward and backward):
+    #: the same seconds as ``num_layers * (layer_forward + layer_backward) + head_forward + head_backward``,
+    #: split into what ``sp-plan estimate --explain-time`` shows (:data:`COMPUTE_PARTS`).
+    parts: dict[str, float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +102,71 @@ def fractions(topology: Topology, profile: CostProfile) -> Fractions:
         attention=attention,
         clock=k.clock_factor if k.clock_factor is not None else topology.gpu.clock_factor,
     )
+
+
+def efficiency_sources(topology: Topology, profile: CostProfile) -> dict[str, str]:
+    """Where each value :func:`fractions` (and the stack's overhead terms) took came from, in the order
+    :func:`fractions` resolves them: a calibration file, the topology's own (probed) calibration, the
+    kernel-level fit (kernel benchmarks), the system-level fit (published runs), or a documented prior.
+    This is what tells a user which number their own ``sp-plan calibrate`` run should move."""
+    from .fitted import fitted_parameters
+
+    c = topology.spec.calibration.compute
+    k = profile.kernels
+    gpu = topology.gpu.name
+    family = kernel_family(gpu)
+    name = attention_kernel_for(profile.stack.time, gpu, family)
+    name = name if name in k.attention else "fa2"
+    kernel_fit = set(k.fit.parameters) if k.fit is not None else set()
+    fitted = fitted_parameters()
+    prior = f"prior (cost_models/data/kernels/{family}.yaml)"
+
+    def kernel_source(raw: float | None, path: str) -> str:
+        if path in profile.overridden:
+            return "calibration file"
+        if raw is not None:
+            return f"topology calibration ({topology.name})"
+        if path in kernel_fit and path in {**fitted.kernels.get("all", {}), **fitted.kernels.get(family, {})}:
+            return "kernel data (calibration/kernels.yaml)"
+        return prior
+
+    if "clock_factor" in profile.overridden:
+        clock = "calibration file"
+    elif "clock_factor" in fitted.variants.get(gpu, {}):
+        clock = "system-level fit (published runs on this GPU variant)"
+    elif k.clock_factor is not None:
+        clock = prior
+    else:
+        clock = f"GPU spec (cost_models/data/gpus.yaml: {gpu})"
+    stack_fit = fitted.stacks.get(profile.stack.name.removesuffix("+calibration"), {})
+    calibrated_stack = profile.stack.name.endswith("+calibration")
+
+    def stack_source(field: str) -> str:
+        if calibrated_stack:
+            return "calibration file or stack file"
+        if field in stack_fit:
+            return f"system-level fit (published {profile.stack.name} runs)"
+        return f"stack file ({profile.stack.name})"
+
+    return {
+        "matmul": kernel_source(c.matmul, "gemm.peak_fraction"),
+        "fp8_matmul": kernel_source(None, "gemm.fp8_peak_fraction"),
+        "attention_forward": kernel_source(c.attention_forward, f"attention.{name}.forward_fraction"),
+        "attention_backward": kernel_source(c.attention_backward, f"attention.{name}.backward_fraction"),
+        "memory": kernel_source(c.memory, "memory_fraction"),
+        "clock": clock,
+        "attention_kernel": name,
+        "attention_kernel_from": f"stack file ({profile.stack.name}) for {gpu}",
+        "compute_overhead_fraction": stack_source("compute_overhead_fraction"),
+        "layer_overhead_s": stack_source("layer_overhead_s"),
+        "step_overhead_s": stack_source("step_overhead_s"),
+        "kernel_data_sources": ", ".join(fitted.kernel_fit.sources),
+    }
+
+
+#: Components of compute time, in the order an explanation lists them.
+COMPUTE_PARTS = ("gemm_forward", "gemm_backward", "attention_forward", "attention_backward", "recompute",
+                 "streaming", "ulysses_copies", "fp8_casts", "stack_overhead")
 
 
 #: TrainSpec fields compute time depends on (flops.WORK_FIELDS plus the ones only time reads).
@@ -250,9 +319,15 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
     head_rows = min(a.loss_chunk_tokens, head_tokens) if (training and train.tiled_loss) else head_tokens
     head_chunks = math.ceil(head_tokens / head_rows)
     head_g = [(head_rows, model.vocab_size / tp, model.hidden_size)]
-    head_f = gemm_time(head_g, count=head_chunks) * gaps
+    head_gemm_f = gemm_time(head_g, count=head_chunks)
+    head_f = head_gemm_f * gaps
+    layers = model.num_layers
+    kernels_f = proj_f + mlp_f + cast_f + attn_f + stream_f + a2a
     if not training:
-        return ComputeTime(layer_f, 0.0, 0.0, attn_f, 0.0, step_f, 0.0, head_f, 0.0, _report(fr))
+        parts = {"gemm_forward": layers * (proj_f + mlp_f) + head_gemm_f, "attention_forward": layers * attn_f,
+                 "streaming": layers * stream_f, "ulysses_copies": layers * a2a, "fp8_casts": layers * cast_f,
+                 "stack_overhead": (gaps - 1) * (layers * kernels_f + head_gemm_f) + layers * overhead}
+        return ComputeTime(layer_f, 0.0, 0.0, attn_f, 0.0, step_f, 0.0, head_f, 0.0, _report(fr), _parts(parts))
 
     ckpt = train.checkpointing
     if train.offload_checkpoints and not stack.checkpoint_offload_recomputes:
@@ -272,11 +347,30 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
             recompute = layer_f - attn_f
     if train.tiled_mlp:
         recompute += mlp_f  # each tile's forward again, with grad, in backward
-    layer_b = (proj_b + mlp_b + cast_b + attn_b + stream_b + a2a) * gaps + overhead + recompute
-    head_b = gemm_time(_backward(head_g), count=head_chunks) * gaps
-    if train.tiled_loss:
-        head_b += head_f
-    return ComputeTime(layer_f, layer_b, recompute, attn_f, attn_b, step_f, step_b, head_f, head_b, _report(fr))
+    kernels_b = proj_b + mlp_b + cast_b + attn_b + stream_b + a2a
+    layer_b = kernels_b * gaps + overhead + recompute
+    head_gemm_b = gemm_time(_backward(head_g), count=head_chunks)
+    head_b = head_gemm_b * gaps
+    head_recompute = head_f if train.tiled_loss else 0.0  # the chunked loss runs the LM head again
+    head_b += head_recompute
+    parts = {
+        "gemm_forward": layers * (proj_f + mlp_f) + head_gemm_f,
+        "gemm_backward": layers * (proj_b + mlp_b) + head_gemm_b,
+        "attention_forward": layers * attn_f,
+        "attention_backward": layers * attn_b,
+        "recompute": layers * recompute + head_recompute,
+        "streaming": layers * (stream_f + stream_b),
+        "ulysses_copies": layers * 2 * a2a,
+        "fp8_casts": layers * (cast_f + cast_b),
+        "stack_overhead": (gaps - 1) * (layers * (kernels_f + kernels_b) + head_gemm_f + head_gemm_b)
+        + 2 * layers * overhead,
+    }
+    return ComputeTime(layer_f, layer_b, recompute, attn_f, attn_b, step_f, step_b, head_f, head_b, _report(fr),
+                       _parts(parts))
+
+
+def _parts(values: dict[str, float]) -> dict[str, float]:
+    return {name: values.get(name, 0.0) for name in COMPUTE_PARTS}
 
 
 #: HBM bytes per element of an eager RMSNorm forward in bf16 (HF's LlamaRMSNorm, torchtitan's default
@@ -305,4 +399,4 @@ def _report(fr: Fractions) -> dict[str, float]:
             "attention_backward": fr.attention_backward, "memory": fr.memory, "clock": fr.clock}
 
 
-__all__ = ["COMPUTE_FIELDS", "ComputeTime", "Fractions", "compute_time", "fractions"]
+__all__ = ["COMPUTE_FIELDS", "COMPUTE_PARTS", "efficiency_sources", "ComputeTime", "Fractions", "compute_time", "fractions"]

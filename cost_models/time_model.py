@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from .collectives import collective_cost
-from .compute_time import compute_time
+from .compute_time import compute_time, efficiency_sources
 from .comm_volume import (
     LAYER_STRATEGIES,
     STEP_STRATEGIES,
@@ -160,6 +160,13 @@ class TimeEstimate(BaseModel):
     fabric_bytes_per_step: float = Field(description="bytes per GPU per step that cross nodes")
     breakdown: dict[str, float] = Field(description="per-layer / per-micro-batch components, seconds")
     efficiencies: dict[str, float] = Field(description="calibration in effect")
+    components: dict[str, float] = Field(
+        default_factory=dict,
+        description=("the step by component, seconds (compute parts of cost_models.compute_time.COMPUTE_PARTS, "
+                     "exposed communication by strategy, interference, offload, optimizer, step overhead); "
+                     "they add up to step_s"))
+    efficiency_sources: dict[str, str] = Field(
+        default_factory=dict, description="where each efficiency and stack overhead came from")
 
 
 class CommTime(BaseModel):
@@ -370,7 +377,17 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
                 "head_compute_s": head_f + head_b,
                 "microbatch_s": microbatch_s,
             },
-            efficiencies={**ct.fractions, "pcie": eff.pcie, "host_memory": eff.host_memory},
+            efficiencies={**ct.fractions, "pcie": eff.pcie, "host_memory": eff.host_memory,
+                          "compute_overhead_fraction": profile.stack.time.compute_overhead_fraction},
+            components={
+                **{name: accum * seconds for name, seconds in ct.parts.items()},
+                **{f"exposed_comm_{k}": v for k, v in exposed.items()},
+                "interference": interference_s,
+                "offload": offload_s,
+                "optimizer": optimizer_s,
+                "step_overhead": overhead_s,
+            },
+            efficiency_sources=efficiency_sources(topology, profile),
         )
 
     return StepTime(step_s, tokens_per_step, build)

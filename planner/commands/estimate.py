@@ -49,8 +49,11 @@ def run_estimate(model_name: str, gpus: int | None, gpus_per_node: int | None, g
 @hardware_options
 @layout_options
 @click.option("--json", "as_json", is_flag=True, help="Print the estimate as JSON (bytes).")
+@click.option("--explain-time", is_flag=True,
+              help="Break the step time into GEMMs, attention, recompute, communication, offload, optimizer and "
+                   "overheads, with each one's efficiency and where that value came from.")
 def command(model_name: str, gpus: int | None, gpus_per_node: int | None, gpu_name: str, topology_ref: str | None,
-            as_json: bool, **options: Any) -> None:
+            as_json: bool, explain_time: bool, **options: Any) -> None:
     """Per-GPU memory of one layout (weights, gradients, optimizer, activations, logits, KV cache,
     buffers and overheads at the peak phase of the step, host memory), its communication volume per
     layer and per step, and the predicted step time, tokens/s and MFU on the topology."""
@@ -59,6 +62,8 @@ def command(model_name: str, gpus: int | None, gpus_per_node: int | None, gpu_na
     check_figures(data, "the estimate")  # never print a NaN or a 10^297 s step as an answer
     if as_json:
         click.echo(json.dumps(data, indent=2))
+    elif explain_time:
+        click.echo(render_time_explanation(result))
     else:
         click.echo(render_table(result))
 
@@ -157,3 +162,77 @@ def render_comm_time(est: Estimate) -> list[str]:
     rows.append(f"  optimizer {t.optimizer_s:.3f} s, offload {t.offload_s:.3f} s")
     rows.append(f"  step {t.step_s:.3f} s | {t.tokens_per_s:,.0f} tokens/s | MFU {t.mfu:.1%} (HFU {t.hfu:.1%})")
     return rows
+
+
+#: (component, label, efficiency key or None) in the order the explanation lists them.
+_EXPLAINED = (
+    ("gemm_forward", "GEMMs forward (layers + LM head)", "matmul"),
+    ("gemm_backward", "GEMMs backward", "matmul"),
+    ("attention_forward", "attention forward", "attention_forward"),
+    ("attention_backward", "attention backward", "attention_backward"),
+    ("recompute", "recompute (checkpointing, tiling)", None),
+    ("streaming", "norms, rotary, activations, residuals", "memory"),
+    ("ulysses_copies", "Ulysses all-to-all copies", "memory"),
+    ("fp8_casts", "fp8 amax and casts", "memory"),
+    ("stack_overhead", "stack overhead (launch gaps, hooks)", "compute_overhead_fraction"),
+)
+
+
+def render_time_explanation(est: Estimate) -> str:
+    """The step split into what it is spent on, each part's efficiency and that value's origin, so a
+    user can see why a step takes what it takes and which figure a ``calibrate`` run on their own
+    cluster should move."""
+    t, det = est.time, est.detail
+    parts, sources, eff = t.components, t.efficiency_sources, t.efficiencies
+    peak = t.peak_flops / 1e12
+    rows = [
+        f"{det.model} | {format_tokens(det.seq_len)} tokens x {det.micro_batch} | {det.dtype} | "
+        f"{est.layout.world} x {det.gpu} | {est.layout.describe()} | stack {det.stack}",
+        f"step {t.step_s:.3f} s = what each part takes on the critical path (peak {peak:,.0f} TFLOP/s per GPU, "
+        f"sustained clock x{eff.get('clock', 1.0):.3f}: {sources.get('clock', '')})",
+        f"  {'part':<42}{'seconds':>11}{'share':>8}  {'efficiency':<30}from",
+    ]
+
+    def row(label: str, seconds: float, efficiency: str = "", source: str = "") -> None:
+        share = seconds / t.step_s if t.step_s > 0 else 0.0
+        if share < 1e-5:  # a few microseconds of a long step: noise in a table meant to explain it
+            return
+        rows.append(f"  {label:<42}{seconds:>11.4f}{share:>8.1%}  {efficiency:<30}{source}")
+
+    for key, label, eff_key in _EXPLAINED:
+        seconds = parts.get(key, 0.0)
+        if seconds <= 0:
+            continue
+        if key.startswith("attention"):
+            label = f"{label} ({sources.get('attention_kernel', '?')})"
+        if eff_key == "compute_overhead_fraction":
+            text, source = f"+{eff.get(eff_key, 0.0):.1%} of kernel time", sources.get(eff_key, "")
+        elif eff_key == "memory":
+            text, source = f"{eff['memory']:.3f} of HBM bandwidth", sources.get("memory", "")
+        elif eff_key is not None:
+            text, source = f"{eff[eff_key]:.3f} of peak (asymptotic)", sources.get(eff_key, "")
+        else:
+            text, source = "forward kernels run again", ""
+        row(label, seconds, text, source)
+    for name, seconds in parts.items():
+        if name.startswith("exposed_comm_") and seconds > 0:
+            row(f"exposed communication: {name.removeprefix('exposed_comm_')}", seconds,
+                "link bandwidth x efficiency", f"topology ({det.topology})")
+    if parts.get("interference", 0.0) > 0:
+        row("compute slowed by overlapped collectives", parts["interference"], "", "kernel model")
+    if parts.get("offload", 0.0) > 0:
+        row("offload (exposed PCIe traffic)", parts["offload"], f"{eff.get('pcie', 0.0):.3f} of PCIe",
+            f"topology ({det.topology})")
+    if parts.get("optimizer", 0.0) > 0:
+        row("optimizer step", parts["optimizer"], "HBM / host CPU", "kernel model, stack file")
+    if parts.get("step_overhead", 0.0) > 0:
+        row("stack overhead per step", parts["step_overhead"], "", sources.get("step_overhead_s", ""))
+    total = sum(parts.values())
+    rows.append(f"  {'= step':<42}{total:>11.4f}{total / t.step_s if t.step_s > 0 else 0.0:>8.1%}")
+    rows.append(f"  {t.tokens_per_s:,.0f} tokens/s | MFU {t.mfu:.1%} (HFU {t.hfu:.1%}); efficiencies are the "
+                "asymptotic fractions, each kernel's shape lowers them (GEMM tiles and waves, attention length)")
+    if sources.get("kernel_data_sources"):
+        rows.append(f"  kernel data: {sources['kernel_data_sources']} (cost_models/data/calibration/kernels.yaml); "
+                    f"attention kernel from the {sources.get('attention_kernel_from', 'stack file')}")
+    rows.append("  to move a value for your cluster: sp-plan validate ... --json, then sp-plan calibrate")
+    return "\n".join(rows)
