@@ -30,13 +30,14 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from runtime.attention.kernel import SUPPORTED_DTYPES
 from runtime.errors import RuntimeConfigError
 
 #: Tensors described per check (q, k, v) and dims per tensor: the descriptor has a fixed length so the
 #: all-gather itself can never mismatch.
 _MAX_TENSORS = 3
 _DIMS = 4
-_DTYPES: tuple[torch.dtype, ...] = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_DTYPES: tuple[torch.dtype, ...] = SUPPORTED_DTYPES
 _NAMES = ("q", "k", "v")
 _DEVICE_TYPES = ("cpu", "cuda")
 _LAYOUTS = {None: 0, "zigzag": 1, "contiguous": 2}

@@ -104,10 +104,6 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float64, torch.float32, torch
 _NAMES = ("q", "k", "v")
 
 
-def _shape(x: object) -> str:
-    return str(tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
-
-
 def qkv_problem(q: object, k: object, v: object, causal: bool) -> str | None:
     """Why q, k, v cannot go through the kernel together (one actionable sentence), or None.
 
