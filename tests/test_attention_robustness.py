@@ -152,7 +152,9 @@ def _path_call(path: str, q, k, v, **kwargs):
 
 
 def _call_and_backward(path: str, q: torch.Tensor) -> None:
-    _path_call(path, q, q, q, causal=True).sum().backward()
+    out = _path_call(path, q, q, q, causal=True)
+    if out.requires_grad:
+        out.sum().backward()
 
 
 def _agree_then_disagree_rank(rank: int, world: int, path: str) -> dict:
@@ -269,3 +271,17 @@ def test_shard_and_batch_sharder_refuse_empty_and_malformed_input():
     for ids in (torch.zeros(0, 8, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long)):
         message = _error(BatchSharder(sp), ids)
         assert message is not None and "empty batch" in message, message
+
+
+def _grad_skew_rank(rank: int, world: int, path: str) -> str | None:
+    q = torch.randn(1, 8, 4, 8, requires_grad=rank == 0)  # only rank 0 will run the backward collectives
+    return _error(_call_and_backward, path, q)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", ["ulysses", "ring"])
+def test_ranks_that_disagree_on_requires_grad_are_stopped_in_the_forward(path):
+    """Before: rank 0 ran the backward's collectives alone and waited for rank 1 until the timeout."""
+    for message in run_ranks(2, _grad_skew_rank, path, timeout=60):
+        assert message is not None and "requires_grad" in message, message

@@ -42,8 +42,8 @@ _NAMES = ("q", "k", "v")
 _DEVICE_TYPES = ("cpu", "cuda")
 _LAYOUTS = {None: 0, "zigzag": 1, "contiguous": 2}
 #: Layout of the descriptor after the per-tensor (ndim, 4 dims) blocks.
-_DTYPE, _DEVICE, _LAYOUT, _CAUSAL, _SCALE, _DOCS, _PROBLEM = range(_MAX_TENSORS * (_DIMS + 1),
-                                                                  _MAX_TENSORS * (_DIMS + 1) + 7)
+_DTYPE, _DEVICE, _LAYOUT, _CAUSAL, _SCALE, _DOCS, _GRAD, _PROBLEM = range(_MAX_TENSORS * (_DIMS + 1),
+                                                                         _MAX_TENSORS * (_DIMS + 1) + 8)
 DESCRIPTOR_LEN = _PROBLEM + 1
 #: The single-tensor all-gather (``all_gather_into_tensor`` was renamed ``all_gather_single``).
 _GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -93,7 +93,7 @@ def _documents_fingerprint(cu_seqlens: torch.Tensor | None) -> int:
 
 
 def describe(tensors: Sequence[object], *, layout: str | None, causal: bool, scale: float | None,
-             cu_seqlens: torch.Tensor | None, problem: bool) -> list[int]:
+             cu_seqlens: torch.Tensor | None, problem: bool, needs_grad: bool = False) -> list[int]:
     """The fixed-length int64 descriptor of one rank's call (``DESCRIPTOR_LEN`` values)."""
     row: list[int] = []
     for i in range(_MAX_TENSORS):
@@ -111,6 +111,7 @@ def describe(tensors: Sequence[object], *, layout: str | None, causal: bool, sca
     head_dim = first.shape[-1] if first is not None and first.dim() > 0 else 0
     row.append(_scale_bits(scale, head_dim))
     row.append(_documents_fingerprint(cu_seqlens) if not problem else 0)
+    row.append(int(bool(needs_grad)))
     row.append(int(problem))
     return row
 
@@ -138,17 +139,20 @@ def gather_rows(group: dist.ProcessGroup, row: list[int], device: torch.device) 
 
 def agree(group: dist.ProcessGroup, what: str, tensors: Sequence[object], *, problem: str | None = None,
           layout: str | None = None, causal: bool = False, scale: float | None = None,
-          cu_seqlens: torch.Tensor | None = None, outer: dist.ProcessGroup | None = None) -> None:
+          cu_seqlens: torch.Tensor | None = None, outer: dist.ProcessGroup | None = None,
+          needs_grad: bool = False) -> None:
     """Raise the same RuntimeConfigError on every rank of ``group`` unless every rank holds the same shapes,
     dtype, device type, layout, causal flag, scale and documents, and no rank found a ``problem`` (its local
-    validation message). One all-gather of ``DESCRIPTOR_LEN`` int64, on every call.
+    validation message). ``needs_grad`` must agree too: a rank whose inputs require grad runs the
+    backward's collectives, and a peer that never does would leave it waiting. One all-gather of
+    ``DESCRIPTOR_LEN`` int64, on every call.
 
     ``outer``: a second group (USP's ring group) whose ranks must agree too; its all-gather carries the
     first one's verdict, so every rank of the 2-D grid learns about a problem anywhere in it and all of
     them raise together (a rank that raised after the first gather would leave its ring peers waiting).
     """
     row = describe(tensors, layout=layout, causal=causal, scale=scale, cu_seqlens=cu_seqlens,
-                   problem=problem is not None)
+                   problem=problem is not None, needs_grad=needs_grad)
     device = _check_device(group, tensors)
     table = gather_rows(group, row, device)
     message = _verdict(what, table, problem, dist.get_rank(group), "")
@@ -224,7 +228,7 @@ def _decoded(row: list[int]) -> dict[str, object]:
     scale = struct.unpack("<d", struct.pack("<q", row[_SCALE]))[0]
     docs = "none" if row[_DOCS] == 0 else f"boundaries #{row[_DOCS] % 100000:05d}"
     return {"dtype": dtype, "device type": device, "layout": layout, "causal": bool(row[_CAUSAL]),
-            "scale": scale, "cu_seqlens": docs}
+            "scale": scale, "cu_seqlens": docs, "requires_grad": bool(row[_GRAD])}
 
 
 def _mismatch_message(what: str, table: list[list[int]]) -> str:
@@ -238,9 +242,12 @@ def _mismatch_message(what: str, table: list[list[int]]) -> str:
             "runtime.data.BatchSharder, which pad the sequence to the layout's multiple"
         )
     decoded = [_decoded(r) for r in table]
-    for label in ("dtype", "device type", "layout", "causal", "scale", "cu_seqlens"):
+    for label in ("dtype", "device type", "layout", "causal", "scale", "cu_seqlens", "requires_grad"):
         values = [d[label] for d in decoded]
         if len(set(map(repr, values))) > 1:
             listed = ", ".join(f"rank {rank} {label} {value!r}" for rank, value in enumerate(values))
-            parts.append(f"{what}: the ranks were called with different {label}s ({listed}); pass the same on every rank")
+            hint = (" (with grad enabled): run the forward and backward on every rank, or under torch.no_grad() on "
+                    "every rank" if label == "requires_grad" else "")
+            parts.append(f"{what}: the ranks were called with different {label}s ({listed}); pass the same on every "
+                         f"rank{hint}")
     return "; ".join(parts) if parts else f"{what}: the ranks of the group disagree on their inputs"

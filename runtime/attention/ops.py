@@ -140,19 +140,22 @@ attention_op.register_autograd(_attention_backward, setup_context=_attention_set
 def ring_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: str, causal: bool, scale: float | None,
     backend: str | None, layout: str = "zigzag", cu_seqlens: torch.Tensor | None = None, agreed: bool = False,
+    needs_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ring pass over the named group: output in q's dtype and the merged LSE. ``layout`` "" = none
     declared (allowed for non-causal attention without documents). ``agreed``: the caller (USP's Ulysses
-    step) has already checked agreement across the whole grid, so only the local checks run here."""
+    step) has already checked agreement across the whole grid, so only the local checks run here.
+    ``needs_grad``: whether the caller's inputs require grad (checked to agree across the ranks)."""
     pg = resolve_group(group)
-    bounds = validate_ring_call(q, k, v, pg, causal, layout or None, cu_seqlens, scale, agreed=agreed)
+    bounds = validate_ring_call(q, k, v, pg, causal, layout or None, cu_seqlens, scale, agreed=agreed,
+                                needs_grad=needs_grad)
     scale = resolve_scale(scale, q.shape[-1])
     out, lse = _ring_forward(q, k, v, RingComm(pg), causal, scale, backend, layout or None, bounds)
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
 @ring_attention_op.register_fake
-def _(q, k, v, group, causal, scale, backend, layout="zigzag", cu_seqlens=None, agreed=False):
+def _(q, k, v, group, causal, scale, backend, layout="zigzag", cu_seqlens=None, agreed=False, needs_grad=False):
     return _empty(q), _empty(q, _lse_shape(q), lse_dtype(q.dtype))
 
 
@@ -183,7 +186,7 @@ def _(dout, q, k, v, out, lse, group, causal, scale, backend, layout="zigzag", c
 
 
 def _ring_setup(ctx, inputs, output):
-    q, k, v, group, causal, scale, backend, layout, cu_seqlens, _agreed = inputs
+    q, k, v, group, causal, scale, backend, layout, cu_seqlens, _agreed, _needs_grad = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
     ctx.group, ctx.causal, ctx.scale, ctx.backend, ctx.layout = group, causal, scale, backend, layout
@@ -194,7 +197,7 @@ def _ring_attention_backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
     dq, dk, dv = ring_attention_backward_op(dout, q, k, v, out, lse, ctx.group, ctx.causal, ctx.scale,
                                             ctx.backend, ctx.layout, cu_seqlens)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 ring_attention_op.register_autograd(_ring_attention_backward, setup_context=_ring_setup)
@@ -239,7 +242,7 @@ def _(xs, group, world, phase):
 @torch.library.custom_op("sp_plan::ulysses_qkv_to_heads", mutates_args=())
 def ulysses_qkv_to_heads_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: str, world: int, causal: bool = False,
-    scale: float | None = None, cu_seqlens: torch.Tensor | None = None, outer: str = "",
+    scale: float | None = None, cu_seqlens: torch.Tensor | None = None, outer: str = "", needs_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q, K, V from the sequence split to the head split in ONE all-to-all, KV heads replicated first when
     the degree exceeds them. First, on every call, every rank of the group (and of ``outer``, USP's ring
@@ -258,7 +261,7 @@ def ulysses_qkv_to_heads_op(
     except RuntimeConfigError as exc:
         problem = str(exc)
     agree(pg, "Ulysses attention", (q, k, v), problem=problem, causal=causal, scale=scale, cu_seqlens=cu_seqlens,
-          outer=resolve_group(outer) if outer else None)
+          outer=resolve_group(outer) if outer else None, needs_grad=needs_grad)
     rep = ulysses_kv_replication(q.shape[2], k.shape[2], world)
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
@@ -273,7 +276,7 @@ def _kv_replication(q_heads: int, kv_heads: int, world: int) -> int:
 
 
 @ulysses_qkv_to_heads_op.register_fake
-def _(q, k, v, group, world, causal=False, scale=None, cu_seqlens=None, outer=""):
+def _(q, k, v, group, world, causal=False, scale=None, cu_seqlens=None, outer="", needs_grad=False):
     rep = _kv_replication(q.shape[2], k.shape[2], world)
     kv = (k.shape[0], k.shape[1], k.shape[2] * rep, k.shape[3])
     return _empty(q, _head_split(q.shape, world)), _empty(k, _head_split(kv, world)), _empty(v, _head_split(kv, world))
@@ -292,7 +295,7 @@ def _qkv_backward(ctx, dq, dk, dv):
         b, s, _, d = dk.shape
         dk = dk.view(b, s, ctx.kv_heads, ctx.rep, d).sum(dim=3)
         dv = dv.view(b, s, ctx.kv_heads, ctx.rep, d).sum(dim=3)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 ulysses_qkv_to_heads_op.register_autograd(_qkv_backward, setup_context=_qkv_setup)

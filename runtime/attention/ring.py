@@ -267,6 +267,11 @@ def _ring_backward(dout, q, k, v, out, lse, comm: RingComm, causal: bool, scale:
     return dq.to(q.dtype), dkv_spare[0].to(k.dtype, copy=True), dkv_spare[1].to(v.dtype, copy=True)
 
 
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd will call this attention's backward (and its collectives) for these inputs."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def check_layout(layout: str | None, causal: bool, world: int, documents: bool) -> None:
     """A causal or document-masked ring call must name the layout its shards are in."""
     if layout is not None and layout not in LAYOUTS:
@@ -335,13 +340,13 @@ def ring_attention(
     # One custom op (forward: the ring pass; backward: the dK/dV ring), so selective checkpointing keeps
     # its output and LSE and never replays the ring in the recompute.
     out, lse = ring_attention_op(q, k, v, group_name(group), causal, scale, backend, layout or "", cu_seqlens,
-                                 _agreed)
+                                 _agreed, needs_grad(q, k, v))
     return (out, lse) if return_lse else out
 
 
 def validate_ring_call(q, k, v, group: dist.ProcessGroup, causal: bool, layout: str | None,
                        cu_seqlens: torch.Tensor | None, scale: float | None = None, *,
-                       agreed: bool = False) -> RowBounds | None:
+                       agreed: bool = False, needs_grad: bool = False) -> RowBounds | None:
     """Everything a ring call must satisfy, raising on every rank alike: the local checks (q/k/v, scale,
     layout, even zigzag length, documents) are collected first, then one agreement all-gather tells every
     rank whether the ranks agree and whether any of them found a problem (unless ``agreed``: the caller
@@ -364,7 +369,7 @@ def validate_ring_call(q, k, v, group: dist.ProcessGroup, causal: bool, layout: 
         problem = str(exc)
     if not agreed:
         agree(group, "ring attention", (q, k, v), problem=problem, layout=layout, causal=causal, scale=scale,
-              cu_seqlens=cu_seqlens)
+              cu_seqlens=cu_seqlens, needs_grad=needs_grad)
     elif problem is not None:
         raise RuntimeConfigError(problem)
     return bounds

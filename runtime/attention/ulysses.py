@@ -149,6 +149,9 @@ def ulysses_attention(
     name = group_name(group)
     # Q/K/V all-to-all (recomputed by selective checkpointing) and the output all-to-all (kept): custom ops.
     # ``_outer``: USP's ring group, checked together with this one (see runtime.attention.groups.agree).
-    qh, kh, vh = ulysses_qkv_to_heads_op(q, k, v, name, world, causal, scale, cu_seqlens, _outer)
+    from runtime.attention.ring import needs_grad
+
+    qh, kh, vh = ulysses_qkv_to_heads_op(q, k, v, name, world, causal, scale, cu_seqlens, _outer,
+                                         needs_grad(q, k, v))
     out = inner(qh, kh, vh, causal=causal, scale=scale, backend=backend, **extra)
     return ulysses_head_to_seq_op(out, name, world)
