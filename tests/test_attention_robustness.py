@@ -57,7 +57,7 @@ def test_zero_length_sequence_is_refused_before_the_kernel_runs_in_a_subprocess(
     assert "REFUSED attention got an empty q (1, 0, 2, 4)" in done.stdout, done.stdout
 
 
-@pytest.mark.parametrize("shape", [(0, 8, 2, 4), (1, 8, 0, 4), (1, 8, 2, 0), (1, 0, 2, 4)])
+@pytest.mark.parametrize("shape", [(0, 8, 2, 4), (1, 8, 0, 4), (1, 8, 2, 0)])  # seq 0: the subprocess test above
 def test_every_empty_dimension_is_one_clear_error(shape):
     q = torch.randn(shape)
     for causal in (True, False):
