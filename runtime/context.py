@@ -39,7 +39,12 @@ def seq_multiple(ring: int, ulysses: int) -> int:
 
 def check_seq_len(seq_len: int, ring: int, ulysses: int) -> None:
     multiple = seq_multiple(ring, ulysses)
-    if seq_len < 1 or seq_len % multiple:
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise RuntimeConfigError(
+            f"sequence length must be a positive integer, got {seq_len!r}: an empty sequence cannot be sharded "
+            f"(drop empty batches; lengths must be multiples of {multiple} for this layout)"
+        )
+    if seq_len % multiple:
         lower = seq_len - seq_len % multiple
         upper = lower + multiple
         why = f"ulysses x ring = {ulysses} x {ring}" + (" x 2 (zigzag ring)" if ring > 1 else "")
@@ -170,6 +175,13 @@ class SequenceParallel:
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's shard of the full-sequence tensor ``x`` (sequence along ``dim``); differentiable."""
+        if not isinstance(x, torch.Tensor):
+            raise RuntimeConfigError(f"SequenceParallel.shard expects a torch.Tensor, got {type(x).__name__}")
+        if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < max(x.dim(), 1) or x.dim() == 0:
+            raise RuntimeConfigError(
+                f"cannot shard dim {dim!r} of a {x.dim()}-D tensor {tuple(x.shape)}: pass the sequence dimension "
+                "(dim=1 for (batch, seq, ...) tensors)"
+            )
         runs = self.segments(x.shape[dim])
         pieces = [x.narrow(dim, start, length) for start, length in runs]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)

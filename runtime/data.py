@@ -186,6 +186,11 @@ class BatchSharder:
         if input_ids.dtype.is_floating_point:
             raise RuntimeConfigError(f"input_ids must be integer token ids, got {input_ids.dtype}")
         batch_size, seq = input_ids.shape
+        if batch_size == 0 or seq == 0:
+            raise RuntimeConfigError(
+                f"empty batch: input_ids has shape {tuple(input_ids.shape)} (batch, seq); every batch needs at least "
+                "one sequence of at least one token (drop empty batches in the dataset or collate_fn)"
+            )
         position_ids = data.get("position_ids")
         cu_seqlens = data.get(DOCUMENTS_KEY)
         starts = None  # document starts (batch, seq), when the rows are packed

@@ -35,13 +35,13 @@ from __future__ import annotations
 import torch
 
 from runtime.attention.documents import block_pairs, documents_backward, documents_forward, row_bounds
-from runtime.attention.groups import check_agreement, group_name, resolve_group  # noqa: F401 (re-exported)
+from runtime.attention.groups import agree, group_name, resolve_group  # noqa: F401 (re-exported)
 from runtime.attention.kernel import (
     attention_backward,
     attention_forward,
     check_qkv,
-    default_scale,
     lse_dtype,
+    resolve_scale,
 )
 from runtime.attention.ring import RingComm, _ring_backward, _ring_forward, validate_ring_call
 from runtime.attention.ulysses import head_to_seq, seq_to_head, ulysses_kv_replication
@@ -81,12 +81,12 @@ def attention_op(
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Local attention: output ``(B, S, H, D)`` and LSE ``(B, H, S)``; document-masked with ``cu_seqlens``."""
-    check_qkv(q, k, v, causal)
+    check_qkv(q, k, v, causal, scale)
     pairs = _local_pairs(q, k, causal, cu_seqlens)
     if pairs is None:
         out, lse = attention_forward(q, k, v, causal=causal, scale=scale, backend=backend)
     else:
-        scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+        scale = resolve_scale(scale, q.shape[-1])
         out, lse = documents_forward(q, k, v, pairs, scale=scale, backend=backend)
     return out.contiguous(), lse.to(lse_dtype(q.dtype)).contiguous()
 
@@ -106,7 +106,7 @@ def attention_backward_op(
     if pairs is None:
         grads = attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend)
     else:
-        scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+        scale = resolve_scale(scale, q.shape[-1])
         grads = documents_backward(dout, q, k, v, out, lse, pairs, scale=scale, backend=backend)
     return tuple(g.contiguous() for g in grads)  # type: ignore[return-value]
 
@@ -138,26 +138,31 @@ attention_op.register_autograd(_attention_backward, setup_context=_attention_set
 
 @torch.library.custom_op("sp_plan::ring_attention", mutates_args=())
 def ring_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: str, causal: bool, scale: float, backend: str | None,
-    layout: str = "zigzag", cu_seqlens: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: str, causal: bool, scale: float | None,
+    backend: str | None, layout: str = "zigzag", cu_seqlens: torch.Tensor | None = None, agreed: bool = False,
+    needs_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ring pass over the named group: output in q's dtype and the merged LSE. ``layout`` "" = none
-    declared (allowed for non-causal attention without documents)."""
+    declared (allowed for non-causal attention without documents). ``agreed``: the caller (USP's Ulysses
+    step) has already checked agreement across the whole grid, so only the local checks run here.
+    ``needs_grad``: whether the caller's inputs require grad (checked to agree across the ranks)."""
     pg = resolve_group(group)
-    bounds = validate_ring_call(q, k, v, pg, causal, layout or None, cu_seqlens)
+    bounds = validate_ring_call(q, k, v, pg, causal, layout or None, cu_seqlens, scale, agreed=agreed,
+                                needs_grad=needs_grad)
+    scale = resolve_scale(scale, q.shape[-1])
     out, lse = _ring_forward(q, k, v, RingComm(pg), causal, scale, backend, layout or None, bounds)
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
 @ring_attention_op.register_fake
-def _(q, k, v, group, causal, scale, backend, layout="zigzag", cu_seqlens=None):
+def _(q, k, v, group, causal, scale, backend, layout="zigzag", cu_seqlens=None, agreed=False, needs_grad=False):
     return _empty(q), _empty(q, _lse_shape(q), lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("sp_plan::ring_attention_backward", mutates_args=())
 def ring_attention_backward_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    group: str, causal: bool, scale: float, backend: str | None, layout: str = "zigzag",
+    group: str, causal: bool, scale: float | None, backend: str | None, layout: str = "zigzag",
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of :func:`ring_attention_op` (the K/V and dK/dV rings)."""
@@ -170,7 +175,8 @@ def ring_attention_backward_op(
         batch, seq_len = q.shape[0], q.shape[1] * comm.world
         if not single_document_rows(cu_seqlens, batch, seq_len):
             bounds = row_bounds(cu_seqlens, batch, seq_len)
-    grads = _ring_backward(dout, q, k, v, out, lse, comm, causal, scale, backend, layout or None, bounds)
+    grads = _ring_backward(dout, q, k, v, out, lse, comm, causal, resolve_scale(scale, q.shape[-1]), backend,
+                           layout or None, bounds)
     return tuple(g.contiguous() for g in grads)  # type: ignore[return-value]
 
 
@@ -180,7 +186,7 @@ def _(dout, q, k, v, out, lse, group, causal, scale, backend, layout="zigzag", c
 
 
 def _ring_setup(ctx, inputs, output):
-    q, k, v, group, causal, scale, backend, layout, cu_seqlens = inputs
+    q, k, v, group, causal, scale, backend, layout, cu_seqlens, _agreed, _needs_grad = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
     ctx.group, ctx.causal, ctx.scale, ctx.backend, ctx.layout = group, causal, scale, backend, layout
@@ -191,7 +197,7 @@ def _ring_attention_backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
     dq, dk, dv = ring_attention_backward_op(dout, q, k, v, out, lse, ctx.group, ctx.causal, ctx.scale,
                                             ctx.backend, ctx.layout, cu_seqlens)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 ring_attention_op.register_autograd(_ring_attention_backward, setup_context=_ring_setup)
@@ -235,13 +241,27 @@ def _(xs, group, world, phase):
 
 @torch.library.custom_op("sp_plan::ulysses_qkv_to_heads", mutates_args=())
 def ulysses_qkv_to_heads_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: str, world: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: str, world: int, causal: bool = False,
+    scale: float | None = None, cu_seqlens: torch.Tensor | None = None, outer: str = "", needs_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q, K, V from the sequence split to the head split in ONE all-to-all, KV heads replicated first when
-    the degree exceeds them. Checks (once per group) that every rank holds the same shapes."""
+    the degree exceeds them. First, on every call, every rank of the group (and of ``outer``, USP's ring
+    group, when given) learns whether all ranks hold the same shapes, dtype, scale, documents and valid
+    inputs, and all raise together if not (:func:`runtime.attention.groups.agree`). ``causal``, ``scale``
+    and ``cu_seqlens`` are only checked here; the inner attention uses them."""
     pg = resolve_group(group)
-    check_agreement(pg, "Ulysses attention", (q, k, v))
-    check_qkv(q, k, v, causal=False)
+    problem = None
+    try:
+        check_qkv(q, k, v, causal, scale)
+        ulysses_kv_replication(q.shape[2], k.shape[2], world)
+        if cu_seqlens is not None:
+            from runtime.attention.documents import check_cu_seqlens
+
+            check_cu_seqlens(cu_seqlens)
+    except RuntimeConfigError as exc:
+        problem = str(exc)
+    agree(pg, "Ulysses attention", (q, k, v), problem=problem, causal=causal, scale=scale, cu_seqlens=cu_seqlens,
+          outer=resolve_group(outer) if outer else None, needs_grad=needs_grad)
     rep = ulysses_kv_replication(q.shape[2], k.shape[2], world)
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
@@ -256,14 +276,14 @@ def _kv_replication(q_heads: int, kv_heads: int, world: int) -> int:
 
 
 @ulysses_qkv_to_heads_op.register_fake
-def _(q, k, v, group, world):
+def _(q, k, v, group, world, causal=False, scale=None, cu_seqlens=None, outer="", needs_grad=False):
     rep = _kv_replication(q.shape[2], k.shape[2], world)
     kv = (k.shape[0], k.shape[1], k.shape[2] * rep, k.shape[3])
     return _empty(q, _head_split(q.shape, world)), _empty(k, _head_split(kv, world)), _empty(v, _head_split(kv, world))
 
 
 def _qkv_setup(ctx, inputs, output):
-    q, k, v, group, world = inputs
+    q, k, v, group, world = inputs[:5]
     ctx.group, ctx.world = group, world
     ctx.kv_heads = k.shape[2]
     ctx.rep = _kv_replication(q.shape[2], k.shape[2], world)
@@ -275,7 +295,7 @@ def _qkv_backward(ctx, dq, dk, dv):
         b, s, _, d = dk.shape
         dk = dk.view(b, s, ctx.kv_heads, ctx.rep, d).sum(dim=3)
         dv = dv.view(b, s, ctx.kv_heads, ctx.rep, d).sum(dim=3)
-    return dq, dk, dv, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 ulysses_qkv_to_heads_op.register_autograd(_qkv_backward, setup_context=_qkv_setup)

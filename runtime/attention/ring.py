@@ -61,7 +61,6 @@ from runtime.attention.kernel import (
     attention_backward,
     attention_forward,
     check_qkv,
-    default_scale,
     lse_dtype,
     select_backend,
 )
@@ -195,7 +194,8 @@ def _ring_forward(q, k, v, comm: RingComm, causal: bool, scale: float, backend: 
                                                   step, scale, backend)
             if out is None and step.q_rows == _ALL:  # the first block covering every row initialises
                 lse = block_lse.to(acc).clone()
-                visible = torch.isfinite(lse).transpose(1, 2).unsqueeze(-1)
+                # Rows with LSE -inf saw no key (output 0); NaN rows keep their NaN (it must not vanish).
+                visible = (lse != float("-inf")).transpose(1, 2).unsqueeze(-1)
                 out = torch.where(visible, block_out.to(acc), torch.zeros((), dtype=acc, device=q.device))
             else:
                 if out is None:
@@ -267,6 +267,11 @@ def _ring_backward(dout, q, k, v, out, lse, comm: RingComm, causal: bool, scale:
     return dq.to(q.dtype), dkv_spare[0].to(k.dtype, copy=True), dkv_spare[1].to(v.dtype, copy=True)
 
 
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd will call this attention's backward (and its collectives) for these inputs."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def check_layout(layout: str | None, causal: bool, world: int, documents: bool) -> None:
     """A causal or document-masked ring call must name the layout its shards are in."""
     if layout is not None and layout not in LAYOUTS:
@@ -306,6 +311,7 @@ def ring_attention(
     return_lse: bool = False,
     layout: str | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    _agreed: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over the sequence split across ``group`` (ring degree P = its size).
 
@@ -314,42 +320,56 @@ def ring_attention(
     with ``cu_seqlens``; non-causal attention without documents works with any split. ``cu_seqlens``:
     packed documents, the cumulative boundaries over the flattened full ``(B x S)`` sequence (the same
     on every rank). Returns this rank's output ``(B, s, H, D)`` (and the fp32 LSE ``(B, H, s)`` if
-    ``return_lse``; it carries no gradient). All checks (shapes agreeing across the ranks, layout,
-    even zigzag length) run inside the op after one agreement all-gather, so bad input raises the same
-    RuntimeConfigError on every rank.
+    ``return_lse``; it carries no gradient). All checks (shapes, scale and documents agreeing across the
+    ranks, layout, even zigzag length, empty or mismatched tensors) meet in one agreement all-gather per
+    call inside the op, so bad input raises a RuntimeConfigError on every rank, never a hang.
+    ``_agreed`` (internal, USP): the caller already ran that check across the whole grid.
     """
+    from runtime.attention.groups import screen
     from runtime.attention.kernel import local_attention
 
     world = dist.get_world_size(group)
+    scale = screen(group, "ring attention", (q, k, v), scale)
     if world == 1:
         if layout is not None and layout not in LAYOUTS:
             check_layout(layout, causal, world, cu_seqlens is not None)
         return local_attention(q, k, v, causal=causal, scale=scale, backend=backend, return_lse=return_lse,
                                cu_seqlens=cu_seqlens)
-    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     from runtime.attention.ops import group_name, ring_attention_op
 
     # One custom op (forward: the ring pass; backward: the dK/dV ring), so selective checkpointing keeps
     # its output and LSE and never replays the ring in the recompute.
-    out, lse = ring_attention_op(q, k, v, group_name(group), causal, scale, backend, layout or "", cu_seqlens)
+    out, lse = ring_attention_op(q, k, v, group_name(group), causal, scale, backend, layout or "", cu_seqlens,
+                                 _agreed, needs_grad(q, k, v))
     return (out, lse) if return_lse else out
 
 
 def validate_ring_call(q, k, v, group: dist.ProcessGroup, causal: bool, layout: str | None,
-                       cu_seqlens: torch.Tensor | None) -> RowBounds | None:
-    """Everything a ring call must satisfy, in an order that raises on every rank alike: first the
-    cross-rank agreement (one cached all-gather), then the local checks. Returns the document bounds."""
+                       cu_seqlens: torch.Tensor | None, scale: float | None = None, *,
+                       agreed: bool = False, needs_grad: bool = False) -> RowBounds | None:
+    """Everything a ring call must satisfy, raising on every rank alike: the local checks (q/k/v, scale,
+    layout, even zigzag length, documents) are collected first, then one agreement all-gather tells every
+    rank whether the ranks agree and whether any of them found a problem (unless ``agreed``: the caller
+    already checked the grid, and the local checks, which depend only on what every rank agrees on, raise
+    alike). Returns the document bounds."""
     from runtime.attention.documents import row_bounds, single_document_rows
-    from runtime.attention.groups import check_agreement
+    from runtime.attention.groups import agree
 
-    check_agreement(group, "ring attention", (q, k, v), layout=layout, causal=causal)
     world = dist.get_world_size(group)
-    check_qkv(q, k, v, causal)
-    check_layout(layout, causal, world, cu_seqlens is not None)
-    check_ring_shapes(q, k, world, causal, layout if (causal or cu_seqlens is not None) else None)
-    if cu_seqlens is None:
-        return None
-    batch, seq_len = q.shape[0], q.shape[1] * world
-    if single_document_rows(cu_seqlens, batch, seq_len):
-        return None
-    return row_bounds(cu_seqlens, batch, seq_len)
+    problem, bounds = None, None
+    try:
+        check_qkv(q, k, v, causal, scale)
+        check_layout(layout, causal, world, cu_seqlens is not None)
+        check_ring_shapes(q, k, world, causal, layout if (causal or cu_seqlens is not None) else None)
+        if cu_seqlens is not None:
+            batch, seq_len = q.shape[0], q.shape[1] * world
+            if not single_document_rows(cu_seqlens, batch, seq_len):
+                bounds = row_bounds(cu_seqlens, batch, seq_len)
+    except RuntimeConfigError as exc:
+        problem = str(exc)
+    if not agreed:
+        agree(group, "ring attention", (q, k, v), problem=problem, layout=layout, causal=causal, scale=scale,
+              cu_seqlens=cu_seqlens, needs_grad=needs_grad)
+    elif problem is not None:
+        raise RuntimeConfigError(problem)
+    return bounds

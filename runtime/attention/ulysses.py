@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import comm_counter
-from runtime.attention.kernel import check_qkv, default_scale, local_attention
+from runtime.attention.kernel import check_qkv, local_attention
 from runtime.errors import RuntimeConfigError
 
 
@@ -121,6 +121,7 @@ def ulysses_attention(
     backend: str | None = None,
     inner: InnerAttention | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    _outer: str = "",
 ) -> torch.Tensor:
     """Exact attention over the sequence split contiguously across ``group`` (Ulysses degree U).
 
@@ -129,21 +130,28 @@ def ulysses_attention(
     backend=, cu_seqlens=)`` computes attention on the head-split, full-sequence tensors (default: the
     local kernel; USP passes ring attention over the outer group). ``cu_seqlens``: packed documents over
     the flattened full ``(B x S)`` sequence (:mod:`runtime.attention.documents`), handed to ``inner``
-    unchanged (after the all-to-all each rank holds the whole sequence for its heads). The first call
-    per group checks that every rank holds the same shapes (one small all-gather, cached).
+    unchanged (after the all-to-all each rank holds the whole sequence for its heads). Every call first
+    checks that every rank holds the same shapes and valid inputs (one small all-gather; bad input raises
+    a RuntimeConfigError on every rank, never a hang).
     """
+    from runtime.attention.groups import resolve_group, screen
+
     world = dist.get_world_size(group)
-    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    scale = screen(group, "Ulysses attention", (q, k, v), scale, outer=resolve_group(_outer) if _outer else None)
     if inner is None:
         inner = local_attention
     extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
     if world == 1:
-        check_qkv(q, k, v, causal=False)
+        check_qkv(q, k, v, causal=False, scale=scale)
         return inner(q, k, v, causal=causal, scale=scale, backend=backend, **extra)
     from runtime.attention.ops import group_name, ulysses_head_to_seq_op, ulysses_qkv_to_heads_op
 
     name = group_name(group)
     # Q/K/V all-to-all (recomputed by selective checkpointing) and the output all-to-all (kept): custom ops.
-    qh, kh, vh = ulysses_qkv_to_heads_op(q, k, v, name, world)
+    # ``_outer``: USP's ring group, checked together with this one (see runtime.attention.groups.agree).
+    from runtime.attention.ring import needs_grad
+
+    qh, kh, vh = ulysses_qkv_to_heads_op(q, k, v, name, world, causal, scale, cu_seqlens, _outer,
+                                         needs_grad(q, k, v))
     out = inner(qh, kh, vh, causal=causal, scale=scale, backend=backend, **extra)
     return ulysses_head_to_seq_op(out, name, world)

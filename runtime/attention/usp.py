@@ -39,6 +39,11 @@ def usp_attention(
     must divide by U; KV heads are split or replicated as in :func:`ulysses_attention`. ``cu_seqlens``:
     packed documents over the flattened full ``(B x S)`` sequence.
     """
-    inner = functools.partial(ring_attention, group=ring_group, layout="zigzag")
+    from runtime.attention.groups import group_name
+
+    # The Ulysses step checks agreement over the whole ring x ulysses grid (both groups, one verdict), so the
+    # ring step only runs its local checks: any problem anywhere raises on every rank, none waits.
+    grid = dist.get_world_size(ulysses_group) > 1 and dist.get_world_size(ring_group) > 1
+    inner = functools.partial(ring_attention, group=ring_group, layout="zigzag", _agreed=grid)
     return ulysses_attention(q, k, v, ulysses_group, causal=causal, scale=scale, backend=backend, inner=inner,
-                             cu_seqlens=cu_seqlens)
+                             cu_seqlens=cu_seqlens, _outer=group_name(ring_group) if grid else "")
