@@ -183,8 +183,16 @@ def _flatten(sub_mesh, name: str):
     return sub_mesh._flatten(name)
 
 
+def process_group_backend(device_type: str) -> str:
+    """The default process group's backend: gloo on CPU; on CUDA, NCCL for GPU tensors *and* gloo for CPU
+    tensors (as torchtitan does for async checkpoints). The attention ops' per-call shape agreement check
+    all-gathers a few int64 on CPU: over gloo it never waits for the GPU, where an NCCL-only group would
+    force a device-to-host copy (a stream sync) on every attention call."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
 def _init_process_group(layout: Layout, device_type: str) -> None:
-    backend = "nccl" if device_type == "cuda" else "gloo"
+    backend = process_group_backend(device_type)
     if "WORLD_SIZE" not in os.environ:
         if layout.world != 1:
             raise RuntimeConfigError(
@@ -199,8 +207,8 @@ def _init_process_group(layout: Layout, device_type: str) -> None:
 def build_mesh(plan: Layout | Mapping | str | os.PathLike, *, device_type: str | None = None) -> RuntimeMesh:
     """Check the launch against ``plan`` and build its 5-D DeviceMesh plus the ``sp``/``fsdp`` dims.
 
-    Initialises the default process group from torchrun's environment when needed (NCCL on CUDA,
-    gloo on CPU) and, on CUDA, selects GPU ``LOCAL_RANK``. ``device_type`` defaults to CUDA when
+    Initialises the default process group from torchrun's environment when needed (NCCL plus gloo for CPU
+    tensors on CUDA, gloo on CPU) and, on CUDA, selects GPU ``LOCAL_RANK``. ``device_type`` defaults to CUDA when
     available.
     """
     from torch.distributed.device_mesh import init_device_mesh
