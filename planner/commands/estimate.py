@@ -188,7 +188,7 @@ def render_time_explanation(est: Estimate) -> str:
     rows = [
         f"{det.model} | {format_tokens(det.seq_len)} tokens x {det.micro_batch} | {det.dtype} | "
         f"{est.layout.world} x {det.gpu} | {est.layout.describe()} | stack {det.stack}",
-        f"step {t.step_s:.3f} s = what each part takes on the critical path (peak {peak:,.0f} TFLOP/s per GPU, "
+        f"step {t.step_s:.3f} s = what each part takes on the critical path (peak {peak:,.4g} TFLOP/s per GPU, "
         f"sustained clock x{eff.get('clock', 1.0):.3f}: {sources.get('clock', '')})",
         f"  {'part':<42}{'seconds':>11}{'share':>8}  {'efficiency':<30}from",
     ]
