@@ -239,3 +239,28 @@ def test_compute_memo_keys_on_offload_only_where_it_changes_compute():
     alst = resolve_profile("h100-80gb", "hf-deepspeed")
     assert (compute_time(LLAMA8, off, Layout(ring=8), topo, alst)
             is compute_time(LLAMA8, base, Layout(ring=8), topo, alst))  # one memo entry
+
+
+def test_gh200_is_an_h100_die_with_its_own_memory_and_node():
+    """GH200: the H100 kernel data (same SMs and tensor cores), its own HBM bandwidth, Grace over NVLink-C2C
+    instead of PCIe, four superchips per node (the CLI's default node size follows the preset)."""
+    from click.testing import CliRunner
+
+    from planner.cli import cli
+
+    assert kernel_model("gh200").gemm == kernel_model("h100-80gb").gemm
+    gh, h100 = get_gpu_preset("gh200"), get_gpu_preset("h100-80gb")
+    assert gh.memory_bandwidth > h100.memory_bandwidth and gh.flops_for("bf16") == h100.flops_for("bf16")
+    topo = default_topology("gh200", 16)
+    assert (topo.num_nodes, topo.gpus_per_node) == (4, 4)
+    assert topo.pcie_bandwidth > 5 * default_topology("h100-80gb", 16).pcie_bandwidth
+    result = CliRunner().invoke(cli, ["estimate", "--model", "llama3-8b", "--seq-len", "64K", "--gpu", "gh200",
+                                      "--gpus", "8", "--ulysses", "4", "--dp-shard", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    # Inside one node (4 GPUs), streaming kernels are HBM-bound: the GH200's faster HBM makes the step shorter.
+    train = TrainSpec(seq_len=65536, checkpointing="full", zero_stage=3)
+
+    def step(gpu: str) -> float:
+        return time_estimate(LLAMA8, train, Layout(ring=4), default_topology(gpu, 4)).step_s
+
+    assert step("gh200") < step("h100-80gb")

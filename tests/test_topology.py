@@ -29,7 +29,7 @@ GB = 1e9
 @pytest.mark.parametrize("name", preset_names())
 def test_every_preset_loads_and_round_trips(name, tmp_path):
     topo = load_topology(name, num_gpus=16)
-    assert topo.num_gpus == 16 and topo.num_nodes == 2
+    assert topo.num_gpus == 16 and topo.num_nodes == 16 // get_preset_spec(name).node.gpus
     assert set(topo.links) <= set(LINK_CLASSES) and "fabric" in topo.links
     path = save_topology(topo, tmp_path / f"{name}.yaml")
     again = load_spec_file(path)
@@ -81,8 +81,9 @@ def test_fabric_share_per_gpu_comes_from_the_graph(ref, per_gpu):
 
 def test_default_topology_picks_the_natural_node():
     for gpu in gpu_preset_names():
+        per_node = get_preset_spec(NATURAL_NODE_PRESET[gpu]).node.gpus
         topo = default_topology(gpu, 16)
-        assert topo.gpu.name == gpu and topo.num_nodes == 2
+        assert topo.gpu.name == gpu and topo.num_nodes == 16 // per_node
         assert NATURAL_NODE_PRESET[gpu] in topo.name
     small = default_topology("h100-80gb", 4)
     assert (small.num_nodes, small.gpus_per_node) == (1, 4)

@@ -36,6 +36,8 @@ NATURAL_NODE_PRESET: dict[str, str] = {
     "h100-96gb": "grand-teton-h100",
     "h800": "dgx-h800",
     "h200": "dgx-h200",
+    "gh200": "quad-gh200",
+    "gh200-144gb": "quad-gh200",
     "b200": "dgx-b200",
     "l40s": "l40s-pcie",
     "l20": "l20-pcie",
@@ -216,6 +218,13 @@ def load_topology(preset_or_path: str | Path, num_gpus: int | None = None,
         spec, fabric, nics = parse_reference(ref)
         return Topology(resize(with_fabric(spec, fabric, nics), num_gpus, gpus_per_node))
     return _cached_topology(ref.strip().lower(), num_gpus, gpus_per_node)
+
+
+def natural_gpus_per_node(gpu_name: str) -> int:
+    """GPUs per node of the machine ``gpu_name`` usually comes in (8 for DGX/HGX, 4 for quad GH200 nodes)."""
+    gpu = canonical_gpu_name(gpu_name)
+    preset = NATURAL_NODE_PRESET.get(gpu)
+    return get_preset_spec(preset).node.gpus if preset is not None else 8
 
 
 def default_topology(gpu_name: str, num_gpus: int, gpus_per_node: int | None = None) -> Topology:

@@ -241,6 +241,7 @@ def build_topology(gpus: int | None, gpus_per_node: int | None, gpu_name: str, t
     Multi-node jobs must fill whole nodes: a plan for 12 GPUs on 8-GPU nodes is almost always a typo.
     """
     from cost_models.topology import default_topology, load_topology
+    from cost_models.topology.presets import natural_gpus_per_node
 
     if topology_ref is not None:  # "" too: an empty --topology is a mistake to report, not "no topology"
         if not topology_ref.strip():
@@ -252,7 +253,7 @@ def build_topology(gpus: int | None, gpus_per_node: int | None, gpu_name: str, t
     else:
         if gpus is None:
             raise click.UsageError("Missing option '--gpus' (or give --topology PRESET|FILE)")
-        per_node = gpus_per_node or min(8, gpus)
+        per_node = gpus_per_node or min(natural_gpus_per_node(gpu_name), gpus)
         topology = default_topology(gpu_name, gpus, per_node)
     per_node = topology.gpus_per_node
     if gpus is not None and gpus > per_node and gpus % per_node:
