@@ -56,6 +56,15 @@ DEFAULT_GLOBAL_BATCH_TOKENS = 1 << 22
 DEFAULT_HEADROOM = 0.03
 
 
+
+def _can_offload_params(lattice: OptionLattice) -> bool:
+    """Whether some valid combination of ``lattice`` offloads parameters: its axis offers it and the branch
+    runs ZeRO-3 (the only stage that offloads parameters, see :func:`planner.options.invalid_reason`)."""
+    names = [a.name for a in lattice.axes]
+    if "offload_params" not in names or True not in lattice.axes[names.index("offload_params")].values:
+        return False
+    return "zero_stage" in names and 3 in lattice.axes[names.index("zero_stage")].values
+
 class PlanSettings(BaseModel):
     """What the search may change, and how it scores."""
 
@@ -300,8 +309,13 @@ class _Searcher:
                     for z in full.axes[k].values]
         # A branch where no combination is valid (a pinned parameter offload needs ZeRO-3) is no branch.
         branches = [b for b in branches if not invalid_reason(b.values(self.most_saving_valid(b)))]
-        if layout.shard_group == 1 and "zero_stage" not in self.fixed_options:
-            branches = branches[:1]  # nothing to shard: the lowest stage is the same run without gathers
+        if layout.shard_group == 1 and "zero_stage" not in self.fixed_options and branches:
+            # Nothing to shard: the lowest stage is the same run without gathers, except that parameter
+            # offload exists only under ZeRO-3, so a ZeRO-3 branch that can offload parameters stays
+            # (on one GPU it is what lets the longest sequences fit).
+            lowest, rest = branches[0], branches[1:]
+            branches = [lowest] + [b for b in rest if b.axes[k].values == (3,) and _can_offload_params(b)
+                                   and not _can_offload_params(lowest)]
         return branches
 
     def train_for(self, layout: Layout, options: dict[str, Any]) -> TrainSpec:

@@ -150,6 +150,7 @@ def test_lattice_monotonicity_the_search_relies_on(name, seq, gpus, layout_kw, m
     ("hf-deepspeed", "llama3-8b", 16 * 1024, 8),     # short: DeepSpeed's TiledMLP costs memory (not monotone)
     ("hf-deepspeed", "llama3-70b", 256 * 1024, 8),
     ("torchtitan", "llama3-8b", 128 * 1024, 8),
+    ("hf-deepspeed", "llama3-8b", 500 * 1024, 1),    # one GPU: only ZeRO-3's parameter offload fits
 ])
 def test_search_finds_the_brute_force_optimum_under_gpu_stacks(stack, name, seq, gpus):
     """The pruning stays exact under the GPU stacks' memory models too (the tiled MLP is not monotone under
