@@ -117,14 +117,22 @@ def _run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
 
 @pytest.mark.multiproc
 def test_calibrate_closes_the_loop_on_cpu_ranks(tmp_path):
-    """Probe this machine, measure four layouts with `sp-plan validate` on 2 CPU ranks, calibrate on two of
-    them: the other two are predicted better (step time) and ranked at least as well as before."""
+    """Probe this machine, then make the probed compute rates wrong (a third of what was measured, as a
+    stale or mistyped topology file would have them), measure four layouts with `sp-plan validate` on 2 CPU
+    ranks, calibrate on two of them: the other two are predicted better (step time) and ranked at least as
+    well as before. (Since the probe itself predicts CPU runs within ~15%, calibrating an accurate profile on
+    two runs cannot be required to improve it: the test starts from a profile that is known to be off.)"""
     config = tmp_path / "tiny.json"
     config.write_text(json.dumps(TINY))
     topo = tmp_path / "cpu.yaml"
     probe = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                   "-m", "planner.cli", "probe", "--out", str(topo)])
     assert probe.returncode == 0 and topo.exists(), probe.stderr[-2000:]
+    spec = yaml.safe_load(topo.read_text())
+    compute = spec["calibration"]["compute"]
+    for key in ("matmul", "attention_forward", "attention_backward"):
+        compute[key] = compute[key] / 3
+    topo.write_text(yaml.safe_dump(spec, sort_keys=False))
     reports = []
     for i, layout in enumerate([["--ulysses", "2"], ["--dp-shard", "2"], ["--ring", "2"], ["--tp", "2"]]):
         out = tmp_path / f"run{i}.json"
@@ -143,6 +151,7 @@ def test_calibrate_closes_the_loop_on_cpu_ranks(tmp_path):
     assert result.exit_code == 0, result.output
     errors = {e["metric"]: e for e in json.loads(result.output)["errors"]}
     held = errors["step_s (held out)"]
+    print("held out:", {k: v for k, v in held.items() if "pct" in k or "tau" in k})
     assert held["after_mean_abs_pct"] < held["before_mean_abs_pct"]
     assert held["after_kendall_tau"] >= held["before_kendall_tau"]
     fitted = errors["step_s (fitted on)"]
