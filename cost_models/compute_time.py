@@ -399,4 +399,5 @@ def _report(fr: Fractions) -> dict[str, float]:
             "attention_backward": fr.attention_backward, "memory": fr.memory, "clock": fr.clock}
 
 
-__all__ = ["COMPUTE_FIELDS", "COMPUTE_PARTS", "efficiency_sources", "ComputeTime", "Fractions", "compute_time", "fractions"]
+__all__ = ["COMPUTE_FIELDS", "COMPUTE_PARTS", "ComputeTime", "Fractions", "compute_time", "efficiency_sources",
+           "fractions"]

@@ -119,9 +119,9 @@ def _run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
 def test_calibrate_closes_the_loop_on_cpu_ranks(tmp_path):
     """Probe this machine, then make the probed compute rates wrong (a third of what was measured, as a
     stale or mistyped topology file would have them), measure four layouts with `sp-plan validate` on 2 CPU
-    ranks, calibrate on two of them: the other two (of different lengths) are predicted better (step time) and
-    ranked at least as well as before. (Since the probe itself predicts CPU runs within ~15%, calibrating an accurate profile on
-    two runs cannot be required to improve it: the test starts from a profile that is known to be off.)"""
+    ranks, calibrate on two of them: the other two (of different lengths) are predicted better (step time)
+    and ranked at least as well as before. (The probe itself predicts CPU runs within ~15%, and calibrating
+    an accurate profile on two runs cannot be required to improve it: the test starts from a wrong one.)"""
     config = tmp_path / "tiny.json"
     config.write_text(json.dumps(TINY))
     topo = tmp_path / "cpu.yaml"
