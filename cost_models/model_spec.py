@@ -6,6 +6,8 @@ only as good as this count, and the tests check it against each model's publishe
 
 from __future__ import annotations
 
+import difflib
+
 import json
 import math
 from functools import cache
@@ -155,17 +157,28 @@ def _preset_table() -> dict[str, dict]:
     return safe_load(text)["models"]
 
 
+@cache
+def _preset_aliases() -> dict[str, str]:
+    text = resources.files("cost_models.data").joinpath("models.yaml").read_text()
+    return safe_load(text).get("aliases") or {}
+
+
 def model_preset_names() -> list[str]:
     return sorted(_preset_table())
 
 
 def get_model_preset(name: str) -> ModelSpec:
-    """A shipped preset by name (case-insensitive)."""
+    """A shipped preset by name or alias (case-insensitive); an unknown name gets the closest ones."""
     table = _preset_table()
+    aliases = _preset_aliases()
     key = name.strip().lower()
+    key = aliases.get(key, key)
     if key not in table:
+        close = difflib.get_close_matches(key, [*table, *aliases], n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
         raise CostModelError(
-            f"unknown model {name!r}: use a preset ({', '.join(model_preset_names())}) or a path to a config.json"
+            f"unknown model {name!r}: {hint}use a preset ({', '.join(model_preset_names())}) or a path to a "
+            "config.json"
         )
     try:
         return ModelSpec(name=key, **table[key])

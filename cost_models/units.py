@@ -23,26 +23,32 @@ _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _SEQ_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)\s*$", re.IGNORECASE)
 
 
-def parse_seq_len(text: str | int) -> int:
-    """Parse ``32K``/``1M``/``1000000`` into a token count, rejecting nonsense with a clear error."""
+def parse_token_count(text: str | int, what: str = "sequence length", maximum: int = MAX_SEQ_LEN) -> int:
+    """Parse ``32K``/``1M``/``1000000`` into a token count (``what`` names it in errors), rejecting nonsense
+    with a clear error. Every token count on the command line goes through here, so they all take suffixes."""
     if isinstance(text, bool):
-        raise CostModelError(f"sequence length must be a number of tokens, got {text!r}")
+        raise CostModelError(f"{what} must be a number of tokens, got {text!r}")
     if isinstance(text, int):
         value = text
     else:
         match = _SEQ_RE.match(str(text))
         if not match:
             raise CostModelError(
-                f"cannot read sequence length {text!r}: use an integer or a K/M suffix, e.g. 131072, 128K, 1M"
+                f"cannot read {what} {text!r}: use an integer or a K/M suffix, e.g. 131072, 128K, 1M"
             )
         number, suffix = match.groups()
         scaled = float(number) * _SUFFIX[suffix.upper()]
         if scaled != int(scaled):
-            raise CostModelError(f"sequence length {text!r} is not a whole number of tokens")
+            raise CostModelError(f"{what} {text!r} is not a whole number of tokens")
         value = int(scaled)
-    if value < 1 or value > MAX_SEQ_LEN:
-        raise CostModelError(f"sequence length {value} is out of range: use 1 .. {MAX_SEQ_LEN} tokens (1G)")
+    if value < 1 or value > maximum:
+        raise CostModelError(f"{what} {value} is out of range: use 1 .. {maximum} tokens")
     return value
+
+
+def parse_seq_len(text: str | int) -> int:
+    """A sequence length (at most :data:`MAX_SEQ_LEN`, 1G tokens)."""
+    return parse_token_count(text, "sequence length", MAX_SEQ_LEN)
 
 
 def format_tokens(n: int) -> str:

@@ -19,28 +19,33 @@ from cost_models.layout import Layout
 from cost_models.memory.assumptions import MemoryAssumptions
 from cost_models.model_spec import ModelSpec, load_model
 from cost_models.train_spec import TrainSpec
-from cost_models.units import parse_seq_len
+from cost_models.units import parse_seq_len, parse_token_count
 
 if TYPE_CHECKING:
     from cost_models.profile import CostProfile
     from cost_models.topology import Topology
 
 
-class SeqLenType(click.ParamType):
-    """Accepts 131072, 128K, 1M; rejects anything else with the project's message."""
+class TokenCountType(click.ParamType):
+    """Accepts 131072, 128K, 1M; rejects anything else (and anything above ``maximum``) with the project's
+    message. Every token count on the command line uses it, so all of them take K/M suffixes."""
 
     name = "TOKENS"
 
+    def __init__(self, what: str = "sequence length", maximum: int | None = None) -> None:
+        self.what = what
+        self.maximum = maximum
+
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        if isinstance(value, int):
-            return value
         try:
-            return parse_seq_len(value)
+            if self.maximum is None:
+                return parse_seq_len(value)
+            return parse_token_count(value, self.what, self.maximum)
         except CostModelError as exc:
             self.fail(str(exc), param, ctx)
 
 
-SEQ_LEN = SeqLenType()
+SEQ_LEN = TokenCountType()
 
 
 class FiniteFloatRange(click.FloatRange):

@@ -18,6 +18,7 @@ from ..sanity import check_figures
 from ..search import DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_HEADROOM, PlanSettings, SearchResult, search
 from .common import (
     LAYOUT_KEYS,
+    TokenCountType,
     SEARCHABLE_OPTIONS,
     build_assume,
     build_model,
@@ -38,7 +39,7 @@ def planning_options(func):
     for option in reversed([
         click.option("--headroom", type=FiniteFloatRange(0.0, 0.9, max_open=True), default=DEFAULT_HEADROOM, show_default=True,
                      help="Fraction of GPU memory kept free beyond the modelled overheads."),
-        click.option("--global-batch-tokens", type=click.IntRange(1, 1 << 40), default=DEFAULT_GLOBAL_BATCH_TOKENS,
+        click.option("--global-batch-tokens", type=TokenCountType("global batch", 1 << 40), default=DEFAULT_GLOBAL_BATCH_TOKENS,
                      show_default=True, help="Tokens per optimizer step every layout is compared at."),
         click.option("--max-offload-gb", type=FiniteFloatRange(0.0, 1e6), default=None, metavar="GB",
                      help="Most host memory (GB = 1e9 bytes) offloaded state may use per GPU; 0 forbids offloading. "
