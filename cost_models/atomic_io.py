@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,3 +96,12 @@ def atomic_write_bytes(path: str | Path, data: bytes, *, error: type[Exception] 
             handle.write(data)
     except OSError as exc:
         raise error(f"cannot write {path}: {exc.strerror or exc}") from exc
+
+
+def write_output(path: str | Path, text: str, *, error: type[Exception] = CostModelError) -> None:
+    """``text`` to ``path`` atomically, or to standard output when ``path`` is ``-``."""
+    if str(path) == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    atomic_write_text(path, text, error=error)

@@ -3,6 +3,7 @@ loader: the presets, GPU table and fabrics are parsed on every CLI start), same 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -12,6 +13,9 @@ from pydantic import BaseModel, ValidationError
 from .errors import CostModelError, explain_validation_error
 
 M = TypeVar("M", bound=BaseModel)
+
+#: The file name that means standard input (where a file is read) or standard output (where one is written).
+STDIO = "-"
 
 try:
     from yaml import CSafeLoader as _SafeLoader
@@ -27,7 +31,16 @@ def safe_load(text: str) -> Any:
 def read_small_text(path: str | Path, max_bytes: int, what: str, missing: str,
                     error: type[CostModelError] = CostModelError) -> str:
     """The text of a user-given file, refused in one line (as ``error``) when it is missing (``missing``
-    completes the sentence: what is wrong and what to give instead), too large or not text."""
+    completes the sentence: what is wrong and what to give instead), too large or not text. ``-`` is
+    standard input (``sp-plan plan --out - | sp-plan export - --to deepspeed``)."""
+    if str(path) == STDIO:
+        data = sys.stdin.buffer.read(max_bytes + 1)
+        if len(data) > max_bytes:
+            raise error(f"{what} on standard input is larger than {max_bytes / (1 << 20):g} MiB, which no {what} is")
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise error(f"{what} on standard input is not UTF-8 text: {exc}") from exc
     path = Path(path).expanduser()
     if not path.is_file():
         raise error(f"{what} {str(path)!r} {missing}")

@@ -104,13 +104,14 @@ class Plan(BaseModel):
 def load_plan(path: str | Path) -> Plan:
     """Read and validate a plan file written by ``sp-plan plan --out``."""
     file = Path(path).expanduser()
+    name = "the plan on standard input" if str(path) == "-" else str(file)
     text = read_small_text(file, _MAX_PLAN_BYTES, "plan file",
                            "not found: create one with `sp-plan plan ... --out plan.yaml`", PlannerError)
     try:
         data = safe_load(text)
     except yaml.YAMLError as exc:
-        raise PlannerError(f"{file} is not valid YAML: {exc}".splitlines()[0]) from exc
-    return plan_from_dict(data, str(file), require_end=True)
+        raise PlannerError(f"{name} is not valid YAML: {exc}".splitlines()[0]) from exc
+    return plan_from_dict(data, name, require_end=True)
 
 
 def plan_from_dict(data: Any, source: str = "plan", *, require_end: bool = False) -> Plan:

@@ -53,3 +53,60 @@ def test_unknown_model_suggests_the_closest_names(capsys):
         get_model_preset("lama3-70b")
     code, err = console(["estimate", "--model", "qwen3-8", "--seq-len", "8K", "--gpus", "8"], capsys)
     assert code == 2 and err.startswith("error: ") and "did you mean qwen3-8b" in err
+
+
+def _console_script() -> str:
+    import shutil
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).with_name("sp-plan")
+    return str(script) if script.exists() else shutil.which("sp-plan") or "sp-plan"
+
+
+def _sh(args: list[str], stdin: str | None = None):
+    import subprocess
+
+    return subprocess.run([_console_script(), *args], input=stdin, capture_output=True, text=True, timeout=120)
+
+
+def test_dash_is_stdout_and_stdin_through_the_console_script(tmp_path):
+    """`plan --out -` writes the plan file to stdout (the report to stderr), `export -` reads it from stdin,
+    `topo show --out -` and `calibrate --out -` write their YAML to stdout; nothing named `-` appears."""
+    import os
+
+    import yaml
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        plan = _sh(["plan", "--model", "llama3-8b", "--seq-len", "32K", "--gpus", "8", "--top", "1", "--out", "-"])
+        assert plan.returncode == 0, plan.stderr
+        assert yaml.safe_load(plan.stdout)["end_of_plan"] is True
+        assert "Recommended:" in plan.stderr
+        exported = _sh(["export", "-", "--to", "deepspeed"], stdin=plan.stdout)
+        assert exported.returncode == 0, exported.stderr
+        assert json.loads(exported.stdout)["train_micro_batch_size_per_gpu"] >= 1
+        refused = _sh(["export", "-", "--to", "torchrun"], stdin=plan.stdout)
+        assert refused.returncode == 2 and "standard input" in refused.stderr and "Traceback" not in refused.stderr
+        cut = _sh(["export", "-", "--to", "deepspeed"], stdin=plan.stdout[: len(plan.stdout) // 2])
+        assert cut.returncode == 2 and "Traceback" not in cut.stderr
+        topo = _sh(["topo", "show", "dgx-h100", "--out", "-"])
+        assert topo.returncode == 0 and yaml.safe_load(topo.stdout)["name"] == "dgx-h100"
+        assert not (tmp_path / "-").exists()
+    finally:
+        os.chdir(cwd)
+
+
+def test_calibrate_out_dash_writes_the_calibration_to_stdout(tmp_path):
+    import yaml
+
+    from tests.test_calibrate import synthetic_rows, write_csv
+
+    rows = synthetic_rows({"gemm.peak_fraction": 0.45, "attention.fa2.forward_fraction": 0.5,
+                           "attention.fa2.backward_fraction": 0.4})
+    write_csv(tmp_path / "runs.csv", rows)
+    done = _sh(["calibrate", str(tmp_path / "runs.csv"), "--out", "-"])
+    assert done.returncode == 0, done.stderr
+    assert yaml.safe_load(done.stdout)["kind"] == "sp-plan-calibration"
+    assert "fitted" in done.stderr

@@ -12,6 +12,7 @@ predicted by a fit on the others.
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import click
 import yaml
 
-from cost_models.atomic_io import atomic_write_text
+from cost_models.atomic_io import write_output
 from cost_models.errors import CostModelError
 
 
@@ -30,7 +31,7 @@ from cost_models.errors import CostModelError
 @click.option("--stack", default="sp-plan", show_default=True,
               help="Stack the runs used when a file does not say (validate reports record it).")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), default=Path("calibration.yaml"),
-              show_default=True, help="Calibration YAML to write (use it with --calibration FILE).")
+              show_default=True, help="Calibration YAML to write (use it with --calibration FILE); - for standard output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the before/after errors as JSON.")
 def command(runs: tuple[Path, ...], check: tuple[Path, ...], stack: str, out_file: Path, as_json: bool) -> None:
     """Fit a calibration to measured runs (validate --json reports or CSV) and print before/after errors."""
@@ -58,25 +59,28 @@ def command(runs: tuple[Path, ...], check: tuple[Path, ...], stack: str, out_fil
         description = (f"fitted by `sp-plan calibrate` on {sampled} measurement(s){sample_note} from "
                        f"{len({r.source for r in fit_runs})} file(s)")
         cal = result.to_file(description)
-    atomic_write_text(out_file, yaml.safe_dump(cal.model_dump(mode="json"), sort_keys=False, width=120))
+    to_stdout = str(out_file) == "-"
+    write_output(out_file, yaml.safe_dump(cal.model_dump(mode="json"), sort_keys=False, width=120))
+    # With --out -, standard output is the calibration file: the report goes to standard error.
+    say = functools.partial(click.echo, err=to_stdout)
     if as_json:
-        click.echo(json.dumps({"calibration": str(out_file), "errors": [e.model_dump() for e in cal.errors],
+        say(json.dumps({"calibration": str(out_file), "errors": [e.model_dump() for e in cal.errors],
                                "parameters": result.fit.as_dict()}, indent=2))
         return
-    click.echo(f"fitted {len(result.fit.params)} parameter(s) on {sampled} measurement(s){sample_note}; "
+    say(f"fitted {len(result.fit.params)} parameter(s) on {sampled} measurement(s){sample_note}; "
                f"wrote {out_file}")
     for name, value in result.fit.as_dict().items():
-        click.echo(f"  {name:<48} {value:.4g}")
-    click.echo(f"{'run':<70}{'measured':>11}{'before':>11}{'after':>11}")
+        say(f"  {name:<48} {value:.4g}")
+    say(f"{'run':<70}{'measured':>11}{'before':>11}{'after':>11}")
     checked, sampled_ids = {id(r) for r in check_runs}, {id(r) for r in result.fitted_runs}
     for r in fit_runs + check_runs:
         before, after = result.predictions[r.id]
         tag = (" (held out)" if id(r) in checked else "" if id(r) in sampled_ids else " (not in fit sample)")
-        click.echo(f"{(r.id + tag)[:70]:<70}{r.value:>11.4g}{before:>11.4g}{after:>11.4g}")
-    click.echo(f"{'error':<40}{'runs':>5}{'before':>10}{'after':>10}{'tau before':>12}{'tau after':>11}")
+        say(f"{(r.id + tag)[:70]:<70}{r.value:>11.4g}{before:>11.4g}{after:>11.4g}")
+    say(f"{'error':<40}{'runs':>5}{'before':>10}{'after':>10}{'tau before':>12}{'tau after':>11}")
     for e in cal.errors:
         tb = "-" if e.before_kendall_tau is None else f"{e.before_kendall_tau:.2f}"
         ta = "-" if e.after_kendall_tau is None else f"{e.after_kendall_tau:.2f}"
-        click.echo(f"{e.metric:<40}{e.runs:>5}{e.before_mean_abs_pct:>9.1f}%{e.after_mean_abs_pct:>9.1f}%"
+        say(f"{e.metric:<40}{e.runs:>5}{e.before_mean_abs_pct:>9.1f}%{e.after_mean_abs_pct:>9.1f}%"
                    f"{tb:>12}{ta:>11}")
-    click.echo(f"use it: sp-plan plan ... --calibration {out_file}")
+    say(f"use it: sp-plan plan ... --calibration {out_file}")

@@ -210,7 +210,7 @@ def check_output_path(path: str | Path | None, option: str) -> None:
     """Refuse an output path that cannot be written *before* the work that produces it (a plan search or a
     sweep can take seconds): its directory must exist and the path must not be a directory. The write
     itself is atomic (:mod:`cost_models.atomic_io`) and reports the remaining failures (permissions)."""
-    if path is None:
+    if path is None or str(path) == "-":  # "-": standard output
         return
     if not str(path).strip():
         raise CostModelError(f"{option} is empty: give a file name")

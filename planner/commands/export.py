@@ -11,13 +11,14 @@ from cost_models.atomic_io import atomic_write_text
 
 from ..export import DEFAULT_TRAIN_SCRIPT, EXPORTERS, check_under_stack, to_torchrun
 from ..plan import load_plan
+from ..errors import PlannerError
 from .common import check_output_path
 
 
 @click.command("export")
 @click.argument("plan_file", type=click.Path(dir_okay=False))
 @click.option("--to", "target", type=click.Choice(sorted(EXPORTERS)), required=True, help="Launcher to export for.")
-@click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None, help="Write here instead of stdout.")
+@click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None, help="Write here instead of stdout (- is stdout).")
 @click.option("--script", default=DEFAULT_TRAIN_SCRIPT, show_default=True, help="Training script (torchrun only).")
 @click.option("--stack", default=None, metavar="NAME|FILE",
               help="Stack to check the plan under. Default: hf-deepspeed for deepspeed and for accelerate with "
@@ -27,9 +28,12 @@ from .common import check_output_path
               help="Calibration file for the check (default: the plan's own, when checked under its own stack).")
 def command(plan_file: str, target: str, out_file: str | None, script: str, stack: str | None,
             calibration: str | None) -> None:
-    """Write PLAN_FILE (from `sp-plan plan --out`) as a launcher config, after checking that the plan
+    """Write PLAN_FILE (from `sp-plan plan --out`; - reads it from standard input) as a launcher config, after checking that the plan
     still fits under the stack that launcher runs (refused, with the re-plan command, when not)."""
     check_output_path(out_file, "--out")
+    if target == "torchrun" and plan_file == "-":
+        raise PlannerError("--to torchrun writes a command that reads the plan file at launch: give the plan's "
+                           "path instead of - (standard input)")
     plan = load_plan(plan_file)
     if target == "torchrun":
         exported = to_torchrun(plan, plan_path=plan_file, script=script)
@@ -43,7 +47,7 @@ def command(plan_file: str, target: str, out_file: str | None, script: str, stac
         text = json.dumps(exported.content, indent=2) + "\n"
     else:
         text = yaml.safe_dump(exported.content, sort_keys=False)
-    if out_file:
+    if out_file and out_file != "-":
         atomic_write_text(out_file, text)
         click.echo(f"wrote {target} config to {out_file}", err=True)
     else:

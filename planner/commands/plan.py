@@ -92,7 +92,8 @@ def result_json(result: SearchResult, extra: dict[str, Any] | None = None) -> di
 @click.option("--explain", is_flag=True, help="Also explain why the main alternatives lost or were rejected.")
 @click.option("--json", "as_json", is_flag=True, help="Print plans and rejections as JSON.")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None,
-              help="Write the winning plan to this YAML file (for the runtime and `sp-plan export`).")
+              help="Write the winning plan to this YAML file (for the runtime and `sp-plan export`); - writes it "
+                   "to standard output and the report to standard error.")
 @click.pass_context
 def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node: int | None, gpu_name: str,
             topology_ref: str | None, top: int, explain: bool, as_json: bool, out_file: str | None,
@@ -119,11 +120,16 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
         ctx.exit(1)
     check_figures([p.to_json_dict() for p in result.plans], "the plans")
     explanation = explain_winner(result, model)
+    to_stdout = out_file == "-"  # the plan file is standard output; the report goes to standard error
     if out_file:
-        plan_from_ranked(result.plans[0], model, topology, gpus, explanation, stack=result.stack,
-                         calibration=result.calibration).save(out_file)
+        chosen = plan_from_ranked(result.plans[0], model, topology, gpus, explanation, stack=result.stack,
+                                  calibration=result.calibration)
+        if to_stdout:
+            click.echo(chosen.to_yaml(), nl=False)
+        else:
+            chosen.save(out_file)
     if as_json:
-        click.echo(json.dumps(result_json(result), indent=2))
+        click.echo(json.dumps(result_json(result), indent=2), err=to_stdout)
     else:
         lines = [headline(model, train, topology, gpus, result), *render_table(result.plans, train.mode), "",
                  *explanation]
@@ -134,8 +140,8 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
             f"searched {s.layouts} layouts ({s.structural_rejections} structurally invalid combinations skipped, "
             f"{s.memory_evaluations} memory / {s.time_evaluations} time evaluations, {s.pruned_by_bound} pruned "
             f"by bound) in {s.seconds:.2f} s")
-        click.echo("\n".join(lines))
-    if out_file:
+        click.echo("\n".join(lines), err=to_stdout)
+    if out_file and not to_stdout:
         click.echo(f"wrote plan to {out_file}", err=True)
 
 

@@ -12,6 +12,7 @@ from cost_models.topology import (
     preset_names,
     resize,
     save_topology,
+    spec_to_yaml,
     with_fabric,
 )
 from cost_models.topology.presets import fabric_description, parse_reference
@@ -33,7 +34,7 @@ def command() -> None:
 @click.option("--fabric", default=None, help=f"Inter-node fabric preset ({', '.join(fabric_names())}).")
 @click.option("--nics-per-node", type=click.IntRange(1, 64), default=None, help="NICs per node on the fabric.")
 @click.option("--out", "out", type=click.Path(dir_okay=False), default=None,
-              help="Also write the (resized) topology as YAML to this file.")
+              help="Also write the (resized) topology as YAML to this file (- for standard output).")
 def show(topology: str | None, gpus: int | None, gpus_per_node: int | None, fabric: str | None,
          nics_per_node: int | None, out: str | None) -> None:
     """Print a topology: nodes, GPUs, link classes with bandwidth and latency, NICs, calibration.
@@ -57,6 +58,10 @@ def show(topology: str | None, gpus: int | None, gpus_per_node: int | None, fabr
 
 
 def _emit(topo, out: str | None) -> None:
+    if out == "-":  # the YAML is standard output; the rendering goes to standard error
+        click.echo(render(topo), err=True)
+        click.echo(spec_to_yaml(topo.spec), nl=False)
+        return
     click.echo(render(topo))
     if out:
         path = save_topology(topo, out)
