@@ -89,15 +89,6 @@ def atomic_write_text(path: str | Path, text: str, *, error: type[Exception] = C
         raise error(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 
-def atomic_write_bytes(path: str | Path, data: bytes, *, error: type[Exception] = CostModelError) -> None:
-    """Write ``data`` to ``path`` atomically (see :func:`atomic_output`)."""
-    try:
-        with atomic_output(path, "wb", error=error) as handle:
-            handle.write(data)
-    except OSError as exc:
-        raise error(f"cannot write {path}: {exc.strerror or exc}") from exc
-
-
 def write_output(path: str | Path, text: str, *, error: type[Exception] = CostModelError) -> None:
     """``text`` to ``path`` atomically, or to standard output when ``path`` is ``-``."""
     if str(path) == "-":

@@ -7,7 +7,7 @@ import json
 import click
 import yaml
 
-from cost_models.atomic_io import atomic_write_text
+from cost_models.atomic_io import write_output
 
 from ..export import DEFAULT_TRAIN_SCRIPT, EXPORTERS, check_under_stack, to_torchrun
 from ..plan import load_plan
@@ -47,10 +47,8 @@ def command(plan_file: str, target: str, out_file: str | None, script: str, stac
         text = json.dumps(exported.content, indent=2) + "\n"
     else:
         text = yaml.safe_dump(exported.content, sort_keys=False)
-    if out_file and out_file != "-":
-        atomic_write_text(out_file, text)
+    write_output(out_file or "-", text)
+    if out_file not in (None, "-"):
         click.echo(f"wrote {target} config to {out_file}", err=True)
-    else:
-        click.echo(text, nl=False)
     for note in exported.notes:
         click.echo(f"note: {note}", err=True)

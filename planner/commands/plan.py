@@ -8,6 +8,7 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
+from cost_models.atomic_io import write_output
 from cost_models.errors import explain_validation_error
 
 from ..capacity import probe_feasibility
@@ -124,10 +125,7 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
     if out_file:
         chosen = plan_from_ranked(result.plans[0], model, topology, gpus, explanation, stack=result.stack,
                                   calibration=result.calibration)
-        if to_stdout:
-            click.echo(chosen.to_yaml(), nl=False)
-        else:
-            chosen.save(out_file)
+        write_output(out_file, chosen.to_yaml(), error=PlannerError)
     if as_json:
         click.echo(json.dumps(result_json(result), indent=2), err=to_stdout)
     else:
