@@ -81,13 +81,19 @@ class Fractions:
     clock: float = 1.0
 
 
+def _attention_kernel(topology: Topology, profile: CostProfile) -> tuple[str, str]:
+    """(the kernel family the stack runs on this GPU, the name of the kernel-file entry that prices it:
+    FlashAttention-2's where the file has none of its own)."""
+    gpu = topology.gpu.name
+    family = attention_kernel_for(profile.stack.time, gpu, kernel_family(gpu))
+    return family, family if family in profile.kernels.attention else "fa2"
+
+
 def fractions(topology: Topology, profile: CostProfile) -> Fractions:
     c = topology.spec.calibration.compute
     k = profile.kernels
-    gpu = topology.gpu.name
-    family = attention_kernel_for(profile.stack.time, gpu, kernel_family(gpu))
+    family, name = _attention_kernel(topology, profile)
     attention = k.attention_params(family)
-    name = family if family in k.attention else "fa2"
 
     def pick(raw: float | None, path: str, kernel_value: float) -> float:
         return kernel_value if raw is None or path in profile.overridden else raw
@@ -115,10 +121,9 @@ def efficiency_sources(topology: Topology, profile: CostProfile) -> dict[str, st
     k = profile.kernels
     gpu = topology.gpu.name
     family = kernel_family(gpu)
-    name = attention_kernel_for(profile.stack.time, gpu, family)
-    name = name if name in k.attention else "fa2"
-    kernel_fit = set(k.fit.parameters) if k.fit is not None else set()
+    _, name = _attention_kernel(topology, profile)
     fitted = fitted_parameters()
+    kernel_fit = {**fitted.kernels.get("all", {}), **fitted.kernels.get(family, {})}  # pinned by kernel data
     prior = f"prior (cost_models/data/kernels/{family}.yaml)"
 
     def kernel_source(raw: float | None, path: str) -> str:
@@ -126,7 +131,7 @@ def efficiency_sources(topology: Topology, profile: CostProfile) -> dict[str, st
             return "calibration file"
         if raw is not None:
             return f"topology calibration ({topology.name})"
-        if path in kernel_fit and path in {**fitted.kernels.get("all", {}), **fitted.kernels.get(family, {})}:
+        if path in kernel_fit:
             return "kernel data (calibration/kernels.yaml)"
         return prior
 

@@ -56,7 +56,6 @@ DEFAULT_GLOBAL_BATCH_TOKENS = 1 << 22
 DEFAULT_HEADROOM = 0.03
 
 
-
 def _can_offload_params(lattice: OptionLattice) -> bool:
     """Whether some valid combination of ``lattice`` offloads parameters: its axis offers it and the branch
     runs ZeRO-3 (the only stage that offloads parameters, see :func:`planner.options.invalid_reason`)."""
@@ -64,6 +63,7 @@ def _can_offload_params(lattice: OptionLattice) -> bool:
     if "offload_params" not in names or True not in lattice.axes[names.index("offload_params")].values:
         return False
     return "zero_stage" in names and 3 in lattice.axes[names.index("zero_stage")].values
+
 
 class PlanSettings(BaseModel):
     """What the search may change, and how it scores."""

@@ -19,7 +19,7 @@ from cost_models.layout import Layout
 from cost_models.memory.assumptions import MemoryAssumptions
 from cost_models.model_spec import ModelSpec, load_model
 from cost_models.train_spec import TrainSpec
-from cost_models.units import parse_seq_len, parse_token_count
+from cost_models.units import MAX_SEQ_LEN, parse_token_count
 
 if TYPE_CHECKING:
     from cost_models.profile import CostProfile
@@ -32,14 +32,12 @@ class TokenCountType(click.ParamType):
 
     name = "TOKENS"
 
-    def __init__(self, what: str = "sequence length", maximum: int | None = None) -> None:
+    def __init__(self, what: str = "sequence length", maximum: int = MAX_SEQ_LEN) -> None:
         self.what = what
         self.maximum = maximum
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         try:
-            if self.maximum is None:
-                return parse_seq_len(value)
             return parse_token_count(value, self.what, self.maximum)
         except CostModelError as exc:
             self.fail(str(exc), param, ctx)
