@@ -14,7 +14,6 @@ runs / 30); CPU seconds are printed beside wall seconds because a shared machine
 from __future__ import annotations
 
 import argparse
-import csv
 import random
 import resource
 import subprocess
@@ -22,6 +21,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from planner.calibration.user_runs import write_runs_csv  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = [dict(ulysses=8), dict(ring=8), dict(tp=2, ulysses=4), dict(ring=4, ulysses=2), dict(dp_shard=8),
@@ -65,14 +67,6 @@ def synthetic_rows(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def write_csv(path: Path, rows: list[dict]) -> None:
-    fields = sorted({k for r in rows for k in r})
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def time_calibrate(csv_path: Path, out: Path) -> tuple[float, float, str]:
     """Wall and CPU seconds of one `sp-plan calibrate` process, and its summary line (the fitted-on error
     row). CPU time (user + system of the child) is what the command costs; wall time is what a user waits
@@ -102,7 +96,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for n in counts:
             path = Path(tmp) / f"runs{n}.csv"
-            write_csv(path, synthetic_rows(n))
+            write_runs_csv(path, synthetic_rows(n))
             seconds, cpu, summary = time_calibrate(path, Path(tmp) / f"cal{n}.yaml")
             if n == 30:
                 base, base_cpu = seconds, cpu

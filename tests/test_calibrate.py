@@ -1,6 +1,5 @@
 """``sp-plan calibrate``: fit a calibration to measured runs and use it (issue 12, deliverable 5)."""
 
-import csv
 import json
 import os
 import subprocess
@@ -17,6 +16,7 @@ from cost_models.profile import load_calibration, resolve_profile
 from cost_models.topology import load_topology
 from planner.calibration.fit import Parameter, predict_all
 from planner.calibration.runs import MeasuredRun
+from planner.calibration.user_runs import write_runs_csv
 from planner.cli import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,20 +45,12 @@ def synthetic_rows(values: dict[str, float]) -> list[dict]:
     return rows
 
 
-def write_csv(path: Path, rows: list[dict]) -> None:
-    fields = sorted({k for r in rows for k in r})
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def test_calibrate_recovers_a_known_calibration_from_csv_and_predicts_held_out_runs(tmp_path):
     truth = {"gemm.peak_fraction": 0.45, "attention.fa2.forward_fraction": 0.5,
              "attention.fa2.backward_fraction": 0.4}
     rows = synthetic_rows(truth)
-    write_csv(tmp_path / "fit.csv", rows[:4])
-    write_csv(tmp_path / "check.csv", rows[4:])
+    write_runs_csv(tmp_path / "fit.csv", rows[:4])
+    write_runs_csv(tmp_path / "check.csv", rows[4:])
     out = tmp_path / "cal.yaml"
     result = CliRunner().invoke(cli, ["calibrate", str(tmp_path / "fit.csv"), "--check", str(tmp_path / "check.csv"),
                                       "--out", str(out), "--json"])
@@ -92,7 +84,7 @@ def test_calibrate_errors_are_one_line(tmp_path):
     result = CliRunner().invoke(cli, ["calibrate", str(bad)])
     assert result.exit_code != 0
     no_measure = tmp_path / "nomeasure.csv"
-    write_csv(no_measure, [{"model": "llama3-8b", "seq_len": 8192, "gpus": 8}])
+    write_runs_csv(no_measure, [{"model": "llama3-8b", "seq_len": 8192, "gpus": 8}])
     from cost_models.errors import CostModelError
     from planner.calibration.user_runs import runs_from_csv
 

@@ -101,11 +101,12 @@ def test_dash_is_stdout_and_stdin_through_the_console_script(tmp_path):
 def test_calibrate_out_dash_writes_the_calibration_to_stdout(tmp_path):
     import yaml
 
-    from tests.test_calibrate import synthetic_rows, write_csv
+    from planner.calibration.user_runs import write_runs_csv
+    from tests.test_calibrate import synthetic_rows
 
     rows = synthetic_rows({"gemm.peak_fraction": 0.45, "attention.fa2.forward_fraction": 0.5,
                            "attention.fa2.backward_fraction": 0.4})
-    write_csv(tmp_path / "runs.csv", rows)
+    write_runs_csv(tmp_path / "runs.csv", rows)
     done = _sh(["calibrate", str(tmp_path / "runs.csv"), "--out", "-"])
     assert done.returncode == 0, done.stderr
     assert yaml.safe_load(done.stdout)["kind"] == "sp-plan-calibration"

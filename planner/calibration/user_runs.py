@@ -19,6 +19,7 @@ A CSV has one run per row. Columns (names as the CLI flags, with underscores):
 from __future__ import annotations
 
 import csv
+import io
 import hashlib
 import json
 import math
@@ -119,6 +120,18 @@ def runs_from_validate(data: dict[str, Any], origin: str, cache_dir: Path, stack
 def _cell(row: dict[str, str], key: str) -> str | None:
     value = row.get(key)
     return value.strip() if value is not None and value.strip() != "" else None
+
+
+def write_runs_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Measurements as the CSV :func:`runs_from_csv` reads (one column per key any row has), written
+    atomically: what a script collecting runs from another framework, or a synthetic check, hands to
+    ``sp-plan calibrate``."""
+    fields = sorted({k for r in rows for k in r})
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=fields, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(path, buffer.getvalue())
 
 
 def runs_from_csv(path: Path, stack: str) -> list[MeasuredRun]:
@@ -250,4 +263,4 @@ def load_runs(paths: list[Path], cache_dir: Path, stack: str) -> list[MeasuredRu
     return runs
 
 
-__all__ = ["load_runs", "runs_from_csv", "runs_from_validate"]
+__all__ = ["load_runs", "runs_from_csv", "runs_from_validate", "write_runs_csv"]

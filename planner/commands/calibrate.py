@@ -65,10 +65,10 @@ def command(runs: tuple[Path, ...], check: tuple[Path, ...], stack: str, out_fil
     say = functools.partial(click.echo, err=to_stdout)
     if as_json:
         say(json.dumps({"calibration": str(out_file), "errors": [e.model_dump() for e in cal.errors],
-                               "parameters": result.fit.as_dict()}, indent=2))
+                        "parameters": result.fit.as_dict()}, indent=2))
         return
     say(f"fitted {len(result.fit.params)} parameter(s) on {sampled} measurement(s){sample_note}; "
-               f"wrote {out_file}")
+        f"wrote {out_file}")
     for name, value in result.fit.as_dict().items():
         say(f"  {name:<48} {value:.4g}")
     say(f"{'run':<70}{'measured':>11}{'before':>11}{'after':>11}")
@@ -82,5 +82,5 @@ def command(runs: tuple[Path, ...], check: tuple[Path, ...], stack: str, out_fil
         tb = "-" if e.before_kendall_tau is None else f"{e.before_kendall_tau:.2f}"
         ta = "-" if e.after_kendall_tau is None else f"{e.after_kendall_tau:.2f}"
         say(f"{e.metric:<40}{e.runs:>5}{e.before_mean_abs_pct:>9.1f}%{e.after_mean_abs_pct:>9.1f}%"
-                   f"{tb:>12}{ta:>11}")
+            f"{tb:>12}{ta:>11}")
     say(f"use it: sp-plan plan ... --calibration {out_file}")
