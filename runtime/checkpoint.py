@@ -467,11 +467,9 @@ def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
         return []
     found = []
     for path in directory.iterdir():
-        name = path.name
-        if not name.startswith(STEP_PREFIX) or not name[len(STEP_PREFIX):].isdigit():
-            continue
-        if is_complete(path):
-            found.append((int(name[len(STEP_PREFIX):]), path))
+        step = step_of(path)
+        if step is not None and is_complete(path):
+            found.append((step, path))
     return sorted(found)
 
 
