@@ -83,7 +83,7 @@ from runtime.context import SequenceParallel
 from runtime.data import BatchSharder, data_parallel_coordinates, data_parallel_sampler
 from runtime.errors import RuntimeConfigError
 from runtime.loss import LossOutput, TokenLoss
-from runtime.mesh import RuntimeMesh, build_mesh, process_group_backend
+from runtime.mesh import RuntimeMesh, build_mesh, init_default_group
 
 #: Probe budgets (seconds per compute measurement, seconds for all link timings) when auto_configure has
 #: to measure the machine itself: enough for a usable topology, short enough to run before every job.
@@ -301,11 +301,7 @@ def init_distributed(device_type: str | None = None) -> str:
         return device_type
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    backend = process_group_backend(device_type)
-    if "WORLD_SIZE" not in os.environ:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    else:
-        dist.init_process_group(backend)
+    init_default_group(device_type)
     return device_type
 
 

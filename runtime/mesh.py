@@ -191,17 +191,22 @@ def process_group_backend(device_type: str) -> str:
     return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
 
 
-def _init_process_group(layout: Layout, device_type: str) -> None:
+def init_default_group(device_type: str) -> None:
+    """The default process group from torchrun's environment, or a one-rank group in a plain process."""
     backend = process_group_backend(device_type)
     if "WORLD_SIZE" not in os.environ:
-        if layout.world != 1:
-            raise RuntimeConfigError(
-                f"plan needs {layout.world} ranks ({layout.describe()}) but this process was not started by "
-                f"torchrun: launch with {_launch_hint(layout, None)}"
-            )
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        return
-    dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend)
+
+
+def _init_process_group(layout: Layout, device_type: str) -> None:
+    if "WORLD_SIZE" not in os.environ and layout.world != 1:
+        raise RuntimeConfigError(
+            f"plan needs {layout.world} ranks ({layout.describe()}) but this process was not started by "
+            f"torchrun: launch with {_launch_hint(layout, None)}"
+        )
+    init_default_group(device_type)
 
 
 def build_mesh(plan: Layout | Mapping | str | os.PathLike, *, device_type: str | None = None) -> RuntimeMesh:
