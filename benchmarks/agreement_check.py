@@ -1,7 +1,7 @@
 """Cost of the per-call shape-agreement check (issue 16) next to the attention call it guards.
 
 Every multi-rank attention call all-gathers a fixed-length int64 descriptor before its first collective
-(:func:`runtime.attention.groups.agree`). This measures, on W gloo ranks (CPU, one intra-op thread per
+(:func:`sp_plan.runtime.attention.groups.agree`). This measures, on W gloo ranks (CPU, one intra-op thread per
 rank), the median wall time of that check alone and of the attention call it precedes (forward, and
 forward + backward; each iteration timed on the slowest rank after a barrier), for Ulysses and Ring at a
 small and at an 8K-token shape::
@@ -47,8 +47,8 @@ def _slowest(fn, iters: int) -> list[float]:
 def _rank(rank: int, world: int, seqs: list[int], iters: int, heads: int, head_dim: int) -> list[dict]:
     import torch.distributed as dist
 
-    from runtime.attention import ring_attention, ulysses_attention
-    from runtime.attention.groups import DESCRIPTOR_LEN, agree
+    from sp_plan.runtime.attention import ring_attention, ulysses_attention
+    from sp_plan.runtime.attention.groups import DESCRIPTOR_LEN, agree
 
     group = dist.group.WORLD
     rows = []

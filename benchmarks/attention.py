@@ -68,7 +68,7 @@ def _deepspeed_attention(group):
     import torch
     import torch.distributed as dist
 
-    from runtime.attention.kernel import local_attention
+    from sp_plan.runtime.attention.kernel import local_attention
 
     if not ds_comm.is_initialized():
         ds_comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False)
@@ -86,10 +86,10 @@ def _bench_rank(rank: int, world: int, cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from cost_models.layout import Layout
-    from runtime.attention.kernel import KernelWorkCounter
-    from runtime.context import SequenceParallel
-    from runtime.mesh import build_mesh
+    from sp_plan.cost_models.layout import Layout
+    from sp_plan.runtime.attention.kernel import KernelWorkCounter
+    from sp_plan.runtime.context import SequenceParallel
+    from sp_plan.runtime.mesh import build_mesh
 
     device = torch.device("cuda", rank) if cfg["device"] == "cuda" else torch.device("cpu")
     dtype = getattr(torch, cfg["dtype"])

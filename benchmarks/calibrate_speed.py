@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from planner.calibration.user_runs import write_runs_csv  # noqa: E402
+from sp_plan.planner.calibration.user_runs import write_runs_csv  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = [dict(ulysses=8), dict(ring=8), dict(tp=2, ulysses=4), dict(ring=4, ulysses=2), dict(dp_shard=8),
@@ -48,9 +48,9 @@ def configurations(n: int) -> list[dict]:
 def synthetic_rows(n: int, seed: int = 0) -> list[dict]:
     """Rows whose step times the cost model predicts under :data:`TRUTH`, times 5% log-normal noise."""
     sys.path.insert(0, str(ROOT))
-    from cost_models import Layout, TrainSpec, get_model_preset
-    from planner.calibration.fit import Parameter, predict_all
-    from planner.calibration.runs import MeasuredRun
+    from sp_plan.cost_models import Layout, TrainSpec, get_model_preset
+    from sp_plan.planner.calibration.fit import Parameter, predict_all
+    from sp_plan.planner.calibration.runs import MeasuredRun
 
     rng = random.Random(seed)
     model = get_model_preset("llama3-8b")
@@ -71,7 +71,7 @@ def time_calibrate(csv_path: Path, out: Path) -> tuple[float, float, str]:
     """Wall and CPU seconds of one `sp-plan calibrate` process, and its summary line (the fitted-on error
     row). CPU time (user + system of the child) is what the command costs; wall time is what a user waits
     and depends on what else the machine runs (a shared CI box), so both are printed."""
-    cmd = [sys.executable, "-m", "planner.cli", "calibrate", str(csv_path), "--out", str(out)]
+    cmd = [sys.executable, "-m", "sp_plan.cli", "calibrate", str(csv_path), "--out", str(out)]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)

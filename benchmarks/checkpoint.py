@@ -37,12 +37,12 @@ def _rank(rank: int, world: int, directory: str, hidden: int, layers: int, steps
           asynchronous: bool) -> dict:
     import torch
 
-    from cost_models import ModelSpec
-    from runtime.auto import auto_configure
-    from runtime.data import TokenWindows
-    from runtime.models import LlamaModel
-    from runtime.text_data import GlobalBatches
-    from runtime.trainer import Trainer
+    from sp_plan.cost_models import ModelSpec
+    from sp_plan.runtime.auto import auto_configure
+    from sp_plan.runtime.data import TokenWindows
+    from sp_plan.runtime.models import LlamaModel
+    from sp_plan.runtime.text_data import GlobalBatches
+    from sp_plan.runtime.trainer import Trainer
 
     spec = ModelSpec(name="bench-ckpt", num_layers=layers, hidden_size=hidden, num_heads=hidden // 64,
                      num_kv_heads=hidden // 64, head_dim=64, ffn_hidden_size=3 * hidden, vocab_size=VOCAB)

@@ -5,10 +5,10 @@ MLP, tiled loss, tensor parallelism, parameter / optimizer offload), this measur
 
 - the bytes kept for backward (``SavedTensorMeter``: autograd's saved tensors and selective
   checkpointing's cache, by storage, parameters and the shared RoPE tables excluded), and
-- the peak of live tensors inside the forward and the backward (``runtime.memory_meter.live_peak``:
+- the peak of live tensors inside the forward and the backward (``sp_plan.runtime.memory_meter.live_peak``:
   the CPU allocator's event timeline),
 
-and compares them with the memory model (``cost_models.memory``) for the same configuration: the
+and compares them with the memory model (``sp_plan.cost_models.memory``) for the same configuration: the
 per-layer saved bytes and the liveness simulation of the block / MLP / output-layer graphs, or the
 model-state bytes per GPU. Transient peaks are compared after accounting for what exists before the
 measured call (its input; in backward also the saved tensors and the output gradient), exactly as
@@ -36,15 +36,15 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from cost_models import Layout, ModelSpec, TrainSpec, get_gpu_preset  # noqa: E402
-from cost_models.estimate import estimate  # noqa: E402
-from cost_models.memory import MemoryAssumptions  # noqa: E402
-from cost_models.memory.block import BlockBuilder, _mlp_ops, block_graph  # noqa: E402
-from cost_models.memory.dims import local_dims  # noqa: E402
-from cost_models.memory.graph import Workspace  # noqa: E402
-from cost_models.memory.liveness import simulate  # noqa: E402
-from cost_models.memory.output_layer import output_graph  # noqa: E402
-from cost_models.memory.states import model_states  # noqa: E402
+from sp_plan.cost_models import Layout, ModelSpec, TrainSpec, get_gpu_preset  # noqa: E402
+from sp_plan.cost_models.estimate import estimate  # noqa: E402
+from sp_plan.cost_models.memory import MemoryAssumptions  # noqa: E402
+from sp_plan.cost_models.memory.block import BlockBuilder, _mlp_ops, block_graph  # noqa: E402
+from sp_plan.cost_models.memory.dims import local_dims  # noqa: E402
+from sp_plan.cost_models.memory.graph import Workspace  # noqa: E402
+from sp_plan.cost_models.memory.liveness import simulate  # noqa: E402
+from sp_plan.cost_models.memory.output_layer import output_graph  # noqa: E402
+from sp_plan.cost_models.memory.states import model_states  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 
 H100 = get_gpu_preset("h100-80gb")
@@ -86,8 +86,8 @@ def _drop_param_grads(module: torch.nn.Module) -> None:
 
 def measure_block(block, x, cos, sin) -> tuple[int, int, int]:
     """(saved bytes, forward peak, backward peak) of one block call, peaks above the call's start."""
-    from runtime.memory_meter import live_peak
-    from runtime.saved_tensor_meter import SavedTensorMeter
+    from sp_plan.runtime.memory_meter import live_peak
+    from sp_plan.runtime.saved_tensor_meter import SavedTensorMeter
 
     _drop_param_grads(block)
     dy = torch.randn(x.shape, dtype=x.dtype, generator=torch.Generator().manual_seed(1))
@@ -119,7 +119,7 @@ def block_rows(technique: str, config: str, model: ModelSpec, train: TrainSpec, 
 
 
 def _block_inputs(model: ModelSpec, tokens: int, batch: int, positions=None, dtype=torch.bfloat16):
-    from runtime.models import RotaryEmbedding
+    from sp_plan.runtime.models import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(batch, tokens, model.hidden_size, generator=gen).to(dtype).requires_grad_()
@@ -133,7 +133,7 @@ def _block_inputs(model: ModelSpec, tokens: int, batch: int, positions=None, dty
 
 
 def checkpointing_rows(seq: int = 256, batch: int = 2) -> list[Row]:
-    from runtime.models import FlashAttention, LlamaBlock
+    from sp_plan.runtime.models import FlashAttention, LlamaBlock
 
     model = spec()
     rows = []
@@ -149,9 +149,9 @@ def checkpointing_rows(seq: int = 256, batch: int = 2) -> list[Row]:
 
 
 def offload_rows(seq: int = 256, batch: int = 2, layers: int = 3) -> list[Row]:
-    from runtime.models import LlamaModel
-    from runtime.offload import apply_checkpoint_offload
-    from runtime.saved_tensor_meter import SavedTensorMeter
+    from sp_plan.runtime.models import LlamaModel
+    from sp_plan.runtime.offload import apply_checkpoint_offload
+    from sp_plan.runtime.saved_tensor_meter import SavedTensorMeter
 
     model_spec = spec(layers=layers)
     rows = []
@@ -194,10 +194,10 @@ def _mlp_graph(model: ModelSpec, train: TrainSpec, tiled: bool):
 
 
 def tiled_mlp_rows(seq: int = 4096, batch: int = 1, block_seq: int = 256) -> list[Row]:
-    from runtime.memory_meter import live_peak
-    from runtime.models import FlashAttention, LlamaBlock
-    from runtime.models.llama import LlamaMLP
-    from runtime.tiled_mlp import apply_tiled_mlp, tile_tokens_for
+    from sp_plan.runtime.memory_meter import live_peak
+    from sp_plan.runtime.models import FlashAttention, LlamaBlock
+    from sp_plan.runtime.models.llama import LlamaMLP
+    from sp_plan.runtime.tiled_mlp import apply_tiled_mlp, tile_tokens_for
 
     model = spec()
     rows = []
@@ -250,10 +250,10 @@ def tiled_mlp_rows(seq: int = 4096, batch: int = 1, block_seq: int = 256) -> lis
 
 
 def tiled_loss_rows(seq: int = 4096, batch: int = 1, vocab: int = 1000) -> list[Row]:
-    from runtime.memory_meter import live_peak
-    from runtime.models.llama import RMSNorm, norm_chunk_elements
-    from runtime.saved_tensor_meter import SavedTensorMeter
-    from runtime.tiled_loss import DEFAULT_CHUNK_TOKENS, plain_cross_entropy, tiled_cross_entropy
+    from sp_plan.runtime.memory_meter import live_peak
+    from sp_plan.runtime.models.llama import RMSNorm, norm_chunk_elements
+    from sp_plan.runtime.saved_tensor_meter import SavedTensorMeter
+    from sp_plan.runtime.tiled_loss import DEFAULT_CHUNK_TOKENS, plain_cross_entropy, tiled_cross_entropy
 
     model = spec(vocab=vocab)
     rows = []
@@ -303,9 +303,9 @@ def tiled_loss_rows(seq: int = 4096, batch: int = 1, vocab: int = 1000) -> list[
 
 
 def _tp_rank(rank: int, world: int, seq: int, batch: int, cases) -> list[tuple[int, int, int]]:
-    from runtime.mesh import build_mesh
-    from runtime.models import FlashAttention, LlamaModel
-    from runtime.tp import apply_tensor_parallel
+    from sp_plan.runtime.mesh import build_mesh
+    from sp_plan.runtime.models import FlashAttention, LlamaModel
+    from sp_plan.runtime.tp import apply_tensor_parallel
 
     torch.set_num_threads(1)
     mesh = build_mesh(Layout(tp=world), device_type="cpu")
@@ -346,10 +346,10 @@ def _state_bytes(tensors) -> int:
 
 
 def _states_rank(rank: int, world: int, variants) -> dict:
-    from runtime.fsdp import apply_fsdp
-    from runtime.host_optimizer import HostOffloadOptimizer
-    from runtime.mesh import build_mesh
-    from runtime.models import LlamaModel
+    from sp_plan.runtime.fsdp import apply_fsdp
+    from sp_plan.runtime.host_optimizer import HostOffloadOptimizer
+    from sp_plan.runtime.mesh import build_mesh
+    from sp_plan.runtime.models import LlamaModel
 
     torch.set_num_threads(1)
     mesh = build_mesh(Layout(dp_shard=world), device_type="cpu")

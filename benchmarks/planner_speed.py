@@ -42,15 +42,15 @@ BRUTE_FORCE_LIMIT = 4000
 
 def _setup(gpus: int, model_name: str, seq: int, mode: str):
     sys.path.insert(0, str(ROOT))
-    from cost_models import TrainSpec, get_model_preset
-    from cost_models.topology import default_topology
+    from sp_plan.cost_models import TrainSpec, get_model_preset
+    from sp_plan.cost_models.topology import default_topology
 
     return get_model_preset(model_name), TrainSpec(seq_len=seq, mode=mode), lambda: default_topology("h100-80gb", gpus, 8)
 
 
 def search_worker(gpus: int, model_name: str, seq: int, mode: str) -> dict:
     """In a fresh interpreter: the cold plan (topology construction included), then warm repeats."""
-    from planner.search import PlanSettings, search
+    from sp_plan.planner.search import PlanSettings, search
 
     model, train, make_topology = _setup(gpus, model_name, seq, mode)
     started = time.perf_counter()
@@ -74,9 +74,9 @@ def brute_worker(gpus: int, model_name: str, seq: int, mode: str) -> dict:
     """In another fresh interpreter (so it gets no cache the search warmed): every (layout, valid option
     combination) timed and memory-checked, run when affordable, otherwise extrapolated from the cold
     cost per combination on a spread sample of this workload's layouts."""
-    from planner.options import invalid_reason
-    from planner.search import PlanSettings, _Searcher, brute_force_best
-    from planner.space import layout_space
+    from sp_plan.planner.options import invalid_reason
+    from sp_plan.planner.search import PlanSettings, _Searcher, brute_force_best
+    from sp_plan.planner.space import layout_space
 
     model, train, make_topology = _setup(gpus, model_name, seq, mode)
     started = time.perf_counter()
@@ -110,15 +110,15 @@ def brute_worker(gpus: int, model_name: str, seq: int, mode: str) -> dict:
 
 
 def help_startup() -> tuple[float, bool]:
-    """Best of 5 wall times of `python -m planner.cli --help`, and whether torch got imported."""
+    """Best of 5 wall times of `python -m sp_plan.cli --help`, and whether torch got imported."""
     best = math.inf
     for _ in range(5):
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "planner.cli", "--help"], cwd=ROOT, check=True,
+        subprocess.run([sys.executable, "-m", "sp_plan.cli", "--help"], cwd=ROOT, check=True,
                        capture_output=True)
         best = min(best, time.perf_counter() - t0)
     probe = subprocess.run(
-        [sys.executable, "-c", "import sys; from planner.cli import cli; from click.testing import CliRunner; "
+        [sys.executable, "-c", "import sys; from sp_plan.cli.main import cli; from click.testing import CliRunner; "
                                "CliRunner().invoke(cli, ['--help']); print('torch' in sys.modules)"],
         cwd=ROOT, check=True, capture_output=True, text=True)
     return best, probe.stdout.strip() == "True"

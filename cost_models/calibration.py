@@ -1,6 +1,6 @@
 """Fit alpha (latency per step) and beta (seconds per byte) of a link class from measured timings.
 
-The fit uses the same model as :mod:`cost_models.collectives` for a group whose members all talk over
+The fit uses the same model as :mod:`sp_plan.cost_models.collectives` for a group whose members all talk over
 one link class, so fitted numbers plug straight back into predictions:
 
     t = steps(collective, P) x alpha + wire_bytes(collective, P, n) x beta

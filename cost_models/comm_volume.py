@@ -7,7 +7,7 @@ project's (``BRIEF.md``) and the runtime's byte counters follow the same ones:
 Notation: b micro-batch, S sequence length, d bytes of the compute dtype, h hidden, q = heads x
 head_dim, tp/U/R the TP, Ulysses and Ring degrees, T = b S / (U R) tokens per GPU (per TP group), rep =
 ``model.kv_replication(tp x U)``. Sizes below are the collective's size argument (see
-:mod:`cost_models.collectives`); sent bytes follow from the group size.
+:mod:`sp_plan.cost_models.collectives`); sent bytes follow from the group size.
 
 Per transformer layer, per micro-batch:
 
@@ -100,7 +100,7 @@ class CommOp(NamedTuple):
 # ----- parameter counts seen by one TP rank ---------------------------------------------------------
 
 
-#: Gradient bytes per parameter in FSDP's reduce-scatter and everything downstream of it (runtime.fsdp
+#: Gradient bytes per parameter in FSDP's reduce-scatter and everything downstream of it (sp_plan.runtime.fsdp
 #: uses MixedPrecisionPolicy(reduce_dtype=fp32), torchtitan's default: summing bf16 gradients over
 #: many ranks loses precision).
 FSDP_GRAD_BYTES = 4
@@ -251,7 +251,7 @@ def _parameter_ops(add, model: ModelSpec, train: TrainSpec, layout: Layout) -> N
     tp = layout.tp
     layer = tp_local_layer_params(model, tp) * d
     other = tp_local_other_params(model, tp) * d
-    # Gradients are reduced in fp32 under FSDP (runtime.fsdp: MixedPrecisionPolicy(reduce_dtype=fp32)).
+    # Gradients are reduced in fp32 under FSDP (sp_plan.runtime.fsdp: MixedPrecisionPolicy(reduce_dtype=fp32)).
     grad_bytes = fsdp_grad_bytes(train)
     layer_grads = tp_local_layer_params(model, tp) * grad_bytes
     other_grads = tp_local_other_params(model, tp) * grad_bytes
@@ -304,7 +304,7 @@ def _parameter_ops(add, model: ModelSpec, train: TrainSpec, layout: Layout) -> N
             label="replicated-parameter gradient all-reduce (sequence parallel)")
     if tp > 1 and model.kv_replication(tp) > 1:
         # tp > KV heads: each KV head's K/V weights live on tp / kv ranks that each see other query heads;
-        # one all-reduce of a slot per KV head sums the replicas' gradients (runtime.tp).
+        # one all-reduce of a slot per KV head sums the replicas' gradients (sp_plan.runtime.tp).
         kv_weights = 2 * model.num_kv_heads * model.head_dim * (model.hidden_size + model.qkv_bias)
         add("tp", "all_reduce", "tp", kv_weights * model.num_layers * grad_bytes / grad_shard, "backward",
             scope="model", per="step", label="replicated K/V-head gradient all-reduce (tp > KV heads)")
@@ -332,7 +332,7 @@ class PhaseBytes(BaseModel):
 
 
 class CommEstimate(BaseModel):
-    """Communication volume, bytes sent per GPU (see :mod:`cost_models.comm_volume`)."""
+    """Communication volume, bytes sent per GPU (see :mod:`sp_plan.cost_models.comm_volume`)."""
 
     model_config = ConfigDict(frozen=True)
 

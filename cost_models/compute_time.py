@@ -1,7 +1,7 @@
 """GPU compute time of one transformer layer and the output layer, kernel by kernel, from shapes.
 
-:mod:`cost_models.flops` counts FLOPs (for MFU); this module turns the same work into seconds with
-the shape-aware kernel model (:mod:`cost_models.kernels`), so layouts that shrink kernels pay for it:
+:mod:`sp_plan.cost_models.flops` counts FLOPs (for MFU); this module turns the same work into seconds with
+the shape-aware kernel model (:mod:`sp_plan.cost_models.kernels`), so layouts that shrink kernels pay for it:
 
 - **GEMMs** per layer, per GPU (T = b S / (U R) local tokens, TP-local widths), forward
   ``(m, n, k) = (tokens, out, in)``; backward the input gradient ``(m, k, n)`` and the weight gradient
@@ -15,7 +15,7 @@ the shape-aware kernel model (:mod:`cost_models.kernels`), so layouts that shrin
   documents (``document_length`` D) run as variable-length calls over D-token documents. A
   materialized attention runs its QK^T and PV as batched GEMMs (the softmax traffic is streaming).
 - **Streaming kernels** (norms, rotary, activation, residuals, softmax of a materialized attention):
-  bytes from :mod:`cost_models.flops` at the kernel model's fraction of HBM bandwidth, reduced by the
+  bytes from :mod:`sp_plan.cost_models.flops` at the kernel model's fraction of HBM bandwidth, reduced by the
   stack's fusion when the blocks are compiled; Ulysses all-to-alls add the stack's copy passes.
 - **Framework overhead**: the stack's host-side time per layer and pass (hooks, launch gaps).
 
@@ -386,7 +386,7 @@ EAGER_RMSNORM_BYTES_PER_ELEMENT = 42.0
 
 def _eager_extra_bytes(model: ModelSpec, train: TrainSpec, layout: Layout, a) -> float:
     """Forward HBM bytes per layer that unfused (eager) norm and SwiGLU kernels move beyond the fused ones
-    :mod:`cost_models.flops` counts (backward moves about twice as much)."""
+    :mod:`sp_plan.cost_models.flops` counts (backward moves about twice as much)."""
     d = train.dtype_bytes
     tokens = train.micro_batch * train.seq_len / (layout.ulysses * layout.ring)
     tp = layout.tp

@@ -1,7 +1,7 @@
 """``estimate``: everything the cost models predict for one model, run and layout, as one object.
 
-Memory comes from :mod:`cost_models.memory`, communication volume from :mod:`cost_models.comm_volume`,
-step time from :mod:`cost_models.time_model` on a :class:`~cost_models.topology.Topology`. The time
+Memory comes from :mod:`sp_plan.cost_models.memory`, communication volume from :mod:`sp_plan.cost_models.comm_volume`,
+step time from :mod:`sp_plan.cost_models.time_model` on a :class:`~sp_plan.cost_models.topology.Topology`. The time
 model is fed the memory model's host-memory figures, so offload traffic is priced on exactly the bytes
 the memory model moved off the GPU.
 """

@@ -9,8 +9,8 @@
 - ``stacks:`` and ``variants:`` what system-level runs (``published.yaml``) alone can tell: a stack's
   overheads, a GPU variant's sustained-clock factor. Never a kernel efficiency.
 
-The kernel files and stack files keep their documented priors; :func:`cost_models.kernels.kernel_model`
-and :func:`cost_models.stack.load_stack` apply these values on top. A missing or empty file means
+The kernel files and stack files keep their documented priors; :func:`sp_plan.cost_models.kernels.kernel_model`
+and :func:`sp_plan.cost_models.stack.load_stack` apply these values on top. A missing or empty file means
 "priors only".
 """
 
@@ -74,7 +74,7 @@ class FittedParameters(BaseModel):
 
 
 def fitted_path():
-    return resources.files("cost_models.data").joinpath("calibration", FITTED_FILE)
+    return resources.files("sp_plan.cost_models.data").joinpath("calibration", FITTED_FILE)
 
 
 #: Values in effect instead of the shipped file (``use``): a refit predicts with what it just fitted.

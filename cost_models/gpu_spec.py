@@ -48,7 +48,7 @@ class GPUSpec(BaseModel):
 
 @cache
 def _gpu_file() -> dict:
-    return safe_load(resources.files("cost_models.data").joinpath("gpus.yaml").read_text())
+    return safe_load(resources.files("sp_plan.cost_models.data").joinpath("gpus.yaml").read_text())
 
 
 def _gpu_table() -> dict[str, dict]:

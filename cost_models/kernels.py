@@ -140,7 +140,7 @@ class KernelModel(_Frozen):
 
 
 def _kernel_dir():
-    return resources.files("cost_models.data").joinpath("kernels")
+    return resources.files("sp_plan.cost_models.data").joinpath("kernels")
 
 
 @cache

@@ -153,13 +153,13 @@ class ModelSpec(BaseModel):
 
 @cache
 def _preset_table() -> dict[str, dict]:
-    text = resources.files("cost_models.data").joinpath("models.yaml").read_text()
+    text = resources.files("sp_plan.cost_models.data").joinpath("models.yaml").read_text()
     return safe_load(text)["models"]
 
 
 @cache
 def _preset_aliases() -> dict[str, str]:
-    text = resources.files("cost_models.data").joinpath("models.yaml").read_text()
+    text = resources.files("sp_plan.cost_models.data").joinpath("models.yaml").read_text()
     return safe_load(text).get("aliases") or {}
 
 

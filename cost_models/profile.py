@@ -2,8 +2,8 @@
 
 Three layers, later ones win:
 
-1. the GPU's kernel model (:mod:`cost_models.kernels`, shipped per GPU, fitted to published runs);
-2. the software stack (:mod:`cost_models.stack`: memory assumptions and framework time properties);
+1. the GPU's kernel model (:mod:`sp_plan.cost_models.kernels`, shipped per GPU, fitted to published runs);
+2. the software stack (:mod:`sp_plan.cost_models.stack`: memory assumptions and framework time properties);
 3. a calibration file written by ``sp-plan calibrate`` from the user's own measured runs
    (``--calibration FILE``): overrides of any of the above, fitted on their cluster and stack.
 
@@ -54,8 +54,8 @@ class CalibrationFile(BaseModel):
     """Overrides fitted to measured runs (``sp-plan calibrate`` writes it; estimate/plan/capacity take
     it with ``--calibration FILE``). Keys of ``kernels`` are dotted paths into the GPU's kernel model
     (e.g. ``gemm.peak_fraction``, ``attention.fa2.forward_fraction``); ``time`` and ``memory`` hold
-    fields of the stack's :class:`~cost_models.stack.StackTime` and
-    :class:`~cost_models.memory.assumptions.MemoryAssumptions`."""
+    fields of the stack's :class:`~sp_plan.cost_models.stack.StackTime` and
+    :class:`~sp_plan.cost_models.memory.assumptions.MemoryAssumptions`."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -9,7 +9,7 @@ plan that fits under sp-plan's runtime may not fit under DeepSpeed).
 
 A stack profile is data, not code: a YAML file in ``cost_models/data/stacks/`` (or any path) with
 
-- ``memory``: values for :class:`~cost_models.memory.assumptions.MemoryAssumptions` fields (every
+- ``memory``: values for :class:`~sp_plan.cost_models.memory.assumptions.MemoryAssumptions` fields (every
   field not given keeps its default, which describes this project's runtime);
 - ``time``: values for :class:`StackTime` (framework overheads and kernel choices that are properties
   of the software, not of the GPU; GPU kernel efficiencies live in ``cost_models/data/kernels/``).
@@ -40,7 +40,7 @@ class StackTime(BaseModel):
     """Time-model properties of a software stack (not of the GPU).
 
     Kernel efficiencies of the GPU itself (GEMM and attention fractions of peak, their shape
-    dependence, launch costs) are per-GPU data (:mod:`cost_models.kernels`); the fields here scale or
+    dependence, launch costs) are per-GPU data (:mod:`sp_plan.cost_models.kernels`); the fields here scale or
     add to them where a stack's choice of kernels and its host-side work differ.
     """
 
@@ -197,7 +197,7 @@ class StackProfile(BaseModel):
 
 
 def _stack_dir():
-    return resources.files("cost_models.data").joinpath("stacks")
+    return resources.files("sp_plan.cost_models.data").joinpath("stacks")
 
 
 @cache

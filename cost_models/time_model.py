@@ -2,15 +2,15 @@
 
 Entry point: :func:`comm_and_time` (model, train, layout, topology, offload, profile) -> :class:`CommTime`.
 
-Compute (per GPU): :mod:`cost_models.compute_time` prices every GEMM, attention call, ring step and
+Compute (per GPU): :mod:`sp_plan.cost_models.compute_time` prices every GEMM, attention call, ring step and
 streaming kernel of a layer and of the output layer with the GPU's kernel model and the stack's time
 properties (the ``profile``); the asymptotic fractions come from a calibration file, the topology's
 ``calibration.compute`` or the kernel model, in that order, so a probed, hand-tuned or calibrated file
 changes predictions without code changes.
 
-Communication: every op of :func:`cost_models.comm_volume.comm_ops` is costed with
-:func:`cost_models.collectives.collective_cost` on the span of its process group
-(:mod:`cost_models.placement`). Overlap rules:
+Communication: every op of :func:`sp_plan.cost_models.comm_volume.comm_ops` is costed with
+:func:`sp_plan.cost_models.collectives.collective_cost` on the span of its process group
+(:mod:`sp_plan.cost_models.placement`). Overlap rules:
 
 - Ulysses all-to-alls, TP collectives, embedding/LM-head collectives and the loss reduction are
   exposed: the next kernel needs their result.
@@ -162,7 +162,7 @@ class TimeEstimate(BaseModel):
     efficiencies: dict[str, float] = Field(description="calibration in effect")
     components: dict[str, float] = Field(
         default_factory=dict,
-        description=("the step by component, seconds (compute parts of cost_models.compute_time.COMPUTE_PARTS, "
+        description=("the step by component, seconds (compute parts of sp_plan.cost_models.compute_time.COMPUTE_PARTS, "
                      "exposed communication by strategy, interference, offload, optimizer, step overhead); "
                      "they add up to step_s"))
     efficiency_sources: dict[str, str] = Field(
@@ -242,7 +242,7 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
     eff = topology.efficiency
     peak = topology.peak_flops(train.dtype)
 
-    # ----- compute (shape-aware, kernel by kernel: cost_models.compute_time) ------------------------
+    # ----- compute (shape-aware, kernel by kernel: sp_plan.cost_models.compute_time) ------------------------
     w = microbatch_work(model, train, layout)
     ct = compute_time(model, train, layout, topology, profile)
     hbm = topology.gpu.memory_bandwidth * ct.fractions["memory"]

@@ -26,10 +26,10 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 import torch
 import torch.distributed as dist
 
-from cost_models.layout import Layout
-from runtime.attention import local_attention
-from runtime.context import SequenceParallel
-from runtime.mesh import build_mesh, load_layout
+from sp_plan.cost_models.layout import Layout
+from sp_plan.runtime.attention import local_attention
+from sp_plan.runtime.context import SequenceParallel
+from sp_plan.runtime.mesh import build_mesh, load_layout
 
 #: fp32 results must agree with single-device attention to this max-norm relative error.
 TOLERANCE = 1e-5
@@ -137,6 +137,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from runtime.auto import finish_worker
+    from sp_plan.runtime.auto import finish_worker
 
     finish_worker(main())  # barrier, destroy the groups, and leave without the interpreter's teardown

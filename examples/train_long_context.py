@@ -1,11 +1,11 @@
-"""Long-context training with sequence parallelism, configured by one call to ``runtime.auto_configure``.
+"""Long-context training with sequence parallelism, configured by one call to ``sp_plan.runtime.auto_configure``.
 
 By default a small Llama-style model learns the Python standard library's own source code (every
 ``*.py`` file of this interpreter's stdlib, concatenated, byte-level tokens: no download); with
 ``--dataset`` and ``--tokenizer`` it trains on a Hugging Face text dataset (local files, a
 ``save_to_disk`` directory or a hub name) tokenised and packed to the planned sequence length. Each
 sequence is split over the ranks by the plan: Ulysses, zigzag Ring or both (USP), FSDP2 over the same
-ranks. ``runtime.trainer.Trainer`` runs the loop: checkpoints, resume, telemetry.
+ranks. ``sp_plan.runtime.trainer.Trainer`` runs the loop: checkpoints, resume, telemetry.
 
 CPU (gloo), 4 ranks, a few dozen steps::
 
@@ -52,15 +52,15 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from cost_models.errors import CostModelError  # noqa: E402
-from cost_models.model_spec import ModelSpec  # noqa: E402
-from cost_models.units import parse_seq_len  # noqa: E402
-from runtime.auto import auto_configure  # noqa: E402
-from runtime.data import TokenWindows  # noqa: E402
-from runtime.errors import RuntimeConfigError  # noqa: E402
-from runtime.models import LlamaModel  # noqa: E402
-from runtime.text_data import GlobalBatches  # noqa: E402
-from runtime.trainer import Trainer  # noqa: E402
+from sp_plan.cost_models.errors import CostModelError  # noqa: E402
+from sp_plan.cost_models.model_spec import ModelSpec  # noqa: E402
+from sp_plan.cost_models.units import parse_seq_len  # noqa: E402
+from sp_plan.runtime.auto import auto_configure  # noqa: E402
+from sp_plan.runtime.data import TokenWindows  # noqa: E402
+from sp_plan.runtime.errors import RuntimeConfigError  # noqa: E402
+from sp_plan.runtime.models import LlamaModel  # noqa: E402
+from sp_plan.runtime.text_data import GlobalBatches  # noqa: E402
+from sp_plan.runtime.trainer import Trainer  # noqa: E402
 
 #: Byte-level tokenizer: 256 byte values plus these special tokens.
 PAD, BOS, EOS = 256, 257, 258
@@ -185,7 +185,7 @@ def tokenizer_vocabulary(args: argparse.Namespace) -> tuple[int, int]:
     """(vocabulary size, padding id) of the run's tokenizer: the byte-level one, or --tokenizer's."""
     if args.tokenizer is None:
         return VOCAB, PAD
-    from runtime.text_data import check_dataset_source, load_tokenizer
+    from sp_plan.runtime.text_data import check_dataset_source, load_tokenizer
 
     check_dataset_source(args.dataset)  # fail before the slow parts
     tokenizer = load_tokenizer(args.tokenizer)
@@ -214,7 +214,7 @@ def build_model(args: argparse.Namespace, plan, vocab: int) -> torch.nn.Module:
 def build_hf_model(spec: ModelSpec, seq_len: int) -> torch.nn.Module:
     """A transformers causal LM with ``spec``'s architecture and random weights (seeded above)."""
     try:
-        from runtime.hf import hf_model_from_spec
+        from sp_plan.runtime.hf import hf_model_from_spec
 
         return hf_model_from_spec(spec, seq_len)
     except ImportError as exc:
@@ -230,8 +230,8 @@ def checkpoint_plan(args: argparse.Namespace):
     pins, the same number of ranks. Re-planning could pick another layout on a noisy probe."""
     if not (args.resume or args.resume_or_start) or args.plan or pins_given(args):
         return None
-    from planner.plan import plan_from_dict
-    from runtime.checkpoint import list_checkpoints, read_verified_state
+    from sp_plan.planner.plan import plan_from_dict
+    from sp_plan.runtime.checkpoint import list_checkpoints, read_verified_state
 
     # The newest checkpoint whose bookkeeping matches its manifest (the Trainer then verifies every file of
     # the one it resumes from, and may fall back further: the same run's plan).
@@ -257,7 +257,7 @@ def make_data(args: argparse.Namespace, setup) -> tuple[GlobalBatches, str]:
         what = (f"{tokens.numel():,} byte tokens of Python stdlib source, {len(dataset)} sequences of "
                 f"{train.seq_len:,}")
     else:
-        from runtime.text_data import PackedTextDataset, check_vocabulary
+        from sp_plan.runtime.text_data import PackedTextDataset, check_vocabulary
 
         log = print if dist.get_rank() == 0 else None
         dataset = PackedTextDataset.build(args.dataset, args.tokenizer, train.seq_len, text_column=args.text_column,
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab, pad = tokenizer_vocabulary(args)
     plan = None
     if args.plan:
-        from planner.plan import load_plan
+        from sp_plan.planner.plan import load_plan
 
         plan = load_plan(args.plan)
     reused = checkpoint_plan(args) if plan is None else None
@@ -330,6 +330,6 @@ if __name__ == "__main__":
     except CostModelError as exc:  # one line, like the CLI (plan, planner and runtime errors)
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    from runtime.auto import finish_worker
+    from sp_plan.runtime.auto import finish_worker
 
     finish_worker(code)

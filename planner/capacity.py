@@ -4,7 +4,7 @@ Feasibility ("does any plan fit?") needs no timing: a layout can run iff its mos
 allowed options fit, so each probe costs one memory evaluation per layout and stops at the first
 fit. The longest sequence is monotone (a longer one needs more memory per GPU) and is found by
 galloping + binary search; the GPU count is monotone only along doubling chains (see :func:`min_gpus`).
-The plan that reaches the answer comes from a full :func:`planner.search.search` at that point.
+The plan that reaches the answer comes from a full :func:`sp_plan.planner.search.search` at that point.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from cost_models.errors import CostModelError
-from cost_models.layout import Layout
-from cost_models.memory import MemoryAssumptions, memory_core
-from cost_models.model_spec import ModelSpec
-from cost_models.topology import Topology
-from cost_models.train_spec import TrainSpec
-from cost_models.units import MAX_SEQ_LEN
+from sp_plan.cost_models.errors import CostModelError
+from sp_plan.cost_models.layout import Layout
+from sp_plan.cost_models.memory import MemoryAssumptions, memory_core
+from sp_plan.cost_models.model_spec import ModelSpec
+from sp_plan.cost_models.topology import Topology
+from sp_plan.cost_models.train_spec import TrainSpec
+from sp_plan.cost_models.units import MAX_SEQ_LEN
 
 from .errors import NoFitError, PlannerError
 from .search import PlanSettings, RankedPlan, SearchResult, _Searcher, search

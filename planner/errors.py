@@ -1,6 +1,6 @@
 """The planner layer's error types (:class:`CostModelError` subclasses, so one ``except`` covers all)."""
 
-from cost_models.errors import CostModelError
+from sp_plan.cost_models.errors import CostModelError
 
 
 class PlannerError(CostModelError):

@@ -278,8 +278,8 @@ def target_stack(plan: Plan, target: str) -> str:
 def _plan_topology(plan: Plan):
     """The plan's cluster: its topology preset or file, else (a file from another machine) the natural
     machine of its GPU; None when neither can be built here."""
-    from cost_models.errors import CostModelError
-    from cost_models.topology import default_topology, load_topology
+    from sp_plan.cost_models.errors import CostModelError
+    from sp_plan.cost_models.topology import default_topology, load_topology
 
     hw = plan.hardware
     try:
@@ -324,8 +324,8 @@ def check_under_stack(plan: Plan, target: str, stack: str | None = None, calibra
     memory. ``calibration``: a calibration file for the target stack; without one, the plan's own
     calibration is used only when the target stack is the plan's own.
     """
-    from cost_models.estimate import estimate
-    from cost_models.profile import resolve_profile
+    from sp_plan.cost_models.estimate import estimate
+    from sp_plan.cost_models.profile import resolve_profile
 
     from .search import DEFAULT_HEADROOM
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from cost_models.train_spec import TrainSpec
+from sp_plan.cost_models.train_spec import TrainSpec
 
 #: Largest micro-batch the planner tries; long-context runs are memory-bound long before this.
 MAX_MICRO_BATCH = 8

@@ -21,15 +21,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from cost_models.atomic_io import atomic_write_text
-from cost_models.errors import explain_validation_error
-from cost_models.layout import Layout
-from cost_models.model_spec import ModelSpec
-from cost_models.stack import DEFAULT_STACK
-from cost_models.train_spec import TrainSpec
+from sp_plan.cost_models.atomic_io import atomic_write_text
+from sp_plan.cost_models.errors import explain_validation_error
+from sp_plan.cost_models.layout import Layout
+from sp_plan.cost_models.model_spec import ModelSpec
+from sp_plan.cost_models.stack import DEFAULT_STACK
+from sp_plan.cost_models.train_spec import TrainSpec
 
 from .errors import PlannerError
-from cost_models.yaml_io import read_small_text, safe_load
+from sp_plan.cost_models.yaml_io import read_small_text, safe_load
 
 PLAN_FORMAT_VERSION = 1
 #: Plans are a few KB; refuse anything large before parsing it.
@@ -137,7 +137,7 @@ def plan_from_dict(data: Any, source: str = "plan", *, require_end: bool = False
 def plan_from_ranked(ranked: Any, model: ModelSpec, topology: Any, world: int,
                      explanation: list[str] | None = None, *, stack: str = DEFAULT_STACK,
                      calibration: str | None = None) -> Plan:
-    """A plan file for one of the search's ranked plans (``planner.search.RankedPlan``), recording the
+    """A plan file for one of the search's ranked plans (``sp_plan.planner.search.RankedPlan``), recording the
     stack and calibration it was predicted under (``SearchResult.stack`` / ``.calibration``)."""
     est = ranked.estimate.to_json_dict()
     return Plan(

@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from cost_models.layout import Layout
-from cost_models.model_spec import ModelSpec
-from cost_models.topology import Topology
-from cost_models.train_spec import TrainSpec
-from cost_models.units import GB, format_tokens
+from sp_plan.cost_models.layout import Layout
+from sp_plan.cost_models.model_spec import ModelSpec
+from sp_plan.cost_models.topology import Topology
+from sp_plan.cost_models.train_spec import TrainSpec
+from sp_plan.cost_models.units import GB, format_tokens
 
 from .search import RankedPlan, Rejection, SearchResult
 

@@ -1,6 +1,6 @@
 """Find the fastest layout and memory options that fit.
 
-Search, per layout, is a best-first walk of the option lattice (:mod:`planner.options`) in order of
+Search, per layout, is a best-first walk of the option lattice (:mod:`sp_plan.planner.options`) in order of
 predicted seconds per token: because step time never decreases and memory never increases up the
 lattice, the first combination popped that fits is the fastest one that fits. Across layouts the
 search is branch-and-bound: a layout's fastest conceivable combination (the lattice bottom, timed
@@ -26,16 +26,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cost_models.errors import CostModelError
-from cost_models.estimate import Estimate, estimate, offload_capacity, offload_traffic
-from cost_models.layout import Layout
-from cost_models.memory import MemoryAssumptions, MemoryCore, host_memory, memory_core
-from cost_models.model_spec import ModelSpec
-from cost_models.profile import CostProfile, load_calibration, resolve_profile
-from cost_models.stack import DEFAULT_STACK, stack_names
-from cost_models.time_model import OffloadTraffic, StepTime, step_time
-from cost_models.topology import Topology
-from cost_models.train_spec import TrainSpec
+from sp_plan.cost_models.errors import CostModelError
+from sp_plan.cost_models.estimate import Estimate, estimate, offload_capacity, offload_traffic
+from sp_plan.cost_models.layout import Layout
+from sp_plan.cost_models.memory import MemoryAssumptions, MemoryCore, host_memory, memory_core
+from sp_plan.cost_models.model_spec import ModelSpec
+from sp_plan.cost_models.profile import CostProfile, load_calibration, resolve_profile
+from sp_plan.cost_models.stack import DEFAULT_STACK, stack_names
+from sp_plan.cost_models.time_model import OffloadTraffic, StepTime, step_time
+from sp_plan.cost_models.topology import Topology
+from sp_plan.cost_models.train_spec import TrainSpec
 
 from .errors import PlannerError
 from .options import (
@@ -58,7 +58,7 @@ DEFAULT_HEADROOM = 0.03
 
 def _can_offload_params(lattice: OptionLattice) -> bool:
     """Whether some valid combination of ``lattice`` offloads parameters: its axis offers it and the branch
-    runs ZeRO-3 (the only stage that offloads parameters, see :func:`planner.options.invalid_reason`)."""
+    runs ZeRO-3 (the only stage that offloads parameters, see :func:`sp_plan.planner.options.invalid_reason`)."""
     names = [a.name for a in lattice.axes]
     if "offload_params" not in names or True not in lattice.axes[names.index("offload_params")].values:
         return False
@@ -83,7 +83,7 @@ class PlanSettings(BaseModel):
     fixed_options: dict[str, Any] = Field(default_factory=dict)
     micro_batch_fixed: bool = False
     #: The software stack the plan is for: a shipped profile's name (``sp-plan``, ``hf-deepspeed``,
-    #: ``torchtitan``) or a stack YAML file (:mod:`cost_models.stack`). None: the calibration file's
+    #: ``torchtitan``) or a stack YAML file (:mod:`sp_plan.cost_models.stack`). None: the calibration file's
     #: stack, else ``sp-plan``.
     stack: str | None = Field(default=None, max_length=4096)
     #: A calibration file (``sp-plan calibrate``) whose overrides apply on top of the stack.
@@ -110,7 +110,7 @@ class ResolvedSettings:
 
 
 def resolve_settings(settings: PlanSettings, gpu: str, assumptions: MemoryAssumptions | None = None) -> ResolvedSettings:
-    """The one :class:`~cost_models.profile.CostProfile` a search with ``settings`` uses on ``gpu``:
+    """The one :class:`~sp_plan.cost_models.profile.CostProfile` a search with ``settings`` uses on ``gpu``:
     the stack, the GPU's kernel model, the calibration's overrides, ``settings.assume``; then
     ``assumptions`` (else ``settings.assumptions``), when given, replace its memory assumptions.
 
@@ -413,7 +413,7 @@ class _Searcher:
 
     def floor(self, layout: Layout, lattice: OptionLattice, top: Combo) -> Combo:
         """Per expensive axis, the least value that fits with every other axis at its most saving (valid)
-        value; cheap axes (:data:`planner.options.CHEAP_AXES`) start at their fastest value, which the
+        value; cheap axes (:data:`sp_plan.planner.options.CHEAP_AXES`) start at their fastest value, which the
         walk's cheap closures explore at little cost.
 
         Memory is monotone, so no fitting combination lies below this floor on any axis: it is where

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cost_models.errors import CostModelError
-from cost_models.layout import Layout
-from cost_models.model_spec import ModelSpec
-from cost_models.train_spec import TrainSpec
+from sp_plan.cost_models.errors import CostModelError
+from sp_plan.cost_models.layout import Layout
+from sp_plan.cost_models.model_spec import ModelSpec
+from sp_plan.cost_models.train_spec import TrainSpec
 
 
 def divisors(n: int) -> list[int]:

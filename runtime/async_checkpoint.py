@@ -4,11 +4,11 @@ background thread writes it.
 A synchronous save stops every rank for as long as its chunk takes to reach storage (a 70B model's
 weights and Adam states are ~17 GB per rank on 64 ranks: tens of seconds at a shared file system's
 per-client bandwidth). :class:`AsyncCheckpointer` stops training only for
-:func:`runtime.checkpoint.prepare_save` (the RNG files and bookkeeping) and one device-to-host copy of
+:func:`sp_plan.runtime.checkpoint.prepare_save` (the RNG files and bookkeeping) and one device-to-host copy of
 this rank's chunks; DCP's write, the hashing of what was written, the manifest, the atomic rename, the
-re-read verification and the pruning then run in a thread (:func:`runtime.checkpoint.commit_save`, the
+re-read verification and the pruning then run in a thread (:func:`sp_plan.runtime.checkpoint.commit_save`, the
 code path of synchronous saves). The files are exactly those of
-:func:`runtime.checkpoint.save_checkpoint`, with the same guarantees: a checkpoint is visible only once
+:func:`sp_plan.runtime.checkpoint.save_checkpoint`, with the same guarantees: a checkpoint is visible only once
 every rank's chunks are written and its manifest is complete, and nothing older is pruned before it has
 been read back and verified. hashlib releases the GIL while it hashes, so training goes on meanwhile.
 
@@ -21,7 +21,7 @@ been read back and verified. hashlib releases the GIL while it hashes, so traini
   error broadcast) run on a gloo group made for it, never on the group training uses, so they cannot
   interleave with training's collectives. Creating it is collective: every rank makes the same saves.
 - **Errors** raised in the thread (a full disk, a rank that failed, a checkpoint that does not verify
-  once written: :class:`runtime.checkpoint.CheckpointCorruptError`, which names the file and chunk)
+  once written: :class:`sp_plan.runtime.checkpoint.CheckpointCorruptError`, which names the file and chunk)
   are raised by the next :meth:`~AsyncCheckpointer.save` or :meth:`~AsyncCheckpointer.wait`, as
   :class:`RuntimeConfigError`; the previous checkpoint is then still there.
 """
@@ -37,8 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.checkpoint import Chunk, SaveJob, commit_save, prepare_save
-from runtime.errors import RuntimeConfigError
+from sp_plan.runtime.checkpoint import Chunk, SaveJob, commit_save, prepare_save
+from sp_plan.runtime.errors import RuntimeConfigError
 
 
 class AsyncCheckpointer:
@@ -53,7 +53,7 @@ class AsyncCheckpointer:
         self._group_of: object | None = None  # the default group the private one was made beside
 
     def save(self, directory: str | os.PathLike, **kwargs: Any) -> Path:
-        """Start saving (collective); takes :func:`runtime.checkpoint.save_checkpoint`'s keyword arguments.
+        """Start saving (collective); takes :func:`sp_plan.runtime.checkpoint.save_checkpoint`'s keyword arguments.
 
         Returns the path the checkpoint will have once complete; it returns after the state has been copied
         to host memory, so the caller may change parameters and optimizer states right away.

@@ -3,41 +3,41 @@
 Inside a torchrun launch (or a single process), one call::
 
     setup = auto_configure(model, seq_len=131072)
-    for batch in loader:                                   # full-sequence batches (see runtime.data)
+    for batch in loader:                                   # full-sequence batches (see sp_plan.runtime.data)
         shard = setup.shard(batch)                         # pre-shifted, padded, this rank's shard
         out = setup.loss(setup.forward(shard), shard["labels"])
         out.loss.backward()
 
 does, in order (each step a function below, so later techniques slot in locally):
 
-1. **plan**: a :class:`planner.plan.Plan`, a plan file, or None: rank 0 asks the planner, for the
+1. **plan**: a :class:`sp_plan.planner.plan.Plan`, a plan file, or None: rank 0 asks the planner, for the
    topology given (a Topology, a preset/file name) or probed on the spot, restricted to what this
-   runtime can execute (:mod:`runtime.capabilities`); the plan is broadcast and every rank checks
+   runtime can execute (:mod:`sp_plan.runtime.capabilities`); the plan is broadcast and every rank checks
    that it holds the same plan (a hash of its JSON);
-2. **refuse** options the runtime cannot execute (:func:`runtime.capabilities.unsupported_reasons`),
+2. **refuse** options the runtime cannot execute (:func:`sp_plan.runtime.capabilities.unsupported_reasons`),
    and a plan made for another model or sequence length;
-3. **mesh**: :func:`runtime.mesh.build_mesh` (5-D DeviceMesh + ``sp``/``fsdp`` dims) and a ``data``
+3. **mesh**: :func:`sp_plan.runtime.mesh.build_mesh` (5-D DeviceMesh + ``sp``/``fsdp`` dims) and a ``data``
    group (every rank but TP) for the loss;
 4. **attention**: the model's attention becomes the planned SP attention
-   (:class:`runtime.context.SequenceParallel`): our :class:`~runtime.models.LlamaModel` through its
-   ``attention_fn``, HF models through transformers' attention registry (:mod:`runtime.hf`);
-5. **tensor parallelism** (:mod:`runtime.tp`, Megatron column/row split with sequence parallelism
+   (:class:`sp_plan.runtime.context.SequenceParallel`): our :class:`~sp_plan.runtime.models.LlamaModel` through its
+   ``attention_fn``, HF models through transformers' attention registry (:mod:`sp_plan.runtime.hf`);
+5. **tensor parallelism** (:mod:`sp_plan.runtime.tp`, Megatron column/row split with sequence parallelism
    per the plan's ``tp_sequence_parallel``) on the full, rank-0-synchronised weights, before anything
    shards them further;
 6. **activation checkpointing** per plan (none / selective / full, per block), with the checkpointed
    block inputs offloaded to host memory when the plan says ``offload_checkpoints``
-   (:mod:`runtime.offload`), and the **tiled MLP** (:mod:`runtime.tiled_mlp`);
+   (:mod:`sp_plan.runtime.offload`), and the **tiled MLP** (:mod:`sp_plan.runtime.tiled_mlp`);
 7. **FSDP2** ``fully_shard`` per block, the untied embedding, and the root, over the ``fsdp`` dim
    (HSDP over ``dp_replicate x fsdp`` when dp_replicate > 1), with the plan's mixed precision and
-   ``offload_params`` (CPUOffloadPolicy) from :func:`runtime.fsdp.fully_shard_kwargs`; gradients are
+   ``offload_params`` (CPUOffloadPolicy) from :func:`sp_plan.runtime.fsdp.fully_shard_kwargs`; gradients are
    summed (divide factor 1) because the loss is normalised by the global token count
-   (:mod:`runtime.loss`);
+   (:mod:`sp_plan.runtime.loss`);
 8. the **loss** the plan asks for (:meth:`AutoConfigured.compute_loss`: tiled cross-entropy from the
    final hidden states, vocab-parallel under TP) and the **optimizer** (:meth:`AutoConfigured.make_optimizer`:
-   AdamW, or :class:`runtime.host_optimizer.HostOffloadOptimizer` for ``offload_optimizer``; TP's
+   AdamW, or :class:`sp_plan.runtime.host_optimizer.HostOffloadOptimizer` for ``offload_optimizer``; TP's
    replicated-gradient all-reduce runs before every step).
 
-ZeRO stages with FSDP2 (what :func:`runtime.step.train_step` toggles per micro-batch):
+ZeRO stages with FSDP2 (what :func:`sp_plan.runtime.step.train_step` toggles per micro-batch):
 
 - 3: ``reshard_after_forward=True``: parameters gathered for forward and again for backward,
   gradients reduce-scattered every micro-batch;
@@ -48,7 +48,7 @@ ZeRO stages with FSDP2 (what :func:`runtime.step.train_step` toggles per micro-b
 Between steps parameters stay sharded (FSDP2 always reshards after the last backward), so ZeRO-1/2
 hold less than the memory model's full replica of the weights; communication follows the model.
 
-A training loop written by hand (rather than :func:`runtime.step.train_step`)::
+A training loop written by hand (rather than :func:`sp_plan.runtime.step.train_step`)::
 
     optimizer = setup.make_optimizer(lr=3e-4)
     for batch in loader:
@@ -74,16 +74,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cost_models.layout import Layout
-from cost_models.model_spec import ModelSpec
-from cost_models.train_spec import TrainSpec
-from runtime.capabilities import MEMORY_ASSUMPTIONS, merge_constraints, unsupported_reasons
-from runtime.fsdp import DTYPES, fully_shard_kwargs, fully_shard_units, needs_compute_dtype_params
-from runtime.context import SequenceParallel
-from runtime.data import BatchSharder, data_parallel_coordinates, data_parallel_sampler
-from runtime.errors import RuntimeConfigError
-from runtime.loss import LossOutput, TokenLoss
-from runtime.mesh import RuntimeMesh, build_mesh, init_default_group
+from sp_plan.cost_models.layout import Layout
+from sp_plan.cost_models.model_spec import ModelSpec
+from sp_plan.cost_models.train_spec import TrainSpec
+from sp_plan.runtime.capabilities import MEMORY_ASSUMPTIONS, merge_constraints, unsupported_reasons
+from sp_plan.runtime.fsdp import DTYPES, fully_shard_kwargs, fully_shard_units, needs_compute_dtype_params
+from sp_plan.runtime.context import SequenceParallel
+from sp_plan.runtime.data import BatchSharder, data_parallel_coordinates, data_parallel_sampler
+from sp_plan.runtime.errors import RuntimeConfigError
+from sp_plan.runtime.loss import LossOutput, TokenLoss
+from sp_plan.runtime.mesh import RuntimeMesh, build_mesh, init_default_group
 
 #: Probe budgets (seconds per compute measurement, seconds for all link timings) when auto_configure has
 #: to measure the machine itself: enough for a usable topology, short enough to run before every job.
@@ -104,7 +104,7 @@ TECHNIQUES = ("tiled_mlp", "tiled_loss", "offload_checkpoints", "offload_optimiz
 
 
 class SequenceParallelAttention(nn.Module):
-    """``attention_fn`` for :class:`runtime.models.LlamaModel`: the planned SP attention on local shards."""
+    """``attention_fn`` for :class:`sp_plan.runtime.models.LlamaModel`: the planned SP attention on local shards."""
 
     def __init__(self, sp: SequenceParallel) -> None:
         super().__init__()
@@ -123,7 +123,7 @@ class AutoConfigured:
     """What :func:`auto_configure` built. ``model`` is the wrapped (FSDP2) model."""
 
     model: nn.Module
-    plan: Any  # planner.plan.Plan
+    plan: Any  # sp_plan.planner.plan.Plan
     mesh: RuntimeMesh
     sp: SequenceParallel
     sharder: BatchSharder
@@ -132,9 +132,9 @@ class AutoConfigured:
     kind: str  # "llama" | "hf"
     compute_dtype: torch.dtype
     notes: list[str] = field(default_factory=list)
-    #: The TP state (runtime.tp.TensorParallel) when the plan has tp > 1, else None.
+    #: The TP state (sp_plan.runtime.tp.TensorParallel) when the plan has tp > 1, else None.
     tensor_parallel: Any = None
-    #: The checkpoint offload (runtime.offload.CheckpointOffload) when the plan offloads checkpoints.
+    #: The checkpoint offload (sp_plan.runtime.offload.CheckpointOffload) when the plan offloads checkpoints.
     checkpoint_offload: Any = None
     #: Set when TP-replicated gradients were all-reduced; cleared by every forward (new gradients).
     _grads_synced: bool = field(default=False, repr=False)
@@ -161,7 +161,7 @@ class AutoConfigured:
         return data_parallel_coordinates(self.mesh)[1]
 
     def shard(self, batch: Any) -> dict[str, torch.Tensor]:
-        """This rank's shard of a full-sequence batch (see :class:`runtime.data.BatchSharder`)."""
+        """This rank's shard of a full-sequence batch (see :class:`sp_plan.runtime.data.BatchSharder`)."""
         return self.sharder(batch)
 
     def forward(self, shard: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -170,23 +170,23 @@ class AutoConfigured:
         the plan has ``tiled_loss``: train with :meth:`compute_loss`."""
         self._grads_synced = False
         if self.kind == "hf":
-            from runtime.hf import hf_logits
+            from sp_plan.runtime.hf import hf_logits
 
             return hf_logits(self.model, shard["input_ids"], shard["position_ids"], shard.get("cu_seqlens"))
         return self.model(shard["input_ids"], shard["position_ids"], shard.get("cu_seqlens"))
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items: int | None = None) -> LossOutput:
-        """Token-weighted loss of :meth:`forward`'s logits (see :class:`runtime.loss.TokenLoss`)."""
+        """Token-weighted loss of :meth:`forward`'s logits (see :class:`sp_plan.runtime.loss.TokenLoss`)."""
         return self.loss_fn(logits, labels, num_items)
 
     def compute_loss(self, shard: Mapping[str, torch.Tensor], num_items: int | None = None) -> LossOutput:
         """Forward and loss of a sharded batch the way the plan says: with ``tiled_loss`` the
         cross-entropy runs chunk by chunk from the final hidden states (the logits never exist whole);
         otherwise :meth:`forward` then :meth:`loss`. ``num_items``: the step's global valid-token count
-        under gradient accumulation (:func:`runtime.loss.global_token_count`)."""
+        under gradient accumulation (:func:`sp_plan.runtime.loss.global_token_count`)."""
         if not self.train.tiled_loss:
             return self.loss(self.forward(shard), shard["labels"], num_items)
-        from runtime.tiled_loss import tiled_cross_entropy
+        from sp_plan.runtime.tiled_loss import tiled_cross_entropy
 
         self._grads_synced = False
         hidden = getattr(self.model, hidden_states_method(self.kind))(shard["input_ids"], shard["position_ids"],
@@ -242,14 +242,14 @@ class AutoConfigured:
                        **kwargs: Any) -> torch.optim.Optimizer:
         """The plan's optimizer over the wrapped model's parameters (``kwargs`` go to ``optimizer_cls``).
 
-        ``offload_optimizer`` alone: :class:`runtime.host_optimizer.HostOffloadOptimizer` (fp32 masters
+        ``offload_optimizer`` alone: :class:`sp_plan.runtime.host_optimizer.HostOffloadOptimizer` (fp32 masters
         and states on the host); with ``offload_params`` FSDP2 already keeps parameters, gradients and
         the step on the host, so a plain optimizer runs there. Under TP, :meth:`sync_gradients` runs
         before every ``step()``.
         """
         train = self.train
         if train.offload_optimizer and not train.offload_params:
-            from runtime.host_optimizer import HostOffloadOptimizer
+            from sp_plan.runtime.host_optimizer import HostOffloadOptimizer
 
             optimizer = HostOffloadOptimizer(self.model.parameters(), optimizer_cls, **kwargs)
         else:
@@ -333,33 +333,33 @@ def finish_worker(code: int = 0) -> None:
 
 
 def model_spec_of(model: nn.Module) -> tuple[ModelSpec, str]:
-    """The cost models' ModelSpec of ``model`` and its kind (``llama``: runtime.models.LlamaModel, ``hf``)."""
-    from runtime.models import LlamaModel
+    """The cost models' ModelSpec of ``model`` and its kind (``llama``: sp_plan.runtime.models.LlamaModel, ``hf``)."""
+    from sp_plan.runtime.models import LlamaModel
 
     if isinstance(model, LlamaModel):
         return model.spec, "llama"
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_dict"):
-        from runtime.hf import hf_model_spec
+        from sp_plan.runtime.hf import hf_model_spec
 
         return hf_model_spec(model), "hf"
     raise RuntimeConfigError(
-        f"auto_configure does not know how to parallelise a {type(model).__name__}: pass a runtime.models.LlamaModel "
+        f"auto_configure does not know how to parallelise a {type(model).__name__}: pass a sp_plan.runtime.models.LlamaModel "
         "or a transformers Llama/Qwen2/Qwen3/Mistral causal LM"
     )
 
 
 def load_topology_for(topology: Any, world: int):
     """A Topology from a Topology, a preset (``dgx-h100``, ``dgx-h100@roce-400:8``) or a topology file."""
-    from cost_models.topology import Topology, load_topology
+    from sp_plan.cost_models.topology import Topology, load_topology
 
     return topology if isinstance(topology, Topology) else load_topology(str(topology), world)
 
 
 def probe_topology(world: int, device_type: str):
     """Measure this machine with a quick probe (collective: every rank runs it); the Topology on rank 0."""
-    from cost_models.topology import load_topology
-    from runtime.probe.run import run_probe
+    from sp_plan.cost_models.topology import load_topology
+    from sp_plan.runtime.probe.run import run_probe
 
     compute_s, link_s = AUTO_PROBE_BUDGETS[device_type]
     with tempfile.TemporaryDirectory() as tmp:
@@ -372,9 +372,9 @@ def plan_for(spec: ModelSpec, base: TrainSpec, topology, world: int, *, global_b
              kind: str = "llama", stack: str | None = None, calibration: str | None = None):
     """Ask the planner for the fastest plan this runtime can execute for a model of ``kind`` (no
     torch.distributed involved), under ``stack`` (default sp-plan) and ``calibration``, with the model
-    kind's memory overrides (:data:`runtime.capabilities.MEMORY_ASSUMPTIONS`) on top."""
-    from planner.plan import Hardware, Plan
-    from planner.search import PlanSettings, search
+    kind's memory overrides (:data:`sp_plan.runtime.capabilities.MEMORY_ASSUMPTIONS`) on top."""
+    from sp_plan.planner.plan import Hardware, Plan
+    from sp_plan.planner.search import PlanSettings, search
 
     layout_pins, option_pins = merge_constraints(fixed_layout or {}, fixed_options or {}, kind, spec)
     sequences = global_batch if global_batch is not None else base.micro_batch
@@ -398,7 +398,7 @@ def plan_for(spec: ModelSpec, base: TrainSpec, topology, world: int, *, global_b
 
 
 def _plan_from_argument(plan: Any):
-    from planner.plan import Plan, load_plan, plan_from_dict
+    from sp_plan.planner.plan import Plan, load_plan, plan_from_dict
 
     if isinstance(plan, Plan):
         return plan
@@ -415,7 +415,7 @@ def _plan_digest(plan) -> str:
 
 def agree_on_plan(make_plan) -> Any:
     """Run ``make_plan()`` on rank 0, broadcast the result (or its error) and check every rank holds it."""
-    from planner.plan import plan_from_dict
+    from sp_plan.planner.plan import plan_from_dict
 
     world = dist.get_world_size()
     if world == 1:
@@ -490,7 +490,7 @@ def _data_group(mesh: RuntimeMesh) -> dist.ProcessGroup | None:
 
 def swap_attention(model: nn.Module, kind: str, sp: SequenceParallel, seq_len: int) -> None:
     if kind == "hf":
-        from runtime.hf import use_sequence_parallel_attention
+        from sp_plan.runtime.hf import use_sequence_parallel_attention
 
         use_sequence_parallel_attention(model, sp, seq_len)
         return
@@ -506,10 +506,10 @@ def apply_tensor_parallelism(model: nn.Module, kind: str, plan, mesh: RuntimeMes
         return None
     refuse_unsupported(plan, kind)
     if kind == "hf":
-        from runtime.hf import apply_hf_tensor_parallel
+        from sp_plan.runtime.hf import apply_hf_tensor_parallel
 
         return apply_hf_tensor_parallel(model, mesh, sequence_parallel=plan.train.tp_sequence_parallel)
-    from runtime.tp import apply_tensor_parallel
+    from sp_plan.runtime.tp import apply_tensor_parallel
 
     return apply_tensor_parallel(model, mesh, sequence_parallel=plan.train.tp_sequence_parallel)
 
@@ -517,10 +517,10 @@ def apply_tensor_parallelism(model: nn.Module, kind: str, plan, mesh: RuntimeMes
 def apply_checkpointing(model: nn.Module, kind: str, train: TrainSpec):
     """Checkpointing mode per block and, with ``offload_checkpoints``, the host offload of each block's
     checkpointed input; returns the CheckpointOffload or None."""
-    from runtime.offload import CheckpointOffload, apply_checkpoint_offload
+    from sp_plan.runtime.offload import CheckpointOffload, apply_checkpoint_offload
 
     if kind == "hf":
-        from runtime.hf import set_hf_checkpointing
+        from sp_plan.runtime.hf import set_hf_checkpointing
 
         offload = CheckpointOffload() if train.offload_checkpoints else None
         set_hf_checkpointing(model, train.checkpointing, offload)
@@ -533,11 +533,11 @@ def apply_tiled_mlp_if_planned(model: nn.Module, kind: str, plan) -> None:
     if plan.train.tiled_mlp:
         refuse_unsupported(plan, kind)
         if kind == "hf":
-            from runtime.hf import apply_hf_tiled_mlp
+            from sp_plan.runtime.hf import apply_hf_tiled_mlp
 
             apply_hf_tiled_mlp(model)
             return
-        from runtime.tiled_mlp import apply_tiled_mlp
+        from sp_plan.runtime.tiled_mlp import apply_tiled_mlp
 
         apply_tiled_mlp(model)
 
@@ -545,7 +545,7 @@ def apply_tiled_mlp_if_planned(model: nn.Module, kind: str, plan) -> None:
 def hidden_states_method(kind: str) -> str:
     """The model method returning the final hidden states (the tiled loss's input)."""
     if kind == "hf":
-        from runtime.hf import HIDDEN_STATES_METHOD
+        from sp_plan.runtime.hf import HIDDEN_STATES_METHOD
 
         return HIDDEN_STATES_METHOD
     return "hidden_states"
@@ -553,7 +553,7 @@ def hidden_states_method(kind: str) -> str:
 
 def transformer_blocks(model: nn.Module, kind: str) -> list[nn.Module]:
     if kind == "hf":
-        from runtime.hf import hf_decoder_layers
+        from sp_plan.runtime.hf import hf_decoder_layers
 
         return hf_decoder_layers(model)
     return list(model.layers)
@@ -564,7 +564,7 @@ def input_embedding(model: nn.Module, kind: str) -> nn.Module:
 
 
 def shard_model(model: nn.Module, kind: str, plan, mesh: RuntimeMesh) -> nn.Module:
-    """FSDP2 per block, untied input embedding, and root (:func:`runtime.fsdp.fully_shard_units`), with
+    """FSDP2 per block, untied input embedding, and root (:func:`sp_plan.runtime.fsdp.fully_shard_units`), with
     the plan's mixed precision, ZeRO stage and parameter offload; the tiled loss's hidden-states method
     registered as an FSDP forward method (so the root's norm and lm_head are gathered around it)."""
     from torch.distributed.fsdp import register_fsdp_forward_method
@@ -575,7 +575,7 @@ def shard_model(model: nn.Module, kind: str, plan, mesh: RuntimeMesh) -> nn.Modu
         # No fp32 master copy on the device: adamw_bf16 has none, offload_optimizer keeps it on the host.
         model.to(COMPUTE_DTYPES[train.dtype])
     if train.tiled_loss and kind == "hf":
-        from runtime.hf import add_hidden_states_method
+        from sp_plan.runtime.hf import add_hidden_states_method
 
         add_hidden_states_method(model)
     kwargs = fully_shard_kwargs(train, mesh, params_in_compute_dtype=in_compute_dtype)
@@ -629,7 +629,7 @@ def auto_configure(
 ) -> AutoConfigured:
     """Plan (or load the plan), build the mesh, swap in SP attention, checkpoint, shard with FSDP2.
 
-    ``model``: a :class:`runtime.models.LlamaModel` or an HF Llama/Qwen2/Qwen3/Mistral causal LM, on CPU
+    ``model``: a :class:`sp_plan.runtime.models.LlamaModel` or an HF Llama/Qwen2/Qwen3/Mistral causal LM, on CPU
     (it is moved to the rank's device), identically initialised on every rank (``sync_weights``
     broadcasts rank 0's weights to make sure). ``plan``: a Plan, a plan file or None (plan here).
     When planning: ``seq_len``, ``micro_batch``, ``dtype`` (default bf16 on CUDA, fp32 on CPU) and
@@ -641,7 +641,7 @@ def auto_configure(
     ``calibration`` (a calibration file) are what the planner assumes, with the model kind's memory
     overrides on top; ``document_length`` (typical tokens per document of packed, document-masked rows)
     lets the planner price attention for packed data. The data arguments configure the
-    :class:`runtime.data.BatchSharder`.
+    :class:`sp_plan.runtime.data.BatchSharder`.
     """
     device_type = init_distributed(device_type)
     world = dist.get_world_size()

@@ -1,10 +1,10 @@
 """What the runtime can execute, in ONE place: every plan option is either run or refused with a reason.
 
-:func:`auto_configure <runtime.auto.auto_configure>` refuses a plan for which
+:func:`auto_configure <sp_plan.runtime.auto.auto_configure>` refuses a plan for which
 :func:`unsupported_reasons` returns anything, and asks the planner only for plans it can run
 (:func:`planner_constraints`), so a plan the runtime cannot execute is never silently approximated.
 
-What runs depends on the model: the runtime's own :class:`runtime.models.LlamaModel` (``kind``
+What runs depends on the model: the runtime's own :class:`sp_plan.runtime.models.LlamaModel` (``kind``
 ``"llama"``) executes every option ``sp-plan plan`` can output for training (tensor parallelism, tiled
 MLP and loss, checkpoint/optimizer/parameter offload, ZeRO-1/2/3, every checkpointing mode); a
 Hugging Face transformers model (``"hf"``) is driven through transformers' attention registry,
@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from cost_models.layout import Layout
-from cost_models.train_spec import TrainSpec
+from sp_plan.cost_models.layout import Layout
+from sp_plan.cost_models.train_spec import TrainSpec
 
 MODEL_KINDS: tuple[str, ...] = ("llama", "hf")
 
@@ -37,7 +37,7 @@ UNSUPPORTED_DEGREES: dict[str, dict[str, str]] = {
     "hf": {},
 }
 
-#: Memory-model assumptions (:class:`cost_models.memory.MemoryAssumptions` fields) that describe how a
+#: Memory-model assumptions (:class:`sp_plan.cost_models.memory.MemoryAssumptions` fields) that describe how a
 #: model kind's code spends activation memory, so plans for it are made with its real footprint: HF's
 #: LlamaRMSNorm is written in eager torch ops and keeps an fp32 copy of its input for backward
 #: (measured equal in tests/test_hf_memory.py); the runtime's Llama uses a fused-style norm.
@@ -48,14 +48,14 @@ MEMORY_ASSUMPTIONS: dict[str, dict[str, Any]] = {
 
 
 def memory_assumptions(kind: str = "llama"):
-    """The :class:`cost_models.memory.MemoryAssumptions` the planner uses for a model of ``kind``."""
-    from cost_models.memory import MemoryAssumptions
+    """The :class:`sp_plan.cost_models.memory.MemoryAssumptions` the planner uses for a model of ``kind``."""
+    from sp_plan.cost_models.memory import MemoryAssumptions
 
     _check_kind(kind)
     return MemoryAssumptions(**MEMORY_ASSUMPTIONS[kind])
 
 
-#: ZeRO stages auto_configure runs, all with FSDP2 (see runtime.auto for how each is reproduced).
+#: ZeRO stages auto_configure runs, all with FSDP2 (see sp_plan.runtime.auto for how each is reproduced).
 SUPPORTED_ZERO_STAGES: tuple[int, ...] = (1, 2, 3)
 
 #: TrainSpec values the runtime executes, per option with a closed set of values.
@@ -93,7 +93,7 @@ def unsupported_reasons(plan: Any, kind: str = "llama") -> list[str]:
     """One line per plan option the runtime cannot execute for a model of ``kind`` (empty: the plan
     runs as planned).
 
-    ``plan`` is a :class:`planner.plan.Plan` or anything with ``train`` (TrainSpec) and ``layout``
+    ``plan`` is a :class:`sp_plan.planner.plan.Plan` or anything with ``train`` (TrainSpec) and ``layout``
     (Layout) attributes.
     """
     _check_kind(kind)
@@ -119,7 +119,7 @@ def unsupported_reasons(plan: Any, kind: str = "llama") -> list[str]:
 
 
 def planner_constraints(kind: str = "llama", model: Any = None) -> tuple[dict[str, int], dict[str, Any]]:
-    """``(fixed_layout, fixed_options)`` for :class:`planner.search.PlanSettings` so that the planner only
+    """``(fixed_layout, fixed_options)`` for :class:`sp_plan.planner.search.PlanSettings` so that the planner only
     returns plans :func:`unsupported_reasons` accepts for a model of ``kind`` (and ``model``, a
     ModelSpec, when given)."""
     _check_kind(kind)
@@ -132,7 +132,7 @@ def merge_constraints(user_layout: Mapping[str, int], user_options: Mapping[str,
                       model: Any = None) -> tuple[dict[str, int], dict[str, Any]]:
     """The user's pinned degrees/options plus the runtime's constraints; a pin the runtime cannot run is
     refused here (before any search) with the reason."""
-    from runtime.errors import RuntimeConfigError
+    from sp_plan.runtime.errors import RuntimeConfigError
 
     fixed_layout, fixed_options = planner_constraints(kind, model)
     blocked = _degrees_blocked(kind, model)

@@ -1,8 +1,8 @@
 """Checkpoint and resume with ``torch.distributed.checkpoint`` (DCP), in a layout-independent form.
 
 A checkpoint holds everything a run needs to continue: the model, the optimizer (plain, over FSDP2's
-sharded parameters, or :class:`runtime.host_optimizer.HostOffloadOptimizer` with its fp32 host
-masters), the LR scheduler, the data position (:class:`runtime.text_data.GlobalBatches`: sequences
+sharded parameters, or :class:`sp_plan.runtime.host_optimizer.HostOffloadOptimizer` with its fp32 host
+masters), the LR scheduler, the data position (:class:`sp_plan.runtime.text_data.GlobalBatches`: sequences
 consumed, a global count), every rank's RNG states (torch CPU/CUDA, Python, NumPy) and the step.
 
 **Layout independence.** Every tensor is stored as the *unparallelised* model's tensor, keyed by its
@@ -12,8 +12,8 @@ offsets in the full tensor:
 
 - FSDP2 shards (DTensors over the ``fsdp`` dim, HSDP's replicas included) give their chunk with
   ``compute_local_shape_and_global_offset``;
-- tensor parallelism (:mod:`runtime.tp`) is custom (plain local tensors, not DTensors), so its slice
-  of the full tensor comes from :meth:`runtime.tp.TensorParallel.local_slice` (the one sharding rule
+- tensor parallelism (:mod:`sp_plan.runtime.tp`) is custom (plain local tensors, not DTensors), so its slice
+  of the full tensor comes from :meth:`sp_plan.runtime.tp.TensorParallel.local_slice` (the one sharding rule
   TP itself uses) and is composed with the FSDP chunk: a TP-sharded, FSDP-sharded tensor is one chunk
   of the full tensor. K/V weights replicated over TP ranks (tp > KV heads) are identical chunks, which
   DCP's planner writes once.
@@ -74,8 +74,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cost_models.atomic_io import atomic_write_text, fsync_directory
-from runtime.errors import RuntimeConfigError
+from sp_plan.cost_models.atomic_io import atomic_write_text, fsync_directory
+from sp_plan.runtime.errors import RuntimeConfigError
 
 #: Version of the layout of a checkpoint directory (bumped on incompatible changes; 2: the manifest).
 FORMAT_VERSION = 2
@@ -211,7 +211,7 @@ def _param_names(model: torch.nn.Module) -> dict[int, str]:
 
 
 def _is_host_offload(optimizer) -> bool:
-    from runtime.host_optimizer import HostOffloadOptimizer
+    from sp_plan.runtime.host_optimizer import HostOffloadOptimizer
 
     return isinstance(optimizer, HostOffloadOptimizer)
 
@@ -538,7 +538,7 @@ def _param_groups_json(optimizer) -> list[dict[str, Any]]:
 
 def _plan_json(setup) -> dict[str, Any]:
     """The plan's model, training options and layout (compared on load), and the whole plan (a resumed run
-    on the same number of ranks may reuse it: ``planner.plan.plan_from_dict(state["plan"])``)."""
+    on the same number of ranks may reuse it: ``sp_plan.planner.plan.plan_from_dict(state["plan"])``)."""
     plan = setup.plan
     return {"model": plan.model.model_dump(mode="json"), "train": plan.train.model_dump(mode="json"),
             "layout": plan.layout.model_dump(mode="json"), "plan": plan.model_dump(mode="json")}
@@ -931,12 +931,12 @@ def save_checkpoint(directory: str | os.PathLike, *, step: int, setup, optimizer
     """Save a checkpoint of training after ``step`` optimizer steps; collective (every rank calls it).
 
     Returns ``<directory>/step_<step>``. ``data``: anything with ``state_dict()`` (JSON), e.g.
-    :class:`runtime.text_data.GlobalBatches`; ``extra``: JSON-able bookkeeping; ``keep``: once this
+    :class:`sp_plan.runtime.text_data.GlobalBatches`; ``extra``: JSON-able bookkeeping; ``keep``: once this
     checkpoint verifies, keep only the newest ``keep`` complete checkpoints up to this step (None: keep all;
     checkpoints of later steps, from a run this one resumed before, are never pruned by it). ``run_id``
     identifies the run (default: one per process): saving a step this run already saved is a no-op; a
     step saved by another run is replaced once the new one verifies, reported through ``log`` (rank 0;
-    default: stderr). :class:`runtime.async_checkpoint.AsyncCheckpointer` saves the same files while
+    default: stderr). :class:`sp_plan.runtime.async_checkpoint.AsyncCheckpointer` saves the same files while
     training goes on.
     """
     job = prepare_save(directory, step=step, setup=setup, optimizer=optimizer, scheduler=scheduler, data=data,

@@ -9,7 +9,7 @@ token, which is what RoPE needs (never a 4-D mask).
 
 Example::
 
-    mesh = build_mesh("plan.yaml")               # runtime.mesh
+    mesh = build_mesh("plan.yaml")               # sp_plan.runtime.mesh
     sp = SequenceParallel.from_mesh(mesh)
     x = sp.shard(hidden_states, dim=1)           # (B, S/(R*U), hidden)
     pos = sp.positions(seq_len)                  # global position ids of the local tokens
@@ -22,12 +22,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from runtime import comm_counter
-from runtime.attention.kernel import local_attention
-from runtime.attention.ring import ring_attention
-from runtime.attention.ulysses import ulysses_attention
-from runtime.attention.usp import usp_attention
-from runtime.errors import RuntimeConfigError
+from sp_plan.runtime import comm_counter
+from sp_plan.runtime.attention.kernel import local_attention
+from sp_plan.runtime.attention.ring import ring_attention
+from sp_plan.runtime.attention.ulysses import ulysses_attention
+from sp_plan.runtime.attention.usp import usp_attention
+from sp_plan.runtime.errors import RuntimeConfigError
 
 Segment = tuple[int, int]  # (global start, length)
 
@@ -115,7 +115,7 @@ def _group_rank(group: dist.ProcessGroup | None) -> int:
 class SequenceParallel:
     """Sequence-parallel context over a Ulysses group (inner) and a Ring group (outer).
 
-    ``None`` for a group means degree 1. Build it with :meth:`from_mesh` (a :class:`runtime.mesh.RuntimeMesh`
+    ``None`` for a group means degree 1. Build it with :meth:`from_mesh` (a :class:`sp_plan.runtime.mesh.RuntimeMesh`
     or a DeviceMesh with ``ring``/``ulysses`` dims) or :meth:`from_groups`.
     """
 
@@ -144,13 +144,13 @@ class SequenceParallel:
 
     @classmethod
     def from_mesh(cls, mesh, *, backend: str | None = None) -> SequenceParallel:
-        """From a :class:`runtime.mesh.RuntimeMesh` or a DeviceMesh naming ``ulysses`` and/or ``ring`` dims."""
+        """From a :class:`sp_plan.runtime.mesh.RuntimeMesh` or a DeviceMesh naming ``ulysses`` and/or ``ring`` dims."""
         device_mesh = getattr(mesh, "device_mesh", mesh)
         names = tuple(device_mesh.mesh_dim_names or ())
         if "ulysses" not in names and "ring" not in names:
             raise RuntimeConfigError(
                 f"the device mesh has dims {names or '(unnamed)'} but no 'ulysses' or 'ring' dim: build it with "
-                "runtime.mesh.build_mesh or name the sequence-parallel dims 'ulysses' and 'ring'"
+                "sp_plan.runtime.mesh.build_mesh or name the sequence-parallel dims 'ulysses' and 'ring'"
             )
         groups = {name: device_mesh[name].get_group() if name in names else None for name in ("ulysses", "ring")}
         return cls(groups["ulysses"], groups["ring"], backend=backend)
@@ -221,7 +221,7 @@ class SequenceParallel:
         """Exact attention on local shards ``(batch, local_seq, heads, head_dim)`` in this context's layout.
 
         ``cu_seqlens``: packed documents, the cumulative document boundaries over the flattened FULL
-        ``(batch x seq_len)`` sequence (the same tensor on every rank, as :class:`runtime.data.BatchSharder`
+        ``(batch x seq_len)`` sequence (the same tensor on every rank, as :class:`sp_plan.runtime.data.BatchSharder`
         makes it); every token then attends only to tokens of its own document.
         """
         backend = self.backend

@@ -9,7 +9,7 @@ Order matters (DESIGN.md section 4):
    times tp under Megatron sequence parallelism):
    padded tokens get label :data:`IGNORE_INDEX`, so they add nothing to the loss or the gradients.
 3. **Shard** input ids, position ids and labels with the ONE shard function of
-   :class:`runtime.context.SequenceParallel` (zigzag / USP layout). Position ids are the global
+   :class:`sp_plan.runtime.context.SequenceParallel` (zigzag / USP layout). Position ids are the global
    positions, which is all RoPE needs: no attention mask is ever built (a 4-D mask at 128K tokens is
    about a terabyte).
 
@@ -23,7 +23,7 @@ boundaries over the flattened ``(batch x seq)`` rows. The sharder then (a) keeps
 predict a document's first token from the previous document, and (c) adds ``cu_seqlens`` to the
 shard: the boundaries over the whole padded batch (the same on every rank, a small CPU tensor), which
 the model hands to the attention, so every token attends only to its own document (document
-masking, exact on every SP layout: :mod:`runtime.attention.documents`). Padding joins the last
+masking, exact on every SP layout: :mod:`sp_plan.runtime.attention.documents`). Padding joins the last
 document of its row (causal: no real token sees it). ``cross_document_attention=True`` is the explicit
 opt-in for the old objective: positions and labels as above but attention causal over the whole row
 (Megatron-LM's ``reset_position_ids`` without ``reset_attention_mask``); no ``cu_seqlens`` then.
@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch.utils.data import DistributedSampler
 
-from runtime.errors import RuntimeConfigError
+from sp_plan.runtime.errors import RuntimeConfigError
 
 #: Label value PyTorch's cross-entropy (and HF) skip.
 IGNORE_INDEX = -100
@@ -67,7 +67,7 @@ def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
 
 def document_starts_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
     """Bool (batch, seq): True where a document of ``cu_seqlens`` starts after the first token of its row."""
-    from runtime.attention.documents import row_bounds
+    from sp_plan.runtime.attention.documents import row_bounds
 
     starts = torch.zeros(batch, seq, dtype=torch.bool)
     for row, bounds in enumerate(row_bounds(cu_seqlens, batch, seq)):
@@ -155,7 +155,7 @@ class BatchSharder:
     """Turns a full-sequence batch into this rank's shard: ``{"input_ids", "position_ids", "labels"}``,
     plus ``"cu_seqlens"`` for packed rows (document masking; see the module docstring).
 
-    ``sp`` is the :class:`runtime.context.SequenceParallel` context (anything with ``shard(x, dim)``,
+    ``sp`` is the :class:`sp_plan.runtime.context.SequenceParallel` context (anything with ``shard(x, dim)``,
     ``size`` and ``seq_multiple``). ``labels_shifted``: the batch's labels are already aligned with the
     inputs (position t holds the target of token t); by default they are HF-style (labels = the input
     ids, the model shifts) and are pre-shifted here. ``cross_document_attention``: packed rows attend
@@ -195,7 +195,7 @@ class BatchSharder:
         cu_seqlens = data.get(DOCUMENTS_KEY)
         starts = None  # document starts (batch, seq), when the rows are packed
         if cu_seqlens is not None:
-            from runtime.attention.documents import check_cu_seqlens
+            from sp_plan.runtime.attention.documents import check_cu_seqlens
 
             check_cu_seqlens(cu_seqlens)
             starts = document_starts_from_cu_seqlens(cu_seqlens, batch_size, seq)
@@ -239,7 +239,7 @@ class BatchSharder:
         full = {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
         full = pad_to_multiple(full, self.seq_multiple, self.pad_token_id)
         if starts is not None and bool(starts.any()) and not self.cross_document_attention:
-            from runtime.attention.documents import cu_seqlens_from_starts
+            from sp_plan.runtime.attention.documents import cu_seqlens_from_starts
 
             padded = full["input_ids"].shape[1]
             starts = torch.nn.functional.pad(starts.to(torch.bool), (0, padded - seq), value=False)

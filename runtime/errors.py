@@ -4,7 +4,7 @@ A :class:`CostModelError` subclass, so the CLI and user code catch one family; r
 configurations the runtime cannot execute (world size vs plan mismatch, indivisible heads, ...).
 """
 
-from cost_models.errors import CostModelError
+from sp_plan.cost_models.errors import CostModelError
 
 
 class RuntimeConfigError(CostModelError):

@@ -22,11 +22,11 @@ the root, the standard FSDP2 recipe). What the plan's options mean here:
   ``offload_params_moves_grads_and_optimizer`` semantics; build the optimizer on ``model.parameters()``
   as usual (they are CPU tensors then);
 - ``offload_optimizer`` without ``offload_params``: FSDP2 has no such mode (its offload policy moves
-  parameters too). :class:`runtime.host_optimizer.HostOffloadOptimizer` provides it (ZeRO-Offload):
+  parameters too). :class:`sp_plan.runtime.host_optimizer.HostOffloadOptimizer` provides it (ZeRO-Offload):
   device-resident parameters in the compute dtype and fp32 master weights, moments and gradients on the
   host. Create the model in the compute dtype for this mode (no parameter cast: ``param_dtype=None``).
 
-Order: tensor parallelism first (:func:`runtime.tp.apply_tensor_parallel`), then
+Order: tensor parallelism first (:func:`sp_plan.runtime.tp.apply_tensor_parallel`), then
 :func:`apply_fsdp`, then the optimizer. Activation checkpointing, checkpoint offload and the tiled MLP
 live inside each block's forward and may be set before or after.
 """
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cost_models.train_spec import TrainSpec
+from sp_plan.cost_models.train_spec import TrainSpec
 
 from .errors import RuntimeConfigError
 
@@ -63,7 +63,7 @@ def needs_compute_dtype_params(train: TrainSpec) -> bool:
     """Whether the model's parameters must already be in the compute dtype before ``fully_shard``.
 
     ``adamw_bf16`` has no fp32 master copy (the parameters themselves are low precision), and
-    ``offload_optimizer`` alone keeps its fp32 masters on the host (:mod:`runtime.host_optimizer`).
+    ``offload_optimizer`` alone keeps its fp32 masters on the host (:mod:`sp_plan.runtime.host_optimizer`).
     """
     if train.dtype == "fp32":
         return False
@@ -90,7 +90,7 @@ def fully_shard_kwargs(train: TrainSpec, mesh, *, params_in_compute_dtype: bool 
                "offload_optimizer keeps fp32 master weights on the host")
         raise RuntimeConfigError(
             f"{why}: create the model in the compute dtype ({train.dtype}) and pass params_in_compute_dtype=True"
-            + ("" if train.optimizer == "adamw_bf16" else ", then use runtime.host_optimizer.HostOffloadOptimizer")
+            + ("" if train.optimizer == "adamw_bf16" else ", then use sp_plan.runtime.host_optimizer.HostOffloadOptimizer")
         )
     compute = DTYPES[train.dtype]
     cast = compute != torch.float32 and not params_in_compute_dtype
@@ -115,7 +115,7 @@ def fully_shard_units(root: nn.Module, blocks: Iterable[nn.Module], embedding: n
     gathered again for its gradient; None when tied); the root with the final norm and the lm_head
     (and a tied embedding), which backward uses first, so it stays gathered after forward.
     ``sum_gradients``: reduce gradients by a plain sum (divide factor 1) instead of FSDP2's mean, for
-    losses already normalised by the global token count (:mod:`runtime.loss`); plain SUM collectives,
+    losses already normalised by the global token count (:mod:`sp_plan.runtime.loss`); plain SUM collectives,
     which every backend has (gloo included).
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard

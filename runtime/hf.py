@@ -3,10 +3,10 @@
 Optional: ``transformers`` is imported lazily (``pip install 'sp-plan[hf]'``). Pieces:
 
 - :func:`hf_model_spec`: the cost models' ModelSpec of a model, via
-  :func:`cost_models.model_spec.model_from_hf_dict` on its config (for planning);
+  :func:`sp_plan.cost_models.model_spec.model_from_hf_dict` on its config (for planning);
 - attention: :data:`ATTENTION_NAME` is registered in transformers' ``AttentionInterface`` and set as the
   model's ``attn_implementation``. Each attention module carries its
-  :class:`runtime.context.SequenceParallel` context; the registered function transposes HF's
+  :class:`sp_plan.runtime.context.SequenceParallel` context; the registered function transposes HF's
   ``(batch, heads, seq, head_dim)`` to the runtime's ``(batch, seq, heads, head_dim)``, runs the
   planned Ulysses / Ring / USP attention on the local shards (GQA handled natively, KV heads never
   repeated by HF) and returns ``(batch, seq, heads, head_dim)`` as HF's own kernels do;
@@ -15,9 +15,9 @@ Optional: ``transformers`` is imported lazily (``pip install 'sp-plan[hf]'``). P
   ``position_ids`` the sharder produced (global positions of the local tokens, RoPE only). Packed
   documents: the sharder's ``cu_seqlens`` (boundaries over the whole batch) is passed as the model
   keyword ``cu_seqlens``, which transformers forwards through each layer to the attention function
-  (its ``**kwargs``), and attention is document-masked (:mod:`runtime.attention.documents`);
+  (its ``**kwargs``), and attention is document-masked (:mod:`sp_plan.runtime.attention.documents`);
 - checkpointing: each decoder layer (a ``GradientCheckpointingLayer``) checkpoints its ``forward``
-  through :func:`runtime.models.checkpointing.run_checkpointed`, so ``none``/``selective``/``full``
+  through :func:`sp_plan.runtime.models.checkpointing.run_checkpointed`, so ``none``/``selective``/``full``
   mean exactly what they mean for the runtime's own Llama (FSDP2's hooks stay outside the checkpoint);
 - the tiled MLP (:func:`apply_hf_tiled_mlp`) and tensor parallelism (:func:`apply_hf_tensor_parallel`)
   reuse the runtime's pieces on HF's own modules (no copy of HF's code).
@@ -26,7 +26,7 @@ Create models with random weights from a config, no download::
 
     from transformers import LlamaConfig, LlamaForCausalLM
     model = LlamaForCausalLM(LlamaConfig(hidden_size=256, num_hidden_layers=4, ...))
-    setup = runtime.auto_configure(model, seq_len=4096)
+    setup = sp_plan.runtime.auto_configure(model, seq_len=4096)
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from cost_models.model_spec import ModelSpec, model_from_hf_dict
-from runtime.errors import RuntimeConfigError
+from sp_plan.cost_models.model_spec import ModelSpec, model_from_hf_dict
+from sp_plan.runtime.errors import RuntimeConfigError
 
 #: The attention implementation name registered with transformers.
 ATTENTION_NAME = "sp_plan"
@@ -108,7 +108,7 @@ def sequence_parallel_attention_forward(
     if sp is None:
         raise RuntimeConfigError(
             f"attn_implementation={ATTENTION_NAME!r} on a module without a sequence-parallel context: configure the "
-            "model with runtime.auto_configure (or runtime.hf.use_sequence_parallel_attention)"
+            "model with sp_plan.runtime.auto_configure (or sp_plan.runtime.hf.use_sequence_parallel_attention)"
         )
     if attention_mask is not None:
         raise RuntimeConfigError(
@@ -134,7 +134,7 @@ def register_attention() -> None:
 
 
 def use_sequence_parallel_attention(model: nn.Module, sp, seq_len: int) -> None:
-    """Route every attention of ``model`` through ``sp`` (a :class:`runtime.context.SequenceParallel`)."""
+    """Route every attention of ``model`` through ``sp`` (a :class:`sp_plan.runtime.context.SequenceParallel`)."""
     config = model.config
     window = getattr(config, "sliding_window", None)
     if window is not None and getattr(config, "use_sliding_window", True) and window < seq_len:
@@ -197,9 +197,9 @@ def add_hidden_states_method(model: nn.Module) -> None:
 
 def set_hf_checkpointing(model: nn.Module, mode: str, offload: Any = None) -> None:
     """Checkpoint every decoder layer with the runtime's ``none``/``selective``/``full`` modes;
-    ``offload`` (a :class:`runtime.offload.CheckpointOffload`) keeps each layer's checkpointed input
+    ``offload`` (a :class:`sp_plan.runtime.offload.CheckpointOffload`) keeps each layer's checkpointed input
     (its hidden states) in host memory until backward."""
-    from runtime.models.checkpointing import check_mode, run_checkpointed
+    from sp_plan.runtime.models.checkpointing import check_mode, run_checkpointed
 
     check_mode(mode)
     transformers = _transformers()
@@ -224,16 +224,16 @@ TILED_ATTRIBUTE = "_sp_plan_tiled"
 
 
 def apply_hf_tiled_mlp(model: nn.Module, tile_tokens: int | None = None) -> int:
-    """Run every decoder layer's MLP of an HF model over sequence tiles (:mod:`runtime.tiled_mlp`).
+    """Run every decoder layer's MLP of an HF model over sequence tiles (:mod:`sp_plan.runtime.tiled_mlp`).
 
     The supported families' MLPs are ``down(act(gate(x)) * up(x))``, row-wise, over HF's own
     ``gate_proj``/``up_proj``/``down_proj``/``act_fn``: the forward is replaced by
-    :func:`runtime.tiled_mlp.tiled_gated_mlp` on those modules (the runtime Llama's tiled path, row-parallel
+    :func:`sp_plan.runtime.tiled_mlp.tiled_gated_mlp` on those modules (the runtime Llama's tiled path, row-parallel
     ``down_proj`` under TP included), and the parameters get their gradients through the tiled op
     (FSDP2's gathered parameters during forward). Tile size: the memory model's rule
-    (:func:`runtime.tiled_mlp.tile_tokens_for` with the model's hidden size). Returns the number of MLPs tiled.
+    (:func:`sp_plan.runtime.tiled_mlp.tile_tokens_for` with the model's hidden size). Returns the number of MLPs tiled.
     """
-    from runtime.tiled_mlp import tile_tokens_for, tiled_gated_mlp
+    from sp_plan.runtime.tiled_mlp import tile_tokens_for, tiled_gated_mlp
 
     hidden = model.config.hidden_size
     layers = hf_decoder_layers(model)
@@ -259,15 +259,15 @@ def apply_hf_tiled_mlp(model: nn.Module, tile_tokens: int | None = None) -> int:
 
 def apply_hf_tensor_parallel(model: nn.Module, mesh_or_group, *, sequence_parallel: bool = True):
     """Megatron tensor parallelism (with sequence parallelism) on an HF Llama/Qwen2/Qwen3/Mistral model,
-    in place, with the runtime's own sharding (:mod:`runtime.tp`): the families name their projections
-    like the runtime's Llama, so :func:`runtime.tp.shard_block` swaps in the column/row-parallel shards
-    and :func:`runtime.tp.shard_vocabulary` the vocab-parallel embedding and lm_head. HF's code is not
+    in place, with the runtime's own sharding (:mod:`sp_plan.runtime.tp`): the families name their projections
+    like the runtime's Llama, so :func:`sp_plan.runtime.tp.shard_block` swaps in the column/row-parallel shards
+    and :func:`sp_plan.runtime.tp.shard_vocabulary` the vocab-parallel embedding and lm_head. HF's code is not
     changed: forward pre-hooks open each TP region (all-gather along the sequence before the attention
     and the MLP, and before the lm_head), the row-parallel projections close it. Attention reshapes with
     ``-1`` heads, so it runs on the local heads. Call before FSDP2, like
-    :func:`runtime.tp.apply_tensor_parallel`; returns the state, also ``model.tensor_parallel``.
+    :func:`sp_plan.runtime.tp.apply_tensor_parallel`; returns the state, also ``model.tensor_parallel``.
     """
-    from runtime.tp import shard_block, shard_vocabulary, tensor_parallel_state
+    from sp_plan.runtime.tp import shard_block, shard_vocabulary, tensor_parallel_state
 
     spec = hf_model_spec(model)
     tp, split = tensor_parallel_state(spec, mesh_or_group, sequence_parallel)

@@ -11,7 +11,7 @@ would weight those slices wrongly (and 0/0 is NaN), so:
 - the value to back-propagate is ``local_sum / N`` where N is the step's global valid-token count
   (given by the caller for gradient accumulation, see :func:`global_token_count`; else this
   micro-batch's global count);
-- gradients are then SUMMED over the data group (``runtime.auto`` sets FSDP2's gradient divide
+- gradients are then SUMMED over the data group (``sp_plan.runtime.auto`` sets FSDP2's gradient divide
   factor to 1), which gives exactly ``d/dθ (sum of all token losses / N)``: the baseline's gradient.
 
 For logging, the (sum, count) pair is all-reduced over the data group once per micro-batch: two
@@ -19,8 +19,8 @@ fp32 scalars, the ``loss`` all-reduce the communication model lists. The loss va
 micro-batch's global token mean, identical to what a single device computes on the whole batch.
 
 The per-token loss sum is :func:`cross_entropy_sum` on whole logits, the vocab-parallel cross-entropy
-under tensor parallelism (:mod:`runtime.tp`), or the tiled cross-entropy that never materialises the
-logits (:mod:`runtime.tiled_loss`, the plan's ``tiled_loss``); all three feed :meth:`TokenLoss.reduce`.
+under tensor parallelism (:mod:`sp_plan.runtime.tp`), or the tiled cross-entropy that never materialises the
+logits (:mod:`sp_plan.runtime.tiled_loss`, the plan's ``tiled_loss``); all three feed :meth:`TokenLoss.reduce`.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from runtime import comm_counter
-from runtime.data import IGNORE_INDEX
+from sp_plan.runtime import comm_counter
+from sp_plan.runtime.data import IGNORE_INDEX
 
 #: Loss reduction payload: the loss sum and the valid-token count, two fp32 scalars (the cost model's 8
 #: bytes). The count is exact up to 2**24 valid tokens per micro-batch over the data group; beyond that it

@@ -8,7 +8,7 @@ Two flattened dims are added on top of the five:
 
 * ``sp`` = ring x ulysses, the sequence-parallel group (Ulysses innermost, as the USP layout expects);
 * ``fsdp`` = dp_shard x ring x ulysses, the group ZeRO/FSDP shards parameters over
-  (:attr:`cost_models.layout.Layout.shard_group`).
+  (:attr:`sp_plan.cost_models.layout.Layout.shard_group`).
 
 Before creating any group, the launch is checked against the plan: world size, and on CUDA the
 processes per node against the visible GPUs, each mismatch with a one-line fix.
@@ -27,10 +27,10 @@ import torch.distributed as dist
 import yaml
 from pydantic import ValidationError
 
-from cost_models.errors import explain_validation_error
-from cost_models.layout import MESH_DIMS, Layout
-from runtime.errors import RuntimeConfigError
-from cost_models.yaml_io import safe_load
+from sp_plan.cost_models.errors import explain_validation_error
+from sp_plan.cost_models.layout import MESH_DIMS, Layout
+from sp_plan.runtime.errors import RuntimeConfigError
+from sp_plan.cost_models.yaml_io import safe_load
 
 #: Plan files are a few KB; anything much larger is not a plan (and is not parsed).
 PLAN_FILE_MAX_BYTES = 4 << 20

@@ -99,7 +99,7 @@ class CheckpointOffload:
         """Around one block's checkpoint call: its saved ``block_input`` goes to host memory.
 
         Other saved tensors are handed to the hooks that were active outside (e.g. a
-        :class:`runtime.saved_tensor_meter.SavedTensorMeter`), so hooks compose.
+        :class:`sp_plan.runtime.saved_tensor_meter.SavedTensorMeter`), so hooks compose.
         """
         outer = _outer_hooks()
 
@@ -186,7 +186,7 @@ class CheckpointOffload:
 
 def apply_checkpoint_offload(model: torch.nn.Module, *, pin_memory: bool | None = None,
                              prefetch: bool = True) -> CheckpointOffload:
-    """Offload the checkpointed input of every block of ``model`` (a :class:`runtime.models.LlamaModel`).
+    """Offload the checkpointed input of every block of ``model`` (a :class:`sp_plan.runtime.models.LlamaModel`).
 
     Blocks must be checkpointed (``selective`` or ``full``): with ``none`` there is no checkpointed input,
     autograd keeps every activation. Call after the checkpointing mode is set; FSDP2 wrapping before or

@@ -5,7 +5,7 @@ Two things keep activations alive between forward and backward:
 1. tensors autograd saves (``ctx.save_for_backward``, the inputs a non-reentrant checkpoint keeps):
    seen through ``torch.autograd.graph.saved_tensors_hooks``;
 2. outputs a selective checkpoint caches instead of recomputing (they are not autograd-saved):
-   reported by the runtime's selective policy (:func:`runtime.models.checkpointing.observe_selective_cache`).
+   reported by the runtime's selective policy (:func:`sp_plan.runtime.models.checkpointing.observe_selective_cache`).
 
 Tensors are deduplicated by storage (views of one buffer cost its bytes once) and the storages of
 parameters and of constants the caller names (e.g. RoPE tables shared by all layers) are excluded.

@@ -6,9 +6,9 @@ exercise one code path:
 1. shard every micro-batch and count the step's valid tokens over the data group (one int64
    all-reduce), so each micro-batch's loss is ``local token-loss sum / step tokens`` (the
    data-parallel baseline's normalisation with gradient accumulation);
-2. per micro-batch, tell FSDP2 what the plan's ZeRO stage does (see :mod:`runtime.auto`): ZeRO-1
+2. per micro-batch, tell FSDP2 what the plan's ZeRO stage does (see :mod:`sp_plan.runtime.auto`): ZeRO-1
    syncs gradients only on the last micro-batch; ZeRO-1/2 keep parameters gathered until then;
-3. forward and loss as the plan says (:meth:`runtime.auto.AutoConfigured.compute_loss`: tiled,
+3. forward and loss as the plan says (:meth:`sp_plan.runtime.auto.AutoConfigured.compute_loss`: tiled,
    vocab-parallel under TP), backward; then the TP-replicated gradient all-reduce, clipping
    (optional, over FSDP and TP shards), ``optimizer.step()`` and ``zero_grad()``.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from runtime.loss import global_token_count
+from sp_plan.runtime.loss import global_token_count
 
 
 @dataclass
@@ -58,7 +58,7 @@ def synchronize(device: torch.device) -> None:
 
 def train_step(setup, micro_batches: Sequence[Any], optimizer: torch.optim.Optimizer | None = None, *,
                max_grad_norm: float | None = None, sharded: bool = False, skip_nonfinite: bool = False) -> StepResult:
-    """Run one optimizer step of ``setup`` (an :class:`runtime.auto.AutoConfigured`) over ``micro_batches``.
+    """Run one optimizer step of ``setup`` (an :class:`sp_plan.runtime.auto.AutoConfigured`) over ``micro_batches``.
 
     ``micro_batches`` are this data-parallel rank's full-sequence batches (or shards, with
     ``sharded=True``). With ``optimizer=None`` only gradients are accumulated (for inspection).

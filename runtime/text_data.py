@@ -9,7 +9,7 @@ Three pieces (``datasets`` and ``transformers`` come with the ``[hf]`` extra and
    ``transformers.AutoTokenizer.from_pretrained`` (a local directory or a hub name), which must have an
    EOS token (it separates packed documents).
 2. :class:`PackedTextDataset`: every document tokenised (no special tokens) and followed by EOS, the
-   stream cut into rows of ``seq_len`` tokens by :func:`runtime.data.pack_documents` (a document
+   stream cut into rows of ``seq_len`` tokens by :func:`sp_plan.runtime.data.pack_documents` (a document
    may continue in the next row; the final partial row is dropped). Built once, in one streaming pass,
    into a cache directory keyed by the dataset's fingerprint, the tokenizer, the text column,
    ``seq_len`` and the position mode; memory-mapped afterwards (rank 0 builds, the others wait and map
@@ -20,7 +20,7 @@ Three pieces (``datasets`` and ``transformers`` come with the ``[hf]`` extra and
      what the runtime's attention computes exactly);
    - ``"per_document"`` (HF packed format): samples are dicts with ``position_ids`` restarting at 0 at
      every document start (and at the row start for a document continued from the previous row). The
-     sharder (:class:`runtime.data.BatchSharder`) turns them into document boundaries: no label
+     sharder (:class:`sp_plan.runtime.data.BatchSharder`) turns them into document boundaries: no label
      crosses a document start and attention is document-masked (or crosses documents with its
      ``cross_document_attention=True`` opt-in).
 3. :class:`GlobalBatches`: the order of sequences is one global stream, independent of the layout:
@@ -46,8 +46,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from runtime.data import pack_documents
-from runtime.errors import RuntimeConfigError
+from sp_plan.runtime.data import pack_documents
+from sp_plan.runtime.errors import RuntimeConfigError
 
 #: Bumped when the packed cache's layout changes (old caches are then rebuilt, not misread).
 PACK_FORMAT = 1
@@ -367,7 +367,7 @@ def _documents(dataset, tokenizer, text_column: str, batch_size: int, counts: di
 
 def _pack(dataset, tokenizer, seq_len: int, text_column: str, positions: str, directory: Path, key: str,
           batch_size: int, name: str, log) -> None:
-    """One streaming pass: tokenise, pack with :func:`runtime.data.pack_documents`, write the rows (and
+    """One streaming pass: tokenise, pack with :func:`sp_plan.runtime.data.pack_documents`, write the rows (and
     the document starts inside rows), then publish the directory atomically."""
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
@@ -441,7 +441,7 @@ class GlobalBatches:
     """Deterministic, resumable per-step micro-batches for one data-parallel rank (see the module doc).
 
     ``dataset``: map-style (``len`` and ``[i]``), e.g. :class:`PackedTextDataset` or
-    :class:`runtime.data.TokenWindows`. Each :meth:`next_step` returns this rank's ``grad_accum``
+    :class:`sp_plan.runtime.data.TokenWindows`. Each :meth:`next_step` returns this rank's ``grad_accum``
     micro-batches of ``micro_batch`` sequences and advances the global position by
     :attr:`sequences_per_step`. :meth:`state_dict` / :meth:`load_state_dict` carry the position
     (sequences consumed) and what it refers to.
@@ -463,7 +463,7 @@ class GlobalBatches:
 
     @classmethod
     def for_setup(cls, setup, dataset, *, seed: int = 0, shuffle: bool = True, **kwargs) -> GlobalBatches:
-        """The stream for an :class:`runtime.auto.AutoConfigured` run: its micro-batch, accumulation and
+        """The stream for an :class:`sp_plan.runtime.auto.AutoConfigured` run: its micro-batch, accumulation and
         data-parallel coordinates (SP and TP ranks of one group get the same batches)."""
         return cls(dataset, micro_batch=setup.train.micro_batch, grad_accum=setup.train.grad_accum,
                    dp_rank=setup.dp_rank, dp_size=setup.dp_size, seed=seed, shuffle=shuffle, **kwargs)

@@ -18,7 +18,7 @@ It returns ``(loss_sum, valid_tokens)``: the fp32 sum of per-token losses and th
 that are not ignored, so the caller can weight ranks by tokens (sequence-parallel ranks may hold
 different numbers of valid labels, or none).
 
-Tensor parallelism (vocab-parallel lm_head, :mod:`runtime.tp`): with ``tp_group`` each rank holds rows
+Tensor parallelism (vocab-parallel lm_head, :mod:`sp_plan.runtime.tp`): with ``tp_group`` each rank holds rows
 ``[vocab_start, vocab_start + V_local)`` of the output matrix. Per chunk the target logit, the global
 max and the sum of exponentials are all-reduced over ``tp_group`` (Megatron's vocab-parallel
 cross-entropy: three fp32 values per token, the comm model's figure).
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cost_models.memory.assumptions import MemoryAssumptions
+from sp_plan.cost_models.memory.assumptions import MemoryAssumptions
 
 from . import comm_counter
 from .errors import RuntimeConfigError
@@ -170,7 +170,7 @@ def tiled_cross_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss_sum, valid_tokens)`` of ``cross_entropy(hidden @ weight.T, labels)``, chunk by chunk.
 
-    ``hidden`` ``(..., H)`` (the final-norm output, e.g. :meth:`runtime.models.LlamaModel.hidden_states`),
+    ``hidden`` ``(..., H)`` (the final-norm output, e.g. :meth:`sp_plan.runtime.models.LlamaModel.hidden_states`),
     ``weight`` ``(V, H)`` (the lm_head / tied embedding; with ``tp_group`` this rank's vocabulary rows
     starting at ``vocab_start``), ``labels`` the matching leading shape, already shifted, with
     ``ignore_index`` where no loss is taken. ``loss_sum`` is an fp32 scalar with gradients for
@@ -200,10 +200,10 @@ def causal_lm_loss(
     chunk_tokens: int | None = None,
     ignore_index: int = IGNORE_INDEX,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss_sum, valid_tokens)`` of a runtime :class:`~runtime.models.LlamaModel` on this rank's shard.
+    """``(loss_sum, valid_tokens)`` of a runtime :class:`~sp_plan.runtime.models.LlamaModel` on this rank's shard.
 
     Picks the right loss for how the model was set up: tiled (this module) or plain; vocab-parallel
-    (:func:`runtime.tp.vocab_parallel_cross_entropy`) when :func:`runtime.tp.apply_tensor_parallel` split
+    (:func:`sp_plan.runtime.tp.vocab_parallel_cross_entropy`) when :func:`sp_plan.runtime.tp.apply_tensor_parallel` split
     the lm_head. ``labels`` are pre-shifted and sharded like ``input_ids``.
     """
     tp = getattr(model, "tensor_parallel", None)

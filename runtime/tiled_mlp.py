@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from cost_models.memory.assumptions import MemoryAssumptions
+from sp_plan.cost_models.memory.assumptions import MemoryAssumptions
 
 from .errors import RuntimeConfigError
 
@@ -48,7 +48,7 @@ def tile_tokens_for(hidden_size: int, tokens: int, tile_tokens: int | None = Non
     """Tokens per tile: ``tile_tokens`` if given, else the memory model's default (``hidden_size``
     tokens, ALST's rule); at most ``tokens``.
 
-    Mirrors ``cost_models.memory.block.BlockBuilder._tile_workspace``:
+    Mirrors ``sp_plan.cost_models.memory.block.BlockBuilder._tile_workspace``:
     ``min(tiled_mlp_tile_tokens or hidden, tokens)``.
     """
     if tile_tokens is None:
@@ -117,7 +117,7 @@ def tiled_mlp(fn: TileFn, x: torch.Tensor, params: Sequence[torch.Tensor], tile_
 def tiled_gated_mlp(x: torch.Tensor, gate_proj: torch.nn.Module, up_proj: torch.nn.Module, down_proj: torch.nn.Module,
                     act: TileFn, tile_tokens: int) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))`` over tiles. A row-parallel ``down_proj`` (one with ``partial`` /
-    ``partial_parameters`` / ``finish``, :class:`runtime.tp.RowParallelLinear`) computes its partial sums
+    ``partial_parameters`` / ``finish``, :class:`sp_plan.runtime.tp.RowParallelLinear`) computes its partial sums
     per tile and reduces once, after all tiles. Shared by the runtime's Llama MLP and HF's."""
     partial = getattr(down_proj, "partial", down_proj)
     down_params = getattr(down_proj, "partial_parameters", down_proj.parameters)()
@@ -128,7 +128,7 @@ def tiled_gated_mlp(x: torch.Tensor, gate_proj: torch.nn.Module, up_proj: torch.
 
 
 def apply_tiled_mlp(model: torch.nn.Module, tile_tokens: int | None = None) -> int:
-    """Run every block's MLP of ``model`` (a :class:`runtime.models.LlamaModel`) tiled; returns the count.
+    """Run every block's MLP of ``model`` (a :class:`sp_plan.runtime.models.LlamaModel`) tiled; returns the count.
 
     ``tile_tokens`` None uses the memory model's rule (:func:`tile_tokens_for`). Order relative to
     tensor parallelism, FSDP2 and checkpointing does not matter (it only sets attributes the MLP

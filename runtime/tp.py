@@ -1,6 +1,6 @@
 """Tensor parallelism (Megatron-LM style, with sequence parallelism) for the runtime Llama model.
 
-:func:`apply_tensor_parallel` turns a (full, or meta) :class:`runtime.models.LlamaModel` into this TP
+:func:`apply_tensor_parallel` turns a (full, or meta) :class:`sp_plan.runtime.models.LlamaModel` into this TP
 rank's shard, in place:
 
 - attention: column-parallel Q/K/V (each rank keeps heads ``[r H/tp, (r+1) H/tp)`` and their KV heads),
@@ -20,7 +20,7 @@ Why explicit autograd collectives rather than DTensor's ``parallelize_module``: 
 CPU/gloo (a ColwiseParallel/RowwiseParallel/SequenceParallel plan on our block matched the
 unparallelised block to 2e-7), but (1) column/row styles cannot express the KV-head replication that
 plans with tp > KV heads need; (2) its collectives are functional collectives inside DTensor's
-dispatch, invisible to the runtime's :class:`~runtime.comm_counter.CommCounter`, so TP bytes could not
+dispatch, invisible to the runtime's :class:`~sp_plan.runtime.comm_counter.CommCounter`, so TP bytes could not
 be checked against the comm model the way Ulysses and Ring are; (3) gradients of replicated
 parameters (norms under sequence parallelism) come out as ``Partial`` DTensors and are reduced
 implicitly per parameter and micro-batch, where Megatron (and the comm model) all-reduce them once per
@@ -28,7 +28,7 @@ step; (4) the vocab-parallel tiled loss needs explicit code anyway. The price: p
 local shards, not DTensors (so checkpoints saved with ``torch.distributed.checkpoint`` are per TP
 rank; FSDP2 on top works unchanged, it shards each rank's local shard over the FSDP dims).
 
-Collectives are autograd functions that report their bytes to :mod:`runtime.comm_counter`.
+Collectives are autograd functions that report their bytes to :mod:`sp_plan.runtime.comm_counter`.
 Replicated parameters whose gradients are partial sums across TP ranks (norms and row-parallel
 biases under sequence parallelism; q/k-norm weights; replicated K/V weights) are all-reduced by
 :meth:`TensorParallel.sync_replicated_grads`, once per optimizer step, after the last backward and
@@ -467,10 +467,10 @@ def _check_tp(spec, tp: int) -> int:
 def _tp_group(mesh_or_group) -> dist.ProcessGroup | None:
     if mesh_or_group is None or isinstance(mesh_or_group, dist.ProcessGroup):
         return mesh_or_group
-    if hasattr(mesh_or_group, "group"):  # runtime.mesh.RuntimeMesh
+    if hasattr(mesh_or_group, "group"):  # sp_plan.runtime.mesh.RuntimeMesh
         return mesh_or_group.group("tp")
     raise RuntimeConfigError(
-        f"apply_tensor_parallel needs a runtime.mesh.RuntimeMesh or a ProcessGroup, got {type(mesh_or_group).__name__}"
+        f"apply_tensor_parallel needs a sp_plan.runtime.mesh.RuntimeMesh or a ProcessGroup, got {type(mesh_or_group).__name__}"
     )
 
 
@@ -548,12 +548,12 @@ def shard_vocabulary(tp: TensorParallel, embedding: torch.Tensor, head: torch.Te
 
 
 def apply_tensor_parallel(model: nn.Module, mesh_or_group, *, sequence_parallel: bool = True) -> TensorParallel:
-    """Shard ``model`` (a :class:`runtime.models.LlamaModel`) for this rank of the ``tp`` group, in place.
+    """Shard ``model`` (a :class:`sp_plan.runtime.models.LlamaModel`) for this rank of the ``tp`` group, in place.
 
     Call on the full model (every rank holding the same weights, e.g. after a seeded init, or on the meta
     device before initialising), before FSDP2's ``fully_shard`` and before building the optimizer.
     Returns the :class:`TensorParallel` state, also stored as ``model.tensor_parallel``.
-    (HF transformers models: :func:`runtime.hf.apply_hf_tensor_parallel`.)
+    (HF transformers models: :func:`sp_plan.runtime.hf.apply_hf_tensor_parallel`.)
     """
     spec = model.spec
     tp, split = tensor_parallel_state(spec, mesh_or_group, sequence_parallel)

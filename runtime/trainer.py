@@ -1,4 +1,4 @@
-"""A small training loop around :func:`runtime.step.train_step`: resume, checkpoints, exit signals, telemetry.
+"""A small training loop around :func:`sp_plan.runtime.step.train_step`: resume, checkpoints, exit signals, telemetry.
 
 ::
 
@@ -16,7 +16,7 @@
    all (step directories that all fail verification are still an error). A path: that checkpoint,
    verified. ``resume=False`` refuses a ``checkpoint_dir`` that already holds checkpoints (a new run
    would replace them). Restored: model, optimizer, scheduler, data position, RNG and step
-   (:mod:`runtime.checkpoint`; on another layout DCP reshards). The checkpoint directory is checked for
+   (:mod:`sp_plan.runtime.checkpoint`; on another layout DCP reshards). The checkpoint directory is checked for
    writability and free space (vs the newest checkpoint's size) before training starts.
    **What differs from the checkpoint** is said at resume, with this precedence: the architecture and
    the data must match (refused); the optimizer's hyperparameters (base lr, betas, eps, weight decay,
@@ -26,7 +26,7 @@
    the layout, world size, sequence length, micro-batch, gradient accumulation and dtype are this run's
    (resharded) and listed.
 2. per step: this rank's micro-batches from ``data`` (``next_step()``, e.g.
-   :class:`runtime.text_data.GlobalBatches`), :func:`runtime.step.train_step` (the one step code
+   :class:`sp_plan.runtime.text_data.GlobalBatches`), :func:`sp_plan.runtime.step.train_step` (the one step code
    path), the scheduler, telemetry;
 3. **checkpoints** every ``save_every`` steps and after the last step; on SIGTERM/SIGINT (with a
    checkpoint directory) the current step finishes, every rank agrees to stop (the flag is all-reduced
@@ -34,7 +34,7 @@
    after the next step), a checkpoint is saved and ``fit`` returns (``stopped_by``). A second SIGINT
    acts immediately (KeyboardInterrupt); repeated SIGTERMs are ignored (launchers repeat it).
    ``async_save=True`` writes the periodic checkpoints in the background
-   (:class:`runtime.async_checkpoint.AsyncCheckpointer`: training waits only for a copy to host memory);
+   (:class:`sp_plan.runtime.async_checkpoint.AsyncCheckpointer`: training waits only for a copy to host memory);
    ``fit`` returns once the last one is complete.
 4. **non-finite steps** (``skip_nonfinite``, on by default): a step whose loss or global gradient norm is
    NaN or infinite is not applied (the gradients are dropped, the scheduler does not advance; the batch
@@ -44,7 +44,7 @@
 
 **Telemetry** (rank 0 prints; every rank computes): per step the loss (global token mean), tokens/s
 (valid tokens of all ranks / the step's wall time), the achieved **model FLOP/s per rank** = the plan's
-model FLOPs per step (:func:`cost_models.flops.model_flops_per_step`: no recomputation) / (step time
+model FLOPs per step (:func:`sp_plan.cost_models.flops.model_flops_per_step`: no recomputation) / (step time
 x ranks), and on GPUs **MFU** = that / the datasheet peak the plan was made for
 (``plan.estimate.time.peak_flops``). On CPU MFU is reported as not meaningful: ranks share cores
 (with each other and with whatever else runs), so there is no per-rank peak, and the probe's measured
@@ -53,7 +53,7 @@ the learning rate, the gradient norm, and memory, maximised over ranks: CUDA
 ``max_memory_allocated``/``max_memory_reserved`` of the step; on CPU the process's resident set
 (current and peak RSS: it includes the Python runtime, not just tensors), plus, every
 ``live_bytes_every`` steps, the peak of live tensor bytes over the step measured by
-:func:`runtime.memory_meter.live_peak` (the profiler's allocation timeline: that step runs slower).
+:func:`sp_plan.runtime.memory_meter.live_peak` (the profiler's allocation timeline: that step runs slower).
 Lines every ``log_every`` steps, a tqdm progress bar, a JSON-lines ``metrics_file`` and TensorBoard
 scalars (``tensorboard_dir``; needs the ``tensorboard`` package).
 """
@@ -75,8 +75,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.errors import RuntimeConfigError
-from runtime.step import StepResult, train_step
+from sp_plan.runtime.errors import RuntimeConfigError
+from sp_plan.runtime.step import StepResult, train_step
 
 #: ``Trainer(resume=AUTO)``: resume from the newest verified checkpoint, or start a new run if there is none.
 AUTO = "auto"
@@ -148,7 +148,7 @@ def _rss_bytes() -> tuple[int, int]:
 def mfu_basis(setup) -> tuple[float, float | None, str]:
     """(model FLOPs per step, peak FLOP/s per rank, a note on what the peak is) for MFU; the peak is None
     when it would not describe this run: on CPU, or a plan for another device kind."""
-    from cost_models.flops import model_flops_per_step
+    from sp_plan.cost_models.flops import model_flops_per_step
 
     plan = setup.plan
     flops = model_flops_per_step(plan.model, plan.train, plan.layout)
@@ -156,7 +156,7 @@ def mfu_basis(setup) -> tuple[float, float | None, str]:
     gpu = plan.hardware.gpu
     if not peak:
         try:
-            from cost_models.gpu_spec import get_gpu_preset
+            from sp_plan.cost_models.gpu_spec import get_gpu_preset
 
             peak = get_gpu_preset(gpu).flops_for(plan.train.dtype)
         except Exception:
@@ -356,9 +356,9 @@ class _ExitSignals:
 
 
 class Trainer:
-    """Train ``setup`` (an :class:`runtime.auto.AutoConfigured`) for ``max_steps`` optimizer steps; see the
+    """Train ``setup`` (an :class:`sp_plan.runtime.auto.AutoConfigured`) for ``max_steps`` optimizer steps; see the
     module docstring. ``data``: an object with ``next_step()`` (this rank's micro-batches of the next
-    step), ``state_dict()`` and ``load_state_dict()`` (:class:`runtime.text_data.GlobalBatches`).
+    step), ``state_dict()`` and ``load_state_dict()`` (:class:`sp_plan.runtime.text_data.GlobalBatches`).
     ``resume``: False, True (the newest verified checkpoint under ``checkpoint_dir``; an error if there is
     none), ``"auto"`` (the same, or a new run when the directory holds no checkpoint) or a checkpoint path.
     ``override_hparams``: resume even when the optimizer's hyperparameters, the scheduler's class or
@@ -392,7 +392,7 @@ class Trainer:
                 from None
         if not all(hasattr(data, a) for a in ("next_step", "state_dict", "load_state_dict")):
             raise RuntimeConfigError(
-                f"data must provide next_step(), state_dict() and load_state_dict() (e.g. runtime.text_data."
+                f"data must provide next_step(), state_dict() and load_state_dict() (e.g. sp_plan.runtime.text_data."
                 f"GlobalBatches), got {type(data).__name__}"
             )
         self.setup, self.optimizer, self.data, self.scheduler = setup, optimizer, data, scheduler
@@ -413,7 +413,7 @@ class Trainer:
         self.tokens_seen = 0
         self.checkpointer = None
         if async_save:
-            from runtime.async_checkpoint import AsyncCheckpointer
+            from sp_plan.runtime.async_checkpoint import AsyncCheckpointer
 
             self.checkpointer = AsyncCheckpointer()
         self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -424,7 +424,7 @@ class Trainer:
         """Save a checkpoint of the current step under ``checkpoint_dir`` (collective). With ``async_save``
         it returns once the state is staged in host memory and the checkpoint completes in the background
         (:meth:`wait_for_save`)."""
-        from runtime.checkpoint import save_checkpoint
+        from sp_plan.runtime.checkpoint import save_checkpoint
 
         if self.checkpoint_dir is None:
             raise RuntimeConfigError("no checkpoint_dir given")
@@ -441,7 +441,7 @@ class Trainer:
 
     def _choose_checkpoint(self) -> Path | None:
         """The checkpoint to resume from (verified, the same on every rank), or None for a new run."""
-        from runtime.checkpoint import find_resumable, list_checkpoints, require_verified, resolve_checkpoint
+        from sp_plan.runtime.checkpoint import find_resumable, list_checkpoints, require_verified, resolve_checkpoint
 
         if self.resume is False or self.resume is None:
             if self.checkpoint_dir is not None:
@@ -475,7 +475,7 @@ class Trainer:
         return path
 
     def _resume(self) -> Path | None:
-        from runtime.checkpoint import check_checkpoint_dir, load_checkpoint, read_state
+        from sp_plan.runtime.checkpoint import check_checkpoint_dir, load_checkpoint, read_state
 
         path = self._choose_checkpoint()
         if self.checkpoint_dir is not None:  # before any step runs: not at the first save
@@ -564,7 +564,7 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------------------
     def fit(self) -> FitResult:
         """Resume if asked, train up to ``max_steps``, checkpoint; returns a :class:`FitResult`."""
-        from runtime.memory_meter import live_peak
+        from sp_plan.runtime.memory_meter import live_peak
 
         started = time.perf_counter()
         if self.run_id is None:

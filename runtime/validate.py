@@ -1,17 +1,17 @@
 """Measured vs predicted for a plan: run a few steps of the planned configuration and compare.
 
-Every rank measures (one micro-batch, or one optimizer step, of :func:`runtime.step.train_step`):
+Every rank measures (one micro-batch, or one optimizer step, of :func:`sp_plan.runtime.step.train_step`):
 
 - **activation bytes saved for backward** during one micro-batch's forward: autograd's saved tensors
-  plus the selective checkpoint's cache (:class:`runtime.saved_tensor_meter.SavedTensorMeter`),
+  plus the selective checkpoint's cache (:class:`sp_plan.runtime.saved_tensor_meter.SavedTensorMeter`),
   deduplicated by storage, parameters excluded (FSDP2's gathered parameters too, by module hooks).
   Predicted: ``layers x per-layer saved bytes + output layer + inputs - position ids`` from the memory
   model (position ids live on the device but autograd does not save them);
 - **communication bytes by collective, one optimizer step**: the SP collectives, tensor parallelism's
   collectives (all of them, as one ``tp`` row) and the loss reduction from
-  :class:`runtime.comm_counter.CommCounter` (exact per the cost model's conventions); FSDP2's
+  :class:`sp_plan.runtime.comm_counter.CommCounter` (exact per the cost model's conventions); FSDP2's
   all-gathers and reduce-scatters counted at the c10d dispatcher (:class:`C10dTrace`, minus TP's,
-  which go through the same c10d ops). Predicted: :func:`cost_models.comm_volume.comm_estimate` per
+  which go through the same c10d ops). Predicted: :func:`sp_plan.cost_models.comm_volume.comm_estimate` per
   step (FSDP2 pads each parameter's first dim to the shard count: small, explained differences);
 - **peak memory**: CUDA ``max_memory_allocated`` over a step vs the memory model's peak allocated (on
   CPU there is no allocator counter: not measured);
@@ -34,10 +34,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cost_models.units import GB
-from runtime.capabilities import MEMORY_ASSUMPTIONS
-from runtime.comm_counter import CommCounter
-from runtime.saved_tensor_meter import SavedTensorMeter
+from sp_plan.cost_models.units import GB
+from sp_plan.runtime.capabilities import MEMORY_ASSUMPTIONS
+from sp_plan.runtime.comm_counter import CommCounter
+from sp_plan.runtime.saved_tensor_meter import SavedTensorMeter
 
 #: Collectives compared with the cost model. SP and loss ones come from CommCounter, FSDP ones from C10dTrace.
 SP_COLLECTIVES = ("all_to_all", "send_recv")
@@ -198,9 +198,9 @@ class ValidationReport:
 
 def _step_bytes(model, train, layout, keep) -> float:
     """Bytes sent per GPU per step by the comm model's ops that ``keep(op)`` selects."""
-    from cost_models.collectives import bytes_sent
-    from cost_models.comm_volume import comm_ops, multiplier
-    from cost_models.placement import group_shapes
+    from sp_plan.cost_models.collectives import bytes_sent
+    from sp_plan.cost_models.comm_volume import comm_ops, multiplier
+    from sp_plan.cost_models.placement import group_shapes
 
     sizes = {name: size for name, (_, size) in group_shapes(layout).items()}
     return sum(bytes_sent(op.collective, op.nbytes, sizes[op.group]) * multiplier(op, model, train)
@@ -209,11 +209,11 @@ def _step_bytes(model, train, layout, keep) -> float:
 
 def predict(plan, topology, kind: str = "llama") -> Prediction:
     """Memory, communication and time predicted for ``plan``'s configuration on ``topology``, with the
-    memory assumptions of the model ``kind`` that runs it (:func:`runtime.capabilities.memory_assumptions`)."""
-    from cost_models.comm_volume import comm_estimate
-    from cost_models.estimate import estimate
-    from cost_models.memory.timeline import INDEX_BYTES, rope_table_bytes
-    from runtime.capabilities import memory_assumptions
+    memory assumptions of the model ``kind`` that runs it (:func:`sp_plan.runtime.capabilities.memory_assumptions`)."""
+    from sp_plan.cost_models.comm_volume import comm_estimate
+    from sp_plan.cost_models.estimate import estimate
+    from sp_plan.cost_models.memory.timeline import INDEX_BYTES, rope_table_bytes
+    from sp_plan.runtime.capabilities import memory_assumptions
 
     model, train, layout = plan.model, plan.train, plan.layout
     est = estimate(model, train, layout, topology, memory_assumptions(kind), with_placement=False)
@@ -250,7 +250,7 @@ def _micro_batches(setup, generator: torch.Generator) -> list[torch.Tensor]:
 
 def measure(setup, steps: int, seed: int = 0) -> RankMeasurement:
     """Run ``steps`` optimizer steps (the first one measured for bytes, the rest timed) on random tokens."""
-    from runtime.step import synchronize, train_step
+    from sp_plan.runtime.step import synchronize, train_step
 
     generator = torch.Generator().manual_seed(seed + setup.dp_rank)  # same sample on the SP ranks
     optimizer = setup.make_optimizer(lr=1e-4)
@@ -287,20 +287,20 @@ def measure(setup, steps: int, seed: int = 0) -> RankMeasurement:
 
 def prediction_topology(plan, topology: Any, device_type: str):
     """The topology step time is predicted on: the given one, the plan's on GPUs, a quick probe on CPU."""
-    from cost_models.topology import load_topology
+    from sp_plan.cost_models.topology import load_topology
 
     world = plan.layout.world
     if topology is not None:
         return load_topology(str(topology), world), f"topology {topology}"
     if device_type == "cuda":
-        from cost_models.errors import CostModelError
-        from cost_models.topology import default_topology
+        from sp_plan.cost_models.errors import CostModelError
+        from sp_plan.cost_models.topology import default_topology
 
         try:
             return load_topology(plan.hardware.topology, world), f"the plan's topology ({plan.hardware.topology})"
         except CostModelError:  # a topology file from another machine: the GPU's natural node instead
             return default_topology(plan.hardware.gpu, world), f"the natural node of {plan.hardware.gpu}"
-    from runtime.probe.run import run_probe
+    from sp_plan.runtime.probe.run import run_probe
 
     compute_s, link_s = CPU_PROBE_BUDGETS
     with tempfile.TemporaryDirectory() as tmp:
@@ -313,18 +313,18 @@ def run_validation(plan, *, steps: int = 3, topology: Any = None, seed: int = 0,
                    kind: str = "llama") -> ValidationReport | None:
     """Build the plan's model (random weights), auto-configure it, measure; the report on rank 0 only.
     ``kind``: ``llama`` (the runtime's LlamaModel) or ``hf`` (a transformers model of the same shape,
-    :func:`runtime.hf.hf_model_from_spec`)."""
-    from runtime.auto import auto_configure, describe_plan, init_distributed
+    :func:`sp_plan.runtime.hf.hf_model_from_spec`)."""
+    from sp_plan.runtime.auto import auto_configure, describe_plan, init_distributed
 
     device_type = init_distributed()
     topo, note = prediction_topology(plan, topology, device_type)
     torch.manual_seed(seed)
     if kind == "hf":
-        from runtime.hf import hf_model_from_spec
+        from sp_plan.runtime.hf import hf_model_from_spec
 
         model = hf_model_from_spec(plan.model, plan.train.seq_len)
     else:
-        from runtime.models import LlamaModel
+        from sp_plan.runtime.models import LlamaModel
 
         model = LlamaModel(plan.model)
         model.init_weights(generator=torch.Generator().manual_seed(seed))

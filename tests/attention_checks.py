@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from cost_models.layout import Layout
-from runtime.attention.kernel import local_attention, reference_attention
-from runtime.context import SequenceParallel
+from sp_plan.cost_models.layout import Layout
+from sp_plan.runtime.attention.kernel import local_attention, reference_attention
+from sp_plan.runtime.context import SequenceParallel
 
 NAMES = ("out", "dq", "dk", "dv")
 #: (max |err|, max |ref|, sum err^2, sum ref^2) of one tensor on one rank.
@@ -21,7 +21,7 @@ Stats = tuple[float, float, float, float]
 
 def sp_context(world: int, ring: int, ulysses: int, backend: str | None = None) -> SequenceParallel:
     """A SequenceParallel context from a mesh built for ring x ulysses (the rest of the world is dp_shard)."""
-    from runtime.mesh import build_mesh
+    from sp_plan.runtime.mesh import build_mesh
 
     mesh = build_mesh(Layout(ring=ring, ulysses=ulysses, dp_shard=world // (ring * ulysses)), device_type="cpu")
     return SequenceParallel.from_mesh(mesh, backend=backend)

@@ -30,16 +30,16 @@ import torch.nn.functional as F  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from cost_models import Layout, ModelSpec, TrainSpec, get_gpu_preset  # noqa: E402
-from cost_models.estimate import estimate  # noqa: E402
-from cost_models.memory import MemoryAssumptions  # noqa: E402
-from cost_models.memory.block import block_graph  # noqa: E402
-from cost_models.memory.dims import local_dims  # noqa: E402
-from cost_models.memory.liveness import simulate  # noqa: E402
-from runtime.errors import RuntimeConfigError  # noqa: E402
-from runtime.models import FlashAttention, LlamaBlock, LlamaModel, MaterializedAttention, RotaryEmbedding  # noqa: E402
-from runtime.models.llama import _RMSNormFunction  # noqa: E402
-from runtime.saved_tensor_meter import SavedTensorMeter  # noqa: E402
+from sp_plan.cost_models import Layout, ModelSpec, TrainSpec, get_gpu_preset  # noqa: E402
+from sp_plan.cost_models.estimate import estimate  # noqa: E402
+from sp_plan.cost_models.memory import MemoryAssumptions  # noqa: E402
+from sp_plan.cost_models.memory.block import block_graph  # noqa: E402
+from sp_plan.cost_models.memory.dims import local_dims  # noqa: E402
+from sp_plan.cost_models.memory.liveness import simulate  # noqa: E402
+from sp_plan.runtime.errors import RuntimeConfigError  # noqa: E402
+from sp_plan.runtime.models import FlashAttention, LlamaBlock, LlamaModel, MaterializedAttention, RotaryEmbedding  # noqa: E402
+from sp_plan.runtime.models.llama import _RMSNormFunction  # noqa: E402
+from sp_plan.runtime.saved_tensor_meter import SavedTensorMeter  # noqa: E402
 
 H100 = get_gpu_preset("h100-80gb")
 HIDDEN, HEAD_DIM, BATCH = 64, 16, 2
@@ -295,7 +295,7 @@ def test_rmsnorm_function_gradcheck_and_matches_eager():
 
 
 def test_runtime_model_rejects_non_llama_specs_and_ties_embeddings():
-    from cost_models import get_model_preset
+    from sp_plan.cost_models import get_model_preset
 
     with pytest.raises(RuntimeConfigError, match="activation='gelu'"):
         LlamaModel(get_model_preset("gpt3-6.7b").model_copy(update={"num_layers": 1}), device="meta")

@@ -1,4 +1,4 @@
-"""Background checkpoint saves (runtime.async_checkpoint through Trainer(async_save=True)) on gloo CPU ranks.
+"""Background checkpoint saves (sp_plan.runtime.async_checkpoint through Trainer(async_save=True)) on gloo CPU ranks.
 
 The write of the step-2 checkpoint is held back (its commit waits 1.5 s) so that training runs steps 3
 and 4, changing every parameter and optimizer state, while it is in flight: the step-2 checkpoint must
@@ -24,7 +24,7 @@ HOLD_S = 1.5
 
 def _delayed_commits(log: list):
     """Wrap the background commit: wait HOLD_S, then write; log when each write started and ended."""
-    import runtime.async_checkpoint as ac
+    import sp_plan.runtime.async_checkpoint as ac
 
     real = ac.commit_save
 
@@ -92,9 +92,9 @@ def test_training_goes_on_while_the_save_is_written(runs):
 
 
 def _failing_write(rank: int, world: int, root: str) -> dict:
-    import runtime.async_checkpoint as ac
-    from runtime.checkpoint import latest_checkpoint
-    from runtime.errors import RuntimeConfigError
+    import sp_plan.runtime.async_checkpoint as ac
+    from sp_plan.runtime.checkpoint import latest_checkpoint
+    from sp_plan.runtime.errors import RuntimeConfigError
 
     def broken(job, group=None):
         raise OSError(28, "No space left on device")
@@ -126,8 +126,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 def test_staging_copies_into_reused_host_buffers(device):
     """Staged chunks are host copies (pinned for device tensors) that later writes to the originals do not
     reach; the buffers are reused by the next save when shapes match and replaced when they do not."""
-    from runtime.async_checkpoint import AsyncCheckpointer
-    from runtime.checkpoint import Chunk
+    from sp_plan.runtime.async_checkpoint import AsyncCheckpointer
+    from sp_plan.runtime.checkpoint import Chunk
 
     saver = AsyncCheckpointer()
     weight = torch.arange(12.0, device=device).reshape(3, 4)

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from cost_models.atomic_io import atomic_output, atomic_write_text
-from cost_models.errors import CostModelError
+from sp_plan.cost_models.atomic_io import atomic_output, atomic_write_text
+from sp_plan.cost_models.errors import CostModelError
 
 
 def test_write_replaces_whole_file(tmp_path):

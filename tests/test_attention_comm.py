@@ -25,7 +25,7 @@ def _count(
     from torch.utils.checkpoint import checkpoint as ckpt
     from torch.utils.checkpoint import set_checkpoint_early_stop
 
-    from runtime.comm_counter import CommCounter
+    from sp_plan.runtime.comm_counter import CommCounter
     from tests.attention_checks import full_inputs
 
     q, k, v, dout = full_inputs(0, B, S, heads, kv_heads, D, dtype)
@@ -122,7 +122,7 @@ def test_usp_bytes(counts):
 
 
 def test_counter_arithmetic_nesting_and_phases():
-    from runtime.comm_counter import (
+    from sp_plan.runtime.comm_counter import (
         CommCounter,
         record,
         record_all_gather,

@@ -21,10 +21,10 @@ import re
 import pytest
 import torch
 
-from runtime.attention import local_attention
-from runtime.attention.documents import block_pairs, row_bounds, take
-from runtime.attention.ring import block_plan, ring_runs
-from runtime.errors import RuntimeConfigError
+from sp_plan.runtime.attention import local_attention
+from sp_plan.runtime.attention.documents import block_pairs, row_bounds, take
+from sp_plan.runtime.attention.ring import block_plan, ring_runs
+from sp_plan.runtime.errors import RuntimeConfigError
 from tests.attention_checks import NAMES, combine, full_inputs, stats
 from tests.distributed import run_ranks
 
@@ -140,7 +140,7 @@ CASES = [(dtype, causal, heads, kv_heads) for dtype in (torch.float64, torch.flo
 def _documents_rank(rank: int, world: int, ring: int, ulysses: int, layout: str) -> list:
     import torch.distributed as dist
 
-    from runtime.attention import ring_attention
+    from sp_plan.runtime.attention import ring_attention
     from tests.attention_checks import sp_context
 
     sp = sp_context(world, ring=ring, ulysses=ulysses)

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.multiproc
 
 
 def _error(fn) -> str | None:
-    from runtime.errors import RuntimeConfigError
+    from sp_plan.runtime.errors import RuntimeConfigError
 
     try:
         fn()
@@ -37,7 +37,7 @@ def _error(fn) -> str | None:
 def _unequal_rank(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from runtime.attention import ring_attention, ulysses_attention
+    from sp_plan.runtime.attention import ring_attention, ulysses_attention
 
     group = dist.group.WORLD
     local = 8 if rank == 0 else 4
@@ -66,7 +66,7 @@ def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def _layout_rank(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from runtime.attention import reference_attention, ring_attention
+    from sp_plan.runtime.attention import reference_attention, ring_attention
 
     group = dist.group.WORLD
     gen = torch.Generator().manual_seed(0)
@@ -105,10 +105,10 @@ def _cached_check_rank(rank: int, world: int) -> dict:
     """Collectives issued per call (every torch.distributed entry point the attention uses, wrapped)."""
     import torch.distributed as dist
 
-    from runtime.attention import ring_attention, ulysses_attention
+    from sp_plan.runtime.attention import ring_attention, ulysses_attention
 
     issued: list[str] = []
-    from runtime.attention import groups
+    from sp_plan.runtime.attention import groups
 
     for name in ("all_gather", "all_gather_single", "all_gather_into_tensor", "all_gather_object", "all_reduce",
                  "broadcast", "barrier", "batch_isend_irecv", "all_to_all_single", "send", "recv"):
@@ -154,7 +154,7 @@ def _reinit_rank(rank: int, world: int, port: int) -> dict:
 
     import torch.distributed as dist
 
-    from runtime.attention import reference_attention, ring_attention, ulysses_attention
+    from sp_plan.runtime.attention import reference_attention, ring_attention, ulysses_attention
     from tests.attention_checks import sp_context
 
     def run_all() -> list[float]:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from runtime.attention.kernel import (
+from sp_plan.runtime.attention.kernel import (
     BACKEND_ENV,
     KernelWorkCounter,
     attended_pairs,
@@ -17,8 +17,8 @@ from runtime.attention.kernel import (
     reference_attention,
     select_backend,
 )
-from runtime.attention.merge import merge_into
-from runtime.errors import RuntimeConfigError
+from sp_plan.runtime.attention.merge import merge_into
+from sp_plan.runtime.errors import RuntimeConfigError
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 

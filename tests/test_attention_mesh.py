@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from cost_models.layout import Layout
-from runtime.errors import RuntimeConfigError
-from runtime.mesh import check_launch, load_layout
+from sp_plan.cost_models.layout import Layout
+from sp_plan.runtime.errors import RuntimeConfigError
+from sp_plan.runtime.mesh import check_launch, load_layout
 from tests.distributed import run_ranks
 
 
@@ -71,8 +71,8 @@ DIMS = ("dp_replicate", "dp_shard", "ring", "ulysses", "tp", "sp", "fsdp")
 def _mesh_rank(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from runtime.context import SequenceParallel
-    from runtime.mesh import build_mesh
+    from sp_plan.runtime.context import SequenceParallel
+    from sp_plan.runtime.mesh import build_mesh
 
     out = {}
     for name, layout in (("usp", Layout(ring=2, ulysses=2)), ("dp_ulysses", Layout(dp_shard=2, ulysses=2)),

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from runtime.attention.ring import block_plan
+from sp_plan.runtime.attention.ring import block_plan
 from tests.attention_checks import combine, run_case, sp_context
 from tests.distributed import run_ranks
 
@@ -26,9 +26,9 @@ BF16_RATIO = 1.5
 
 
 def _ring_rank(rank: int, world: int) -> dict:
-    from runtime.attention.kernel import KernelWorkCounter
-    from runtime.attention.ring import ring_attention
-    from runtime.errors import RuntimeConfigError
+    from sp_plan.runtime.attention.kernel import KernelWorkCounter
+    from sp_plan.runtime.attention.ring import ring_attention
+    from sp_plan.runtime.errors import RuntimeConfigError
     from tests.attention_checks import distributed, full_inputs
 
     sp = sp_context(world, ring=world, ulysses=1)

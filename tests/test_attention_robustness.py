@@ -23,8 +23,8 @@ import time
 import pytest
 import torch
 
-from runtime.attention import local_attention, reference_attention
-from runtime.errors import RuntimeConfigError
+from sp_plan.runtime.attention import local_attention, reference_attention
+from sp_plan.runtime.errors import RuntimeConfigError
 from tests.distributed import run_ranks
 
 
@@ -44,8 +44,8 @@ def test_zero_length_sequence_is_refused_before_the_kernel_runs_in_a_subprocess(
     """Before: SIGFPE (exit -8) inside aten._scaled_dot_product_flash_attention_for_cpu."""
     code = (
         "import torch\n"
-        "from runtime.attention import local_attention\n"
-        "from runtime.errors import RuntimeConfigError\n"
+        "from sp_plan.runtime.attention import local_attention\n"
+        "from sp_plan.runtime.errors import RuntimeConfigError\n"
         "q = torch.randn(1, 0, 2, 4)\n"
         "try:\n"
         "    local_attention(q, q, q, causal=True)\n"
@@ -137,7 +137,7 @@ def test_nan_in_q_propagates_to_its_row_and_nothing_else(backend):
 def _path_call(path: str, q, k, v, **kwargs):
     import torch.distributed as dist
 
-    from runtime.attention import ring_attention, ulysses_attention
+    from sp_plan.runtime.attention import ring_attention, ulysses_attention
 
     group = dist.group.WORLD
     if path == "ulysses":
@@ -260,8 +260,8 @@ def test_nan_in_q_comes_out_as_nan_through_the_parallel_paths(path):
 
 
 def test_shard_and_batch_sharder_refuse_empty_and_malformed_input():
-    from runtime.context import SequenceParallel
-    from runtime.data import BatchSharder
+    from sp_plan.runtime.context import SequenceParallel
+    from sp_plan.runtime.data import BatchSharder
 
     sp = SequenceParallel()
     for bad, needle in (((torch.zeros(2, 0, 3), 1), "positive integer"), ((torch.zeros(2, 8), 2), "cannot shard dim"),

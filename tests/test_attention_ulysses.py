@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.attention.ulysses import ulysses_kv_replication, valid_ulysses_degrees
-from runtime.errors import RuntimeConfigError
+from sp_plan.runtime.attention.ulysses import ulysses_kv_replication, valid_ulysses_degrees
+from sp_plan.runtime.errors import RuntimeConfigError
 from tests.attention_checks import combine, run_case, sp_context
 from tests.distributed import run_ranks
 
@@ -24,7 +24,7 @@ CASES = [
 
 
 def _ulysses_rank(rank: int, world: int) -> dict:
-    from runtime.attention.ulysses import ulysses_attention
+    from sp_plan.runtime.attention.ulysses import ulysses_attention
 
     sp = sp_context(world, ring=1, ulysses=world)
     results: dict = {"cases": []}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.context import check_seq_len, shard_segments
-from runtime.errors import RuntimeConfigError
+from sp_plan.runtime.context import check_seq_len, shard_segments
+from sp_plan.runtime.errors import RuntimeConfigError
 from tests.attention_checks import combine, run_case, sp_context
 from tests.distributed import run_ranks
 

@@ -13,14 +13,14 @@ pytestmark = pytest.mark.multiproc
 
 
 def _spec():
-    from cost_models import ModelSpec
+    from sp_plan.cost_models import ModelSpec
 
     return ModelSpec(name="tiny", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                      ffn_hidden_size=128, vocab_size=64)
 
 
 def _model():
-    from runtime.models import LlamaModel
+    from sp_plan.runtime.models import LlamaModel
 
     model = LlamaModel(_spec())
     model.init_weights(generator=torch.Generator().manual_seed(0))
@@ -28,8 +28,8 @@ def _model():
 
 
 def _plan(seq_len: int, **train):
-    from cost_models import Layout, TrainSpec
-    from planner.plan import Hardware, Plan
+    from sp_plan.cost_models import Layout, TrainSpec
+    from sp_plan.planner.plan import Hardware, Plan
 
     return Plan(model=_spec(), train=TrainSpec(seq_len=seq_len, dtype="fp32", **train), layout=Layout(ulysses=2),
                 hardware=Hardware(num_gpus=2, gpus_per_node=2, gpu="h100-80gb", topology="dgx-h100"))
@@ -55,8 +55,8 @@ def _packed_reference(ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: to
 
 
 def _rank(rank: int, world: int) -> dict:
-    from runtime.auto import auto_configure
-    from runtime.step import train_step
+    from sp_plan.runtime.auto import auto_configure
+    from sp_plan.runtime.step import train_step
 
     out = {}
     out["bad_topology"] = _error(lambda: auto_configure(_model(), seq_len=64, topology="no-such-topology"))

@@ -31,20 +31,20 @@ LAYOUTS = {2: [(1, 2), (2, 1)], 4: [(1, 4), (4, 1), (2, 2)]}
 
 
 def _spec():
-    from cost_models import ModelSpec
+    from sp_plan.cost_models import ModelSpec
 
     return ModelSpec(name="block", num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                      ffn_hidden_size=128, vocab_size=256)
 
 
 def _measure_rank(rank: int, world: int) -> dict:
-    from cost_models import Layout, TrainSpec, get_gpu_preset
-    from cost_models.comm_volume import comm_estimate
-    from cost_models.estimate import estimate
-    from runtime.auto import SequenceParallelAttention
-    from runtime.comm_counter import CommCounter
-    from runtime.models import LlamaBlock, RotaryEmbedding
-    from runtime.saved_tensor_meter import SavedTensorMeter
+    from sp_plan.cost_models import Layout, TrainSpec, get_gpu_preset
+    from sp_plan.cost_models.comm_volume import comm_estimate
+    from sp_plan.cost_models.estimate import estimate
+    from sp_plan.runtime.auto import SequenceParallelAttention
+    from sp_plan.runtime.comm_counter import CommCounter
+    from sp_plan.runtime.models import LlamaBlock, RotaryEmbedding
+    from sp_plan.runtime.saved_tensor_meter import SavedTensorMeter
     from tests.attention_checks import sp_context
 
     spec = _spec()

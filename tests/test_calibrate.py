@@ -10,14 +10,14 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from cost_models import Layout, TrainSpec, get_model_preset
-from cost_models.estimate import estimate
-from cost_models.profile import load_calibration, resolve_profile
-from cost_models.topology import load_topology
-from planner.calibration.fit import Parameter, predict_all
-from planner.calibration.runs import MeasuredRun
-from planner.calibration.user_runs import write_runs_csv
-from planner.cli import cli
+from sp_plan.cost_models import Layout, TrainSpec, get_model_preset
+from sp_plan.cost_models.estimate import estimate
+from sp_plan.cost_models.profile import load_calibration, resolve_profile
+from sp_plan.cost_models.topology import load_topology
+from sp_plan.planner.calibration.fit import Parameter, predict_all
+from sp_plan.planner.calibration.runs import MeasuredRun
+from sp_plan.planner.calibration.user_runs import write_runs_csv
+from sp_plan.cli.main import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = [  # (layout flags, seq_len)
@@ -85,13 +85,13 @@ def test_calibrate_errors_are_one_line(tmp_path):
     assert result.exit_code != 0
     no_measure = tmp_path / "nomeasure.csv"
     write_runs_csv(no_measure, [{"model": "llama3-8b", "seq_len": 8192, "gpus": 8}])
-    from cost_models.errors import CostModelError
-    from planner.calibration.user_runs import runs_from_csv
+    from sp_plan.cost_models.errors import CostModelError
+    from sp_plan.planner.calibration.user_runs import runs_from_csv
 
     with pytest.raises(CostModelError, match="no measurement"):
         runs_from_csv(no_measure, "sp-plan")
     (tmp_path / "x.json").write_text("[1, 2]")
-    from planner.calibration.user_runs import load_runs
+    from sp_plan.planner.calibration.user_runs import load_runs
 
     with pytest.raises(CostModelError, match="validate --json"):
         load_runs([tmp_path / "x.json"], tmp_path, "sp-plan")
@@ -118,7 +118,7 @@ def test_calibrate_closes_the_loop_on_cpu_ranks(tmp_path):
     config.write_text(json.dumps(TINY))
     topo = tmp_path / "cpu.yaml"
     probe = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                  "-m", "planner.cli", "probe", "--out", str(topo)])
+                  "-m", "sp_plan.cli", "probe", "--out", str(topo)])
     assert probe.returncode == 0 and topo.exists(), probe.stderr[-2000:]
     spec = yaml.safe_load(topo.read_text())
     compute = spec["calibration"]["compute"]
@@ -132,7 +132,7 @@ def test_calibrate_closes_the_loop_on_cpu_ranks(tmp_path):
             ("2048", ["--tp", "2"])]
     for i, (seq_len, layout) in enumerate(runs):
         out = tmp_path / f"run{i}.json"
-        cmd = [sys.executable, "-m", "planner.cli", "validate", "--model", str(config), "--seq-len", seq_len,
+        cmd = [sys.executable, "-m", "sp_plan.cli", "validate", "--model", str(config), "--seq-len", seq_len,
                "--gpus", "2", *layout, "--dtype", "fp32", "--steps", "3", "--time-topology", str(topo), "--json"]
         done = _run(cmd)
         if done.returncode != 0:  # one relaunch: a 2-rank launch on a loaded 2-core box can fail to start

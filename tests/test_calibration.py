@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from cost_models import CostModelError, Layout, TrainSpec, get_model_preset
-from cost_models.calibration import TimingSample, fit_alpha_beta, link_calibration, predict
-from cost_models.time_model import comm_and_time
-from cost_models.topology import CalibrationSpec, Topology, get_preset_spec, resize
+from sp_plan.cost_models import CostModelError, Layout, TrainSpec, get_model_preset
+from sp_plan.cost_models.calibration import TimingSample, fit_alpha_beta, link_calibration, predict
+from sp_plan.cost_models.time_model import comm_and_time
+from sp_plan.cost_models.topology import CalibrationSpec, Topology, get_preset_spec, resize
 
 SIZES = [2**k for k in range(10, 29, 2)]  # 1 KiB .. 256 MiB
 

@@ -1,4 +1,4 @@
-"""Checkpoint and resume (runtime.checkpoint through runtime.trainer.Trainer) on gloo CPU ranks.
+"""Checkpoint and resume (sp_plan.runtime.checkpoint through sp_plan.runtime.trainer.Trainer) on gloo CPU ranks.
 
 - Same layout: a run saved at step 2 and resumed in fresh processes continues bit-exactly: the losses of
   steps 3-4, the final model, optimizer states and host masters (compared tensor by tensor in the final
@@ -39,7 +39,7 @@ FP32_UPDATE_TOL = 2e-3
 
 
 def spec(**overrides):
-    from cost_models import ModelSpec
+    from sp_plan.cost_models import ModelSpec
 
     fields = dict(name="tiny-ckpt", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=1, head_dim=16,
                   ffn_hidden_size=96, vocab_size=VOCAB)
@@ -47,7 +47,7 @@ def spec(**overrides):
 
 
 def model(**overrides):
-    from runtime.models import LlamaModel
+    from sp_plan.runtime.models import LlamaModel
 
     m = LlamaModel(spec(**overrides))
     m.init_weights(generator=torch.Generator().manual_seed(0))
@@ -56,7 +56,7 @@ def model(**overrides):
 
 def dataset(sequences: int = 48):
     """Learnable windows: arithmetic progressions mod VOCAB whose stride changes every 16 tokens."""
-    from runtime.data import TokenWindows
+    from sp_plan.runtime.data import TokenWindows
 
     n = sequences * SEQ
     t = torch.arange(n)
@@ -66,8 +66,8 @@ def dataset(sequences: int = 48):
 
 def trainer_for(setup, *, steps: int = STEPS, **kwargs):
     """A Trainer over the test data with a warm-up schedule, clipping and quiet output."""
-    from runtime.text_data import GlobalBatches
-    from runtime.trainer import Trainer
+    from sp_plan.runtime.text_data import GlobalBatches
+    from sp_plan.runtime.trainer import Trainer
 
     optimizer = setup.make_optimizer(lr=LR, weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3))
@@ -78,10 +78,10 @@ def trainer_for(setup, *, steps: int = STEPS, **kwargs):
 
 def configure(layout: dict, options: dict, dtype: str = "fp32", global_batch: int = 2, hf: bool = False,
               **model_overrides):
-    from runtime.auto import auto_configure
+    from sp_plan.runtime.auto import auto_configure
 
     if hf:  # a transformers Llama of the same shape (names like model.layers.0.self_attn.q_proj.weight)
-        from runtime.hf import hf_model_from_spec
+        from sp_plan.runtime.hf import hf_model_from_spec
 
         torch.manual_seed(0)
         net = hf_model_from_spec(spec(**model_overrides), SEQ)
@@ -145,7 +145,7 @@ def same_layout_runs(tmp_path_factory):
 
 
 def _all_tensors(path) -> dict[str, torch.Tensor]:
-    from runtime.checkpoint import load_full_state_dict, read_metadata
+    from sp_plan.runtime.checkpoint import load_full_state_dict, read_metadata
 
     prefixes = {k.split("::")[0] for k in read_metadata(path).state_dict_metadata}
     return {f"{p}::{k}": v for p in prefixes for k, v in load_full_state_dict(path, prefix=p).items()}
@@ -215,7 +215,7 @@ def other_layout_runs(tmp_path_factory):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", ["ring2", "dp_shard2"])
 def test_resume_on_another_layout_continues_the_loss_curve(name, other_layout_runs):
-    from runtime.checkpoint import load_full_state_dict
+    from sp_plan.runtime.checkpoint import load_full_state_dict
 
     root, source, resumed = other_layout_runs
     got = resumed[name]
@@ -236,8 +236,8 @@ def test_resume_on_another_layout_continues_the_loss_curve(name, other_layout_ru
 def _atomicity_and_errors(rank: int, world: int, root: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    import runtime.checkpoint as ck
-    from runtime.errors import RuntimeConfigError
+    import sp_plan.runtime.checkpoint as ck
+    from sp_plan.runtime.errors import RuntimeConfigError
 
     out: dict = {}
     setup = configure({}, {"zero_stage": 3})
@@ -325,8 +325,8 @@ def test_bad_checkpoints_get_one_clear_error(single_rank):
 
 
 def test_a_forged_metadata_pickle_is_refused(tmp_path):
-    from runtime.checkpoint import read_metadata
-    from runtime.errors import RuntimeConfigError
+    from sp_plan.runtime.checkpoint import read_metadata
+    from sp_plan.runtime.errors import RuntimeConfigError
 
     class Evil:
         def __reduce__(self):

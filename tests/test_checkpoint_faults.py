@@ -108,8 +108,8 @@ def rewrite_state(step_dir: Path, edit) -> None:
 
 
 def _resume_scenarios(rank: int, world: int, scenarios: list[dict]) -> dict:
-    import runtime.checkpoint as ck
-    from runtime.errors import RuntimeConfigError
+    import sp_plan.runtime.checkpoint as ck
+    from sp_plan.runtime.errors import RuntimeConfigError
 
     out = {}
     for sc in scenarios:
@@ -233,8 +233,8 @@ def faults(reference, tmp_path_factory):
 
 
 def _load_unverified(rank: int, world: int, roots: list[str]) -> list[str]:
-    from runtime.checkpoint import load_checkpoint
-    from runtime.errors import RuntimeConfigError
+    from sp_plan.runtime.checkpoint import load_checkpoint
+    from sp_plan.runtime.errors import RuntimeConfigError
 
     setup = configure(*LAYOUT)
     errors = []
@@ -403,7 +403,7 @@ def _killed_while_saving(rank: int, world: int, root: str) -> None:
 
 @pytest.mark.multiproc
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_latest(tmp_path, reference):
-    from runtime.checkpoint import latest_checkpoint
+    from sp_plan.runtime.checkpoint import latest_checkpoint
 
     _, losses = reference
     root = tmp_path / "ckpt"
@@ -458,7 +458,7 @@ def test_the_example_exits_non_zero_when_there_is_nothing_to_resume(tmp_path):
 
 def test_a_manifest_cannot_point_outside_its_checkpoint(tmp_path):
     """The manifest is an untrusted file: a listed path that leaves the directory is refused, not read."""
-    from runtime.checkpoint import verify_checkpoint
+    from sp_plan.runtime.checkpoint import verify_checkpoint
 
     step_dir = tmp_path / "step_00000001"
     step_dir.mkdir()
@@ -475,7 +475,7 @@ def test_a_manifest_cannot_point_outside_its_checkpoint(tmp_path):
 def test_the_bookkeeping_alone_is_checked_before_choosing_a_plan(reference, tmp_path):
     """The example reuses the plan saved in trainer_state.json before the collective verification: it
     reads it only if it matches the manifest."""
-    from runtime.checkpoint import CheckpointCorruptError, read_verified_state
+    from sp_plan.runtime.checkpoint import CheckpointCorruptError, read_verified_state
 
     ref_root, _ = reference
     good = read_verified_state(_step(ref_root, STEPS))
@@ -491,7 +491,7 @@ def test_the_bookkeeping_alone_is_checked_before_choosing_a_plan(reference, tmp_
 def test_a_checkpoint_moved_aside_for_replacement_survives_a_crash(tmp_path):
     """A save that replaces a step moves the old directory aside first; if it dies before its own rename,
     the next save puts the old one back (and removes the aside copy once a replacement is complete)."""
-    from runtime.checkpoint import _remove_stale, latest_checkpoint
+    from sp_plan.runtime.checkpoint import _remove_stale, latest_checkpoint
 
     root = tmp_path / "ckpt"
     aside = root / ".step_00000003.replaced-0a1b2c3d"

@@ -5,7 +5,7 @@ same loss and bitwise-identical gradients as ``none`` (recomputation replays the
 inputs), and the SP model must match the single-process model. ``selective`` must keep the attention
 op's outputs: the attention kernel is not run again in backward, the ring pass is not replayed (no
 K/V sends in the recompute), and under Ulysses only the Q/K/V all-to-all is re-sent, not the output
-all-to-all. The recompute traffic is compared with the comm model (``cost_models.comm_volume``), and
+all-to-all. The recompute traffic is compared with the comm model (``sp_plan.cost_models.comm_volume``), and
 the bytes each block keeps for backward with the memory model's per-layer prediction for the same
 layout (``ulysses=2`` or ``ring=2``), exactly.
 """
@@ -24,15 +24,15 @@ LAYERS, HIDDEN, HEADS, KV, HEAD_DIM, FFN, VOCAB, SEQ, BATCH = 2, 32, 4, 2, 8, 64
 
 
 def _spec():
-    from cost_models import ModelSpec
+    from sp_plan.cost_models import ModelSpec
 
     return ModelSpec(name="tiny", num_layers=LAYERS, hidden_size=HIDDEN, num_heads=HEADS, num_kv_heads=KV,
                      head_dim=HEAD_DIM, ffn_hidden_size=FFN, vocab_size=VOCAB)
 
 
 def _run(model, ids, pos):
-    from runtime.attention.kernel import KernelWorkCounter
-    from runtime.comm_counter import CommCounter
+    from sp_plan.runtime.attention.kernel import KernelWorkCounter
+    from sp_plan.runtime.comm_counter import CommCounter
 
     logits = model(ids, pos)
     loss = logits.float().square().mean()
@@ -43,8 +43,8 @@ def _run(model, ids, pos):
 
 
 def _block_saved_bytes(sp, mode: str, dtype: torch.dtype) -> int:
-    from runtime.models import LlamaBlock, RotaryEmbedding
-    from runtime.saved_tensor_meter import SavedTensorMeter
+    from sp_plan.runtime.models import LlamaBlock, RotaryEmbedding
+    from sp_plan.runtime.saved_tensor_meter import SavedTensorMeter
 
     block = LlamaBlock(_spec(), sp.attention, mode, dtype=dtype)
     local = SEQ // sp.size
@@ -61,10 +61,10 @@ def _sp_rank(rank: int, world: int, kind: str) -> dict:
     with collectives)."""
     import torch.distributed as dist
 
-    from cost_models import Layout
-    from runtime.context import SequenceParallel
-    from runtime.mesh import build_mesh
-    from runtime.models import LlamaModel
+    from sp_plan.cost_models import Layout
+    from sp_plan.runtime.context import SequenceParallel
+    from sp_plan.runtime.mesh import build_mesh
+    from sp_plan.runtime.models import LlamaModel
 
     layout = Layout(ulysses=world) if kind == "ulysses" else Layout(ring=world)
     sp = SequenceParallel.from_mesh(build_mesh(layout, device_type="cpu"))
@@ -131,9 +131,9 @@ def test_selective_does_not_rerun_the_attention_op(sp_results):
 
 
 def test_recompute_traffic_matches_the_comm_model(sp_results):
-    from cost_models import Layout, TrainSpec
-    from cost_models.collectives import bytes_sent
-    from cost_models.comm_volume import comm_ops
+    from sp_plan.cost_models import Layout, TrainSpec
+    from sp_plan.cost_models.collectives import bytes_sent
+    from sp_plan.cost_models.comm_volume import comm_ops
 
     kind, results = sp_results
     world = len(results)
@@ -150,8 +150,8 @@ def test_recompute_traffic_matches_the_comm_model(sp_results):
 
 
 def test_saved_bytes_per_block_match_the_memory_model(sp_results):
-    from cost_models import Layout, TrainSpec, get_gpu_preset
-    from cost_models.estimate import estimate
+    from sp_plan.cost_models import Layout, TrainSpec, get_gpu_preset
+    from sp_plan.cost_models.estimate import estimate
 
     kind, results = sp_results
     world = len(results)

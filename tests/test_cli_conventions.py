@@ -8,8 +8,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from cost_models import CostModelError, get_model_preset
-from planner.cli import cli, main
+from sp_plan.cost_models import CostModelError, get_model_preset
+from sp_plan.cli.main import cli, main
 
 
 def run(*args: str):
@@ -101,7 +101,7 @@ def test_dash_is_stdout_and_stdin_through_the_console_script(tmp_path):
 def test_calibrate_out_dash_writes_the_calibration_to_stdout(tmp_path):
     import yaml
 
-    from planner.calibration.user_runs import write_runs_csv
+    from sp_plan.planner.calibration.user_runs import write_runs_csv
     from tests.test_calibrate import synthetic_rows
 
     rows = synthetic_rows({"gemm.peak_fraction": 0.45, "attention.fa2.forward_fraction": 0.5,

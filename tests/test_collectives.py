@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cost_models import CostModelError
-from cost_models.collectives import COLLECTIVES, bytes_sent, collective_cost
-from cost_models.topology import CalibrationSpec, LinkCalibration, Topology, get_preset_spec, resize
+from sp_plan.cost_models import CostModelError
+from sp_plan.cost_models.collectives import COLLECTIVES, bytes_sent, collective_cost
+from sp_plan.cost_models.topology import CalibrationSpec, LinkCalibration, Topology, get_preset_spec, resize
 
 IDEAL = CalibrationSpec(
     source="test: nominal bandwidth, no latency",

@@ -6,8 +6,8 @@ runtime's byte counters and these numbers can be compared exactly.
 
 import pytest
 
-from cost_models import Layout, TrainSpec, get_model_preset
-from cost_models.comm_volume import comm_estimate, comm_ops
+from sp_plan.cost_models import Layout, TrainSpec, get_model_preset
+from sp_plan.cost_models.comm_volume import comm_estimate, comm_ops
 
 LLAMA70 = get_model_preset("llama3-70b")
 LLAMA8 = get_model_preset("llama3-8b")

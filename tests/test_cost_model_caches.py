@@ -6,18 +6,18 @@ import dataclasses
 
 import pytest
 
-from cost_models import Layout, TrainSpec, get_model_preset
-from cost_models.comm_volume import comm_ops
-from cost_models.compute_time import COMPUTE_FIELDS, _compute
-from cost_models.flops import WORK_FIELDS, _work
-from cost_models.profile import default_profile
-from cost_models.memory import MemoryAssumptions, host_memory, memory_core
-from cost_models.memory.dims import DIMS_FIELDS, _local_dims
-from cost_models.memory.report import ALLOCATED_COMPONENTS
-from cost_models.memory.states import STATES_FIELDS, _model_states
-from cost_models.memory.timeline import _Phase
-from cost_models.time_model import COMM_FIELDS, OffloadTraffic, step_time, time_estimate
-from cost_models.topology import default_topology
+from sp_plan.cost_models import Layout, TrainSpec, get_model_preset
+from sp_plan.cost_models.comm_volume import comm_ops
+from sp_plan.cost_models.compute_time import COMPUTE_FIELDS, _compute
+from sp_plan.cost_models.flops import WORK_FIELDS, _work
+from sp_plan.cost_models.profile import default_profile
+from sp_plan.cost_models.memory import MemoryAssumptions, host_memory, memory_core
+from sp_plan.cost_models.memory.dims import DIMS_FIELDS, _local_dims
+from sp_plan.cost_models.memory.report import ALLOCATED_COMPONENTS
+from sp_plan.cost_models.memory.states import STATES_FIELDS, _model_states
+from sp_plan.cost_models.memory.timeline import _Phase
+from sp_plan.cost_models.time_model import COMM_FIELDS, OffloadTraffic, step_time, time_estimate
+from sp_plan.cost_models.topology import default_topology
 
 MODELS = [get_model_preset("llama3-8b"), get_model_preset("qwen3-4b")]
 LAYOUTS = [Layout.for_world(8, ulysses=2, ring=2, tp=2), Layout.for_world(16, dp_replicate=2, ulysses=4, ring=2)]
@@ -118,8 +118,8 @@ def test_model_states_ignore_fields_outside_their_key(field):
 @pytest.mark.parametrize("field", list(ALTERNATIVES))
 def test_cached_and_fresh_estimates_agree(field):
     """Whatever was cached before, a result equals the one computed with every cache cleared."""
-    from cost_models import compute_time, flops, time_model
-    from cost_models.memory import dims, states
+    from sp_plan.cost_models import compute_time, flops, time_model
+    from sp_plan.cost_models.memory import dims, states
 
     topology = default_topology("h100-80gb", 16, 8)
     model, layout = MODELS[0], Layout.for_world(16, dp_replicate=2, dp_shard=2, ulysses=2, tp=2)  # no ring:

@@ -86,7 +86,7 @@ def _validate(config: pathlib.Path, flags: list[str]) -> tuple[float, float, flo
     the measured figure is the median over ranks of each rank's median timed step; the share is the CPU
     time processes other than this test's took during the run, over the machine's capacity."""
     busy, mine, start = _machine_busy_s(), _children_cpu_s(), time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "planner.cli", "validate", "--model", str(config), "--dtype", "fp32",
+    done = subprocess.run([sys.executable, "-m", "sp_plan.cli", "validate", "--model", str(config), "--dtype", "fp32",
                            *flags, "--steps", STEPS, "--json"], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=240)
     others = (_machine_busy_s() - busy) - (_children_cpu_s() - mine)

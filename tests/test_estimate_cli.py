@@ -9,8 +9,8 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from planner.cli import main
-from planner.commands.estimate import command
+from sp_plan.cli.main import main
+from sp_plan.cli.commands.estimate import command
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 REFERENCE = ["--model", "llama3-70b", "--seq-len", "1000000", "--gpus", "8", "--ulysses", "8", "--mode", "prefill",
@@ -99,7 +99,7 @@ def test_pydantic_errors_become_one_line(capsys):
 
 
 def _subprocess(args):
-    return subprocess.run([sys.executable, "-m", "planner.cli", "estimate", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "sp_plan.cli", "estimate", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -115,7 +115,7 @@ def test_real_process_reference_and_error():
 
 
 def test_estimate_imports_no_torch():
-    code = ("import sys, cost_models, planner.cli, planner.commands.estimate, cost_models.estimate; "
+    code = ("import sys, cost_models, sp_plan.cli.main, sp_plan.cli.commands.estimate, sp_plan.cost_models.estimate; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -126,7 +126,7 @@ def test_estimate_imports_no_torch():
 def test_json_has_comm_and_time_for_reference_scenario():
     from click.testing import CliRunner
 
-    from planner.cli import cli
+    from sp_plan.cli.main import cli
 
     args = ["estimate", "--model", "llama3-70b", "--seq-len", "1000000", "--gpus", "8", "--ulysses", "8",
             "--mode", "prefill", "--zero", "3", "--json"]
@@ -148,8 +148,8 @@ def test_topology_file_changes_predictions(tmp_path):
     """A hand-tuned calibration in a topology file changes the time prediction with no code change."""
     from click.testing import CliRunner
 
-    from cost_models.topology import load_topology, save_topology
-    from planner.cli import cli
+    from sp_plan.cost_models.topology import load_topology, save_topology
+    from sp_plan.cli.main import cli
 
     topo = load_topology("dgx-h100", 8)
     slow = topo.spec.model_copy(update={"calibration": topo.spec.calibration.model_copy(
@@ -165,7 +165,7 @@ def test_topology_file_changes_predictions(tmp_path):
 
 def test_unknown_topology_is_one_line_error():
     root = pathlib.Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "planner.cli", "estimate", "--model", "llama3-8b", "--seq-len", "8K",
+    proc = subprocess.run([sys.executable, "-m", "sp_plan.cli", "estimate", "--model", "llama3-8b", "--seq-len", "8K",
                            "--gpus", "8", "--topology", "nosuch-box"], cwd=root, capture_output=True, text=True)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
@@ -174,7 +174,7 @@ def test_unknown_topology_is_one_line_error():
 def test_gpus_default_to_the_topology_and_are_required_without_one():
     """Without --gpus the machine --topology describes is planned; with neither, a usage error (click
     >= 8.3 would otherwise pass None through to the cost model)."""
-    from planner.cli import cli
+    from sp_plan.cli.main import cli
 
     runner = CliRunner()
     for name in ("plan", "estimate"):
@@ -191,7 +191,7 @@ def test_gpus_default_to_the_topology_and_are_required_without_one():
 def test_memory_assumptions_can_be_overridden_from_the_command_line():
     """--assume KEY=VALUE reaches the memory model (estimate and plan alike); bad keys and values are one
     line each, exit 2."""
-    from planner.cli import cli
+    from sp_plan.cli.main import cli
 
     runner = CliRunner()
     base = ["estimate", "--model", "llama3-8b", "--seq-len", "32K", "--gpus", "8", "--ulysses", "8",
@@ -207,6 +207,6 @@ def test_memory_assumptions_can_be_overridden_from_the_command_line():
     assert tight["plans"][0]["memory"]["overhead"] > roomy
     for bad, words in (("bogus=1", "unknown assumption"), ("norm_implementation=weird", "'fused' or 'eager'"),
                        ("nokv", "KEY=VALUE")):
-        proc = subprocess.run([sys.executable, "-m", "planner.cli", *plan, "--assume", bad], cwd=ROOT,
+        proc = subprocess.run([sys.executable, "-m", "sp_plan.cli", *plan, "--assume", bad], cwd=ROOT,
                               capture_output=True, text=True)
         assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -10,12 +10,12 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from cost_models import Layout, TrainSpec, get_model_preset
-from cost_models.compute_time import COMPUTE_PARTS
-from cost_models.estimate import estimate
-from cost_models.profile import resolve_profile
-from cost_models.topology import default_topology
-from planner.cli import cli
+from sp_plan.cost_models import Layout, TrainSpec, get_model_preset
+from sp_plan.cost_models.compute_time import COMPUTE_PARTS
+from sp_plan.cost_models.estimate import estimate
+from sp_plan.cost_models.profile import resolve_profile
+from sp_plan.cost_models.topology import default_topology
+from sp_plan.cli.main import cli
 
 LLAMA8 = get_model_preset("llama3-8b")
 

@@ -4,11 +4,11 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from cost_models import Layout, TrainSpec, get_model_preset
-from planner.cli import cli
-from planner.errors import PlannerError
-from planner.export import to_accelerate, to_deepspeed, to_torchrun
-from planner.plan import Hardware, Plan, load_plan
+from sp_plan.cost_models import Layout, TrainSpec, get_model_preset
+from sp_plan.cli.main import cli
+from sp_plan.planner.errors import PlannerError
+from sp_plan.planner.export import to_accelerate, to_deepspeed, to_torchrun
+from sp_plan.planner.plan import Hardware, Plan, load_plan
 
 
 def make_plan(gpus=8, per_node=8, **degrees):

@@ -3,7 +3,7 @@
 On 2 gloo ranks (dp_shard=2), three AdamW steps of the runtime Llama model:
 
 - fp32: plain FSDP2, ``offload_params`` (FSDP2's CPUOffloadPolicy) and ``offload_optimizer``
-  (:class:`runtime.host_optimizer.HostOffloadOptimizer` over FSDP2's sharded parameters) give the same
+  (:class:`sp_plan.runtime.host_optimizer.HostOffloadOptimizer` over FSDP2's sharded parameters) give the same
   parameters (the same AdamW arithmetic on the same fp32 values);
 - bf16 mixed precision: the host optimizer over bf16 device parameters (fp32 masters on the host)
   against FSDP2's fp32-master mixed precision: the same update up to the bf16 rounding of gradients;
@@ -15,24 +15,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cost_models import Layout, TrainSpec
-from runtime.errors import RuntimeConfigError
+from sp_plan.cost_models import Layout, TrainSpec
+from sp_plan.runtime.errors import RuntimeConfigError
 from tests.distributed import run_ranks
 
 SEQ, VOCAB, STEPS, LR = 16, 64, 3, 1e-2
 
 
 def _spec():
-    from cost_models import ModelSpec
+    from sp_plan.cost_models import ModelSpec
 
     return ModelSpec(name="tiny", num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
                      ffn_hidden_size=64, vocab_size=VOCAB)
 
 
 def _train(mesh, variant: str) -> tuple[list[torch.Tensor], dict]:
-    from runtime.fsdp import apply_fsdp
-    from runtime.host_optimizer import HostOffloadOptimizer
-    from runtime.models import LlamaModel
+    from sp_plan.runtime.fsdp import apply_fsdp
+    from sp_plan.runtime.host_optimizer import HostOffloadOptimizer
+    from sp_plan.runtime.models import LlamaModel
 
     dtype = torch.bfloat16 if variant == "host_optimizer_bf16" else torch.float32
     model = LlamaModel(_spec())
@@ -81,7 +81,7 @@ def _train(mesh, variant: str) -> tuple[list[torch.Tensor], dict]:
 
 
 def _offload_rank(rank: int, world: int) -> dict:
-    from runtime.mesh import build_mesh
+    from sp_plan.runtime.mesh import build_mesh
 
     mesh = build_mesh(Layout(dp_shard=world), device_type="cpu")
     runs = {v: _train(mesh, v) for v in ("fsdp", "offload_params", "host_optimizer", "fsdp_bf16",
@@ -142,7 +142,7 @@ class _Mesh:
 def test_fully_shard_kwargs_follow_the_plan():
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-    from runtime.fsdp import fully_shard_kwargs
+    from sp_plan.runtime.fsdp import fully_shard_kwargs
 
     kw = fully_shard_kwargs(TrainSpec(seq_len=8, zero_stage=3), _Mesh(1, {"fsdp": "fsdp-mesh"}, {}))
     assert kw["mesh"] == "fsdp-mesh" and kw["reshard_after_forward"] is True

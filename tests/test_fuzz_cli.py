@@ -3,7 +3,7 @@
 Whatever the input, the CLI must answer as the README documents: exit 0 (an answer), 1 ("no plan
 fits") or 2 (bad input: one line on stderr), never a Python traceback; and an exit-0 ``--json`` answer
 holds no NaN, infinite, negative or absurd figure. The bulk runs in-process through the real entry point
-(:func:`planner.cli.main`, whose error handling is what the console script runs) under click's
+(:func:`sp_plan.cli.main.main`, whose error handling is what the console script runs) under click's
 ``CliRunner`` isolation; a few cases go through the installed ``sp-plan`` console script to check exit
 codes end to end. Hypothesis is derandomized (the same examples on every run) so CI is reproducible;
 validate is fuzzed on its argument checks only (nothing here launches ranks) and probe on arguments that
@@ -25,7 +25,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.cli import main
+from sp_plan.cli.main import main
 
 FUZZ = settings(derandomize=True, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

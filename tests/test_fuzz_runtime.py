@@ -19,8 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.attention import local_attention
-from runtime.errors import RuntimeConfigError
+from sp_plan.runtime.attention import local_attention
+from sp_plan.runtime.errors import RuntimeConfigError
 from tests.distributed import run_ranks
 
 DTYPES = {"float32": (torch.float32, 2e-5), "float64": (torch.float64, 1e-10)}
@@ -161,8 +161,8 @@ def _layout_positions(path: str, rank: int, world: int, seq: int) -> list[int]:
 def _fuzz_rank(rank: int, world: int, cases: list[dict]) -> list:
     import torch.distributed as dist
 
-    from runtime.attention import ring_attention, ulysses_attention
-    from runtime.context import SequenceParallel
+    from sp_plan.runtime.attention import ring_attention, ulysses_attention
+    from sp_plan.runtime.context import SequenceParallel
 
     group = dist.group.WORLD
     results = []

@@ -39,7 +39,7 @@ HALF_RATIO = 1.5
 
 def _available(name: str, dtype: torch.dtype, head_dim: int) -> str | None:
     """None when ``name`` can run ``dtype``/``head_dim`` on this GPU, else the reason."""
-    from runtime.attention import kernel
+    from sp_plan.runtime.attention import kernel
 
     device = torch.device("cuda")
     major_minor = torch.cuda.get_device_capability(device)
@@ -127,7 +127,7 @@ def _no_tf32():
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 2)])
 def test_kernel_pair_matches_the_fp64_reference(name, dtype, causal, heads, kv_heads):
-    from runtime.attention.kernel import attention_backward, attention_forward
+    from sp_plan.runtime.attention.kernel import attention_backward, attention_forward
 
     head_dim = 64
     reason = _available(name, dtype, head_dim)
@@ -146,8 +146,8 @@ def test_kernel_pair_matches_the_fp64_reference(name, dtype, causal, heads, kv_h
 def test_block_backward_with_the_merged_lse_of_a_larger_softmax(name):
     """Ring attention's contract: keys split in two blocks, each block's backward given the merged
     output and LSE of the whole row, sums to the full gradients."""
-    from runtime.attention.kernel import attention_backward, attention_forward
-    from runtime.attention.merge import merge_into
+    from sp_plan.runtime.attention.kernel import attention_backward, attention_forward
+    from sp_plan.runtime.attention.merge import merge_into
 
     dtype = torch.bfloat16 if name not in ("sdpa_efficient", "math") else torch.float32
     reason = _available(name, dtype, 64)
@@ -177,7 +177,7 @@ def test_block_backward_with_the_merged_lse_of_a_larger_softmax(name):
 @pytest.mark.parametrize("name", ALL_BACKENDS)
 @pytest.mark.parametrize("causal", [True, False])
 def test_document_masking_matches_per_document_attention(name, causal):
-    from runtime.attention import local_attention
+    from sp_plan.runtime.attention import local_attention
 
     dtype = torch.bfloat16 if name not in ("sdpa_efficient", "math") else torch.float32
     reason = _available(name, dtype, 64)
@@ -197,9 +197,9 @@ def test_document_masking_matches_per_document_attention(name, causal):
 
 
 def _nccl_rank(rank: int, world: int, layout: str, packed: bool) -> dict:
-    from cost_models.layout import Layout
-    from runtime.context import SequenceParallel
-    from runtime.mesh import build_mesh
+    from sp_plan.cost_models.layout import Layout
+    from sp_plan.runtime.context import SequenceParallel
+    from sp_plan.runtime.mesh import build_mesh
 
     mesh = build_mesh(Layout(ring=world if layout == "ring" else 1, ulysses=world if layout == "ulysses" else 1),
                       device_type="cuda")
@@ -231,7 +231,7 @@ def test_multi_gpu_paths_over_nccl(layout, packed):
 
 def test_timing_table(capsys):
     """Forward + backward of one causal layer per available backend (median of 10; printed)."""
-    from runtime.attention.kernel import attention_backward, attention_forward
+    from sp_plan.runtime.attention.kernel import attention_backward, attention_forward
 
     rows = []
     for name in ALL_BACKENDS:

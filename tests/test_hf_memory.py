@@ -1,6 +1,6 @@
 """The memory model describes a Hugging Face decoder layer exactly: bytes saved for backward by an HF
 Llama layer running the runtime's attention, measured with ``saved_tensors_hooks``, equal the planner's
-per-layer prediction under the HF assumptions (``runtime.capabilities.memory_assumptions("hf")``: HF's
+per-layer prediction under the HF assumptions (``sp_plan.runtime.capabilities.memory_assumptions("hf")``: HF's
 eager RMSNorm keeps an fp32 copy of its input), for every checkpointing mode and with the tiled MLP;
 the runtime Llama's default assumptions would under-predict HF by those copies."""
 
@@ -22,11 +22,11 @@ def _measure(rank: int, world: int) -> dict:
     import torch
     import transformers
 
-    from cost_models import Layout
-    from runtime.context import SequenceParallel
-    from runtime.hf import apply_hf_tiled_mlp, hf_model_spec, set_hf_checkpointing, use_sequence_parallel_attention
-    from runtime.mesh import build_mesh
-    from runtime.saved_tensor_meter import SavedTensorMeter
+    from sp_plan.cost_models import Layout
+    from sp_plan.runtime.context import SequenceParallel
+    from sp_plan.runtime.hf import apply_hf_tiled_mlp, hf_model_spec, set_hf_checkpointing, use_sequence_parallel_attention
+    from sp_plan.runtime.mesh import build_mesh
+    from sp_plan.runtime.saved_tensor_meter import SavedTensorMeter
 
     sp = SequenceParallel.from_mesh(build_mesh(Layout()))
     config = transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=1,
@@ -60,10 +60,10 @@ def measured():
 
 @pytest.mark.parametrize("mode, tiled", CASES)
 def test_hf_layer_saved_bytes_equal_the_hf_prediction(measured, mode, tiled):
-    from cost_models import Layout, ModelSpec, TrainSpec
-    from cost_models.estimate import estimate
-    from cost_models.gpu_spec import get_gpu_preset
-    from runtime.capabilities import memory_assumptions
+    from sp_plan.cost_models import Layout, ModelSpec, TrainSpec
+    from sp_plan.cost_models.estimate import estimate
+    from sp_plan.cost_models.gpu_spec import get_gpu_preset
+    from sp_plan.runtime.capabilities import memory_assumptions
 
     spec = ModelSpec(**measured["spec"])
     train = TrainSpec(seq_len=SEQ, checkpointing=mode, tiled_mlp=tiled)

@@ -11,8 +11,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from runtime.hf import TILED_ATTRIBUTE, apply_hf_tiled_mlp, set_hf_checkpointing  # noqa: E402
-from runtime.saved_tensor_meter import SavedTensorMeter  # noqa: E402
+from sp_plan.runtime.hf import TILED_ATTRIBUTE, apply_hf_tiled_mlp, set_hf_checkpointing  # noqa: E402
+from sp_plan.runtime.saved_tensor_meter import SavedTensorMeter  # noqa: E402
 
 COMMON = dict(hidden_size=32, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=64, max_position_embeddings=128, tie_word_embeddings=False)

@@ -1,7 +1,7 @@
 """HF transformers models (random weights from a config, no download) train with our SP attention.
 
 On 4 gloo ranks, for Llama, Qwen2 (QKV bias), Qwen3 (q/k norm) and Mistral configs under USP, Ulysses 4
-(KV heads replicated), Ring 4 and data x sequence parallelism, through ``runtime.auto_configure``:
+(KV heads replicated), Ring 4 and data x sequence parallelism, through ``sp_plan.runtime.auto_configure``:
 
 - the model's attention is ours (``attn_implementation == "sp_plan"``) and NO mask is ever built:
   transformers' mask builders are replaced by functions that fail the test if called, and our
@@ -92,9 +92,9 @@ def _fail_mask(*args, **kwargs):
 def _rank(rank: int, world: int) -> dict:
     from transformers import masking_utils
 
-    from runtime.auto import auto_configure
-    from runtime.hf import ATTENTION_NAME, TILED_ATTRIBUTE, hf_model_spec
-    from runtime.step import train_step
+    from sp_plan.runtime.auto import auto_configure
+    from sp_plan.runtime.hf import ATTENTION_NAME, TILED_ATTRIBUTE, hf_model_spec
+    from sp_plan.runtime.step import train_step
 
     for name in list(masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping):
         masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[name] = _fail_mask

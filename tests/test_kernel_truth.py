@@ -6,22 +6,22 @@ import math
 
 import pytest
 
-from cost_models import Layout, TrainSpec, get_model_preset
-from cost_models.fitted import FittedParameters, fitted_parameters, use
-from cost_models.gpu_spec import canonical_gpu_name, get_gpu_preset
-from cost_models.kernels import kernel_model, prior_kernel_model
-from cost_models.time_model import time_estimate
-from cost_models.topology import default_topology
-from planner.calibration.fit import FitResult, Parameter, fit
-from planner.calibration.kernel_fit import (
+from sp_plan.cost_models import Layout, TrainSpec, get_model_preset
+from sp_plan.cost_models.fitted import FittedParameters, fitted_parameters, use
+from sp_plan.cost_models.gpu_spec import canonical_gpu_name, get_gpu_preset
+from sp_plan.cost_models.kernels import kernel_model, prior_kernel_model
+from sp_plan.cost_models.time_model import time_estimate
+from sp_plan.cost_models.topology import default_topology
+from sp_plan.planner.calibration.fit import FitResult, Parameter, fit
+from sp_plan.planner.calibration.kernel_fit import (
     KERNEL_TRUTH_PREFIXES,
     fit_kernels,
     kernel_data,
     kernel_figures,
     leave_one_kernel_source_out,
 )
-from planner.calibration.parameters import SHIPPED_MIN_SOURCES, TIME_KINDS, VARIANT_KEYS, published_fit_parameters
-from planner.calibration.published import published_runs
+from sp_plan.planner.calibration.parameters import SHIPPED_MIN_SOURCES, TIME_KINDS, VARIANT_KEYS, published_fit_parameters
+from sp_plan.planner.calibration.published import published_runs
 
 LLAMA8 = get_model_preset("llama3-8b")
 
@@ -104,7 +104,7 @@ def test_kernel_model_reproduces_ring_flash_attention_single_gpu_figures_held_ou
         assert abs(err) < 0.10, figure
     # What the pinned model says the 8K causal forward reaches, as a fraction of peak.
     h = kernel_model("h800")
-    from cost_models.kernels import attention_seconds
+    from sp_plan.cost_models.kernels import attention_seconds
 
     p = h.attention_params("fa2")
     peak = get_gpu_preset("h800").flops_for("bf16")
@@ -148,8 +148,8 @@ def test_a_500w_board_is_slower_and_never_slows_the_700w_board():
 
 
 def test_clock_factor_scales_compute_bound_kernels_only():
-    from cost_models.compute_time import compute_time
-    from cost_models.profile import resolve_profile
+    from sp_plan.cost_models.compute_time import compute_time
+    from sp_plan.cost_models.profile import resolve_profile
 
     topo = default_topology("h100-80gb", 8)
     train = TrainSpec(seq_len=131072, checkpointing="full", zero_stage=3)
@@ -175,9 +175,9 @@ def test_kernel_files_keep_their_priors():
 
 
 def test_stacks_record_their_attention_kernel_per_gpu():
-    from cost_models.compute_time import compute_time
-    from cost_models.profile import resolve_profile
-    from cost_models.stack import attention_kernel_for, load_stack
+    from sp_plan.cost_models.compute_time import compute_time
+    from sp_plan.cost_models.profile import resolve_profile
+    from sp_plan.cost_models.stack import attention_kernel_for, load_stack
 
     titan = load_stack("torchtitan").time
     assert attention_kernel_for(titan, "h100-80gb", "h100") == "fa2"
@@ -192,15 +192,15 @@ def test_stacks_record_their_attention_kernel_per_gpu():
 def test_save_on_cpu_offload_skips_recompute_and_moves_every_activation():
     """hf-fsdp2 offloads saved activations instead of recomputing; hf-deepspeed (ALST) offloads the
     checkpoints and recomputes. Same layout and options, different time."""
-    from cost_models.profile import resolve_profile
-    from cost_models.time_model import saved_activation_bytes
+    from sp_plan.cost_models.profile import resolve_profile
+    from sp_plan.cost_models.time_model import saved_activation_bytes
 
     topo = default_topology("h100-80gb", 8)
     train = TrainSpec(seq_len=262144, checkpointing="full", zero_stage=3, offload_checkpoints=True)
     fsdp2 = time_estimate(LLAMA8, train, Layout(ring=8), topo, profile=resolve_profile("h100-80gb", "hf-fsdp2"))
     recompute_stack = resolve_profile("h100-80gb", "hf-fsdp2").stack.with_overrides(
         time={"checkpoint_offload_recomputes": True})
-    from cost_models.profile import CostProfile
+    from sp_plan.cost_models.profile import CostProfile
 
     recomputing = time_estimate(LLAMA8, train, Layout(ring=8), topo,
                                 profile=CostProfile(recompute_stack, kernel_model("h100-80gb")))
@@ -215,7 +215,7 @@ def test_nccl_tests_bus_bandwidth_against_the_collective_model():
     """nccl-tests on 8 x H100 NVLink4: ~370 GB/s bus bandwidth for ring all-reduce, all-gather and
     all-to-all; the collective model on the dgx-h100 preset is within 5%. NVLS all-reduce (480 GB/s) is
     not modelled and shows as a -25% miss."""
-    from planner.calibration.kernel_fit import collective_checks
+    from sp_plan.planner.calibration.kernel_fit import collective_checks
 
     checks = collective_checks()
     ring = [c for c in checks if "NVLS" not in c.id]
@@ -227,8 +227,8 @@ def test_nccl_tests_bus_bandwidth_against_the_collective_model():
 
 
 def test_compute_memo_keys_on_offload_only_where_it_changes_compute():
-    from cost_models.compute_time import compute_time
-    from cost_models.profile import resolve_profile
+    from sp_plan.cost_models.compute_time import compute_time
+    from sp_plan.cost_models.profile import resolve_profile
 
     topo = default_topology("h100-80gb", 8)
     base = TrainSpec(seq_len=65536, checkpointing="full", zero_stage=3)
@@ -246,7 +246,7 @@ def test_gh200_is_an_h100_die_with_its_own_memory_and_node():
     instead of PCIe, four superchips per node (the CLI's default node size follows the preset)."""
     from click.testing import CliRunner
 
-    from planner.cli import cli
+    from sp_plan.cli.main import cli
 
     assert kernel_model("gh200").gemm == kernel_model("h100-80gb").gemm
     gh, h100 = get_gpu_preset("gh200"), get_gpu_preset("h100-80gb")

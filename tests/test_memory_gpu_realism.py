@@ -5,19 +5,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cost_models import Layout, TrainSpec, get_model_preset
-from cost_models.memory import MemoryAssumptions, memory_core, memory_report
-from cost_models.memory.allocator import fragmentation, replay, round_size, segment_size
-from cost_models.memory.assumptions import NCCL_LL128_BYTES, NCCL_LL_BYTES, NCCL_SIMPLE_BYTES
-from cost_models.memory.block import block_graph
-from cost_models.memory.dims import local_dims
-from cost_models.memory.graph import GraphBuilder, TensorSpec
-from cost_models.memory.liveness import simulate
-from cost_models.memory.output_layer import liger_chunk_tokens, output_graph
-from cost_models.memory.overhead import communicator_bytes, process_groups, purpose_groups
-from cost_models.memory.states import block_matrices, tp_params
-from cost_models.profile import resolve_profile
-from cost_models import get_gpu_preset
+from sp_plan.cost_models import Layout, TrainSpec, get_model_preset
+from sp_plan.cost_models.memory import MemoryAssumptions, memory_core, memory_report
+from sp_plan.cost_models.memory.allocator import fragmentation, replay, round_size, segment_size
+from sp_plan.cost_models.memory.assumptions import NCCL_LL128_BYTES, NCCL_LL_BYTES, NCCL_SIMPLE_BYTES
+from sp_plan.cost_models.memory.block import block_graph
+from sp_plan.cost_models.memory.dims import local_dims
+from sp_plan.cost_models.memory.graph import GraphBuilder, TensorSpec
+from sp_plan.cost_models.memory.liveness import simulate
+from sp_plan.cost_models.memory.output_layer import liger_chunk_tokens, output_graph
+from sp_plan.cost_models.memory.overhead import communicator_bytes, process_groups, purpose_groups
+from sp_plan.cost_models.memory.states import block_matrices, tp_params
+from sp_plan.cost_models.profile import resolve_profile
+from sp_plan.cost_models import get_gpu_preset
 
 MiB = 1 << 20
 H100 = get_gpu_preset("h100-80gb")

@@ -9,18 +9,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cost_models.estimate import estimate
-from cost_models.layout import Layout
-from cost_models.memory import memory_core
-from cost_models.model_spec import get_model_preset
-from cost_models.profile import resolve_profile
-from cost_models.topology import load_topology
-from cost_models.train_spec import TrainSpec
-from planner.calibration.published import published_runs
-from planner.calibration.runs import max_seq_len
-from planner.calibration.fit import profile_for
-from planner.capacity import max_seq_len as capacity_max_seq_len
-from planner.search import PlanSettings
+from sp_plan.cost_models.estimate import estimate
+from sp_plan.cost_models.layout import Layout
+from sp_plan.cost_models.memory import memory_core
+from sp_plan.cost_models.model_spec import get_model_preset
+from sp_plan.cost_models.profile import resolve_profile
+from sp_plan.cost_models.topology import load_topology
+from sp_plan.cost_models.train_spec import TrainSpec
+from sp_plan.planner.calibration.published import published_runs
+from sp_plan.planner.calibration.runs import max_seq_len
+from sp_plan.planner.calibration.fit import profile_for
+from sp_plan.planner.capacity import max_seq_len as capacity_max_seq_len
+from sp_plan.planner.search import PlanSettings
 
 INT32_MAX = (1 << 31) - 1
 ALST = dict(mode="train", zero_stage=3, offload_optimizer=True, checkpointing="full", tiled_mlp=True,

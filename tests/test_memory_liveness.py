@@ -2,8 +2,8 @@
 
 import pytest
 
-from cost_models.memory.graph import ATTENTION, Graph, GraphBuilder, TensorSpec, Workspace
-from cost_models.memory.liveness import checkpoint_plan, simulate
+from sp_plan.cost_models.memory.graph import ATTENTION, Graph, GraphBuilder, TensorSpec, Workspace
+from sp_plan.cost_models.memory.liveness import checkpoint_plan, simulate
 
 
 def chain() -> Graph:

@@ -15,8 +15,8 @@ checks equality with that term added, and a relative difference below 2e-4 witho
 
 import pytest
 
-from cost_models import Layout, TrainSpec, get_gpu_preset, get_model_preset
-from cost_models.estimate import estimate
+from sp_plan.cost_models import Layout, TrainSpec, get_gpu_preset, get_model_preset
+from sp_plan.cost_models.estimate import estimate
 
 LAYERNORM_STATS_PER_TOKEN = 2 * (4 + 4)  # two LayerNorms x (fp32 mean + fp32 rstd)
 

@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cost_models import Layout, TrainSpec, get_gpu_preset, get_model_preset
-from cost_models.estimate import estimate
-from cost_models.memory import MemoryAssumptions, memory_report
+from sp_plan.cost_models import Layout, TrainSpec, get_gpu_preset, get_model_preset
+from sp_plan.cost_models.estimate import estimate
+from sp_plan.cost_models.memory import MemoryAssumptions, memory_report
 
 H100 = get_gpu_preset("h100-80gb")
 LLAMAS = ["llama2-7b", "llama3-8b", "llama3-70b", "qwen3-4b", "mistral-7b", "qwen2.5-7b"]
@@ -175,8 +175,8 @@ def test_ring_buffers_are_reported_as_comm_staging():
 
 
 def test_ulysses_alltoall_staging_is_a_comm_buffer():
-    from cost_models.memory.block import block_graph
-    from cost_models.memory.dims import local_dims
+    from sp_plan.cost_models.memory.block import block_graph
+    from sp_plan.cost_models.memory.dims import local_dims
 
     model = get_model_preset("llama3-8b")
     train = TrainSpec(seq_len="128K")

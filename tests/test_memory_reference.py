@@ -2,8 +2,8 @@
 
 import pytest
 
-from cost_models import Layout, TrainSpec, get_gpu_preset, get_model_preset
-from cost_models.estimate import estimate
+from sp_plan.cost_models import Layout, TrainSpec, get_gpu_preset, get_model_preset
+from sp_plan.cost_models.estimate import estimate
 
 GB = 1e9
 

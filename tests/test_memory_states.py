@@ -2,12 +2,12 @@
 
 import pytest
 
-from cost_models import Layout, TrainSpec, get_gpu_preset, get_model_preset, model_preset_names
-from cost_models.estimate import estimate
-from cost_models.memory import MemoryAssumptions, memory_report
-from cost_models.memory.dims import ceil_div
-from cost_models.memory.overhead import process_groups
-from cost_models.memory.states import bytes_per_param, model_states, tp_params
+from sp_plan.cost_models import Layout, TrainSpec, get_gpu_preset, get_model_preset, model_preset_names
+from sp_plan.cost_models.estimate import estimate
+from sp_plan.cost_models.memory import MemoryAssumptions, memory_report
+from sp_plan.cost_models.memory.dims import ceil_div
+from sp_plan.cost_models.memory.overhead import process_groups
+from sp_plan.cost_models.memory.states import bytes_per_param, model_states, tp_params
 
 H100 = get_gpu_preset("h100-80gb")
 

@@ -22,18 +22,18 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cost_models import ModelSpec  # noqa: E402
-from runtime.errors import RuntimeConfigError  # noqa: E402
-from runtime.models import LlamaModel  # noqa: E402
-from runtime.offload import CheckpointOffload, apply_checkpoint_offload  # noqa: E402
-from runtime.saved_tensor_meter import SavedTensorMeter  # noqa: E402
-from runtime.tiled_loss import (  # noqa: E402
+from sp_plan.cost_models import ModelSpec  # noqa: E402
+from sp_plan.runtime.errors import RuntimeConfigError  # noqa: E402
+from sp_plan.runtime.models import LlamaModel  # noqa: E402
+from sp_plan.runtime.offload import CheckpointOffload, apply_checkpoint_offload  # noqa: E402
+from sp_plan.runtime.saved_tensor_meter import SavedTensorMeter  # noqa: E402
+from sp_plan.runtime.tiled_loss import (  # noqa: E402
     DEFAULT_CHUNK_TOKENS,
     chunk_tokens_for,
     plain_cross_entropy,
     tiled_cross_entropy,
 )
-from runtime.tiled_mlp import apply_tiled_mlp, tile_tokens_for, tiled_mlp  # noqa: E402
+from sp_plan.runtime.tiled_mlp import apply_tiled_mlp, tile_tokens_for, tiled_mlp  # noqa: E402
 
 BF16_ULP = 2.0**-7  # spacing of bf16 numbers relative to the leading power of two (8 significant bits)
 
@@ -72,7 +72,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_tile_rule_is_the_memory_models():
-    from cost_models.memory import MemoryAssumptions
+    from sp_plan.cost_models.memory import MemoryAssumptions
 
     assert MemoryAssumptions().tiled_mlp_tile_tokens is None  # default: hidden_size tokens per tile
     assert tile_tokens_for(hidden_size=4096, tokens=32768) == 4096
@@ -187,7 +187,7 @@ def test_tiled_loss_skips_ignored_chunks_and_handles_no_valid_tokens():
 
 
 def test_chunk_rule_is_the_memory_models():
-    from cost_models.memory import MemoryAssumptions
+    from sp_plan.cost_models.memory import MemoryAssumptions
 
     assert DEFAULT_CHUNK_TOKENS == MemoryAssumptions().loss_chunk_tokens
     assert chunk_tokens_for(100) == 100 and chunk_tokens_for(10**6) == DEFAULT_CHUNK_TOKENS
@@ -197,7 +197,7 @@ def test_chunk_rule_is_the_memory_models():
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_causal_lm_loss_tiled_equals_plain_on_the_model(tied):
-    from runtime.tiled_loss import causal_lm_loss
+    from sp_plan.runtime.tiled_loss import causal_lm_loss
 
     plain, tiled = model_pair(torch.float32, tied=tied)
     gen = torch.Generator().manual_seed(4)

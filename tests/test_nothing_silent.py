@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cost_models import Layout, TrainSpec, get_model_preset
-from cost_models.errors import CostModelError
-from cost_models.estimate import estimate
-from cost_models.model_spec import load_model
-from cost_models.profile import load_calibration, resolve_profile
-from cost_models.topology import load_topology
-from planner.cli import main
-from planner.errors import PlannerError
-from planner.plan import load_plan
+from sp_plan.cost_models import Layout, TrainSpec, get_model_preset
+from sp_plan.cost_models.errors import CostModelError
+from sp_plan.cost_models.estimate import estimate
+from sp_plan.cost_models.model_spec import load_model
+from sp_plan.cost_models.profile import load_calibration, resolve_profile
+from sp_plan.cost_models.topology import load_topology
+from sp_plan.cli.main import main
+from sp_plan.planner.errors import PlannerError
+from sp_plan.planner.plan import load_plan
 
 SMALL_PLAN = ["--model", "llama3-8b", "--seq-len", "32K", "--gpus", "8", "--top", "1"]
 
@@ -60,8 +60,8 @@ def test_topo_show_prints_a_preset_with_unset_efficiencies_and_writes_out(tmp_pa
 
 
 def test_topo_show_renders_every_preset_and_a_file_with_its_own_efficiencies(tmp_path, capsys):
-    from cost_models.topology import preset_names
-    from cost_models.topology.presets import spec_to_yaml
+    from sp_plan.cost_models.topology import preset_names
+    from sp_plan.cost_models.topology.presets import spec_to_yaml
 
     for name in preset_names():
         code, stdout, err = sp(["topo", "show", name], capsys)
@@ -316,7 +316,7 @@ def test_absurd_calibration_values_are_refused_on_load(kernels, message, tmp_pat
 
 
 def test_absurd_topology_efficiencies_are_refused(tmp_path):
-    from cost_models.topology.presets import spec_to_yaml
+    from sp_plan.cost_models.topology.presets import spec_to_yaml
 
     data = yaml.safe_load(spec_to_yaml(load_topology("dgx-h100").spec))
     data.setdefault("calibration", {}).setdefault("compute", {})["matmul"] = 1e-300
@@ -338,7 +338,7 @@ def test_an_absurd_prediction_is_an_error_not_an_answer(tmp_path, capsys):
 
 
 def test_check_figures_names_nan_negative_and_absurd_values():
-    from planner.sanity import check_figures
+    from sp_plan.planner.sanity import check_figures
 
     check_figures({"time": {"step_s": 2.5}, "fits": True, "name": "x"}, "ok")
     for data, needle in [({"time": {"step_s": float("nan")}}, "time.step_s = nan is not a number"),
@@ -367,7 +367,7 @@ def _write(path: Path, rows: list[dict]) -> Path:
 
 
 def test_a_csv_file_is_one_source_so_cross_validation_refits_per_file_not_per_row(tmp_path):
-    from planner.calibration.user_runs import runs_from_csv
+    from sp_plan.planner.calibration.user_runs import runs_from_csv
 
     runs = runs_from_csv(_write(tmp_path / "a.csv", _rows(5)), "sp-plan")
     assert {r.source for r in runs} == {str(tmp_path / "a.csv")}
@@ -375,8 +375,8 @@ def test_a_csv_file_is_one_source_so_cross_validation_refits_per_file_not_per_ro
 
 
 def test_the_fit_sees_at_most_max_fit_runs_and_the_rest_are_reported_held_out(tmp_path, monkeypatch):
-    from planner.calibration import user_fit
-    from planner.calibration.user_runs import runs_from_csv
+    from sp_plan.planner.calibration import user_fit
+    from sp_plan.planner.calibration.user_runs import runs_from_csv
 
     monkeypatch.setattr(user_fit, "MAX_FIT_RUNS", 6)
     seen: list[int] = []
@@ -399,7 +399,7 @@ def test_the_fit_sees_at_most_max_fit_runs_and_the_rest_are_reported_held_out(tm
 
 
 def test_the_time_only_prediction_equals_the_full_estimate():
-    from planner.calibration.runs import MeasuredRun, predict
+    from sp_plan.planner.calibration.runs import MeasuredRun, predict
 
     model = get_model_preset("llama3-8b")
     topo = load_topology("dgx-h100", 8)

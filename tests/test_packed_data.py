@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.data import IGNORE_INDEX, BatchSharder, positions_from_starts
-from runtime.errors import RuntimeConfigError
+from sp_plan.runtime.data import IGNORE_INDEX, BatchSharder, positions_from_starts
+from sp_plan.runtime.errors import RuntimeConfigError
 from tests.test_training_data import FakeSP
 
 IDS = torch.arange(10, 24).view(2, 7)

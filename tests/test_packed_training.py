@@ -2,7 +2,7 @@
 
 Rows of 64 tokens pack several learnable documents (arithmetic progressions mod VOCAB) with position
 ids restarting at 0 per document; documents straddle rank boundaries and zigzag halves. Each
-configuration runs through ``runtime.auto_configure`` and ``runtime.step.train_step`` (the sharder
+configuration runs through ``sp_plan.runtime.auto_configure`` and ``sp_plan.runtime.step.train_step`` (the sharder
 turns the restarts into ``cu_seqlens``, the model hands them to the SP attention) and is compared with
 a single-process run on the same rows that shares no runtime code on the data or attention side:
 
@@ -45,7 +45,7 @@ HF_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num
 
 
 def _spec():
-    from cost_models import ModelSpec
+    from sp_plan.cost_models import ModelSpec
 
     return ModelSpec(name="tiny-llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                      ffn_hidden_size=128, vocab_size=VOCAB)
@@ -59,7 +59,7 @@ def _model(kind: str, attention_fn=None):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_CONFIG))
         model.set_attn_implementation("sdpa")
         return model.float()
-    from runtime.models import LlamaModel
+    from sp_plan.runtime.models import LlamaModel
 
     model = LlamaModel(_spec(), attention_fn=attention_fn)
     model.init_weights(generator=torch.Generator().manual_seed(0))
@@ -134,8 +134,8 @@ def _reference(kind: str, masked: bool = True, steps: int = STEPS) -> list[float
 
 
 def _train_rank(rank: int, world: int) -> dict:
-    from runtime.auto import auto_configure
-    from runtime.step import train_step
+    from sp_plan.runtime.auto import auto_configure
+    from sp_plan.runtime.step import train_step
 
     results = {}
     for name, kind, layout, options, micro_batch in CONFIGS:

@@ -5,13 +5,13 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from cost_models import TrainSpec, get_model_preset
-from cost_models.topology import default_topology
-from planner.cli import cli
-from planner.errors import PlannerError
-from planner.plan import load_plan
-from planner.report import explain_winner
-from planner.search import PlanSettings, search
+from sp_plan.cost_models import TrainSpec, get_model_preset
+from sp_plan.cost_models.topology import default_topology
+from sp_plan.cli.main import cli
+from sp_plan.planner.errors import PlannerError
+from sp_plan.planner.plan import load_plan
+from sp_plan.planner.report import explain_winner
+from sp_plan.planner.search import PlanSettings, search
 
 
 def run_plan(*args: str) -> tuple[int, str]:
@@ -168,7 +168,7 @@ def test_capacity_max_seq_and_min_gpus_json():
     granule = data["granule"]
     assert data["max_seq_len"] % granule == 0 and data["plan"]["fits"]
     # One step longer must not fit (the answer is the maximum).
-    from planner.capacity import probe_feasibility
+    from sp_plan.planner.capacity import probe_feasibility
     model = get_model_preset("llama3-8b")
     longer = TrainSpec(seq_len=data["max_seq_len"] + granule)
     assert not probe_feasibility(model, longer, default_topology("h100-80gb", 8, 8), PlanSettings()).fits
@@ -185,7 +185,7 @@ def test_min_gpus_is_not_fooled_by_cluster_sizes_the_sequence_cannot_split_over(
     """4M = 2^22 tokens split over 32 or 64 GPUs but not over 40, 48 or 72 (no sequence-parallel degree
     of them divides it): feasibility is not monotone in the GPU count, and a plain bisection over all
     whole-node counts answered 65,536. The answer must fit, and every smaller whole-node count must not."""
-    from planner.capacity import doubling_chain, probe_feasibility
+    from sp_plan.planner.capacity import doubling_chain, probe_feasibility
 
     res = CliRunner().invoke(cli, ["capacity", "--model", "llama3-70b", "--seq-len", "4M", "--json"])
     assert res.exit_code == 0, res.output
@@ -210,10 +210,10 @@ def test_offloads_leave_the_os_and_the_training_processes_their_host_memory():
     own process (host_process_bytes), not the node's whole RAM: a 70B run on 32 GPUs at 5.5M tokens that
     offloads every checkpoint needs ~261 GB of host memory per GPU, which fits 2 TiB / 8 = 275 GB but not
     the 257 GB left after the 5% reserve and 4 GiB per process."""
-    from cost_models import Layout
-    from cost_models.estimate import estimate, offload_capacity
-    from cost_models.memory import MemoryAssumptions
-    from cost_models.topology import load_topology
+    from sp_plan.cost_models import Layout
+    from sp_plan.cost_models.estimate import estimate, offload_capacity
+    from sp_plan.cost_models.memory import MemoryAssumptions
+    from sp_plan.cost_models.topology import load_topology
 
     topology = load_topology("aws-p5", 32)
     host = topology.spec.node.host
@@ -228,7 +228,7 @@ def test_offloads_leave_the_os_and_the_training_processes_their_host_memory():
     # a cluster that reserves nothing and runs lean processes gets the node's whole share
     lean = topology.spec.model_copy(update={"node": topology.spec.node.model_copy(
         update={"host": host.model_copy(update={"reserved_fraction": 0.0})})})
-    from cost_models.topology import Topology
+    from sp_plan.cost_models.topology import Topology
     assert offload_capacity(Topology(lean), a.model_copy(update={"host_process_bytes": 0})) == topology.host_ram_per_gpu
 
 

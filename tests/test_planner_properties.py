@@ -6,11 +6,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cost_models import CostModelError, Layout, ModelSpec, TrainSpec
-from cost_models.estimate import offload_capacity
-from cost_models.memory import MemoryAssumptions, memory_core
-from cost_models.topology import default_topology
-from planner.search import PlanSettings, search
+from sp_plan.cost_models import CostModelError, Layout, ModelSpec, TrainSpec
+from sp_plan.cost_models.estimate import offload_capacity
+from sp_plan.cost_models.memory import MemoryAssumptions, memory_core
+from sp_plan.cost_models.topology import default_topology
+from sp_plan.planner.search import PlanSettings, search
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -98,8 +98,8 @@ def test_invalid_inputs_raise_the_project_error(heads, kv, ulysses, tp, ring, se
 ])
 def test_search_finds_the_brute_force_optimum(name, seq, gpus, mode):
     """Pruning (floors, closures, branch and bound) never loses the best plan."""
-    from cost_models import get_model_preset
-    from planner.search import brute_force_best
+    from sp_plan.cost_models import get_model_preset
+    from sp_plan.planner.search import brute_force_best
 
     model = get_model_preset(name)
     topology = default_topology("h100-80gb", gpus, min(8, gpus))
@@ -122,9 +122,9 @@ def test_lattice_monotonicity_the_search_relies_on(name, seq, gpus, layout_kw, m
     gets faster. The floors, closures and the best-first order are exact only while this holds."""
     import itertools
 
-    from cost_models import get_model_preset
-    from planner.options import invalid_reason
-    from planner.search import _Searcher
+    from sp_plan.cost_models import get_model_preset
+    from sp_plan.planner.options import invalid_reason
+    from sp_plan.planner.search import _Searcher
 
     model = get_model_preset(name)
     topology = default_topology("h100-80gb", gpus, min(8, gpus))
@@ -155,8 +155,8 @@ def test_lattice_monotonicity_the_search_relies_on(name, seq, gpus, layout_kw, m
 def test_search_finds_the_brute_force_optimum_under_gpu_stacks(stack, name, seq, gpus):
     """The pruning stays exact under the GPU stacks' memory models too (the tiled MLP is not monotone under
     hf-deepspeed; the search's bounds try it both ways)."""
-    from cost_models import get_model_preset
-    from planner.search import brute_force_best
+    from sp_plan.cost_models import get_model_preset
+    from sp_plan.planner.search import brute_force_best
 
     model = get_model_preset(name)
     topology = default_topology("h100-80gb", gpus, min(8, gpus))
@@ -173,8 +173,8 @@ def test_search_finds_the_brute_force_optimum_under_gpu_stacks(stack, name, seq,
 def test_bounds_try_the_tiled_mlp_both_ways_where_it_costs_memory():
     """Under hf-deepspeed a tiled MLP with one or two tiles costs memory. A pruning bound (floor, cheap
     closure) with the tiled MLP on must still say "fits" when the same options without it fit."""
-    from cost_models import Layout, get_model_preset
-    from planner.search import _Searcher
+    from sp_plan.cost_models import Layout, get_model_preset
+    from sp_plan.planner.search import _Searcher
 
     model = get_model_preset("llama3-8b")
     topology = default_topology("h100-80gb", 8, 8)

@@ -5,12 +5,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from cost_models.calibration import TimingSample, predict
-from cost_models.errors import CostModelError
-from cost_models.topology import Topology, load_topology, save_topology
-from runtime.probe.build import DeviceFacts, ProbeFacts, build_spec, match_gpu_preset
-from runtime.probe.connectivity import connectivity_from_nvml, parse_nvidia_smi_topo
-from runtime.probe.host import HostFacts, NicInfo, PcieLink
+from sp_plan.cost_models.calibration import TimingSample, predict
+from sp_plan.cost_models.errors import CostModelError
+from sp_plan.cost_models.topology import Topology, load_topology, save_topology
+from sp_plan.runtime.probe.build import DeviceFacts, ProbeFacts, build_spec, match_gpu_preset
+from sp_plan.runtime.probe.connectivity import connectivity_from_nvml, parse_nvidia_smi_topo
+from sp_plan.runtime.probe.host import HostFacts, NicInfo, PcieLink
 
 DATA = pathlib.Path(__file__).parent / "data"
 
@@ -39,7 +39,7 @@ def test_parse_l40s_pcie_topo_with_spaces():
     ("\tGPU0\tGPU1\nGPU0\tNV4\t X \nGPU1\tNV4\t X \n", "not 'X' with itself"),
 ])
 def test_parse_errors(text, message):
-    from runtime.errors import RuntimeConfigError
+    from sp_plan.runtime.errors import RuntimeConfigError
 
     with pytest.raises(RuntimeConfigError, match=message):
         parse_nvidia_smi_topo(text)
@@ -195,7 +195,7 @@ def test_cpu_attention_fraction_is_of_the_measured_dtype_and_shape_corrected():
     """CPU attention is timed in fp32 at one causal shape: its fraction is of the fp32 matmul rate (not
     bf16's, twice as fast on CPU) and divided by the kernel model's efficiency for that shape, so the
     time model gives the benchmark's own shape back the measured rate."""
-    from cost_models.kernels import attention_shape_efficiency, prior_kernel_model
+    from sp_plan.cost_models.kernels import attention_shape_efficiency, prior_kernel_model
 
     shape = (1, 4, 1024, 64)
     facts = ProbeFacts(hosts=["x"], local_world=1, host=_host(),
@@ -216,7 +216,7 @@ def test_cpu_attention_fraction_is_of_the_measured_dtype_and_shape_corrected():
 def test_cpu_attention_faster_than_gemms_raises_the_peak_not_the_fractions():
     """Ranks sharing cores can run attention faster (shape-corrected) than GEMMs: the fractions stay within
     the kernel model's bound of 1 (sp-plan calibrate fits within it) and every kernel keeps its rate."""
-    from cost_models.kernels import attention_shape_efficiency, prior_kernel_model
+    from sp_plan.cost_models.kernels import attention_shape_efficiency, prior_kernel_model
 
     facts = ProbeFacts(hosts=["x"], local_world=4, host=_host(),
                        device=DeviceFacts(kind="cpu", name="EPYC", memory_bytes=1 << 30,

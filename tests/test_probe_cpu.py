@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from cost_models import Layout, TrainSpec, get_model_preset
-from cost_models.time_model import comm_and_time
-from cost_models.topology import load_topology
+from sp_plan.cost_models import Layout, TrainSpec, get_model_preset
+from sp_plan.cost_models.time_model import comm_and_time
+from sp_plan.cost_models.topology import load_topology
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: Small messages and budgets (seconds, not minutes), yet large enough for bandwidth to show.
@@ -29,7 +29,7 @@ def _env() -> dict:
 def test_probe_under_torchrun_with_two_gloo_ranks(tmp_path):
     out = tmp_path / "cpu.yaml"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "planner.cli", "probe", "--out", str(out), *FAST]
+           "-m", "sp_plan.cli", "probe", "--out", str(out), *FAST]
     done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "wrote" in done.stdout and "not measured" in done.stdout
@@ -52,11 +52,11 @@ def test_probe_under_torchrun_with_two_gloo_ranks(tmp_path):
     assert t.step_s > t.compute_s > 0 and t.comm_s > 0
     assert t.peak_flops == topo.gpu.peak_flops["fp32"]
     assert 0 < t.mfu <= 1.0
-    shown = subprocess.run([sys.executable, "-m", "planner.cli", "topo", "show", str(out)], cwd=ROOT, env=_env(),
+    shown = subprocess.run([sys.executable, "-m", "sp_plan.cli", "topo", "show", str(out)], cwd=ROOT, env=_env(),
                            capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0 and "loopback" in shown.stdout
     # ... and `sp-plan estimate --topology` accepts it (issue 3's done-when).
-    est = subprocess.run([sys.executable, "-m", "planner.cli", "estimate", "--model", "qwen3-4b", "--seq-len", "2048",
+    est = subprocess.run([sys.executable, "-m", "sp_plan.cli", "estimate", "--model", "qwen3-4b", "--seq-len", "2048",
                           "--gpus", "2", "--ulysses", "2", "--dtype", "fp32", "--topology", str(out), "--json"],
                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
     assert est.returncode == 0, est.stderr
@@ -65,7 +65,7 @@ def test_probe_under_torchrun_with_two_gloo_ranks(tmp_path):
 
 
 def test_probe_single_process_in_process(tmp_path, monkeypatch):
-    from runtime.probe.run import run_probe
+    from sp_plan.runtime.probe.run import run_probe
 
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)

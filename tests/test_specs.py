@@ -2,10 +2,10 @@ import json
 
 import pytest
 
-from cost_models import CostModelError, Layout, TrainSpec, get_gpu_preset, get_model_preset, load_model
-from cost_models.model_spec import model_preset_names
-from cost_models.gpu_spec import gpu_preset_names
-from cost_models.units import parse_seq_len
+from sp_plan.cost_models import CostModelError, Layout, TrainSpec, get_gpu_preset, get_model_preset, load_model
+from sp_plan.cost_models.model_spec import model_preset_names
+from sp_plan.cost_models.gpu_spec import gpu_preset_names
+from sp_plan.cost_models.units import parse_seq_len
 
 REQUIRED_MODELS = [
     "llama2-7b", "llama3-8b", "llama3-70b", "llama3-405b", "qwen3-4b", "qwen3-32b", "mistral-7b", "gpt3-6.7b",

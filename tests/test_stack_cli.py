@@ -17,19 +17,19 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from cost_models import Layout, TrainSpec, get_model_preset
-from cost_models.estimate import estimate
-from cost_models.memory import MemoryAssumptions, memory_core
-from cost_models.profile import resolve_profile
-from cost_models.time_model import OffloadTraffic, step_time
-from cost_models.topology import default_topology
-from planner import search as search_module
-from planner.cli import cli, main
-from planner.errors import PlannerError
-from planner.export import check_under_stack, target_stack, to_deepspeed
-from planner.options import conflicting_pins
-from planner.plan import Hardware, Plan, load_plan
-from planner.search import PlanSettings, resolve_settings, search
+from sp_plan.cost_models import Layout, TrainSpec, get_model_preset
+from sp_plan.cost_models.estimate import estimate
+from sp_plan.cost_models.memory import MemoryAssumptions, memory_core
+from sp_plan.cost_models.profile import resolve_profile
+from sp_plan.cost_models.time_model import OffloadTraffic, step_time
+from sp_plan.cost_models.topology import default_topology
+from sp_plan.planner import search as search_module
+from sp_plan.cli.main import cli, main
+from sp_plan.planner.errors import PlannerError
+from sp_plan.planner.export import check_under_stack, target_stack, to_deepspeed
+from sp_plan.planner.options import conflicting_pins
+from sp_plan.planner.plan import Hardware, Plan, load_plan
+from sp_plan.planner.search import PlanSettings, resolve_settings, search
 
 GPU = "h100-80gb"
 TECHNIQUES = ("tiled_mlp", "tiled_loss", "offload_checkpoints", "offload_optimizer", "offload_params")
@@ -265,7 +265,7 @@ def test_plan_files_from_before_stacks_load_as_sp_plan(tmp_path):
 
 
 def test_every_technique_has_an_off_switch_on_every_command():
-    from planner.commands import capacity, estimate as estimate_cmd, plan, validate
+    from sp_plan.cli.commands import capacity, estimate as estimate_cmd, plan, validate
 
     for command in (estimate_cmd.command, plan.command, capacity.command, validate.command):
         flags = {opt for p in command.params for opt in (*p.opts, *p.secondary_opts)}
@@ -464,7 +464,7 @@ def test_export_stack_errors_are_one_line_with_exit_2(tmp_path):
 
 
 def _tiny_spec():
-    from cost_models import ModelSpec
+    from sp_plan.cost_models import ModelSpec
 
     return ModelSpec(name="tiny", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                      ffn_hidden_size=128, vocab_size=64)
@@ -472,7 +472,7 @@ def _tiny_spec():
 
 def test_plan_for_combines_the_stack_with_the_model_kinds_memory_overrides(tmp_path):
     pytest.importorskip("torch")
-    from runtime.auto import plan_for
+    from sp_plan.runtime.auto import plan_for
 
     fat = stack_file(tmp_path, memory={"fragmentation_fraction": 0.3})
     spec, base = _tiny_spec(), TrainSpec(seq_len=64, dtype="fp32")
@@ -491,8 +491,8 @@ def test_plan_for_combines_the_stack_with_the_model_kinds_memory_overrides(tmp_p
 def _auto_rank(rank: int, world: int, stack: str) -> dict:
     import torch
 
-    from runtime.auto import auto_configure
-    from runtime.models import LlamaModel
+    from sp_plan.runtime.auto import auto_configure
+    from sp_plan.runtime.models import LlamaModel
 
     model = LlamaModel(_tiny_spec())
     model.init_weights(generator=torch.Generator().manual_seed(0))

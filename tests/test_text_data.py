@@ -1,5 +1,5 @@
-"""runtime.text_data: a Hugging Face text dataset and tokenizer (both local, offline), packed to the sequence
-length exactly as runtime.data.pack_documents packs, cached, and served as a deterministic, resumable,
+"""sp_plan.runtime.text_data: a Hugging Face text dataset and tokenizer (both local, offline), packed to the sequence
+length exactly as sp_plan.runtime.data.pack_documents packs, cached, and served as a deterministic, resumable,
 data-parallel stream of global batches; bad inputs get one RuntimeConfigError."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ pytest.importorskip("transformers")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from runtime.data import IGNORE_INDEX, BatchSharder, pack_documents  # noqa: E402
-from runtime.errors import RuntimeConfigError  # noqa: E402
-from runtime.text_data import (  # noqa: E402
+from sp_plan.runtime.data import IGNORE_INDEX, BatchSharder, pack_documents  # noqa: E402
+from sp_plan.runtime.errors import RuntimeConfigError  # noqa: E402
+from sp_plan.runtime.text_data import (  # noqa: E402
     GlobalBatches,
     PackedTextDataset,
     build_bpe_tokenizer,
@@ -147,7 +147,7 @@ def test_global_batches_are_deterministic_sharded_and_resumable(corpus):
 def test_per_document_rows_feed_the_sharder(corpus):
     """Restarting positions reach the sharder and no label crosses a document start (the data side of
     document masking; attention across documents is the sharder's decision)."""
-    from runtime.context import SequenceParallel
+    from sp_plan.runtime.context import SequenceParallel
 
     root, _ = corpus
     packed = _build(root, str(root / "docs.jsonl"), positions="per_document")
@@ -207,8 +207,8 @@ def test_rank_zeros_packing_error_reaches_every_rank(corpus):
 
 
 def _train_packed(rank: int, world: int, root: str, layout: dict, positions: str) -> dict:
-    from runtime.auto import auto_configure
-    from runtime.trainer import Trainer
+    from sp_plan.runtime.auto import auto_configure
+    from sp_plan.runtime.trainer import Trainer
     from tests.test_checkpoint import model
 
     setup = auto_configure(model(vocab_size=320), seq_len=SEQ, global_batch=2, dtype="fp32", topology="dgx-h100",

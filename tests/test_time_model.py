@@ -6,12 +6,12 @@ import time
 import pytest
 import yaml
 
-from cost_models import CostModelError, Layout, TrainSpec, get_model_preset
-from cost_models.collectives import collective_cost
-from cost_models.comm_volume import comm_ops
-from cost_models.flops import attention_pairs, microbatch_work, model_flops_per_step
-from cost_models.time_model import OffloadTraffic, comm_and_time, time_estimate
-from cost_models.topology import (
+from sp_plan.cost_models import CostModelError, Layout, TrainSpec, get_model_preset
+from sp_plan.cost_models.collectives import collective_cost
+from sp_plan.cost_models.comm_volume import comm_ops
+from sp_plan.cost_models.flops import attention_pairs, microbatch_work, model_flops_per_step
+from sp_plan.cost_models.time_model import OffloadTraffic, comm_and_time, time_estimate
+from sp_plan.cost_models.topology import (
     CalibrationSpec,
     LinkCalibration,
     Topology,

@@ -6,9 +6,9 @@ import time
 import pytest
 import yaml
 
-from cost_models import CostModelError
-from cost_models.gpu_spec import gpu_preset_names
-from cost_models.topology import (
+from sp_plan.cost_models import CostModelError
+from sp_plan.cost_models.gpu_spec import gpu_preset_names
+from sp_plan.cost_models.topology import (
     LINK_CLASSES,
     NATURAL_NODE_PRESET,
     Topology,

@@ -6,9 +6,9 @@ FSDP2 on top.
   the reference gradient, after the replicated-parameter sync), for Megatron sequence parallelism on
   and off, GQA with KV heads split and MQA with KV heads replicated, tied and untied embeddings, each
   checkpointing mode, and the tiled MLP on top of the row-parallel down projection;
-- the bytes every collective sends (CommCounter) against ``cost_models.comm_volume``'s TP, Ulysses and
+- the bytes every collective sends (CommCounter) against ``sp_plan.cost_models.comm_volume``'s TP, Ulysses and
   embedding/LM-head/cross-entropy ops, term by term (phase x collective);
-- dp_shard=2 x tp=2 (4 ranks): FSDP2 (``runtime.fsdp.apply_fsdp``) over TP-sharded parameters, three
+- dp_shard=2 x tp=2 (4 ranks): FSDP2 (``sp_plan.runtime.fsdp.apply_fsdp``) over TP-sharded parameters, three
   AdamW steps against the single-process model trained on the same global batch.
 """
 
@@ -26,7 +26,7 @@ CHUNK = 5  # tiled-loss chunk: no chunk is fully ignored below, so its all-reduc
 
 
 def _spec(kv: int = 2, tied: bool = False):
-    from cost_models import ModelSpec
+    from sp_plan.cost_models import ModelSpec
 
     return ModelSpec(name="tiny", num_layers=LAYERS, hidden_size=HIDDEN, num_heads=HEADS, num_kv_heads=kv,
                      head_dim=HEAD_DIM, ffn_hidden_size=FFN, vocab_size=VOCAB, tied_embeddings=tied)
@@ -49,11 +49,11 @@ CASES_TP2_ULYSSES2 = [
 def _equivalence_case(mesh, sp, case) -> dict:
     import torch.distributed as dist
 
-    from runtime.comm_counter import CommCounter
-    from runtime.models import LlamaModel
-    from runtime.tiled_loss import causal_lm_loss
-    from runtime.tiled_mlp import apply_tiled_mlp
-    from runtime.tp import apply_tensor_parallel
+    from sp_plan.runtime.comm_counter import CommCounter
+    from sp_plan.runtime.models import LlamaModel
+    from sp_plan.runtime.tiled_loss import causal_lm_loss
+    from sp_plan.runtime.tiled_mlp import apply_tiled_mlp
+    from sp_plan.runtime.tp import apply_tensor_parallel
 
     sequence_parallel, kv, tied, mode, tiled_loss, tiled_mlp = case
     spec = _spec(kv, tied)
@@ -107,19 +107,19 @@ def _equivalence_case(mesh, sp, case) -> dict:
 
 
 def _equivalence_rank(rank: int, world: int, ulysses: int, cases) -> list[dict]:
-    from cost_models import Layout
-    from runtime.context import SequenceParallel
-    from runtime.mesh import build_mesh
+    from sp_plan.cost_models import Layout
+    from sp_plan.runtime.context import SequenceParallel
+    from sp_plan.runtime.mesh import build_mesh
 
     mesh = build_mesh(Layout(tp=world // ulysses, ulysses=ulysses), device_type="cpu")
     sp = SequenceParallel.from_mesh(mesh)
     results = [_equivalence_case(mesh, sp, case) for case in cases]
     if ulysses == 1:  # refusals that need a real TP group
-        from runtime.errors import RuntimeConfigError
-        from runtime.models import LlamaModel
-        from runtime.tp import apply_tensor_parallel
+        from sp_plan.runtime.errors import RuntimeConfigError
+        from sp_plan.runtime.models import LlamaModel
+        from sp_plan.runtime.tp import apply_tensor_parallel
 
-        from runtime.tp import gather_seq, scatter_seq
+        from sp_plan.runtime.tp import gather_seq, scatter_seq
 
         checks = {}
         try:
@@ -163,8 +163,8 @@ def test_tp2_ulysses2_matches_the_unparallelised_model(tp2_ulysses2):
 
 
 def test_tp_refusals_and_batched_sequence_collectives(tp2):
-    from runtime.errors import RuntimeConfigError
-    from runtime.tp import _check_tp
+    from sp_plan.runtime.errors import RuntimeConfigError
+    from sp_plan.runtime.tp import _check_tp
 
     assert "RNG tracker" in tp2[0][-1]["dropout_error"]
     assert all(r[-1]["gather_ok"] and r[-1]["scatter_ok"] for r in tp2)
@@ -191,11 +191,11 @@ def test_parameters_are_sharded_as_megatron_does(tp2):
 
 
 def _expected_comm(case, tp: int, ulysses: int) -> dict[str, dict[str, float]]:
-    """What cost_models.comm_volume predicts this rank sends, by phase and collective (TP, Ulysses and the
+    """What sp_plan.cost_models.comm_volume predicts this rank sends, by phase and collective (TP, Ulysses and the
     embedding/LM head/cross-entropy ops; the sync of replicated gradients counts as backward)."""
-    from cost_models import Layout, TrainSpec
-    from cost_models.collectives import bytes_sent
-    from cost_models.comm_volume import comm_ops
+    from sp_plan.cost_models import Layout, TrainSpec
+    from sp_plan.cost_models.collectives import bytes_sent
+    from sp_plan.cost_models.comm_volume import comm_ops
 
     sequence_parallel, kv, tied, mode, _, _ = case
     spec = _spec(kv, tied)
@@ -238,12 +238,12 @@ STEPS, LR = 3, 1e-2
 def _fsdp_tp_rank(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from cost_models import Layout, TrainSpec
-    from runtime.fsdp import apply_fsdp
-    from runtime.mesh import build_mesh
-    from runtime.models import LlamaModel
-    from runtime.tiled_loss import causal_lm_loss
-    from runtime.tp import apply_tensor_parallel
+    from sp_plan.cost_models import Layout, TrainSpec
+    from sp_plan.runtime.fsdp import apply_fsdp
+    from sp_plan.runtime.mesh import build_mesh
+    from sp_plan.runtime.models import LlamaModel
+    from sp_plan.runtime.tiled_loss import causal_lm_loss
+    from sp_plan.runtime.tp import apply_tensor_parallel
 
     spec = _spec(kv=2)
     mesh = build_mesh(Layout(dp_shard=2, tp=2), device_type="cpu")

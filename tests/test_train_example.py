@@ -21,8 +21,8 @@ import uuid
 import pytest
 import torch
 
-from cost_models import Layout, ModelSpec, TrainSpec
-from cost_models.topology import load_topology
+from sp_plan.cost_models import Layout, ModelSpec, TrainSpec
+from sp_plan.cost_models.topology import load_topology
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -30,8 +30,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
 def test_example_trains_from_a_plan_file(tmp_path):
-    from planner.export import to_torchrun
-    from runtime.auto import plan_for
+    from sp_plan.planner.export import to_torchrun
+    from sp_plan.runtime.auto import plan_for
 
     spec = ModelSpec(name="byte-llama-tiny", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
                      head_dim=16, ffn_hidden_size=128, vocab_size=259)
@@ -55,7 +55,7 @@ def test_example_trains_from_a_plan_file(tmp_path):
 
 
 def test_example_refuses_a_plan_the_runtime_cannot_run(tmp_path):
-    from planner.plan import Hardware, Plan
+    from sp_plan.planner.plan import Hardware, Plan
 
     spec = ModelSpec(name="t", num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                      ffn_hidden_size=128, vocab_size=259)
@@ -100,7 +100,7 @@ def text_corpus(tmp_path_factory):
     """A BPE tokenizer trained on 30 stdlib modules, and those modules as a JSON-lines dataset."""
     pytest.importorskip("datasets")
     pytest.importorskip("transformers")
-    from runtime.text_data import build_bpe_tokenizer
+    from sp_plan.runtime.text_data import build_bpe_tokenizer
 
     root = tmp_path_factory.mktemp("text-example")
     stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
@@ -151,7 +151,7 @@ def _pids_with(marker: str, rank: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def killed_and_resumed(text_corpus, tmp_path_factory):
-    from runtime.checkpoint import latest_checkpoint
+    from sp_plan.runtime.checkpoint import latest_checkpoint
 
     root = text_corpus
     work = tmp_path_factory.mktemp("killed")
@@ -192,7 +192,7 @@ def killed_and_resumed(text_corpus, tmp_path_factory):
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the rank to kill through /proc (Linux)")
 def test_a_killed_run_resumes_bit_exactly(killed_and_resumed):
-    from runtime.checkpoint import load_full_state_dict
+    from sp_plan.runtime.checkpoint import load_full_state_dict
 
     r = killed_and_resumed
     work, latest = r["work"], r["latest_after_kill"]
@@ -238,7 +238,7 @@ def _example_module():
 
 
 def test_the_example_refuses_bad_data_arguments(text_corpus, tmp_path, capsys):
-    from runtime.errors import RuntimeConfigError
+    from sp_plan.runtime.errors import RuntimeConfigError
 
     example = _example_module()
     with pytest.raises(RuntimeConfigError, match="dataset path .*missing.jsonl does not exist"):

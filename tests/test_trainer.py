@@ -1,4 +1,4 @@
-"""runtime.trainer.Trainer: telemetry (printed lines, JSON lines, TensorBoard scalars, CPU memory, profiled
+"""sp_plan.runtime.trainer.Trainer: telemetry (printed lines, JSON lines, TensorBoard scalars, CPU memory, profiled
 live bytes), achieved model FLOP/s and MFU from the plan's FLOPs and peak (n/a on CPU), and exit signals:
 SIGTERM (twice) on one rank stops every rank after the same step with a checkpoint, from which a resumed
 run continues exactly; a second SIGINT interrupts at once."""
@@ -88,12 +88,12 @@ def test_a_second_sigint_interrupts_at_once(telemetry):
 
 
 def test_mfu_is_the_plans_model_flops_over_time_and_peak():
-    from cost_models import ModelSpec, TrainSpec
-    from cost_models.flops import model_flops_per_step
-    from cost_models.topology import load_topology
-    from runtime.auto import plan_for
-    from runtime.step import StepResult
-    from runtime.trainer import Telemetry, mfu_basis
+    from sp_plan.cost_models import ModelSpec, TrainSpec
+    from sp_plan.cost_models.flops import model_flops_per_step
+    from sp_plan.cost_models.topology import load_topology
+    from sp_plan.runtime.auto import plan_for
+    from sp_plan.runtime.step import StepResult
+    from sp_plan.runtime.trainer import Telemetry, mfu_basis
 
     spec = ModelSpec(name="m", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                      ffn_hidden_size=128, vocab_size=300)
@@ -122,8 +122,8 @@ def test_mfu_is_the_plans_model_flops_over_time_and_peak():
 
 
 def test_a_data_source_without_a_position_is_refused():
-    from runtime.errors import RuntimeConfigError
-    from runtime.trainer import Trainer
+    from sp_plan.runtime.errors import RuntimeConfigError
+    from sp_plan.runtime.trainer import Trainer
 
     with pytest.raises(RuntimeConfigError, match="next_step"):
         Trainer(SimpleNamespace(), None, [torch.zeros(2)], max_steps=1)

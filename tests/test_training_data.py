@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cost_models import Layout, ModelSpec, TrainSpec
-from runtime.capabilities import merge_constraints, planner_constraints, unsupported_reasons
-from runtime.context import shard_segments
-from runtime.data import (
+from sp_plan.cost_models import Layout, ModelSpec, TrainSpec
+from sp_plan.runtime.capabilities import merge_constraints, planner_constraints, unsupported_reasons
+from sp_plan.runtime.context import shard_segments
+from sp_plan.runtime.data import (
     IGNORE_INDEX,
     BatchSharder,
     TokenWindows,
@@ -16,8 +16,8 @@ from runtime.data import (
     pack_documents,
     shift_labels,
 )
-from runtime.errors import RuntimeConfigError
-from runtime.loss import TokenLoss, cross_entropy_sum
+from sp_plan.runtime.errors import RuntimeConfigError
+from sp_plan.runtime.loss import TokenLoss, cross_entropy_sum
 
 
 class FakeSP:
@@ -199,7 +199,7 @@ def test_prefill_materialized_and_zero0_are_refused():
 
 
 def test_tp_is_refused_for_a_model_with_dropout():
-    from cost_models import ModelSpec
+    from sp_plan.cost_models import ModelSpec
 
     spec = ModelSpec(name="drop", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                      ffn_hidden_size=128, vocab_size=96, hidden_dropout=0.1)
@@ -219,8 +219,8 @@ def test_planner_constraints_only_allow_what_runs():
 
 
 def test_plan_for_another_model_or_length_is_refused():
-    from planner.plan import Hardware, Plan
-    from runtime.auto import check_plan_matches
+    from sp_plan.planner.plan import Hardware, Plan
+    from sp_plan.runtime.auto import check_plan_matches
 
     spec = ModelSpec(name="a", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                      ffn_hidden_size=128, vocab_size=96)
@@ -236,7 +236,7 @@ def test_plan_for_another_model_or_length_is_refused():
 def test_sharded_loader_over_a_dataloader_of_hf_dicts():
     from torch.utils.data import DataLoader
 
-    from runtime.data import ShardedLoader
+    from sp_plan.runtime.data import ShardedLoader
 
     rows = [{"input_ids": torch.arange(i, i + 12), "attention_mask": torch.ones(12, dtype=torch.long)}
             for i in range(4)]
@@ -250,9 +250,9 @@ def test_sharded_loader_over_a_dataloader_of_hf_dicts():
 def test_plans_for_hf_models_use_their_memory_footprint():
     """auto_configure plans an HF model with the HF memory assumptions (eager RMSNorm's fp32 copies),
     so the same architecture needs more activation memory planned as HF than as the runtime's Llama."""
-    from cost_models import get_model_preset
-    from cost_models.topology import load_topology
-    from runtime.auto import plan_for
+    from sp_plan.cost_models import get_model_preset
+    from sp_plan.cost_models.topology import load_topology
+    from sp_plan.runtime.auto import plan_for
 
     spec = get_model_preset("llama3-8b")
     base = TrainSpec(seq_len=32768)

@@ -3,8 +3,8 @@
 Same seed, same data order, same token budget per optimizer step (GLOBAL_BATCH sequences), 10 AdamW
 steps in fp32 on CPU. The reference is a plain single-process run of the same LlamaModel (no runtime
 code: its own cross-entropy over every valid token of the step). Every configuration goes through
-``runtime.auto_configure`` (planner with pinned degrees and options, FSDP2, SP attention, checkpointing)
-and ``runtime.step.train_step``:
+``sp_plan.runtime.auto_configure`` (planner with pinned degrees and options, FSDP2, SP attention, checkpointing)
+and ``sp_plan.runtime.step.train_step``:
 
 - DP: dp_shard=4 (the data-parallel baseline through the runtime);
 - Ulysses 2 and 4 (4 > 2 KV heads: KV replication), Ring 2 and 4 (zigzag), USP ring 2 x ulysses 2;
@@ -83,14 +83,14 @@ MAX_GRAD_NORM = 1.0
 
 
 def _spec():
-    from cost_models import ModelSpec
+    from sp_plan.cost_models import ModelSpec
 
     return ModelSpec(name="tiny-llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                      ffn_hidden_size=128, vocab_size=VOCAB)
 
 
 def _model(dtype: str = "fp32"):
-    from runtime.models import LlamaModel
+    from sp_plan.runtime.models import LlamaModel
 
     model = LlamaModel(_spec())
     model.init_weights(generator=torch.Generator().manual_seed(0))
@@ -138,8 +138,8 @@ def _reference(dtype: str) -> tuple[list[float], dict[str, torch.Tensor], dict[s
 
 
 def _train_rank(rank: int, world: int, configs: list) -> dict:
-    from runtime.auto import auto_configure
-    from runtime.step import train_step
+    from sp_plan.runtime.auto import auto_configure
+    from sp_plan.runtime.step import train_step
 
     torch.manual_seed(0)
     results = {}

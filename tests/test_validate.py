@@ -31,7 +31,7 @@ def _env() -> dict:
 
 
 def _cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "planner.cli", *args], cwd=ROOT, env=_env(), capture_output=True,
+    return subprocess.run([sys.executable, "-m", "sp_plan.cli", *args], cwd=ROOT, env=_env(), capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -65,7 +65,7 @@ def test_validate_byte_figures_agree_with_the_cost_models(report):
 
 @pytest.mark.multiproc
 def test_validate_table_renders(report):
-    from runtime.validate import render
+    from sp_plan.runtime.validate import render
 
     table = render(report)
     assert "activations saved for backward" in table and "comm send_recv" in table
@@ -99,7 +99,7 @@ def test_validate_refuses_what_the_runtime_cannot_run_without_importing_torch(tm
     done = _cli("validate", "--model", str(config), "--seq-len", "512", "--gpus", "2", "--zero", "0")
     assert done.returncode == 2
     assert "zero_stage=0" in done.stderr and "DDP" in done.stderr
-    code = ("import sys, cost_models, planner.cli, planner.commands.validate, runtime.capabilities; "
+    code = ("import sys, cost_models, sp_plan.cli.main, sp_plan.cli.commands.validate, sp_plan.runtime.capabilities; "
             "assert 'torch' not in sys.modules")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env()).returncode == 0
 
@@ -107,8 +107,8 @@ def test_validate_refuses_what_the_runtime_cannot_run_without_importing_torch(tm
 def test_validate_refuses_runs_the_host_cannot_hold_before_launching(tmp_path):
     """A full Llama-3-8B on 4 CPU ranks would be SIGKILLed by the kernel with no message: refused up
     front with the arithmetic and the way out (--layers); a tiny model passes the same check."""
-    from cost_models.errors import CostModelError
-    from planner.commands.validate import _plan_from_flags, check_host_memory
+    from sp_plan.cost_models.errors import CostModelError
+    from sp_plan.cli.commands.validate import _plan_from_flags, check_host_memory
 
     def plan_for(model: str, layers=None):
         return _plan_from_flags(model, 4, None, "h100-80gb", None, layers,

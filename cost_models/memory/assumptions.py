@@ -186,7 +186,7 @@ class MemoryAssumptions(BaseModel):
     tiled_loss_implementation: TiledLossImplementation = Field(
         default="chunked",
         description=(
-            "What `tiled_loss` runs. 'chunked' (this project's runtime.tiled_loss, DeepSpeed's "
+            "What `tiled_loss` runs. 'chunked' (this project's sp_plan.runtime.tiled_loss, DeepSpeed's "
             "TiledFusedLogitsLoss): saves hidden states and fp32 LSE, recomputes each chunk's logits in "
             "backward (`loss_chunk_tokens`). 'liger_flce' (Liger-Kernel's LigerFusedLinearCrossEntropy, "
             "ALST's 'liger' model type): the forward computes the gradients: a full input-gradient buffer "

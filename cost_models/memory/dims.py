@@ -83,7 +83,7 @@ class LocalDims:
         return self.tokens * self.kv_heads_proj * self.head_dim * self.compute_bytes
 
 
-#: TrainSpec fields local shapes depend on: the memo key (see :mod:`cost_models.memo`).
+#: TrainSpec fields local shapes depend on: the memo key (see :mod:`sp_plan.cost_models.memo`).
 DIMS_FIELDS = ("micro_batch", "seq_len", "tp_sequence_parallel", "dtype", "document_length")
 _DIMS: Memo[LocalDims] = Memo()
 

@@ -8,7 +8,7 @@ HF's causal-LM loss (``ForCausalLMLoss``) is what most training scripts run::
 
 so forward holds bf16 + fp32 + log-softmax (10 B per logit in bf16) and backward, at the log-softmax
 backward, holds the bf16 logits the caller keeps, the saved log-softmax output, its incoming gradient and
-the gradient it produces: 14 B per logit. A tiled (fused) loss (the runtime's ``runtime.tiled_loss``)
+the gradient it produces: 14 B per logit. A tiled (fused) loss (the runtime's ``sp_plan.runtime.tiled_loss``)
 runs the lm_head inside a loop over chunks of ``loss_chunk_tokens`` tokens, saving only the hidden
 states and the per-token fp32 LSE and recomputing each chunk's logits in backward, so the logits never
 exist for the whole sequence. Its working set per chunk, mirrored here: the chunk's logits in the

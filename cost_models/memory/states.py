@@ -179,7 +179,7 @@ def host_optimizer_bytes_per_param(train: TrainSpec, moves_everything: bool = Tr
     return per - separate_master_bytes(train) if train.offload_params and moves_everything else per
 
 
-#: TrainSpec fields model states depend on: the memo key (see :mod:`cost_models.memo`).
+#: TrainSpec fields model states depend on: the memo key (see :mod:`sp_plan.cost_models.memo`).
 STATES_FIELDS = ("mode", "dtype", "optimizer", "zero_stage", "offload_params", "offload_optimizer")
 _STATES: Memo[ModelStates] = Memo()
 

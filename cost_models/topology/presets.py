@@ -45,7 +45,7 @@ NATURAL_NODE_PRESET: dict[str, str] = {
 
 
 def _data_dir():
-    return resources.files("cost_models.data").joinpath("topologies")
+    return resources.files("sp_plan.cost_models.data").joinpath("topologies")
 
 
 @cache

@@ -3,7 +3,7 @@
 A topology file describes ONE node template (its GPUs, the GPU<->GPU interconnect, the PCIe tree, the
 host) plus how many such nodes there are and the fabric between them. Real training clusters are
 homogeneous, and describing a node once is what keeps a 4096-GPU topology small and fast to query.
-The graph (:mod:`cost_models.topology.graph`) is built from this description.
+The graph (:mod:`sp_plan.cost_models.topology.graph`) is built from this description.
 
 Every size is bounded so a hostile or mistyped file fails validation instead of exhausting memory.
 Units: bytes, bytes/s (per direction), seconds.
@@ -157,7 +157,7 @@ class ComputeCalibration(_Strict):
 
     ``matmul``, ``attention_forward``, ``attention_backward`` and ``memory`` are the asymptotic
     fractions (large GEMMs, long attention blocks, streaming kernels) that the shape-aware kernel
-    model (:mod:`cost_models.kernels`) scales by each kernel's shape; left out (None), they come from
+    model (:mod:`sp_plan.cost_models.kernels`) scales by each kernel's shape; left out (None), they come from
     the GPU's kernel file, which is fitted to published runs. Pinned-memory copies default to ~80% of
     the PCIe link and a CPU AdamW to ~50% of the host memory bandwidth."""
 

@@ -21,9 +21,9 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from cost_models.errors import CostModelError
-from cost_models.kernels import kernel_family
-from cost_models.profile import CalibrationFile, CostProfile, resolve_profile
+from sp_plan.cost_models.errors import CostModelError
+from sp_plan.cost_models.kernels import kernel_family
+from sp_plan.cost_models.profile import CalibrationFile, CostProfile, resolve_profile
 
 from .runs import MeasuredRun, log_ratio, predict, run_topology
 

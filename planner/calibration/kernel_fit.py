@@ -3,7 +3,7 @@
 ``cost_models/data/calibration/kernels.yaml`` holds what one attention kernel or GEMM reaches on a named
 GPU variant (FlashAttention-3 paper figures, an FA3 re-run, ring-flash-attention's single-GPU rates,
 XLA's and pyptx's cuBLAS tables). Each figure is predicted with the kernel model's own shape functions
-(:func:`cost_models.kernels.attention_seconds`, :func:`cost_models.kernels.gemm_seconds`) at the variant's
+(:func:`sp_plan.cost_models.kernels.attention_seconds`, :func:`sp_plan.cost_models.kernels.gemm_seconds`) at the variant's
 peak x clock factor, converted to the source's FLOP convention, and the per-family efficiencies and shape
 constants are fitted to them: least squares on log(predicted / measured), each source weighted equally,
 Gaussian priors around the kernel files' documented values (so a constant no figure constrains keeps its
@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from cost_models.errors import CostModelError
-from cost_models.flops import FLASH_BACKWARD_RATIO
-from cost_models.gpu_spec import GPUSpec, get_gpu_preset
-from cost_models.kernels import KernelModel, attention_seconds, gemm_seconds, kernel_family, prior_kernel_model
-from cost_models.yaml_io import safe_load
+from sp_plan.cost_models.errors import CostModelError
+from sp_plan.cost_models.flops import FLASH_BACKWARD_RATIO
+from sp_plan.cost_models.gpu_spec import GPUSpec, get_gpu_preset
+from sp_plan.cost_models.kernels import KernelModel, attention_seconds, gemm_seconds, kernel_family, prior_kernel_model
+from sp_plan.cost_models.yaml_io import safe_load
 
 KERNEL_DATA_FILE = "kernels.yaml"
 #: Weight of a kernel figure by confidence: printed numbers, bar labels and figures derived from printed
@@ -78,7 +78,7 @@ class KernelParameter:
 @cache
 def kernel_data() -> dict[str, Any]:
     """The kernel-level measurements file, parsed."""
-    path = resources.files("cost_models.data").joinpath("calibration", KERNEL_DATA_FILE)
+    path = resources.files("sp_plan.cost_models.data").joinpath("calibration", KERNEL_DATA_FILE)
     return safe_load(path.read_text())
 
 
@@ -318,10 +318,10 @@ NCCL_CHECK_BYTES = float(1 << 30)
 def collective_checks(data: dict[str, Any] | None = None) -> list[CollectiveCheck]:
     """Intra-node nccl-tests bus bandwidths (busbw = bytes sent per GPU / time, nccl-tests' definition for
     ring all-reduce, all-gather and all-to-all) vs the model's on the GPU's natural node."""
-    from cost_models.collectives import collective_cost
-    from cost_models.layout import Layout
-    from cost_models.placement import group_spans
-    from cost_models.topology import default_topology
+    from sp_plan.cost_models.collectives import collective_cost
+    from sp_plan.cost_models.layout import Layout
+    from sp_plan.cost_models.placement import group_spans
+    from sp_plan.cost_models.topology import default_topology
 
     data = kernel_data() if data is None else data
     out = []

@@ -17,8 +17,8 @@ refit reproduces itself). A parameter is shipped only when figures of two or mor
 
 from __future__ import annotations
 
-from cost_models.gpu_spec import get_gpu_preset
-from cost_models.stack import prior_stack
+from sp_plan.cost_models.gpu_spec import get_gpu_preset
+from sp_plan.cost_models.stack import prior_stack
 
 from .fit import Parameter
 

@@ -15,11 +15,11 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from cost_models.errors import CostModelError
-from cost_models.layout import Layout
-from cost_models.model_spec import ModelSpec, get_model_preset
-from cost_models.train_spec import TrainSpec
-from cost_models.yaml_io import safe_load
+from sp_plan.cost_models.errors import CostModelError
+from sp_plan.cost_models.layout import Layout
+from sp_plan.cost_models.model_spec import ModelSpec, get_model_preset
+from sp_plan.cost_models.train_spec import TrainSpec
+from sp_plan.cost_models.yaml_io import safe_load
 
 from .runs import METRICS, MeasuredRun
 
@@ -192,7 +192,7 @@ class Skipped:
 
 @cache
 def published_entries() -> dict[str, Any]:
-    text = resources.files("cost_models.data").joinpath("calibration", "published.yaml").read_text()
+    text = resources.files("sp_plan.cost_models.data").joinpath("calibration", "published.yaml").read_text()
     return safe_load(text)
 
 

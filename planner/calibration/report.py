@@ -195,8 +195,8 @@ def render_splits(results: Sequence[RunResult], splits: dict[str, dict[str, dict
 def render_kernels(figures: Sequence, record) -> list[str]:
     """Kernel-level accuracy: each published kernel curve predicted by the shipped (kernel-pinned) model,
     in sample and by a kernel fit that left the curve's source out."""
-    from cost_models.gpu_spec import get_gpu_preset
-    from cost_models.kernels import kernel_model
+    from sp_plan.cost_models.gpu_spec import get_gpu_preset
+    from sp_plan.cost_models.kernels import kernel_model
 
     curves: dict[str, list[tuple[float, float | None]]] = {}
     held = {k: v for errs in record.held_out.values() for k, v in errs.items()}

@@ -15,17 +15,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cost_models.errors import CostModelError
-from cost_models.estimate import Estimate, estimate, offload_traffic
-from cost_models.memo import Memo
-from cost_models.memory import MemoryAssumptions, memory_report
-from cost_models.layout import Layout
-from cost_models.model_spec import ModelSpec
-from cost_models.profile import CostProfile
-from cost_models.time_model import OffloadTraffic, TimeEstimate, attention_forward_seconds, comm_and_time
-from cost_models.topology import Topology, load_topology
-from cost_models.train_spec import TrainSpec
-from cost_models.units import GiB
+from sp_plan.cost_models.errors import CostModelError
+from sp_plan.cost_models.estimate import Estimate, estimate, offload_traffic
+from sp_plan.cost_models.memo import Memo
+from sp_plan.cost_models.memory import MemoryAssumptions, memory_report
+from sp_plan.cost_models.layout import Layout
+from sp_plan.cost_models.model_spec import ModelSpec
+from sp_plan.cost_models.profile import CostProfile
+from sp_plan.cost_models.time_model import OffloadTraffic, TimeEstimate, attention_forward_seconds, comm_and_time
+from sp_plan.cost_models.topology import Topology, load_topology
+from sp_plan.cost_models.train_spec import TrainSpec
+from sp_plan.cost_models.units import GiB
 
 Kind = Literal["memory", "max_length", "throughput", "attention_kernel", "layer_time"]
 Confidence = Literal["exact", "figure", "ambiguous", "measured"]
@@ -123,7 +123,7 @@ def _offload(run: MeasuredRun, topology: Topology, assumptions: MemoryAssumption
 def _run_time(run: MeasuredRun, profile: CostProfile) -> TimeEstimate:
     """``estimate(...).time`` for the run, without the parts of the estimate no time metric reads (the
     full memory breakdown, its JSON detail). The same functions in the same order as
-    :func:`cost_models.estimate.estimate`, so the figure is identical (tested)."""
+    :func:`sp_plan.cost_models.estimate.estimate`, so the figure is identical (tested)."""
     run.layout.check_against(run.model, run.train.seq_len, run.train.tp_sequence_parallel)
     topology = run_topology(run.topology, run.layout.world)
     offload = _offload(run, topology, profile.memory)

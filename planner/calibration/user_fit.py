@@ -13,10 +13,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cost_models.compute_time import fractions
-from cost_models.kernels import kernel_family
-from cost_models.profile import CalibrationError, CalibrationFile, resolve_profile
-from cost_models.stack import attention_kernel_for
+from sp_plan.cost_models.compute_time import fractions
+from sp_plan.cost_models.kernels import kernel_family
+from sp_plan.cost_models.profile import CalibrationError, CalibrationFile, resolve_profile
+from sp_plan.cost_models.stack import attention_kernel_for
 
 from .fit import FitResult, Parameter, fit, kendall_tau, predict_all, run_gpu
 from .report import errors_of

@@ -29,13 +29,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cost_models.atomic_io import atomic_write_text
-from cost_models.errors import CostModelError, explain_validation_error
-from cost_models.layout import Layout
-from cost_models.model_spec import ModelSpec, load_model
-from cost_models.topology import TopologySpec
-from cost_models.topology.presets import NATURAL_NODE_PRESET, spec_to_yaml
-from cost_models.train_spec import TrainSpec
+from sp_plan.cost_models.atomic_io import atomic_write_text
+from sp_plan.cost_models.errors import CostModelError, explain_validation_error
+from sp_plan.cost_models.layout import Layout
+from sp_plan.cost_models.model_spec import ModelSpec, load_model
+from sp_plan.cost_models.topology import TopologySpec
+from sp_plan.cost_models.topology.presets import NATURAL_NODE_PRESET, spec_to_yaml
+from sp_plan.cost_models.train_spec import TrainSpec
 
 from .runs import MeasuredRun
 

@@ -1,10 +1,10 @@
 """Exact sequence-parallel attention: the local kernel, Ulysses, zigzag Ring and 2D USP.
 
 All functions take (batch, seq, heads, head_dim) tensors and explicit process groups; the
-:class:`runtime.context.SequenceParallel` context picks the right one for a mesh.
+:class:`sp_plan.runtime.context.SequenceParallel` context picks the right one for a mesh.
 """
 
-from runtime.attention.kernel import (
+from sp_plan.runtime.attention.kernel import (
     BACKENDS,
     KernelWorkCounter,
     attention_backward,
@@ -13,9 +13,9 @@ from runtime.attention.kernel import (
     reference_attention,
     select_backend,
 )
-from runtime.attention.ring import ring_attention
-from runtime.attention.ulysses import ulysses_attention, ulysses_kv_replication, valid_ulysses_degrees
-from runtime.attention.usp import usp_attention
+from sp_plan.runtime.attention.ring import ring_attention
+from sp_plan.runtime.attention.ulysses import ulysses_attention, ulysses_kv_replication, valid_ulysses_degrees
+from sp_plan.runtime.attention.usp import usp_attention
 
 __all__ = [
     "BACKENDS",

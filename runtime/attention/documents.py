@@ -5,12 +5,12 @@ document. The documents travel as ONE small CPU tensor, ``cu_seqlens``: the cumu
 boundaries over the flattened ``(batch x seq_len)`` full sequence, flash-attn's varlen convention
 (``[0, end of doc 1, ..., batch * seq_len]``; every row boundary ``b * seq_len`` is a boundary too). It
 is the same on every rank (it describes the whole sequence, not a shard), is made once per batch by
-the data path (:class:`runtime.data.BatchSharder`) and passes through the custom ops as a tensor
+the data path (:class:`sp_plan.runtime.data.BatchSharder`) and passes through the custom ops as a tensor
 argument, so nothing in it is traced by ``torch.compile``.
 
 How a block is computed. Every path calls the kernel on blocks ``(query rows, key rows)`` of the
 local tensors, and every rank knows which global positions its rows hold (the shard function of
-:mod:`runtime.context`): the whole sequence (local, Ulysses), chunks r and 2R-1-r (zigzag Ring, USP),
+:mod:`sp_plan.runtime.context`): the whole sequence (local, Ulysses), chunks r and 2R-1-r (zigzag Ring, USP),
 or chunk r (contiguous Ring). Two facts make document masking exact and cheap:
 
 1. local order is increasing in global position, so the rows of one document inside a block are a
@@ -23,9 +23,9 @@ So a block splits into at most one sub-block per document: ``(query range, key r
 (:func:`block_pairs`). The exact fallback calls the kernel once per sub-block and writes its output
 and LSE into the block's result; query rows that see no key of the block keep output 0 and LSE
 ``-inf``, which the ring's log-sum-exp merge treats as "contributes nothing"
-(:mod:`runtime.attention.merge`). Backward calls the kernel's backward per sub-block with the merged
+(:mod:`sp_plan.runtime.attention.merge`). Backward calls the kernel's backward per sub-block with the merged
 output and LSE. With flash-attn (2 or 3) importable on CUDA, the sub-blocks of one block go to ONE
-varlen kernel call instead (:func:`runtime.attention.kernel.varlen_forward`): rows gathered (no copy
+varlen kernel call instead (:func:`sp_plan.runtime.attention.kernel.varlen_forward`): rows gathered (no copy
 when they tile the block in order, as in the local and Ulysses paths), ``cu_seqlens_q/k`` built once
 per block shape and cached.
 """
@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import torch
 
-from runtime.errors import RuntimeConfigError
+from sp_plan.runtime.errors import RuntimeConfigError
 
 Run = tuple[int, int]  # (global start, length)
 #: Per row: (0, end of doc 1, ..., seq_len), relative to the row.
@@ -77,7 +77,7 @@ def _row_bounds(cu: tuple[int, ...], batch: int, seq_len: int) -> RowBounds:
         raise RuntimeConfigError(
             f"cu_seqlens must start at 0 and end at batch x seq_len = {batch} x {seq_len} = {total} (the whole "
             f"flattened sequence), got {list(cu[:3])}...{list(cu[-2:])}: build it from the full (unsharded) batch, "
-            "e.g. with runtime.data.BatchSharder"
+            "e.g. with sp_plan.runtime.data.BatchSharder"
         )
     if any(b < a for a, b in zip(cu, cu[1:])):
         raise RuntimeConfigError("cu_seqlens must be non-decreasing (cumulative document boundaries)")
@@ -208,7 +208,7 @@ def block_pairs(bounds: RowBounds, q_runs: tuple[Run, ...], k_runs: tuple[Run, .
 def documents_forward(q, k, v, pairs: tuple[Pair, ...], *, scale: float, backend: str | None):
     """Output ``(B, Sq, H, D)`` (q's dtype) and LSE ``(B, H, Sq)`` of the block under the document mask:
     rows that see no key keep output 0 and LSE -inf (the contract of ``attention_forward``)."""
-    from runtime.attention import kernel
+    from sp_plan.runtime.attention import kernel
 
     name = kernel.select_backend(q, backend)
     batch, seq_q, heads, _ = q.shape
@@ -236,7 +236,7 @@ def documents_forward(q, k, v, pairs: tuple[Pair, ...], *, scale: float, backend
 
 def documents_backward(dout, q, k, v, out, lse, pairs: tuple[Pair, ...], *, scale: float, backend: str | None):
     """dq, dk, dv of the block under the document mask, given the (merged) output and LSE of its rows."""
-    from runtime.attention import kernel
+    from sp_plan.runtime.attention import kernel
 
     name = kernel.select_backend(q, backend)
     dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
@@ -334,7 +334,7 @@ def _scatter(target: torch.Tensor, rows: torch.Tensor | None, values: torch.Tens
 
 def _varlen_block_forward(name, q, k, v, pairs, causal, scale, out, lse_hbs) -> None:
     """Write the varlen call's output into ``out`` (B, S, H, D) and its LSE into ``lse_hbs`` (H, B, S)."""
-    from runtime.attention import kernel
+    from sp_plan.runtime.attention import kernel
 
     batch, seq_q = q.shape[:2]
     packing = _packing(pairs, seq_q, k.shape[1], batch, q.device)
@@ -351,7 +351,7 @@ def _varlen_block_forward(name, q, k, v, pairs, causal, scale, out, lse_hbs) -> 
 
 
 def _varlen_block_backward(name, dout, q, k, v, out, lse, pairs, causal, scale, dq, dk, dv) -> None:
-    from runtime.attention import kernel
+    from sp_plan.runtime.attention import kernel
 
     batch, seq_q = q.shape[:2]
     packing = _packing(pairs, seq_q, k.shape[1], batch, q.device)

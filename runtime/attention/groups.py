@@ -30,8 +30,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from runtime.attention.kernel import SUPPORTED_DTYPES
-from runtime.errors import RuntimeConfigError
+from sp_plan.runtime.attention.kernel import SUPPORTED_DTYPES
+from sp_plan.runtime.errors import RuntimeConfigError
 
 #: Tensors described per check (q, k, v) and dims per tensor: the descriptor has a fixed length so the
 #: all-gather itself can never mismatch.
@@ -54,7 +54,7 @@ def group_name(group: dist.ProcessGroup | None) -> str:
     group = group if group is not None else dist.group.WORLD
     if group is None:
         raise RuntimeConfigError(
-            "no default process group: call torch.distributed.init_process_group (or runtime.mesh.build_mesh) first"
+            "no default process group: call torch.distributed.init_process_group (or sp_plan.runtime.mesh.build_mesh) first"
         )
     return group.group_name
 
@@ -87,7 +87,7 @@ def _documents_fingerprint(cu_seqlens: torch.Tensor | None) -> int:
         return 0
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
         return 1  # not boundaries at all (the local validation says so)
-    from runtime.attention.documents import host_boundaries
+    from sp_plan.runtime.attention.documents import host_boundaries
 
     return (hash(host_boundaries(cu_seqlens)) & ((1 << 62) - 1)) + 2
 
@@ -239,7 +239,7 @@ def _mismatch_message(what: str, table: list[list[int]]) -> str:
         parts.append(
             f"{what}: the ranks of the group disagree on their local shapes ({held}); every rank must hold the "
             "same number of tokens (and heads): shard full sequences with SequenceParallel.shard or "
-            "runtime.data.BatchSharder, which pad the sequence to the layout's multiple"
+            "sp_plan.runtime.data.BatchSharder, which pad the sequence to the layout's multiple"
         )
     decoded = [_decoded(r) for r in table]
     for label in ("dtype", "device type", "layout", "causal", "scale", "cu_seqlens", "requires_grad"):

@@ -60,7 +60,7 @@ from typing import Literal
 
 import torch
 
-from runtime.errors import RuntimeConfigError
+from sp_plan.runtime.errors import RuntimeConfigError
 
 Backend = Literal["fa3", "flash_attn", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu_flash", "math"]
 BACKENDS: tuple[str, ...] = ("fa3", "flash_attn", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_cpu_flash",
@@ -108,7 +108,7 @@ def qkv_problem(q: object, k: object, v: object, causal: bool) -> str | None:
     """Why q, k, v cannot go through the kernel together (one actionable sentence), or None.
 
     A function that returns instead of raising, so the multi-rank ops can first tell every rank of the
-    group whether *any* rank has a problem (:func:`runtime.attention.groups.agree`) and then raise on all
+    group whether *any* rank has a problem (:func:`sp_plan.runtime.attention.groups.agree`) and then raise on all
     of them alike, instead of one rank raising while its peers wait in a collective.
     Every check reads only metadata (shapes, dtypes, devices): nothing syncs with a GPU.
     """
@@ -124,7 +124,7 @@ def qkv_problem(q: object, k: object, v: object, causal: bool) -> str | None:
         if x.numel() == 0:
             return (f"attention got an empty {name} {tuple(x.shape)}: batch, sequence, heads and head_dim must all "
                     "be at least 1 (an empty sequence has nothing to attend to); drop empty batches before the "
-                    "model (runtime.data.BatchSharder refuses them)")
+                    "model (sp_plan.runtime.data.BatchSharder refuses them)")
     if q.dtype != k.dtype or q.dtype != v.dtype:
         return f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}): cast them to one dtype"
     if q.dtype not in SUPPORTED_DTYPES:
@@ -448,13 +448,13 @@ def local_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Single-device attention (autograd-aware); the LSE, if returned, carries no gradient.
 
-    ``cu_seqlens``: packed documents (:mod:`runtime.attention.documents`): cumulative document
+    ``cu_seqlens``: packed documents (:mod:`sp_plan.runtime.attention.documents`): cumulative document
     boundaries over the flattened ``(batch x seq)``; every token attends only within its document.
-    Runs as the ``sp_plan::attention`` custom op (:mod:`runtime.attention.ops`), so selective
+    Runs as the ``sp_plan::attention`` custom op (:mod:`sp_plan.runtime.attention.ops`), so selective
     checkpointing keeps its output and LSE instead of re-running the kernel.
     """
-    from runtime.attention.groups import screen
-    from runtime.attention.ops import attention_op
+    from sp_plan.runtime.attention.groups import screen
+    from sp_plan.runtime.attention.ops import attention_op
 
     scale = screen(None, "attention", (q, k, v), scale)
     out, lse = attention_op(q, k, v, causal, scale, backend, cu_seqlens)

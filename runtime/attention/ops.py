@@ -1,6 +1,6 @@
 """The attention steps as dispatcher-level custom ops (``torch.library``): checkpointing and torch.compile.
 
-Selective activation checkpointing (:mod:`runtime.models.checkpointing`) decides per *dispatcher op*
+Selective activation checkpointing (:mod:`sp_plan.runtime.models.checkpointing`) decides per *dispatcher op*
 whether an output is kept or recomputed. A Python ``autograd.Function`` is invisible to it: only the
 aten ops inside are seen, one by one. For ring attention that would mean replaying the whole ring
 pass (every K/V send, every merge) in the recompute, and for Ulysses re-sending the output
@@ -19,9 +19,9 @@ AOTAutograd traces both passes as opaque calls with fake implementations and nev
 on fake tensors. Every op returns contiguous tensors and its fake implementation says so (the LSE of
 the CPU flash kernel, for one, is not contiguous; a fake that guessed other strides than the real
 output is what broke compilation before). Process groups cannot be op arguments: they travel by
-c10d name and are resolved when the op runs (:mod:`runtime.attention.groups`), which also makes
+c10d name and are resolved when the op runs (:mod:`sp_plan.runtime.attention.groups`), which also makes
 destroyed and re-created groups work. Packed documents travel as the small CPU ``cu_seqlens``
-tensor (:mod:`runtime.attention.documents`); it is only read inside the ops.
+tensor (:mod:`sp_plan.runtime.attention.documents`); it is only read inside the ops.
 
 Every op's forward and backward are the plain functions of :mod:`.kernel`, :mod:`.ring`,
 :mod:`.ulysses` and :mod:`.documents`; the autograd formulas save exactly what the former
@@ -34,18 +34,18 @@ from __future__ import annotations
 
 import torch
 
-from runtime.attention.documents import block_pairs, documents_backward, documents_forward, row_bounds
-from runtime.attention.groups import agree, group_name, resolve_group  # noqa: F401 (re-exported)
-from runtime.attention.kernel import (
+from sp_plan.runtime.attention.documents import block_pairs, documents_backward, documents_forward, row_bounds
+from sp_plan.runtime.attention.groups import agree, group_name, resolve_group  # noqa: F401 (re-exported)
+from sp_plan.runtime.attention.kernel import (
     attention_backward,
     attention_forward,
     check_qkv,
     lse_dtype,
     resolve_scale,
 )
-from runtime.attention.ring import RingComm, _ring_backward, _ring_forward, validate_ring_call
-from runtime.attention.ulysses import head_to_seq, seq_to_head, ulysses_kv_replication
-from runtime.errors import RuntimeConfigError
+from sp_plan.runtime.attention.ring import RingComm, _ring_backward, _ring_forward, validate_ring_call
+from sp_plan.runtime.attention.ulysses import head_to_seq, seq_to_head, ulysses_kv_replication
+from sp_plan.runtime.errors import RuntimeConfigError
 
 
 def _lse_shape(q: torch.Tensor) -> tuple[int, int, int]:
@@ -166,7 +166,7 @@ def ring_attention_backward_op(
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of :func:`ring_attention_op` (the K/V and dK/dV rings)."""
-    from runtime.attention.documents import row_bounds, single_document_rows
+    from sp_plan.runtime.attention.documents import row_bounds, single_document_rows
 
     pg = resolve_group(group)
     comm = RingComm(pg)
@@ -247,7 +247,7 @@ def ulysses_qkv_to_heads_op(
     """Q, K, V from the sequence split to the head split in ONE all-to-all, KV heads replicated first when
     the degree exceeds them. First, on every call, every rank of the group (and of ``outer``, USP's ring
     group, when given) learns whether all ranks hold the same shapes, dtype, scale, documents and valid
-    inputs, and all raise together if not (:func:`runtime.attention.groups.agree`). ``causal``, ``scale``
+    inputs, and all raise together if not (:func:`sp_plan.runtime.attention.groups.agree`). ``causal``, ``scale``
     and ``cu_seqlens`` are only checked here; the inner attention uses them."""
     pg = resolve_group(group)
     problem = None
@@ -255,7 +255,7 @@ def ulysses_qkv_to_heads_op(
         check_qkv(q, k, v, causal, scale)
         ulysses_kv_replication(q.shape[2], k.shape[2], world)
         if cu_seqlens is not None:
-            from runtime.attention.documents import check_cu_seqlens
+            from sp_plan.runtime.attention.documents import check_cu_seqlens
 
             check_cu_seqlens(cu_seqlens)
     except RuntimeConfigError as exc:

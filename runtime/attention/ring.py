@@ -4,7 +4,7 @@ Each of the P ranks of the ring group keeps its query block and sees every K/V b
 ``i`` it computes attention against the block of rank ``(r - i) mod P`` while that block's successor
 is already in flight (``batch_isend_irecv`` to rank r+1 / from rank r-1, posted before the compute,
 waited after it). Partial outputs and LSEs are merged in fp32 (fp64 for fp64 inputs) with the stable
-log-sum-exp merge (:mod:`runtime.attention.merge`).
+log-sum-exp merge (:mod:`sp_plan.runtime.attention.merge`).
 
 Backward (its own custom op): K and V rotate again (P-1 sends in the compute dtype) and the dK/dV
 accumulators (fp32) travel with their blocks, each rank adding its share; after P sends every
@@ -13,10 +13,10 @@ accumulator is back with its owner. Block gradients come from the kernel's backw
 of step ``i`` overlaps the compute of step ``i+1``.
 
 **Layouts.** Causal attention depends on which global positions each rank holds, so a causal call
-must say (``layout=``; :class:`runtime.context.SequenceParallel` always passes ``"zigzag"``, the
+must say (``layout=``; :class:`sp_plan.runtime.context.SequenceParallel` always passes ``"zigzag"``, the
 layout its shard function produces). There is no default: a contiguous split computed with the zigzag
 schedule would be silently wrong. Every rank of the group must declare the same layout (checked once
-per group, with the local shapes, see :mod:`runtime.attention.groups`).
+per group, with the local shapes, see :mod:`sp_plan.runtime.attention.groups`).
 
 ``"zigzag"`` (load-balanced): the sequence is cut into 2P chunks and ring rank r holds chunks r and
 2P-1-r, concatenated. With ``src`` the rank whose K/V block is visiting:
@@ -37,7 +37,7 @@ the K/V and dK/dV blocks still travel). Exact but unbalanced: rank P-1 does 2P-1
 Non-causal ring attention without documents is layout-agnostic: every step is the full block.
 
 **Documents** (packed sequences, ``cu_seqlens``): each step's block is split per document
-(:mod:`runtime.attention.documents`); a step whose block holds no (query, key) pair of a common
+(:mod:`sp_plan.runtime.attention.documents`); a step whose block holds no (query, key) pair of a common
 document is skipped. Needs the layout also when non-causal (to know the global positions).
 
 **GPU path.** K and V travel as two P2P sends straight from the input tensors and two receive buffers
@@ -54,9 +54,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from runtime import comm_counter
-from runtime.attention.documents import RowBounds, block_pairs, documents_backward, documents_forward, take
-from runtime.attention.kernel import (
+from sp_plan.runtime import comm_counter
+from sp_plan.runtime.attention.documents import RowBounds, block_pairs, documents_backward, documents_forward, take
+from sp_plan.runtime.attention.kernel import (
     GRAD_BUFFER_BACKENDS,
     attention_backward,
     attention_forward,
@@ -64,8 +64,8 @@ from runtime.attention.kernel import (
     lse_dtype,
     select_backend,
 )
-from runtime.attention.merge import merge_into
-from runtime.errors import RuntimeConfigError
+from sp_plan.runtime.attention.merge import merge_into
+from sp_plan.runtime.errors import RuntimeConfigError
 
 #: P2P tags keep the K, V and dK/dV messages apart (NCCL ignores them; gloo matches on them).
 _K_TAG = 0
@@ -280,7 +280,7 @@ def check_layout(layout: str | None, causal: bool, world: int, documents: bool) 
         why = "causal" if causal else "document-masked"
         raise RuntimeConfigError(
             f"{why} ring attention needs to know how the sequence was split across the {world} ring ranks: pass "
-            "layout='zigzag' (the load-balanced layout of runtime.context.shard_segments / SequenceParallel.shard: "
+            "layout='zigzag' (the load-balanced layout of sp_plan.runtime.context.shard_segments / SequenceParallel.shard: "
             "rank r holds chunks r and 2P-1-r of 2P) or layout='contiguous' (rank r holds the r-th contiguous 1/P); "
             "SequenceParallel.attention passes it for you"
         )
@@ -325,8 +325,8 @@ def ring_attention(
     call inside the op, so bad input raises a RuntimeConfigError on every rank, never a hang.
     ``_agreed`` (internal, USP): the caller already ran that check across the whole grid.
     """
-    from runtime.attention.groups import screen
-    from runtime.attention.kernel import local_attention
+    from sp_plan.runtime.attention.groups import screen
+    from sp_plan.runtime.attention.kernel import local_attention
 
     world = dist.get_world_size(group)
     scale = screen(group, "ring attention", (q, k, v), scale)
@@ -335,7 +335,7 @@ def ring_attention(
             check_layout(layout, causal, world, cu_seqlens is not None)
         return local_attention(q, k, v, causal=causal, scale=scale, backend=backend, return_lse=return_lse,
                                cu_seqlens=cu_seqlens)
-    from runtime.attention.ops import group_name, ring_attention_op
+    from sp_plan.runtime.attention.ops import group_name, ring_attention_op
 
     # One custom op (forward: the ring pass; backward: the dK/dV ring), so selective checkpointing keeps
     # its output and LSE and never replays the ring in the recompute.
@@ -352,8 +352,8 @@ def validate_ring_call(q, k, v, group: dist.ProcessGroup, causal: bool, layout: 
     rank whether the ranks agree and whether any of them found a problem (unless ``agreed``: the caller
     already checked the grid, and the local checks, which depend only on what every rank agrees on, raise
     alike). Returns the document bounds."""
-    from runtime.attention.documents import row_bounds, single_document_rows
-    from runtime.attention.groups import agree
+    from sp_plan.runtime.attention.documents import row_bounds, single_document_rows
+    from sp_plan.runtime.attention.groups import agree
 
     world = dist.get_world_size(group)
     problem, bounds = None, None

@@ -20,9 +20,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from runtime import comm_counter
-from runtime.attention.kernel import check_qkv, local_attention
-from runtime.errors import RuntimeConfigError
+from sp_plan.runtime import comm_counter
+from sp_plan.runtime.attention.kernel import check_qkv, local_attention
+from sp_plan.runtime.errors import RuntimeConfigError
 
 
 def valid_ulysses_degrees(q_heads: int, kv_heads: int) -> list[int]:
@@ -35,7 +35,7 @@ def valid_ulysses_degrees(q_heads: int, kv_heads: int) -> list[int]:
 def ulysses_kv_replication(q_heads: int, kv_heads: int, degree: int) -> int:
     """How many times each (local) KV head is repeated before the all-to-all; raises if impossible.
 
-    Mirrors :meth:`cost_models.model_spec.ModelSpec.kv_replication` for the heads one TP rank holds.
+    Mirrors :meth:`sp_plan.cost_models.model_spec.ModelSpec.kv_replication` for the heads one TP rank holds.
     """
     if q_heads % degree:
         valid = ", ".join(map(str, valid_ulysses_degrees(q_heads, kv_heads)))
@@ -129,12 +129,12 @@ def ulysses_attention(
     local heads; returns this rank's output ``(B, s, H, D)``. ``inner(q, k, v, causal=, scale=,
     backend=, cu_seqlens=)`` computes attention on the head-split, full-sequence tensors (default: the
     local kernel; USP passes ring attention over the outer group). ``cu_seqlens``: packed documents over
-    the flattened full ``(B x S)`` sequence (:mod:`runtime.attention.documents`), handed to ``inner``
+    the flattened full ``(B x S)`` sequence (:mod:`sp_plan.runtime.attention.documents`), handed to ``inner``
     unchanged (after the all-to-all each rank holds the whole sequence for its heads). Every call first
     checks that every rank holds the same shapes and valid inputs (one small all-gather; bad input raises
     a RuntimeConfigError on every rank, never a hang).
     """
-    from runtime.attention.groups import resolve_group, screen
+    from sp_plan.runtime.attention.groups import resolve_group, screen
 
     world = dist.get_world_size(group)
     scale = screen(group, "Ulysses attention", (q, k, v), scale, outer=resolve_group(_outer) if _outer else None)
@@ -144,12 +144,12 @@ def ulysses_attention(
     if world == 1:
         check_qkv(q, k, v, causal=False, scale=scale)
         return inner(q, k, v, causal=causal, scale=scale, backend=backend, **extra)
-    from runtime.attention.ops import group_name, ulysses_head_to_seq_op, ulysses_qkv_to_heads_op
+    from sp_plan.runtime.attention.ops import group_name, ulysses_head_to_seq_op, ulysses_qkv_to_heads_op
 
     name = group_name(group)
     # Q/K/V all-to-all (recomputed by selective checkpointing) and the output all-to-all (kept): custom ops.
-    # ``_outer``: USP's ring group, checked together with this one (see runtime.attention.groups.agree).
-    from runtime.attention.ring import needs_grad
+    # ``_outer``: USP's ring group, checked together with this one (see sp_plan.runtime.attention.groups.agree).
+    from sp_plan.runtime.attention.ring import needs_grad
 
     qh, kh, vh = ulysses_qkv_to_heads_op(q, k, v, name, world, causal, scale, cu_seqlens, _outer,
                                          needs_grad(q, k, v))

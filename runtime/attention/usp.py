@@ -2,7 +2,7 @@
 
 The 2D SP mesh is ring x ulysses (ulysses innermost: its all-to-all wants the fast intra-node links;
 the ring's neighbour sends tolerate slower ones). Sequence layout (see
-:func:`runtime.context.shard_segments`): the zigzag split over the R ring ranks gives ring rank r the
+:func:`sp_plan.runtime.context.shard_segments`): the zigzag split over the R ring ranks gives ring rank r the
 ring-local sequence [chunk r ; chunk 2R-1-r] of the 2R chunks; Ulysses rank u then holds the u-th
 contiguous 1/U slice of it. The Ulysses all-to-all therefore reassembles exactly the ring-local
 sequence, in order, for 1/U of the heads, and zigzag ring attention across the ring group (ranks with
@@ -17,8 +17,8 @@ import functools
 import torch
 import torch.distributed as dist
 
-from runtime.attention.ring import ring_attention
-from runtime.attention.ulysses import ulysses_attention
+from sp_plan.runtime.attention.ring import ring_attention
+from sp_plan.runtime.attention.ulysses import ulysses_attention
 
 
 def usp_attention(
@@ -39,7 +39,7 @@ def usp_attention(
     must divide by U; KV heads are split or replicated as in :func:`ulysses_attention`. ``cu_seqlens``:
     packed documents over the flattened full ``(B x S)`` sequence.
     """
-    from runtime.attention.groups import group_name
+    from sp_plan.runtime.attention.groups import group_name
 
     # The Ulysses step checks agreement over the whole ring x ulysses grid (both groups, one verdict), so the
     # ring step only runs its local checks: any problem anywhere raises on every rank, none waits.

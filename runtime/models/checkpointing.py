@@ -6,7 +6,7 @@
   (``create_selective_checkpoint_contexts``) that keeps the outputs of the attention op (output and
   LSE) and recomputes everything else. The attention op is recognised two ways: ops listed in a
   registry (PyTorch's flash/efficient/cuDNN attention ops, and the sequence-parallel custom ops of
-  :mod:`runtime.attention.ops`: the local kernel, the whole ring pass and the Ulysses output
+  :mod:`sp_plan.runtime.attention.ops`: the local kernel, the whole ring pass and the Ulysses output
   all-to-all; other kernels can register theirs), and any op executed inside
   :func:`keep_for_selective` (used by composite attention implementations, e.g. the output product of
   materialized attention). Outputs of those ops are cached by the checkpoint and the ops are not re-run
@@ -37,8 +37,8 @@ CHECKPOINT_MODES: tuple[str, ...] = ("none", "selective", "full")
 def _attention_kernel_ops() -> set[Any]:
     """Attention ops whose outputs selective keeps: PyTorch's fused attention ops that exist in this build
     (their outputs are out, LSE, RNG state) and the sequence-parallel attention steps of
-    :mod:`runtime.attention.ops` (local kernel, ring pass, Ulysses output all-to-all)."""
-    from runtime.attention.ops import KEPT_BY_SELECTIVE
+    :mod:`sp_plan.runtime.attention.ops` (local kernel, ring pass, Ulysses output all-to-all)."""
+    from sp_plan.runtime.attention.ops import KEPT_BY_SELECTIVE
 
     names = (
         "_scaled_dot_product_flash_attention_for_cpu",
@@ -107,7 +107,7 @@ def check_mode(mode: str) -> str:
 def run_checkpointed(fn: Callable[..., torch.Tensor], mode: str, *args: Any, offload: Any = None) -> torch.Tensor:
     """Run ``fn(*args)`` (one transformer block) under the given checkpointing mode.
 
-    ``offload`` (a :class:`runtime.offload.CheckpointOffload`) moves the block input the checkpoint keeps
+    ``offload`` (a :class:`sp_plan.runtime.offload.CheckpointOffload`) moves the block input the checkpoint keeps
     (``args[0]``) to host memory until backward; it needs ``selective`` or ``full``.
     """
     if mode == "none" or not torch.is_grad_enabled():

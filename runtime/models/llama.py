@@ -1,4 +1,4 @@
-"""A small, real Llama-style decoder built from a :class:`~cost_models.ModelSpec`.
+"""A small, real Llama-style decoder built from a :class:`~sp_plan.cost_models.ModelSpec`.
 
 embedding -> N x [RMSNorm -> attention (RoPE, GQA) -> residual -> RMSNorm -> SwiGLU MLP -> residual]
 -> final RMSNorm -> lm_head (optionally tied to the embedding).
@@ -11,16 +11,16 @@ stays generic:
   head_dim) tensors; the default :class:`FlashAttention` saves exactly q, k, v, out and the fp32 LSE
   for backward; :class:`MaterializedAttention` computes softmax(QK^T)V in eager ops (HF eager /
   Megatron-style, for activation-accounting checks). Packed rows: ``forward(..., cu_seqlens=)``
-  (the data path's document boundaries, :mod:`runtime.attention.documents`) reaches every layer's
+  (the data path's document boundaries, :mod:`sp_plan.runtime.attention.documents`) reaches every layer's
   ``attention_fn`` as the keyword ``cu_seqlens`` (only when given, so other attention functions keep
   working), and each token attends only within its document;
 - :class:`RMSNorm` is a custom autograd function that saves only its input and the fp32 rstd;
 - every block runs under a checkpointing mode (none / selective / full; see
-  :mod:`runtime.models.checkpointing`), optionally with its checkpointed input offloaded to host memory
-  (:mod:`runtime.offload`);
-- the MLP can run tiled over the sequence (:mod:`runtime.tiled_mlp`), and the model exposes the final
-  hidden states for a chunked loss (:meth:`LlamaModel.hidden_states`, :mod:`runtime.tiled_loss`);
-- tensor parallelism (:mod:`runtime.tp`) swaps in sharded projections and sets the ``tp_enter`` hooks
+  :mod:`sp_plan.runtime.models.checkpointing`), optionally with its checkpointed input offloaded to host memory
+  (:mod:`sp_plan.runtime.offload`);
+- the MLP can run tiled over the sequence (:mod:`sp_plan.runtime.tiled_mlp`), and the model exposes the final
+  hidden states for a chunked loss (:meth:`LlamaModel.hidden_states`, :mod:`sp_plan.runtime.tiled_loss`);
+- tensor parallelism (:mod:`sp_plan.runtime.tp`) swaps in sharded projections and sets the ``tp_enter`` hooks
   (the all-gather / identity that opens a TP region); without it they are ``None`` and the default
   path, and what it saves for backward, are untouched.
 """
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cost_models.model_spec import ModelSpec
+from sp_plan.cost_models.model_spec import ModelSpec
 
 from ..errors import RuntimeConfigError
 from ..tiled_mlp import tile_tokens_for, tiled_gated_mlp
@@ -189,7 +189,7 @@ class FlashAttention(nn.Module):
         if cu_seqlens is not None:  # packed documents: the runtime's document-masked kernel (same saved tensors)
             if p > 0:
                 raise RuntimeConfigError("attention dropout with packed documents (cu_seqlens) is not supported")
-            from runtime.attention import local_attention
+            from sp_plan.runtime.attention import local_attention
 
             return local_attention(q, k, v, causal=causal, scale=self.scale, cu_seqlens=cu_seqlens)
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -324,7 +324,7 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """down(silu(gate(x)) * up(x)): saves gate, silu(gate), up and their product (eager SwiGLU).
 
-    With ``tiled`` set (:func:`runtime.tiled_mlp.apply_tiled_mlp`) the same computation runs over tiles
+    With ``tiled`` set (:func:`sp_plan.runtime.tiled_mlp.apply_tiled_mlp`) the same computation runs over tiles
     of ``tile_tokens`` tokens (None: the memory model's default rule) and saves only its input.
     """
 
@@ -360,7 +360,7 @@ class LlamaBlock(nn.Module):
         self.hidden_dropout = spec.hidden_dropout
         self.checkpointing = check_mode(checkpointing)
         #: Moves the checkpointed block input to host memory between forward and backward
-        #: (:class:`runtime.offload.CheckpointOffload`); None keeps it on the device.
+        #: (:class:`sp_plan.runtime.offload.CheckpointOffload`); None keeps it on the device.
         self.checkpoint_offload = None
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
@@ -398,7 +398,7 @@ class LlamaModel(nn.Module):
 
     :meth:`hidden_states` stops before the lm_head (the input of a chunked loss, which multiplies by
     ``lm_head.weight`` chunk by chunk). ``cu_seqlens``: packed documents (cumulative boundaries over the
-    flattened full batch, as :class:`runtime.data.BatchSharder` makes them): document-masked attention.
+    flattened full batch, as :class:`sp_plan.runtime.data.BatchSharder` makes them): document-masked attention.
     """
 
     def __init__(

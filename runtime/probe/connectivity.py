@@ -2,7 +2,7 @@
 
 Both sources produce a :class:`Connectivity`: a GPU x GPU matrix of nvidia-smi codes (``X``,
 ``NV#``, ``PIX``, ``PXB``, ``PHB``, ``NODE``, ``SYS``), the NICs and their codes, and NUMA affinity.
-The codes map onto the cost model's link classes (see ``cost_models.topology.spec.LinkClass``).
+The codes map onto the cost model's link classes (see ``sp_plan.cost_models.topology.spec.LinkClass``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.errors import RuntimeConfigError
+from sp_plan.runtime.errors import RuntimeConfigError
 
 #: nvidia-smi code -> cost-model link class
 CODE_CLASS = {

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cost_models.calibration import TimingSample
+from sp_plan.cost_models.calibration import TimingSample
 
 #: Matmul sizes: large enough to reach steady-state throughput, small enough for a CPU budget (a CPU
 #: GEMM reaches its rate from about 128 x 128 up; measured on a 2-core EPYC: 512^3 and 2048 x 128 x 128
@@ -176,7 +176,7 @@ def measure_collectives(group, group_ranks: Sequence[int], sizes: Sequence[int],
                         ) -> list[TimingSample]:
     """Time each collective at each size on ``group`` (every rank of the group calls this together).
 
-    Sizes are the collective's size argument in bytes (see cost_models.collectives). Ranks in other
+    Sizes are the collective's size argument in bytes (see sp_plan.cost_models.collectives). Ranks in other
     groups run theirs at the same time, so shared links are loaded as in training.
     """
     p = len(group_ranks)

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cost_models.topology import TopologySpec, save_topology
-from runtime.errors import RuntimeConfigError
+from sp_plan.cost_models.topology import TopologySpec, save_topology
+from sp_plan.runtime.errors import RuntimeConfigError
 
 from . import measure
 from .build import DeviceFacts, ProbeFacts, build_spec

@@ -18,8 +18,8 @@ from typing import Any
 
 import click
 
-from cost_models.atomic_io import atomic_write_text
-from cost_models.errors import CostModelError
+from sp_plan.cost_models.atomic_io import atomic_write_text
+from sp_plan.cost_models.errors import CostModelError
 
 from .common import (
     build_layout,
@@ -33,13 +33,12 @@ from .common import (
 
 #: Wall-clock bound for the launched ranks (start-up, planning of nothing, a few steps).
 LAUNCH_TIMEOUT_S = 1800
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _plan_from_flags(model_name: str | None, gpus: int | None, gpus_per_node: int | None, gpu_name: str,
                      topology_ref: str | None, layers: int | None, options: dict[str, Any]):
-    from cost_models.estimate import estimate
-    from planner.plan import Hardware, Plan
+    from sp_plan.cost_models.estimate import estimate
+    from sp_plan.planner.plan import Hardware, Plan
 
     if not model_name or options.get("seq_len") is None or gpus is None:
         raise click.UsageError("give --plan FILE, or --model, --seq-len and --gpus (plus layout flags)")
@@ -76,8 +75,8 @@ def check_host_memory(plan, local_ranks: int, available: int | None = None, kind
     """Refuse, with the arithmetic and the way out, a run whose ranks cannot even build the model: each
     local rank materializes the whole model (random fp32 weights) before FSDP shards it, and a rank the
     kernel kills for memory leaves only a bare SIGKILL behind."""
-    from cost_models.memory import memory_core
-    from runtime.capabilities import memory_assumptions
+    from sp_plan.cost_models.memory import memory_core
+    from sp_plan.runtime.capabilities import memory_assumptions
 
     available = _available_host_bytes() if available is None else available
     if available is None:
@@ -102,15 +101,13 @@ def _launch(plan_path: Path, world: int, steps: int, time_topology: str | None, 
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               "-m", "planner.cli", "validate", "--plan", str(plan_path), "--steps", str(steps),
+               "-m", "sp_plan.cli", "validate", "--plan", str(plan_path), "--steps", str(steps),
                "--result-file", str(result)]
         if time_topology:
             cmd += ["--time-topology", time_topology]
         if kind == "hf":
             cmd.append("--hf")
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
         if done.returncode != 0 or not result.exists():
             lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
             errors = [ln for ln in lines if "error:" in ln or "Error" in ln]
@@ -157,9 +154,9 @@ def command(plan_path: Path | None, model_name: str | None, seq_len: str | None,
     """Run a few steps of the planned configuration and compare with the cost models, per rank:
     activation bytes saved for backward, communication bytes by collective, peak memory (CUDA) and
     step time. On a CPU-only machine the ranks are CPU processes over gloo."""
-    from cost_models.units import parse_seq_len
-    from planner.plan import load_plan
-    from runtime.capabilities import unsupported_reasons
+    from sp_plan.cost_models.units import parse_seq_len
+    from sp_plan.planner.plan import load_plan
+    from sp_plan.runtime.capabilities import unsupported_reasons
 
     if plan_path is not None:
         plan = load_plan(plan_path)
@@ -179,7 +176,7 @@ def command(plan_path: Path | None, model_name: str | None, seq_len: str | None,
     if "WORLD_SIZE" in os.environ or world == 1:
         _run_here(plan, steps, time_topology, as_json, result_file, kind)
         if "WORLD_SIZE" in os.environ:  # a launched rank: its report is written
-            from runtime.auto import finish_worker
+            from sp_plan.runtime.auto import finish_worker
 
             finish_worker()
         return
@@ -199,7 +196,7 @@ def _run_here(plan, steps: int, time_topology: str | None, as_json: bool, result
         raise CostModelError(f"sp-plan validate needs torch ({exc.name} is missing): pip install 'sp-plan[runtime]'")
     import torch.distributed as dist
 
-    from runtime.validate import run_validation
+    from sp_plan.runtime.validate import run_validation
 
     try:
         report = run_validation(plan, steps=steps, topology=time_topology, kind=kind)
@@ -219,6 +216,6 @@ def _emit(report: dict, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
-    from runtime.validate import render
+    from sp_plan.runtime.validate import render
 
     click.echo(render(report))

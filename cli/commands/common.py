@@ -13,17 +13,17 @@ from typing import TYPE_CHECKING, Any
 import click
 from pydantic import ValidationError
 
-from cost_models.errors import CostModelError, explain_validation_error
-from cost_models.gpu_spec import GPUSpec, get_gpu_preset
-from cost_models.layout import Layout
-from cost_models.memory.assumptions import MemoryAssumptions
-from cost_models.model_spec import ModelSpec, load_model
-from cost_models.train_spec import TrainSpec
-from cost_models.units import MAX_SEQ_LEN, parse_token_count
+from sp_plan.cost_models.errors import CostModelError, explain_validation_error
+from sp_plan.cost_models.gpu_spec import GPUSpec, get_gpu_preset
+from sp_plan.cost_models.layout import Layout
+from sp_plan.cost_models.memory.assumptions import MemoryAssumptions
+from sp_plan.cost_models.model_spec import ModelSpec, load_model
+from sp_plan.cost_models.train_spec import TrainSpec
+from sp_plan.cost_models.units import MAX_SEQ_LEN, parse_token_count
 
 if TYPE_CHECKING:
-    from cost_models.profile import CostProfile
-    from cost_models.topology import Topology
+    from sp_plan.cost_models.profile import CostProfile
+    from sp_plan.cost_models.topology import Topology
 
 
 class TokenCountType(click.ParamType):
@@ -207,7 +207,7 @@ def layout_options(func: Callable) -> Callable:
 def check_output_path(path: str | Path | None, option: str) -> None:
     """Refuse an output path that cannot be written *before* the work that produces it (a plan search or a
     sweep can take seconds): its directory must exist and the path must not be a directory. The write
-    itself is atomic (:mod:`cost_models.atomic_io`) and reports the remaining failures (permissions)."""
+    itself is atomic (:mod:`sp_plan.cost_models.atomic_io`) and reports the remaining failures (permissions)."""
     if path is None or str(path) == "-":  # "-": standard output
         return
     if not str(path).strip():
@@ -243,12 +243,12 @@ def build_topology(gpus: int | None, gpus_per_node: int | None, gpu_name: str, t
 
     Multi-node jobs must fill whole nodes: a plan for 12 GPUs on 8-GPU nodes is almost always a typo.
     """
-    from cost_models.topology import default_topology, load_topology
-    from cost_models.topology.presets import natural_gpus_per_node
+    from sp_plan.cost_models.topology import default_topology, load_topology
+    from sp_plan.cost_models.topology.presets import natural_gpus_per_node
 
     if topology_ref is not None:  # "" too: an empty --topology is a mistake to report, not "no topology"
         if not topology_ref.strip():
-            from cost_models.topology import preset_names
+            from sp_plan.cost_models.topology import preset_names
 
             raise CostModelError(f"--topology is empty: give a preset ({', '.join(preset_names())}) or a topology "
                                  "YAML file, or leave the option out")
@@ -299,9 +299,9 @@ def build_assume(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
 
 def build_profile(gpu_name: str, stack: str | None, calibration: str | None,
                   assume: dict[str, Any] | None = None) -> "CostProfile":
-    """The prediction's :class:`~cost_models.profile.CostProfile` for ``gpu_name``: ``--stack`` (or the
+    """The prediction's :class:`~sp_plan.cost_models.profile.CostProfile` for ``gpu_name``: ``--stack`` (or the
     calibration's stack, else sp-plan), the GPU's kernel model, ``--calibration``, then ``--assume``."""
-    from cost_models.profile import resolve_profile
+    from sp_plan.cost_models.profile import resolve_profile
 
     return resolve_profile(gpu_name, stack, calibration, assume or None)
 

@@ -8,15 +8,15 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
-from cost_models.atomic_io import write_output
-from cost_models.errors import explain_validation_error
+from sp_plan.cost_models.atomic_io import write_output
+from sp_plan.cost_models.errors import explain_validation_error
 
-from ..capacity import probe_feasibility
-from ..errors import PlannerError
-from ..plan import plan_from_ranked
-from ..report import explain_rejections, explain_winner, family_champions, headline, render_table, compare
-from ..sanity import check_figures
-from ..search import DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_HEADROOM, PlanSettings, SearchResult, search
+from sp_plan.planner.capacity import probe_feasibility
+from sp_plan.planner.errors import PlannerError
+from sp_plan.planner.plan import plan_from_ranked
+from sp_plan.planner.report import explain_rejections, explain_winner, family_champions, headline, render_table, compare
+from sp_plan.planner.sanity import check_figures
+from sp_plan.planner.search import DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_HEADROOM, PlanSettings, SearchResult, search
 from .common import (
     LAYOUT_KEYS,
     TokenCountType,
@@ -160,8 +160,8 @@ def explain_alternatives(model, train, topology, settings: PlanSettings, result:
 
 def no_fit_report(model, train, topology, settings: PlanSettings, result: SearchResult, world: int) -> dict:
     """What came closest and what would make the run fit: more GPUs, memory options, a shorter sequence."""
-    from ..capacity import max_seq_len, min_gpus
-    from cost_models.topology import load_topology
+    from sp_plan.planner.capacity import max_seq_len, min_gpus
+    from sp_plan.cost_models.topology import load_topology
 
     nearest = probe_feasibility(model, train, topology, settings, world=world)
     lines = ["No plan fits."]

@@ -8,12 +8,12 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
-from cost_models.errors import explain_validation_error
-from cost_models.estimate import Estimate, estimate
-from cost_models.memory.kernel_limits import within_row_kernel_limit
-from cost_models.units import GB, GiB, format_tokens
+from sp_plan.cost_models.errors import explain_validation_error
+from sp_plan.cost_models.estimate import Estimate, estimate
+from sp_plan.cost_models.memory.kernel_limits import within_row_kernel_limit
+from sp_plan.cost_models.units import GB, GiB, format_tokens
 
-from ..sanity import check_figures
+from sp_plan.planner.sanity import check_figures
 from .common import (
     build_assume,
     build_cluster,

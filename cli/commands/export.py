@@ -7,11 +7,11 @@ import json
 import click
 import yaml
 
-from cost_models.atomic_io import write_output
+from sp_plan.cost_models.atomic_io import write_output
 
-from ..export import DEFAULT_TRAIN_SCRIPT, EXPORTERS, check_under_stack, to_torchrun
-from ..plan import load_plan
-from ..errors import PlannerError
+from sp_plan.planner.export import DEFAULT_TRAIN_SCRIPT, EXPORTERS, check_under_stack, to_torchrun
+from sp_plan.planner.plan import load_plan
+from sp_plan.planner.errors import PlannerError
 from .common import check_output_path
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from cost_models.errors import CostModelError
-from cost_models.units import parse_seq_len
+from sp_plan.cost_models.errors import CostModelError
+from sp_plan.cost_models.units import parse_seq_len
 
 from .common import FiniteFloatRange, check_output_path
 
@@ -42,20 +42,20 @@ def command(out: Path, sizes: str | None, compute_budget: float | None, link_bud
             name: str | None) -> None:
     """Discover GPUs, NVLink/PCIe, host and NICs; time links under torchrun; write a topology file.
 
-    Run alone for discovery and compute, or under `torchrun --nproc-per-node N -m planner.cli probe`
+    Run alone for discovery and compute, or under `torchrun --nproc-per-node N -m sp_plan.cli probe`
     (on one or more nodes) to also fit alpha and beta of the intra- and inter-node links. On a CPU-only
     machine the ranks are CPU processes over gloo. The file works with `--topology FILE` everywhere.
     """
     check_output_path(out, "--out")
     parsed = _sizes(sizes)
     try:
-        from runtime.probe.run import run_probe
+        from sp_plan.runtime.probe.run import run_probe
     except ImportError as exc:  # torch is an optional dependency of the planner
         raise CostModelError(f"sp-plan probe needs torch ({exc.name} is missing): pip install 'sp-plan[runtime]'") from exc
     result = run_probe(out, sizes=parsed, compute_budget_s=compute_budget, link_budget_s=link_budget, name=name)
     for line in result.lines:
         click.echo(line)
     if "WORLD_SIZE" in os.environ:  # a torchrun rank: leave before the interpreter's teardown can abort it
-        from runtime.auto import finish_worker
+        from sp_plan.runtime.auto import finish_worker
 
         finish_worker()

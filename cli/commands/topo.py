@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from cost_models.topology import (
+from sp_plan.cost_models.topology import (
     Topology,
     fabric_names,
     get_preset_spec,
@@ -15,8 +15,8 @@ from cost_models.topology import (
     spec_to_yaml,
     with_fabric,
 )
-from cost_models.topology.presets import fabric_description, parse_reference
-from cost_models.topology.render import render
+from sp_plan.cost_models.topology.presets import fabric_description, parse_reference
+from sp_plan.cost_models.topology.render import render
 
 from .common import check_output_path
 

@@ -8,14 +8,14 @@ from typing import Any
 
 import click
 
-from cost_models.atomic_io import atomic_output
-from cost_models.errors import CostModelError
-from cost_models.units import GB, format_tokens, parse_seq_len
+from sp_plan.cost_models.atomic_io import atomic_output
+from sp_plan.cost_models.errors import CostModelError
+from sp_plan.cost_models.units import GB, format_tokens, parse_seq_len
 
-from ..capacity import MAX_GPUS, SweepPoint, max_seq_len, min_gpus, sweep
-from ..errors import PlannerError
-from ..report import describe_options
-from ..sanity import check_figures
+from sp_plan.planner.capacity import MAX_GPUS, SweepPoint, max_seq_len, min_gpus, sweep
+from sp_plan.planner.errors import PlannerError
+from sp_plan.planner.report import describe_options
+from sp_plan.planner.sanity import check_figures
 from .common import build_model, build_topology, build_train, check_output_path, hardware_options, \
     layout_options, model_options_optional_seq
 from .plan import planning_options, settings_from
@@ -45,7 +45,7 @@ def _plan_json(plan) -> dict[str, Any] | None:
 
 def _stack_fields(settings, gpu_name: str) -> dict[str, Any]:
     """The stack and calibration the answers assume, as a plan file records them."""
-    from ..search import resolve_settings
+    from sp_plan.planner.search import resolve_settings
 
     resolved = resolve_settings(settings, gpu_name)
     return {"stack": resolved.stack, "calibration": resolved.calibration}
@@ -152,7 +152,7 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
 
 
 def seq_granule_start(gpus: int) -> int:
-    from ..capacity import seq_granule
+    from sp_plan.planner.capacity import seq_granule
 
     return seq_granule(gpus)
 

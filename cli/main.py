@@ -1,9 +1,9 @@
 """The ``sp-plan`` command line.
 
-Subcommands live in ``planner.commands.<name>`` and are imported only when invoked, so ``sp-plan
+Subcommands live in ``sp_plan.cli.commands.<name>`` and are imported only when invoked, so ``sp-plan
 --help`` stays fast and never pulls in heavy modules (and never torch). Every project error is
 printed as one line on stderr with exit code 2, without a traceback; "nothing fits" answers (a
-:class:`~planner.errors.NoFitError` or a command's own ``ctx.exit(1)``) exit 1.
+:class:`~sp_plan.planner.errors.NoFitError` or a command's own ``ctx.exit(1)``) exit 1.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 
 import click
 
-#: subcommand -> (module under planner.commands, one-line help shown by --help)
+#: subcommand -> (module under sp_plan.cli.commands, one-line help shown by --help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "estimate": ("estimate", "Per-GPU memory, communication and time of one layout."),
     "plan": ("plan", "Search every layout and memory option; recommend the fastest that fits."),
@@ -35,7 +35,7 @@ class LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in SUBCOMMANDS:
             return None
-        module = importlib.import_module(f"planner.commands.{SUBCOMMANDS[name][0]}")
+        module = importlib.import_module(f"sp_plan.cli.commands.{SUBCOMMANDS[name][0]}")
         return module.command
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI, turning project and validation errors into one-line messages."""
     from pydantic import ValidationError
 
-    from cost_models.errors import CostModelError, explain_validation_error
-    from planner.errors import NoFitError
+    from sp_plan.cost_models.errors import CostModelError, explain_validation_error
+    from sp_plan.planner.errors import NoFitError
 
     try:
         # Without standalone mode click *returns* the code a command exits with (``ctx.exit(1)``: no plan
