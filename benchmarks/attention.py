@@ -68,7 +68,7 @@ def _deepspeed_attention(group):
     import torch
     import torch.distributed as dist
 
-    from sp_plan.runtime.attention.kernel import local_attention
+    from sp_plan.runtime.attention.api import local_attention
 
     if not ds_comm.is_initialized():
         ds_comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False)

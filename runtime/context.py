@@ -23,10 +23,7 @@ import torch
 import torch.distributed as dist
 
 from sp_plan.runtime import comm_counter
-from sp_plan.runtime.attention.kernel import local_attention
-from sp_plan.runtime.attention.ring import ring_attention
-from sp_plan.runtime.attention.ulysses import ulysses_attention
-from sp_plan.runtime.attention.usp import usp_attention
+from sp_plan.runtime.attention.api import local_attention, ring_attention, ulysses_attention, usp_attention
 from sp_plan.runtime.errors import RuntimeConfigError
 
 Segment = tuple[int, int]  # (global start, length)

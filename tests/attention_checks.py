@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from sp_plan.cost_models.layout import Layout
-from sp_plan.runtime.attention.kernel import local_attention, reference_attention
+from sp_plan.runtime.attention.api import local_attention
+from sp_plan.runtime.attention.kernel import reference_attention
 from sp_plan.runtime.context import SequenceParallel
 
 NAMES = ("out", "dq", "dk", "dv")

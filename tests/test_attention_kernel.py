@@ -13,10 +13,10 @@ from sp_plan.runtime.attention.kernel import (
     attended_pairs,
     attention_backward,
     attention_forward,
-    local_attention,
     reference_attention,
     select_backend,
 )
+from sp_plan.runtime.attention.api import local_attention
 from sp_plan.runtime.attention.merge import merge_into
 from sp_plan.runtime.errors import RuntimeConfigError
 

@@ -27,7 +27,7 @@ BF16_RATIO = 1.5
 
 def _ring_rank(rank: int, world: int) -> dict:
     from sp_plan.runtime.attention.kernel import KernelWorkCounter
-    from sp_plan.runtime.attention.ring import ring_attention
+    from sp_plan.runtime.attention.api import ring_attention
     from sp_plan.runtime.errors import RuntimeConfigError
     from tests.attention_checks import distributed, full_inputs
 

@@ -24,7 +24,7 @@ CASES = [
 
 
 def _ulysses_rank(rank: int, world: int) -> dict:
-    from sp_plan.runtime.attention.ulysses import ulysses_attention
+    from sp_plan.runtime.attention.api import ulysses_attention
 
     sp = sp_context(world, ring=1, ulysses=world)
     results: dict = {"cases": []}

@@ -1,6 +1,6 @@
 """Exact sequence-parallel attention: the local kernel, Ulysses, zigzag Ring and 2D USP.
 
-All functions take (batch, seq, heads, head_dim) tensors and explicit process groups; the
+The entry points (:mod:`.api`) take (batch, seq, heads, head_dim) tensors and explicit process groups; the
 :class:`sp_plan.runtime.context.SequenceParallel` context picks the right one for a mesh.
 """
 
@@ -9,13 +9,11 @@ from sp_plan.runtime.attention.kernel import (
     KernelWorkCounter,
     attention_backward,
     attention_forward,
-    local_attention,
     reference_attention,
     select_backend,
 )
-from sp_plan.runtime.attention.ring import ring_attention
-from sp_plan.runtime.attention.ulysses import ulysses_attention, ulysses_kv_replication, valid_ulysses_degrees
-from sp_plan.runtime.attention.usp import usp_attention
+from sp_plan.runtime.attention.ulysses import ulysses_kv_replication, valid_ulysses_degrees
+from sp_plan.runtime.attention.api import local_attention, ring_attention, ulysses_attention, usp_attention
 
 __all__ = [
     "BACKENDS",

@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import torch
 
+from sp_plan.runtime.attention import kernel
 from sp_plan.runtime.errors import RuntimeConfigError
 
 Run = tuple[int, int]  # (global start, length)
@@ -208,8 +209,6 @@ def block_pairs(bounds: RowBounds, q_runs: tuple[Run, ...], k_runs: tuple[Run, .
 def documents_forward(q, k, v, pairs: tuple[Pair, ...], *, scale: float, backend: str | None):
     """Output ``(B, Sq, H, D)`` (q's dtype) and LSE ``(B, H, Sq)`` of the block under the document mask:
     rows that see no key keep output 0 and LSE -inf (the contract of ``attention_forward``)."""
-    from sp_plan.runtime.attention import kernel
-
     name = kernel.select_backend(q, backend)
     batch, seq_q, heads, _ = q.shape
     acc = kernel.lse_dtype(q.dtype)
@@ -236,8 +235,6 @@ def documents_forward(q, k, v, pairs: tuple[Pair, ...], *, scale: float, backend
 
 def documents_backward(dout, q, k, v, out, lse, pairs: tuple[Pair, ...], *, scale: float, backend: str | None):
     """dq, dk, dv of the block under the document mask, given the (merged) output and LSE of its rows."""
-    from sp_plan.runtime.attention import kernel
-
     name = kernel.select_backend(q, backend)
     dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
@@ -334,8 +331,6 @@ def _scatter(target: torch.Tensor, rows: torch.Tensor | None, values: torch.Tens
 
 def _varlen_block_forward(name, q, k, v, pairs, causal, scale, out, lse_hbs) -> None:
     """Write the varlen call's output into ``out`` (B, S, H, D) and its LSE into ``lse_hbs`` (H, B, S)."""
-    from sp_plan.runtime.attention import kernel
-
     batch, seq_q = q.shape[:2]
     packing = _packing(pairs, seq_q, k.shape[1], batch, q.device)
     out_p, lse_p = kernel.varlen_forward(
@@ -351,8 +346,6 @@ def _varlen_block_forward(name, q, k, v, pairs, causal, scale, out, lse_hbs) -> 
 
 
 def _varlen_block_backward(name, dout, q, k, v, out, lse, pairs, causal, scale, dq, dk, dv) -> None:
-    from sp_plan.runtime.attention import kernel
-
     batch, seq_q = q.shape[:2]
     packing = _packing(pairs, seq_q, k.shape[1], batch, q.device)
     dq_p, dk_p, dv_p = kernel.varlen_backward(

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from sp_plan.runtime.attention.documents import host_boundaries
 from sp_plan.runtime.attention.kernel import SUPPORTED_DTYPES
 from sp_plan.runtime.errors import RuntimeConfigError
 
@@ -87,8 +88,6 @@ def _documents_fingerprint(cu_seqlens: torch.Tensor | None) -> int:
         return 0
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
         return 1  # not boundaries at all (the local validation says so)
-    from sp_plan.runtime.attention.documents import host_boundaries
-
     return (hash(host_boundaries(cu_seqlens)) & ((1 << 62) - 1)) + 2
 
 

@@ -7,7 +7,7 @@ all blocks). So this module exposes the kernel as a pair of plain functions::
     out, lse = attention_forward(q, k, v, causal=..., scale=...)
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=..., scale=...)
 
-plus :func:`local_attention`, the autograd-aware single-device attention built from the same pair.
+which :func:`sp_plan.runtime.attention.api.local_attention` wraps as autograd-aware single-device attention.
 
 Layout everywhere: q ``(batch, seq_q, heads, head_dim)``, k and v ``(batch, seq_k, kv_heads, head_dim)``
 with ``heads % kv_heads == 0`` (GQA/MQA); the output has q's shape and dtype; the LSE is
@@ -433,32 +433,6 @@ def varlen_backward(name: str, dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, 
     _record_varlen_work("backward", cu_q, cu_k, q.shape[1], q.shape[2], causal)
     return _VARLEN_BACKWARD[name](dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, cu_q, cu_k, max_q, max_k,
                                   causal, scale)
-
-
-def local_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = True,
-    scale: float | None = None,
-    backend: str | None = None,
-    return_lse: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Single-device attention (autograd-aware); the LSE, if returned, carries no gradient.
-
-    ``cu_seqlens``: packed documents (:mod:`sp_plan.runtime.attention.documents`): cumulative document
-    boundaries over the flattened ``(batch x seq)``; every token attends only within its document.
-    Runs as the ``sp_plan::attention`` custom op (:mod:`sp_plan.runtime.attention.ops`), so selective
-    checkpointing keeps its output and LSE instead of re-running the kernel.
-    """
-    from sp_plan.runtime.attention.groups import screen
-    from sp_plan.runtime.attention.ops import attention_op
-
-    scale = screen(None, "attention", (q, k, v), scale)
-    out, lse = attention_op(q, k, v, causal, scale, backend, cu_seqlens)
-    return (out, lse) if return_lse else out
 
 
 # ----- backends ---------------------------------------------------------------------------------

@@ -34,7 +34,13 @@ from __future__ import annotations
 
 import torch
 
-from sp_plan.runtime.attention.documents import block_pairs, documents_backward, documents_forward, row_bounds
+from sp_plan.runtime.attention.documents import (
+    block_pairs,
+    documents_backward,
+    documents_forward,
+    row_bounds,
+    single_document_rows,
+)
 from sp_plan.runtime.attention.groups import agree, group_name, resolve_group  # noqa: F401 (re-exported)
 from sp_plan.runtime.attention.kernel import (
     attention_backward,
@@ -166,8 +172,6 @@ def ring_attention_backward_op(
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of :func:`ring_attention_op` (the K/V and dK/dV rings)."""
-    from sp_plan.runtime.attention.documents import row_bounds, single_document_rows
-
     pg = resolve_group(group)
     comm = RingComm(pg)
     bounds = None

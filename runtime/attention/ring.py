@@ -55,7 +55,16 @@ import torch
 import torch.distributed as dist
 
 from sp_plan.runtime import comm_counter
-from sp_plan.runtime.attention.documents import RowBounds, block_pairs, documents_backward, documents_forward, take
+from sp_plan.runtime.attention.documents import (
+    RowBounds,
+    block_pairs,
+    documents_backward,
+    documents_forward,
+    row_bounds,
+    single_document_rows,
+    take,
+)
+from sp_plan.runtime.attention.groups import agree
 from sp_plan.runtime.attention.kernel import (
     GRAD_BUFFER_BACKENDS,
     attention_backward,
@@ -299,51 +308,6 @@ def check_ring_shapes(q: torch.Tensor, k: torch.Tensor, world: int, causal: bool
         )
 
 
-def ring_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    *,
-    causal: bool = True,
-    scale: float | None = None,
-    backend: str | None = None,
-    return_lse: bool = False,
-    layout: str | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    _agreed: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention over the sequence split across ``group`` (ring degree P = its size).
-
-    q ``(B, s, H, D)``, k/v ``(B, s, KVH, D)`` are this rank's shards (s = S/P tokens). ``layout``
-    (``"zigzag"`` or ``"contiguous"``, see the module docstring) is required with ``causal=True`` and
-    with ``cu_seqlens``; non-causal attention without documents works with any split. ``cu_seqlens``:
-    packed documents, the cumulative boundaries over the flattened full ``(B x S)`` sequence (the same
-    on every rank). Returns this rank's output ``(B, s, H, D)`` (and the fp32 LSE ``(B, H, s)`` if
-    ``return_lse``; it carries no gradient). All checks (shapes, scale and documents agreeing across the
-    ranks, layout, even zigzag length, empty or mismatched tensors) meet in one agreement all-gather per
-    call inside the op, so bad input raises a RuntimeConfigError on every rank, never a hang.
-    ``_agreed`` (internal, USP): the caller already ran that check across the whole grid.
-    """
-    from sp_plan.runtime.attention.groups import screen
-    from sp_plan.runtime.attention.kernel import local_attention
-
-    world = dist.get_world_size(group)
-    scale = screen(group, "ring attention", (q, k, v), scale)
-    if world == 1:
-        if layout is not None and layout not in LAYOUTS:
-            check_layout(layout, causal, world, cu_seqlens is not None)
-        return local_attention(q, k, v, causal=causal, scale=scale, backend=backend, return_lse=return_lse,
-                               cu_seqlens=cu_seqlens)
-    from sp_plan.runtime.attention.ops import group_name, ring_attention_op
-
-    # One custom op (forward: the ring pass; backward: the dK/dV ring), so selective checkpointing keeps
-    # its output and LSE and never replays the ring in the recompute.
-    out, lse = ring_attention_op(q, k, v, group_name(group), causal, scale, backend, layout or "", cu_seqlens,
-                                 _agreed, needs_grad(q, k, v))
-    return (out, lse) if return_lse else out
-
-
 def validate_ring_call(q, k, v, group: dist.ProcessGroup, causal: bool, layout: str | None,
                        cu_seqlens: torch.Tensor | None, scale: float | None = None, *,
                        agreed: bool = False, needs_grad: bool = False) -> RowBounds | None:
@@ -352,8 +316,6 @@ def validate_ring_call(q, k, v, group: dist.ProcessGroup, causal: bool, layout: 
     rank whether the ranks agree and whether any of them found a problem (unless ``agreed``: the caller
     already checked the grid, and the local checks, which depend only on what every rank agrees on, raise
     alike). Returns the document bounds."""
-    from sp_plan.runtime.attention.documents import row_bounds, single_document_rows
-    from sp_plan.runtime.attention.groups import agree
 
     world = dist.get_world_size(group)
     problem, bounds = None, None

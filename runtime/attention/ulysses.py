@@ -15,13 +15,10 @@ replicas' gradients locally; no extra communication. Query heads must divide by 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 
 from sp_plan.runtime import comm_counter
-from sp_plan.runtime.attention.kernel import check_qkv, local_attention
 from sp_plan.runtime.errors import RuntimeConfigError
 
 
@@ -107,51 +104,3 @@ def head_to_seq(tensors: list[torch.Tensor], group, world: int, phase: str = "fo
     return outs
 
 
-InnerAttention = Callable[..., torch.Tensor]
-
-
-def ulysses_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    *,
-    causal: bool = True,
-    scale: float | None = None,
-    backend: str | None = None,
-    inner: InnerAttention | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    _outer: str = "",
-) -> torch.Tensor:
-    """Exact attention over the sequence split contiguously across ``group`` (Ulysses degree U).
-
-    q ``(B, s, H, D)`` and k/v ``(B, s, KVH, D)`` hold this rank's s = S/U consecutive tokens with all
-    local heads; returns this rank's output ``(B, s, H, D)``. ``inner(q, k, v, causal=, scale=,
-    backend=, cu_seqlens=)`` computes attention on the head-split, full-sequence tensors (default: the
-    local kernel; USP passes ring attention over the outer group). ``cu_seqlens``: packed documents over
-    the flattened full ``(B x S)`` sequence (:mod:`sp_plan.runtime.attention.documents`), handed to ``inner``
-    unchanged (after the all-to-all each rank holds the whole sequence for its heads). Every call first
-    checks that every rank holds the same shapes and valid inputs (one small all-gather; bad input raises
-    a RuntimeConfigError on every rank, never a hang).
-    """
-    from sp_plan.runtime.attention.groups import resolve_group, screen
-
-    world = dist.get_world_size(group)
-    scale = screen(group, "Ulysses attention", (q, k, v), scale, outer=resolve_group(_outer) if _outer else None)
-    if inner is None:
-        inner = local_attention
-    extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
-    if world == 1:
-        check_qkv(q, k, v, causal=False, scale=scale)
-        return inner(q, k, v, causal=causal, scale=scale, backend=backend, **extra)
-    from sp_plan.runtime.attention.ops import group_name, ulysses_head_to_seq_op, ulysses_qkv_to_heads_op
-
-    name = group_name(group)
-    # Q/K/V all-to-all (recomputed by selective checkpointing) and the output all-to-all (kept): custom ops.
-    # ``_outer``: USP's ring group, checked together with this one (see sp_plan.runtime.attention.groups.agree).
-    from sp_plan.runtime.attention.ring import needs_grad
-
-    qh, kh, vh = ulysses_qkv_to_heads_op(q, k, v, name, world, causal, scale, cu_seqlens, _outer,
-                                         needs_grad(q, k, v))
-    out = inner(qh, kh, vh, causal=causal, scale=scale, backend=backend, **extra)
-    return ulysses_head_to_seq_op(out, name, world)
