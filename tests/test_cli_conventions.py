@@ -111,3 +111,12 @@ def test_calibrate_out_dash_writes_the_calibration_to_stdout(tmp_path):
     assert done.returncode == 0, done.stderr
     assert yaml.safe_load(done.stdout)["kind"] == "sp-plan-calibration"
     assert "fitted" in done.stderr
+
+
+@pytest.mark.parametrize("command", ["plan", "estimate"])
+def test_a_missing_seq_len_is_named_not_a_pydantic_message(command):
+    """Current click (8.5 here) takes an explicit default=None as a value, so a required --seq-len went unchecked and the
+    user read pydantic's "seq_len: Input should be a valid integer"."""
+    done = _sh([command, "--model", "llama3-8b", "--gpus", "8"])
+    assert done.returncode == 2
+    assert "Missing option '--seq-len'" in done.stderr and "valid integer" not in done.stderr
