@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from ..compute_time import fractions
+from ..errors import CostModelError
+from ..profile import default_profile
 from ..units import GB, GiB
 from .topology import Topology
 
@@ -36,10 +39,6 @@ def _compute_efficiencies(topology: Topology) -> str:
     the GPU's kernel model (fitted to published runs). Showing that value, labelled, tells the user what
     the estimates assume instead of failing on the unset field or hiding it.
     """
-    from ..compute_time import fractions  # lazy: compute_time imports the topology package
-    from ..errors import CostModelError
-    from ..profile import default_profile
-
     c = topology.spec.calibration.compute
     try:
         used = fractions(topology, default_profile(topology.gpu.name))
