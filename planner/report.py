@@ -9,6 +9,7 @@ from typing import Any
 from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.model_spec import ModelSpec
 from sp_plan.cost_models.topology import Topology
+from sp_plan.cost_models.text_table import Column, format_table
 from sp_plan.cost_models.train_spec import TrainSpec
 from sp_plan.cost_models.units import GB, format_tokens
 
@@ -58,17 +59,17 @@ def stack_text(result: SearchResult) -> str:
     return text + (f", calibration {result.calibration}" if result.calibration else "")
 
 
+PLAN_COLUMNS = (Column("#", ">"), Column("layout"), Column("options"), Column("mem/GPU", ">"), Column("step", ">"),
+                Column("tokens/s", ">"), Column("MFU", ">"), Column("exposed comm", ">"))
+
+
 def render_table(plans: Iterable[RankedPlan], mode: str) -> list[str]:
-    rows = [f"{'#':>2}  {'layout':<34} {'options':<62} {'mem/GPU':>9} {'step':>10} {'tokens/s':>11} "
-            f"{'MFU':>6} {'exposed comm':>13}"]
+    rows = []
     for p in plans:
         t, m = p.estimate.time, p.estimate.memory
-        rows.append(
-            f"{p.rank:>2}  {p.layout.describe():<34} {describe_options(p.options, mode):<62} "
-            f"{m.total / GB:>6.1f} GB {t.step_s:>8.2f} s {t.tokens_per_s:>11,.0f} {t.mfu:>6.1%} "
-            f"{t.exposed_comm_s:>11.3f} s"
-        )
-    return rows
+        rows.append([str(p.rank), p.layout.describe(), describe_options(p.options, mode), f"{m.total / GB:.1f} GB",
+                     f"{t.step_s:.2f} s", f"{t.tokens_per_s:,.0f}", f"{t.mfu:.1%}", f"{t.exposed_comm_s:.3f} s"])
+    return format_table(PLAN_COLUMNS, rows)
 
 
 def _placement_text(plan: RankedPlan) -> str:
