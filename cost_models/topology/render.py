@@ -59,6 +59,25 @@ def _compute_efficiencies(topology: Topology) -> str:
     return ", ".join(parts)
 
 
+def topology_json(topology: Topology) -> dict:
+    """What ``topo show`` prints, for machines: the spec as a topology file holds it, plus the figures the
+    cost model derives from it (effective link bandwidths and latencies, PCIe and fabric shares), in bytes/s
+    and seconds."""
+    spec = topology.spec
+    derived = {
+        "num_gpus": spec.num_gpus,
+        "nodes": spec.nodes,
+        "gpus_per_node": spec.node.gpus,
+        "link_classes": {cls: {"nominal_bandwidth": link.nominal_bandwidth, "efficiency": link.efficiency,
+                               "bandwidth": link.bandwidth, "alpha_s": link.alpha}
+                         for cls, link in topology.links.items()},
+        "pcie_bandwidth_per_gpu": topology.pcie_bandwidth if spec.node.pcie is not None else None,
+        "fabric_bandwidth_per_gpu": topology.analysis.fabric_share if spec.fabric is not None else None,
+        "host_ram_per_gpu": topology.host_ram_per_gpu,
+    }
+    return {"name": spec.name, "derived": derived, "spec": spec.model_dump(mode="json")}
+
+
 def render(topology: Topology) -> str:
     spec, gpu = topology.spec, topology.gpu
     node, host = spec.node, spec.node.host
