@@ -36,7 +36,8 @@ if str(ROOT) not in sys.path:
 import yaml  # noqa: E402
 
 from sp_plan.cost_models.atomic_io import atomic_write_text  # noqa: E402
-from sp_plan.cost_models.fitted import FittedParameters, KernelFitRecord, clear_cache, fitted_parameters, use  # noqa: E402
+from sp_plan.cost_models.fitted import FittedParameters, KernelFitRecord, fitted_parameters  # noqa: E402
+from sp_plan.cost_models.profile import clear_caches, use_fitted  # noqa: E402
 from sp_plan.planner.calibration.fit import (  # noqa: E402
     SPLITS,
     FitResult,
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         kernel = kernel_section(kfit, kheld)
         # Layer 2, system level, on top of the pinned kernels: only parameters that figures of two or more
         # sources constrain are shipped.
-        with use(FittedParameters(**kernel)):
+        with use_fitted(FittedParameters(**kernel)):
             result = fit(time_runs, params, min_sources=SHIPPED_MIN_SOURCES)
             print(f"system fit on {len(time_runs)} figures from {len(result.fitted_on)} sources: rms log residual "
                   f"{result.rms_log_residual:.3f} ({result.message})")
@@ -165,13 +166,13 @@ def main(argv: list[str] | None = None) -> int:
                       "# published.yaml (variants:, stacks:); do not edit. Priors live in cost_models/data/kernels,\n"
                       "# cost_models/data/gpus.yaml and cost_models/data/stacks.\n")
             atomic_write_text(path, header + yaml.safe_dump(content, sort_keys=False, width=120))
-            clear_cache()
+            clear_caches()
             print(f"wrote {path}")
-        context = use(new)
+        context = use_fitted(new)
     else:
         new = fitted_parameters()
         splits = dict(new.held_out_splits)
-        context = use(new)
+        context = use_fitted(new)
 
     with context:
         _report(args, runs, skipped, time_runs, figures, held_out, new, splits, started)

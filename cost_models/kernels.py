@@ -45,6 +45,7 @@ from importlib import resources
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import CostModelError
+from .fitted import FitRecord, fitted_parameters
 from .yaml_io import safe_load, validated
 
 
@@ -77,16 +78,6 @@ class AttentionParams(_Frozen):
     kv_len_half: float = Field(ge=0, le=1e6, description="keys per query row at which the key loop halves efficiency")
     head_dim_half: float = Field(default=32.0, ge=0, le=1024)
     launch_s: float = Field(ge=0, le=1e-2, description="fixed seconds per kernel call")
-
-
-class FitRecord(_Frozen):
-    """Where fitted parameters came from: the sources fitted on and the residuals left."""
-
-    method: str = Field(default="", max_length=500)
-    sources: tuple[str, ...] = ()
-    parameters: tuple[str, ...] = ()
-    rms_log_residual: float | None = None
-    residuals: dict[str, float] = Field(default_factory=dict)
 
 
 class KernelModel(_Frozen):
@@ -187,8 +178,6 @@ def kernel_model(gpu: str) -> KernelModel:
     measurements (``cost_models/data/calibration/fitted.yaml`` ``kernels:``, per GPU family and for all
     GPUs) and, where the system-level fit set one, the variant's clock factor (``variants:``), with the
     kernel fit's record attached."""
-    from .fitted import fitted_parameters
-
     prior = prior_kernel_model(gpu)
     fitted = fitted_parameters()
     family = kernel_family(gpu)

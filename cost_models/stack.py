@@ -27,6 +27,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import CostModelError, explain_validation_error
+from .fitted import fitted_parameters
 from .memory.assumptions import MemoryAssumptions
 from .yaml_io import parse_mapping, read_small_text, validated
 
@@ -222,8 +223,6 @@ def prior_stack(name: str) -> StackProfile:
 def _shipped(name: str) -> StackProfile:
     """A shipped stack with the time values fitted to published runs (cost_models/data/calibration/
     fitted.yaml) applied."""
-    from .fitted import fitted_parameters
-
     prior = prior_stack(name)
     values = fitted_parameters().stacks.get(name)
     return prior.with_overrides(time=values) if values else prior
