@@ -24,10 +24,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
-from importlib import resources
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from . import data
 from .errors import explain_validation_error
 from .yaml_io import safe_load
 
@@ -70,7 +70,7 @@ class FittedParameters(BaseModel):
     #: GPU family (kernel file name, e.g. h100) or "all" -> dotted kernel path -> value. Kernel-level fit only.
     kernels: dict[str, dict[str, float]] = Field(default_factory=dict)
     kernel_fit: KernelFitRecord = KernelFitRecord()
-    #: GPU variant (gpus.yaml name) -> kernel-model key (``clock_factor``) -> value. System-level fit.
+    #: GPU variant (a cost_models/data/gpus/ name) -> kernel-model key (``clock_factor``) -> value. System-level fit.
     variants: dict[str, dict[str, float]] = Field(default_factory=dict)
     #: Stack name -> StackTime field -> value. System-level fit.
     stacks: dict[str, dict[str, float]] = Field(default_factory=dict)
@@ -91,7 +91,8 @@ class FittedParameters(BaseModel):
 
 
 def fitted_path():
-    return resources.files("sp_plan.cost_models.data").joinpath("calibration", FITTED_FILE)
+    """The shipped fitted-values file (``benchmarks/accuracy.py --fit --write`` rewrites it)."""
+    return data.shipped_file("calibration", FITTED_FILE.removesuffix(".yaml"))
 
 
 #: Values in effect instead of the shipped file (``replaced``): a refit predicts with what it just fitted.
@@ -120,9 +121,9 @@ def _shipped() -> FittedParameters:
     path = fitted_path()
     if not path.is_file():
         return FittedParameters()
-    data = safe_load(path.read_text()) or {}
+    values = safe_load(path.read_text(encoding="utf-8")) or {}
     try:
-        return FittedParameters(**data)
+        return FittedParameters(**values)
     except ValidationError as exc:
         raise explain_validation_error(exc, f"fitted parameters {FITTED_FILE}") from exc
 

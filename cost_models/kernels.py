@@ -30,7 +30,7 @@ causality and pass, GEMMs by shape) through ``planner/calibration/kernel_fit.py`
 ``kernels:`` section of ``cost_models/data/calibration/fitted.yaml``. End-to-end training runs never
 move a kernel efficiency: a power cap, a compiler or a framework's overheads are not the kernel's speed.
 
-GPU variants: the same chip at another power cap is another GPU (``cost_models/data/gpus.yaml``) with a
+GPU variants: the same chip at another power cap is another GPU (``cost_models/data/gpus/``) with a
 ``clock_factor`` (sustained clock relative to the family's reference board); compute-bound kernels run
 at ``peak x fraction x clock_factor`` (:attr:`KernelModel.clock_factor` overrides the GPU's value where a
 fit or a calibration file sets it).
@@ -40,10 +40,10 @@ from __future__ import annotations
 
 import math
 from functools import cache, lru_cache
-from importlib import resources
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from . import data
 from .errors import CostModelError
 from .fitted import FitRecord, fitted_parameters
 from .yaml_io import safe_load, validated
@@ -96,7 +96,7 @@ class KernelModel(_Frozen):
     clock_factor: float | None = Field(
         default=None, gt=0, le=1.5,
         description=("sustained-clock factor of this GPU variant on compute-bound kernels, when a fit or a "
-                     "calibration sets it (None: the GPU spec's clock_factor, cost_models/data/gpus.yaml)"))
+                     "calibration sets it (None: the GPU spec's clock_factor, cost_models/data/gpus/)"))
     fit: FitRecord | None = None
 
     def attention_params(self, family: str) -> AttentionParams:
@@ -130,21 +130,15 @@ class KernelModel(_Frozen):
 # ----- loading ------------------------------------------------------------------------------------------
 
 
-def _kernel_dir():
-    return resources.files("sp_plan.cost_models.data").joinpath("kernels")
-
-
 @cache
 def _files() -> dict[str, str]:
     """GPU name -> kernel file name, including the aliases a file declares (``also_for``)."""
     table: dict[str, str] = {}
-    for entry in _kernel_dir().iterdir():
-        if not entry.name.endswith(".yaml"):
-            continue
-        data = safe_load(entry.read_text())
-        table[data["gpu"]] = entry.name
-        for alias in data.get("also_for", ()):
-            table.setdefault(alias, entry.name)
+    for name in data.names("kernels"):
+        entry = safe_load(data.read_text("kernels", name))
+        table[entry["gpu"]] = f"{name}.yaml"
+        for alias in entry.get("also_for", ()):
+            table.setdefault(alias, f"{name}.yaml")
     return table
 
 
@@ -167,9 +161,9 @@ def prior_kernel_model(gpu: str) -> KernelModel:
     to their family's file; a GPU with no file, such as an inline GPU of a probed topology, gets the
     generic priors under its own name."""
     name = _file_for(gpu)
-    data = safe_load(_kernel_dir().joinpath(name).read_text())
-    data.pop("also_for", None)
-    return validated(KernelModel, {**data, "gpu": gpu}, f"kernel file {name}")
+    values = safe_load(data.read_text("kernels", name.removesuffix(".yaml")))
+    values.pop("also_for", None)
+    return validated(KernelModel, {**values, "gpu": gpu}, f"kernel file {name}")
 
 
 @cache

@@ -20,11 +20,11 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
-from importlib import resources
 from typing import Any
 
 import numpy as np
 
+from sp_plan.cost_models import data as shipped_data
 from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.flops import FLASH_BACKWARD_RATIO
 from sp_plan.cost_models.gpu_spec import GPUSpec, get_gpu_preset
@@ -78,8 +78,7 @@ class KernelParameter:
 @cache
 def kernel_data() -> dict[str, Any]:
     """The kernel-level measurements file, parsed."""
-    path = resources.files("sp_plan.cost_models.data").joinpath("calibration", KERNEL_DATA_FILE)
-    return safe_load(path.read_text())
+    return safe_load(shipped_data.read_text("calibration", KERNEL_DATA_FILE.removesuffix(".yaml")))
 
 
 def _peak(gpu: GPUSpec) -> float:
