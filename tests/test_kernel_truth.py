@@ -7,9 +7,10 @@ import math
 import pytest
 
 from sp_plan.cost_models import Layout, TrainSpec, get_model_preset
-from sp_plan.cost_models.fitted import FittedParameters, fitted_parameters, use
+from sp_plan.cost_models.fitted import FittedParameters, fitted_parameters
 from sp_plan.cost_models.gpu_spec import canonical_gpu_name, get_gpu_preset
 from sp_plan.cost_models.kernels import kernel_model, prior_kernel_model
+from sp_plan.cost_models.profile import use_fitted as use
 from sp_plan.cost_models.time_model import time_estimate
 from sp_plan.cost_models.topology import default_topology
 from sp_plan.planner.calibration.fit import FitResult, Parameter, fit

@@ -14,7 +14,7 @@ import re
 import statistics
 from dataclasses import dataclass, field
 
-from sp_plan.cost_models.calibration import AlphaBetaFit, TimingSample, fit_alpha_beta, link_calibration, model_terms
+from sp_plan.cost_models.link_fit import AlphaBetaFit, TimingSample, fit_alpha_beta, link_calibration, model_terms
 from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.gpu_spec import GPUSpec, get_gpu_preset
 from sp_plan.cost_models.kernels import attention_shape_efficiency, prior_kernel_model
