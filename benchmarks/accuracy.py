@@ -68,7 +68,7 @@ from sp_plan.planner.calibration.runs import MeasuredRun, predict  # noqa: E402
 
 COMPARE_STACK = "sp-plan"
 FIT_METHOD = ("system level: scipy.optimize.least_squares (trf, soft-L1) on confidence-weighted log(predicted/"
-              "measured), each source weighted equally, Gaussian priors around the stack files' and gpus.yaml's "
+              "measured), each source weighted equally, Gaussian priors around the stack and GPU files' "
               "values; stack overheads and GPU-variant clock factors only, on top of the kernel-pinned model")
 
 

@@ -94,7 +94,7 @@ def test_a_parameter_constrained_by_one_source_keeps_its_prior(time_runs):
     shipped = fitted_parameters()
     assert "compiled_stream_fraction" not in shipped.stacks.get("torchtitan", {})
     assert "h100-96gb" not in shipped.variants
-    assert kernel_model("h100-96gb").clock_factor is None  # the gpus.yaml prior applies
+    assert kernel_model("h100-96gb").clock_factor is None  # the GPU file's prior applies
     assert get_gpu_preset("h100-96gb").clock_factor == pytest.approx(0.87)
 
 

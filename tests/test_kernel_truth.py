@@ -43,7 +43,7 @@ def test_every_kernel_figure_names_its_source_variant_and_convention():
     figures = kernel_figures()
     assert len(figures) > 100
     for f in figures:
-        assert f.gpu == get_gpu_preset(f.gpu).name  # a gpus.yaml variant, not a vague "H100"
+        assert f.gpu == get_gpu_preset(f.gpu).name  # a data/gpus/ variant, not a vague "H100"
         assert f.value > 0 and f.confidence in ("exact", "label", "derived", "ambiguous")
     for e in data["attention"]:
         assert data["sources"][e["source"]]["flops"] == "fa_paper"
