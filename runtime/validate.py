@@ -35,8 +35,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sp_plan.cost_models.units import GB
-from sp_plan.runtime.capabilities import MEMORY_ASSUMPTIONS
+from sp_plan.runtime.capabilities import Family
 from sp_plan.runtime.comm_counter import CommCounter
+from sp_plan.runtime.models.base import ModelAdapter, adapter_named
 from sp_plan.runtime.saved_tensor_meter import SavedTensorMeter
 
 #: Collectives compared with the cost model. SP and loss ones come from CommCounter, FSDP ones from C10dTrace.
@@ -185,8 +186,9 @@ class ValidationReport:
     #: so ``sp-plan calibrate`` can re-predict the run under other parameters.
     plan: dict[str, Any] = field(default_factory=dict)
     time_topology: dict[str, Any] = field(default_factory=dict)
+    #: The model family that ran (its registered adapter name).
     kind: str = "llama"
-    #: The memory-assumption overrides the prediction used for this model kind.
+    #: The memory-assumption overrides the prediction used for this model family.
     memory_overrides: dict[str, Any] = field(default_factory=dict)
 
     def to_json_dict(self) -> dict[str, Any]:
@@ -207,24 +209,32 @@ def _step_bytes(model, train, layout, keep) -> float:
                for op in comm_ops(model, train, layout) if keep(op))
 
 
-def predict(plan, topology, kind: str = "llama") -> Prediction:
+def _rope_tables_unseen(adapter: ModelAdapter, train, model) -> bool:
+    """Whether the run keeps RoPE tables alive that the saved-tensor meter cannot see (the family's
+    checkpointing binds them into its recompute closures)."""
+    return (adapter.checkpoint_binds_rope_tables and train.checkpointing != "none"
+            and model.position_embedding == "rope")
+
+
+def predict(plan, topology, family: Family = "llama") -> Prediction:
     """Memory, communication and time predicted for ``plan``'s configuration on ``topology``, with the
-    memory assumptions of the model ``kind`` that runs it (:func:`sp_plan.runtime.capabilities.memory_assumptions`)."""
+    memory assumptions of the model ``family`` that runs it (:func:`sp_plan.runtime.capabilities.memory_assumptions`)."""
     from sp_plan.cost_models.comm_volume import comm_estimate
     from sp_plan.cost_models.estimate import estimate
     from sp_plan.cost_models.memory.timeline import INDEX_BYTES, rope_table_bytes
     from sp_plan.runtime.capabilities import memory_assumptions
 
     model, train, layout = plan.model, plan.train, plan.layout
-    est = estimate(model, train, layout, topology, memory_assumptions(kind), with_placement=False)
+    adapter = adapter_named(family)
+    est = estimate(model, train, layout, topology, memory_assumptions(adapter), with_placement=False)
     detail = est.detail
     local_tokens = train.micro_batch * train.seq_len // layout.sp
     position_ids = local_tokens * INDEX_BYTES  # on the device, never saved by autograd
     activations = (model.num_layers * detail.per_layer.saved_bytes + detail.output_layer.saved_bytes
                    + detail.inputs_bytes - position_ids)
-    if kind == "hf" and train.checkpointing != "none" and model.position_embedding == "rope":
-        # HF's checkpointing binds the RoPE cos/sin as keyword arguments of the recompute closure: alive
-        # as the model says, but never packed as saved tensors, so the meter cannot see them.
+    if _rope_tables_unseen(adapter, train, model):
+        # The family's checkpointing binds the RoPE cos/sin as keyword arguments of the recompute closure
+        # (HF's does): alive as the model says, but never packed as saved tensors, so the meter cannot see them.
         activations -= rope_table_bytes(local_tokens, model.head_dim, train.dtype_bytes)
     comm = comm_estimate(model, train, layout)
     by_collective = {name: comm.by_collective.get(name, 0.0) for name in SP_COLLECTIVES}
@@ -310,37 +320,31 @@ def prediction_topology(plan, topology: Any, device_type: str):
 
 
 def run_validation(plan, *, steps: int = 3, topology: Any = None, seed: int = 0,
-                   kind: str = "llama") -> ValidationReport | None:
+                   family: Family = "llama") -> ValidationReport | None:
     """Build the plan's model (random weights), auto-configure it, measure; the report on rank 0 only.
-    ``kind``: ``llama`` (the runtime's LlamaModel) or ``hf`` (a transformers model of the same shape,
-    :func:`sp_plan.runtime.hf.hf_model_from_spec`)."""
+    ``family``: the model family that builds the model (its adapter's ``model_from_spec``): ``llama``
+    (the runtime's LlamaModel) or ``hf`` (a transformers model of the same shape,
+    :func:`sp_plan.runtime.models.hf.model.hf_model_from_spec`)."""
     from sp_plan.runtime.auto import auto_configure, describe_plan, init_distributed
 
     device_type = init_distributed()
     topo, note = prediction_topology(plan, topology, device_type)
+    adapter = adapter_named(family)
     torch.manual_seed(seed)
-    if kind == "hf":
-        from sp_plan.runtime.hf import hf_model_from_spec
-
-        model = hf_model_from_spec(plan.model, plan.train.seq_len)
-    else:
-        from sp_plan.runtime.models import LlamaModel
-
-        model = LlamaModel(plan.model)
-        model.init_weights(generator=torch.Generator().manual_seed(seed))
+    model = adapter.model_from_spec(plan.model, plan.train.seq_len, seed)
     setup = auto_configure(model, plan=plan)
     mine = measure(setup, steps, seed)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() != 0:
         return None
-    prediction = predict(plan, topo, kind)
+    prediction = predict(plan, topo, adapter)
     prediction.topology_note = note
     notes = []
     if device_type == "cpu":
         notes.append("peak memory: not measured on CPU (no allocator statistics); the activation row is the "
                      "measured saved-tensor total")
-    if kind == "hf" and plan.train.checkpointing != "none":
+    if adapter.checkpoint_binds_rope_tables and plan.train.checkpointing != "none":
         notes.append("activations: HF keeps the RoPE cos/sin in its checkpoint closures (on the device, not saved "
                      "tensors the meter sees): left out of the prediction too")
     fsdp_differs = any(r.comm_bytes[c] != prediction.comm_bytes[c] for r in gathered for c in FSDP_COLLECTIVES)
@@ -349,8 +353,8 @@ def run_validation(plan, *, steps: int = 3, topology: Any = None, seed: int = 0,
                      "the shard count")
     return ValidationReport(plan_lines=describe_plan(plan), prediction=prediction, ranks=gathered,
                             device=device_type, notes=notes, plan=plan.model_dump(mode="json"),
-                            time_topology=topo.spec.model_dump(mode="json"), kind=kind,
-                            memory_overrides=dict(MEMORY_ASSUMPTIONS[kind]))
+                            time_topology=topo.spec.model_dump(mode="json"), kind=adapter.name,
+                            memory_overrides=dict(adapter.memory_assumptions))
 
 
 # ----- rendering ------------------------------------------------------------------------------------------
