@@ -34,10 +34,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from sp_plan.cost_models.collectives import bytes_sent
+from sp_plan.cost_models.comm_volume import comm_estimate, comm_ops, multiplier
+from sp_plan.cost_models.errors import CostModelError
+from sp_plan.cost_models.estimate import estimate
+from sp_plan.cost_models.memory.timeline import INDEX_BYTES, rope_table_bytes
+from sp_plan.cost_models.placement import group_shapes
+from sp_plan.cost_models.topology import default_topology, load_topology
 from sp_plan.cost_models.units import GB
-from sp_plan.runtime.capabilities import Family
+from sp_plan.runtime.auto import auto_configure
+from sp_plan.runtime.capabilities import Family, memory_assumptions
 from sp_plan.runtime.comm_counter import CommCounter
+from sp_plan.runtime.distributed import init_distributed
 from sp_plan.runtime.models.base import ModelAdapter, adapter_named
+from sp_plan.runtime.planning import describe_plan
+from sp_plan.runtime.probe.run import run_probe
+from sp_plan.runtime.step import synchronize, train_step
 from sp_plan.runtime.saved_tensor_meter import SavedTensorMeter
 
 #: Collectives compared with the cost model. SP and loss ones come from CommCounter, FSDP ones from C10dTrace.
@@ -200,10 +212,6 @@ class ValidationReport:
 
 def _step_bytes(model, train, layout, keep) -> float:
     """Bytes sent per GPU per step by the comm model's ops that ``keep(op)`` selects."""
-    from sp_plan.cost_models.collectives import bytes_sent
-    from sp_plan.cost_models.comm_volume import comm_ops, multiplier
-    from sp_plan.cost_models.placement import group_shapes
-
     sizes = {name: size for name, (_, size) in group_shapes(layout).items()}
     return sum(bytes_sent(op.collective, op.nbytes, sizes[op.group]) * multiplier(op, model, train)
                for op in comm_ops(model, train, layout) if keep(op))
@@ -219,11 +227,6 @@ def _rope_tables_unseen(adapter: ModelAdapter, train, model) -> bool:
 def predict(plan, topology, family: Family = "llama") -> Prediction:
     """Memory, communication and time predicted for ``plan``'s configuration on ``topology``, with the
     memory assumptions of the model ``family`` that runs it (:func:`sp_plan.runtime.capabilities.memory_assumptions`)."""
-    from sp_plan.cost_models.comm_volume import comm_estimate
-    from sp_plan.cost_models.estimate import estimate
-    from sp_plan.cost_models.memory.timeline import INDEX_BYTES, rope_table_bytes
-    from sp_plan.runtime.capabilities import memory_assumptions
-
     model, train, layout = plan.model, plan.train, plan.layout
     adapter = adapter_named(family)
     est = estimate(model, train, layout, topology, memory_assumptions(adapter), with_placement=False)
@@ -260,8 +263,6 @@ def _micro_batches(setup, generator: torch.Generator) -> list[torch.Tensor]:
 
 def measure(setup, steps: int, seed: int = 0) -> RankMeasurement:
     """Run ``steps`` optimizer steps (the first one measured for bytes, the rest timed) on random tokens."""
-    from sp_plan.runtime.step import synchronize, train_step
-
     generator = torch.Generator().manual_seed(seed + setup.dp_rank)  # same sample on the SP ranks
     optimizer = setup.make_optimizer(lr=1e-4)
 
@@ -297,20 +298,14 @@ def measure(setup, steps: int, seed: int = 0) -> RankMeasurement:
 
 def prediction_topology(plan, topology: Any, device_type: str):
     """The topology step time is predicted on: the given one, the plan's on GPUs, a quick probe on CPU."""
-    from sp_plan.cost_models.topology import load_topology
-
     world = plan.layout.world
     if topology is not None:
         return load_topology(str(topology), world), f"topology {topology}"
     if device_type == "cuda":
-        from sp_plan.cost_models.errors import CostModelError
-        from sp_plan.cost_models.topology import default_topology
-
         try:
             return load_topology(plan.hardware.topology, world), f"the plan's topology ({plan.hardware.topology})"
         except CostModelError:  # a topology file from another machine: the GPU's natural node instead
             return default_topology(plan.hardware.gpu, world), f"the natural node of {plan.hardware.gpu}"
-    from sp_plan.runtime.probe.run import run_probe
 
     compute_s, link_s = CPU_PROBE_BUDGETS
     with tempfile.TemporaryDirectory() as tmp:
@@ -325,8 +320,6 @@ def run_validation(plan, *, steps: int = 3, topology: Any = None, seed: int = 0,
     ``family``: the model family that builds the model (its adapter's ``model_from_spec``): ``llama``
     (the runtime's LlamaModel) or ``hf`` (a transformers model of the same shape,
     :func:`sp_plan.runtime.models.hf.model.hf_model_from_spec`)."""
-    from sp_plan.runtime.auto import auto_configure, describe_plan, init_distributed
-
     device_type = init_distributed()
     topo, note = prediction_topology(plan, topology, device_type)
     adapter = adapter_named(family)
