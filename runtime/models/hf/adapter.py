@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from sp_plan.runtime.models.base import ModelAdapter, register_adapter
+from sp_plan.runtime.models.hf.names import HIDDEN_STATES_METHOD
 
 if TYPE_CHECKING:
     import torch
@@ -20,11 +21,6 @@ if TYPE_CHECKING:
     from sp_plan.cost_models.model_spec import ModelSpec
     from sp_plan.runtime.context import SequenceParallel
     from sp_plan.runtime.mesh import RuntimeMesh
-
-#: Name of the method :func:`sp_plan.runtime.models.hf.model.add_hidden_states_method` gives an HF causal
-#: LM (repeated here so that the adapter's class attributes need no torch).
-HIDDEN_STATES_METHOD = "sp_plan_hidden_states"
-
 
 class HFAdapter(ModelAdapter):
     """Any model with an HF config (``config.to_dict``); :meth:`spec` refuses the ``model_type``s the

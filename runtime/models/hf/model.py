@@ -43,7 +43,7 @@ from torch import nn
 
 from sp_plan.cost_models.model_spec import ModelSpec, model_from_hf_dict
 from sp_plan.runtime.errors import RuntimeConfigError
-from sp_plan.runtime.models.hf.adapter import HIDDEN_STATES_METHOD  # the name the adapter registers with FSDP2
+from sp_plan.runtime.models.hf.names import HIDDEN_STATES_METHOD
 
 #: The HF ``model_type``s the runtime drives (decoder layers at ``model.model.layers``).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
