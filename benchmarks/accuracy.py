@@ -2,11 +2,11 @@
 
 1. Kernel truth: every kernel-level figure of ``cost_models/data/calibration/kernels.yaml`` (attention
    kernels by sequence length, head_dim, causality and pass; GEMMs by shape) pins the kernel model
-   (:mod:`sp_plan.planner.calibration.kernel_fit`); each figure is reported in sample and held out by kernel
+   (:mod:`sp_plan.planner.fitting.kernel_fit`); each figure is reported in sample and held out by kernel
    source.
 2. System level: every entry of ``cost_models/data/calibration/published.yaml`` (memory, max length,
    throughput, attention benchmarks and per-layer timings, with each source's metric semantics) becomes
-   a measured run (:mod:`sp_plan.planner.calibration.published`), predicted under its source's software stack
+   a measured run (:mod:`sp_plan.planner.fitting.published`), predicted under its source's software stack
    and, for comparison, under sp-plan's default stack. Throughput, attention-benchmark and per-layer
    figures fit only what they alone can tell (stack overheads, GPU-variant clock factors), on top of the
    pinned kernels. Their "held-out" column is the prediction of a fit that never saw the figure's
@@ -38,7 +38,7 @@ import yaml  # noqa: E402
 from sp_plan.cost_models.atomic_io import atomic_write_text  # noqa: E402
 from sp_plan.cost_models.fitted import FittedParameters, KernelFitRecord, fitted_parameters  # noqa: E402
 from sp_plan.cost_models.profile import clear_caches, use_fitted  # noqa: E402
-from sp_plan.planner.calibration.fit import (  # noqa: E402
+from sp_plan.planner.fitting.fit import (  # noqa: E402
     SPLITS,
     FitResult,
     Parameter,
@@ -46,16 +46,16 @@ from sp_plan.planner.calibration.fit import (  # noqa: E402
     leave_one_group_out,
     profile_for,
 )
-from sp_plan.planner.calibration.kernel_fit import METHOD as KERNEL_METHOD  # noqa: E402
-from sp_plan.planner.calibration.kernel_fit import (  # noqa: E402
+from sp_plan.planner.fitting.kernel_fit import METHOD as KERNEL_METHOD  # noqa: E402
+from sp_plan.planner.fitting.kernel_fit import (  # noqa: E402
     KernelFitResult,
     fit_kernels,
     kernel_figures,
     leave_one_kernel_source_out,
 )
-from sp_plan.planner.calibration.parameters import SHIPPED_MIN_SOURCES, TIME_KINDS, published_fit_parameters  # noqa: E402
-from sp_plan.planner.calibration.published import published_runs  # noqa: E402
-from sp_plan.planner.calibration.report import (  # noqa: E402
+from sp_plan.planner.fitting.parameters import SHIPPED_MIN_SOURCES, TIME_KINDS, published_fit_parameters  # noqa: E402
+from sp_plan.planner.fitting.published import published_runs  # noqa: E402
+from sp_plan.planner.fitting.report import (  # noqa: E402
     errors_of,
     evaluate,
     render,
@@ -64,7 +64,7 @@ from sp_plan.planner.calibration.report import (  # noqa: E402
     summarise,
     table_orders,
 )
-from sp_plan.planner.calibration.runs import MeasuredRun, predict  # noqa: E402
+from sp_plan.planner.fitting.runs import MeasuredRun, predict  # noqa: E402
 
 COMPARE_STACK = "sp-plan"
 FIT_METHOD = ("system level: scipy.optimize.least_squares (trf, soft-L1) on confidence-weighted log(predicted/"

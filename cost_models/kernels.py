@@ -26,7 +26,7 @@ Attention (FlashAttention-style, one CTA per (batch, head, query tile)):
 Parameters live in ``cost_models/data/kernels/<gpu>.yaml``, one file per GPU family, as documented
 priors. The values predictions use are pinned by KERNEL-LEVEL measurements only
 (``cost_models/data/calibration/kernels.yaml``: attention kernels by sequence length, head_dim,
-causality and pass, GEMMs by shape) through ``planner/calibration/kernel_fit.py``; the result is the
+causality and pass, GEMMs by shape) through ``planner/fitting/kernel_fit.py``; the result is the
 ``kernels:`` section of ``cost_models/data/calibration/fitted.yaml``. End-to-end training runs never
 move a kernel efficiency: a power cap, a compiler or a framework's overheads are not the kernel's speed.
 

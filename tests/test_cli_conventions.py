@@ -101,7 +101,7 @@ def test_dash_is_stdout_and_stdin_through_the_console_script(tmp_path):
 def test_calibrate_out_dash_writes_the_calibration_to_stdout(tmp_path):
     import yaml
 
-    from sp_plan.planner.calibration.user_runs import write_runs_csv
+    from sp_plan.planner.fitting.user_runs import write_runs_csv
     from tests.test_calibrate import synthetic_rows
 
     rows = synthetic_rows({"gemm.peak_fraction": 0.45, "attention.fa2.forward_fraction": 0.5,

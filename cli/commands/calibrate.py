@@ -2,7 +2,7 @@
 
 Inputs are ``sp-plan validate --json`` reports (one run each, configuration included) and/or CSV files
 (one run per row: configuration columns plus measured ``step_s`` / ``tps_per_gpu`` / memory columns; see
-:mod:`sp_plan.planner.calibration.user_runs`). The fit (:mod:`sp_plan.planner.calibration.user_fit`) moves the GPU's
+:mod:`sp_plan.planner.fitting.user_runs`). The fit (:mod:`sp_plan.planner.fitting.user_fit`) moves the GPU's
 asymptotic GEMM/attention/HBM efficiencies, per-kernel and per-ring-step fixed costs and the stack's
 overheads from their current values toward the measurements; the file it writes is what
 ``estimate``/``plan``/``capacity`` take with ``--calibration FILE``. Give ``--check`` runs to see the
@@ -41,9 +41,9 @@ ERROR_COLUMNS = (Column("error"), Column("runs", ">"), Column("before", ">"), Co
 @click.option("--json", "as_json", is_flag=True, help="Print the before/after errors as JSON.")
 def command(runs: tuple[Path, ...], check: tuple[Path, ...], stack: str, out_file: Path, as_json: bool) -> None:
     """Fit a calibration to measured runs (validate --json reports or CSV) and print before/after errors."""
-    from sp_plan.planner.calibration.user_fit import calibrate
-    from sp_plan.planner.calibration.user_runs import load_runs
-    from sp_plan.planner.calibration.fit import run_gpu
+    from sp_plan.planner.fitting.user_fit import calibrate
+    from sp_plan.planner.fitting.user_runs import load_runs
+    from sp_plan.planner.fitting.fit import run_gpu
 
     from .common import check_output_path
 
