@@ -39,7 +39,7 @@ from .collectives import COLLECTIVES, bytes_sent
 from .layout import Layout
 from .model_spec import ModelSpec
 from .placement import group_shapes
-from .strategies import layer_buckets, on_change, registered, report_buckets
+from .strategies import implementing, layer_buckets, on_change, report_buckets
 from .strategies.gradients import FSDP_GRAD_BYTES, fsdp_grad_bytes
 from .strategies.loss import LOSS_REDUCTION_BYTES
 from .strategies.ring import DKV_ACCUMULATOR_BYTES
@@ -66,7 +66,7 @@ STEP_STRATEGIES: tuple[str, ...] = report_buckets()
 def comm_ops(model: ModelSpec, train: TrainSpec, layout: Layout) -> tuple[CommOp, ...]:
     """Every collective of one step: each registered strategy's, in registration order (cached: the
     planner asks repeatedly)."""
-    return tuple(op for strategy in registered() for op in strategy.comm_ops(model, train, layout))
+    return tuple(op for strategy in implementing("comm_ops") for op in strategy.comm_ops(model, train, layout))
 
 
 # ----- the comm JSON section -----------------------------------------------------------------------

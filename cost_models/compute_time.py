@@ -43,7 +43,7 @@ from .memo import Memo
 from .model_spec import ModelSpec
 from .profile import CostProfile
 from .stack import StackTime, attention_kernel_for
-from .strategies import on_change, registered
+from .strategies import implementing, on_change
 from .strategies.terms import ComputeContext, ComputeTime
 from .topology.topology import Topology
 from .train_spec import TrainSpec
@@ -177,7 +177,7 @@ def compute_time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: T
 
 def _keeps_activations(train: TrainSpec, stack: StackTime) -> bool:
     """Whether a registered strategy keeps the saved activations instead of recomputing them."""
-    return any(strategy.keeps_activations(train, stack) for strategy in registered())
+    return any(strategy.keeps_activations(train, stack) for strategy in implementing("keeps_activations"))
 
 
 def _linear_gemms(model: ModelSpec, tokens: float, tp: int, mlp_tile: float | None) -> tuple[list[Gemm], list[Gemm], float]:
@@ -260,15 +260,13 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
                         attention_fraction_forward=fr.attention_forward,
                         attention_fraction_backward=fr.attention_backward, peak=peak, hbm=hbm, tokens=tokens,
                         heads=heads_local)
-    strategies = registered()
-
     def attention_calls(backward: bool) -> tuple[float, float]:
         """(kernel seconds of one pass, seconds of the share a transfer can hide behind)."""
         if not flash:
             big = [(seq_ring * bh, seq_ring, hd), (seq_ring * bh, hd, seq_ring)]  # QK^T, PV (batched)
             t = gemm_time(_backward(big) if backward else big)
             return t, t
-        for strategy in strategies:  # a strategy that splits the keys (ring) prices its own calls
+        for strategy in implementing("attention_pass"):  # one that splits the keys (ring) prices its calls
             priced = strategy.attention_pass(cc, backward)
             if priced is not None:
                 return priced
@@ -290,7 +288,7 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
     eager = _eager_extra_bytes(model, train, layout, a)  # unfused eager modules' extra passes
     stream_f = ((w.layer_stream_fwd_bytes - scores_f + eager) * stream + scores_f) / hbm
     stream_b = ((w.layer_stream_bwd_bytes - 2 * scores_f + 2 * eager) * stream + 2 * scores_f) / hbm
-    extra = _strategy_kernels(strategies, cc)  # e.g. Ulysses' all-to-all copies
+    extra = _strategy_kernels(cc)  # e.g. Ulysses' all-to-all copies
     overhead = stack.layer_overhead_s
     # The stack's execution overhead around the kernels (fitted per stack from end-to-end runs).
     gaps = 1.0 + stack.compute_overhead_fraction
@@ -355,10 +353,10 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
                        _parts(parts))
 
 
-def _strategy_kernels(strategies, cc: ComputeContext) -> dict[str, tuple[float, float]]:
+def _strategy_kernels(cc: ComputeContext) -> dict[str, tuple[float, float]]:
     """The registered strategies' extra kernels per layer, by compute part (summed where two name one)."""
     out: dict[str, tuple[float, float]] = {}
-    for strategy in strategies:
+    for strategy in implementing("layer_kernels"):
         for part, (f, b) in strategy.layer_kernels(cc).items():
             f0, b0 = out.get(part, (0.0, 0.0))
             out[part] = (f0 + f, b0 + b)

@@ -53,7 +53,7 @@ from .memo import Memo
 from .model_spec import ModelSpec
 from .placement import Placement, group_spans, place
 from .profile import CostProfile, default_profile
-from .strategies import on_change, registered, report_buckets
+from .strategies import implementing, on_change, registered, report_buckets
 from .strategies.offload import OffloadTraffic, saved_activation_bytes
 from .strategies.optimizer import OPTIMIZER_STATE_BYTES, optimizer_step_traffic
 from .strategies.terms import ComputeTime, PricedOp, Term, TimeContext
@@ -372,7 +372,7 @@ class _StrategyTerms:
 def _strategy_terms(ctx: TimeContext) -> _StrategyTerms:
     terms = _StrategyTerms()
     buckets = report_buckets()
-    for strategy in registered():
+    for strategy in implementing("exposed"):
         for term in strategy.exposed(ctx):
             if term.kind == "exposed_comm" and term.bucket not in buckets:
                 raise CostModelError(f"strategy {strategy.name!r} reports exposed time under unknown bucket "

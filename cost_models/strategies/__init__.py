@@ -14,7 +14,7 @@ The default strategies, registered in this order (which fixes the order of the r
 Add one with :func:`register` (see :mod:`.base`); nothing else needs an edit.
 """
 
-from .base import Strategy, layer_buckets, on_change, register, registered, report_buckets, unregister
+from .base import Strategy, implementing, layer_buckets, on_change, register, registered, report_buckets, unregister
 from .fsdp import ParameterSharding
 from .loss import LossReduction
 from .offload import Offload
@@ -32,4 +32,4 @@ for _strategy in DEFAULT_STRATEGIES:
     register(_strategy)
 
 __all__ = ["CommOp", "ComputeContext", "ComputeTime", "DEFAULT_STRATEGIES", "PricedOp", "Strategy", "Term",
-           "TimeContext", "layer_buckets", "on_change", "register", "registered", "report_buckets", "unregister"]
+           "TimeContext", "implementing", "layer_buckets", "on_change", "register", "registered", "report_buckets", "unregister"]

@@ -78,6 +78,9 @@ _REGISTRY: dict[str, Strategy] = {}
 _ORDER: list[Strategy] = []
 _LISTENERS: list[Callable[[], None]] = []
 _BUCKETS: list[tuple[str, ...]] = [(), ()]  # (layer buckets, every bucket) of the registered strategies
+#: Hook name -> the registered strategies that override it (the models' hot loops skip the others).
+_HOOKED: dict[str, tuple[Strategy, ...]] = {}
+HOOKS = ("comm_ops", "keeps_activations", "attention_pass", "layer_kernels", "exposed")
 
 
 def register(strategy: Strategy) -> Strategy:
@@ -114,6 +117,12 @@ def registered() -> tuple[Strategy, ...]:
     return tuple(_ORDER)
 
 
+def implementing(hook: str) -> tuple[Strategy, ...]:
+    """The registered strategies, in order, whose class overrides ``hook`` (one of :data:`HOOKS`): the
+    planner times thousands of combinations, so the models call a hook only where it does something."""
+    return _HOOKED[hook]
+
+
 def layer_buckets() -> tuple[str, ...]:
     """Report buckets with per-layer traffic, in registration order (the ``comm`` JSON's per-layer keys)."""
     return _BUCKETS[0]
@@ -132,8 +141,12 @@ def on_change(listener: Callable[[], None]) -> None:
 def _changed() -> None:
     layer = tuple(b for s in _ORDER for b in s.layer_buckets)
     _BUCKETS[:] = [layer, layer + tuple(b for s in _ORDER for b in s.model_buckets)]
+    for hook in HOOKS:
+        _HOOKED[hook] = tuple(s for s in _ORDER if getattr(type(s), hook) is not getattr(Strategy, hook))
     for listener in _LISTENERS:
         listener()
 
 
-__all__ = ["Strategy", "layer_buckets", "on_change", "register", "registered", "report_buckets", "unregister"]
+_changed()
+
+__all__ = ["HOOKS", "Strategy", "implementing", "layer_buckets", "on_change", "register", "registered", "report_buckets", "unregister"]

@@ -169,14 +169,14 @@ TermKind = Literal["exposed_comm", "interference", "offload", "optimizer"]
 TermAt = Literal["layer_forward", "layer_backward", "microbatch", "step"]
 
 
-@dataclass(frozen=True, slots=True)
-class Term:
+class Term(NamedTuple):
     """Seconds a strategy adds to the step, beyond its ops that the generic overlap rules price.
 
     ``kind="exposed_comm"`` needs ``bucket`` (the report bucket the time counts under); ``interference``
     is compute slowed by overlapped collectives. Layer and micro-batch terms are part of a micro-batch's
     time (``breakdown.microbatch_s``); ``offload`` and ``optimizer`` terms are counted once per step
     (``at="step"``), so a per-micro-batch transfer is passed already multiplied by the accumulation.
+    (A tuple: the planner builds a few per evaluation.)
     """
 
     kind: TermKind
