@@ -39,7 +39,8 @@ assumed not to contend with exposed collectives on the same links.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -56,7 +57,7 @@ from .profile import CostProfile, default_profile
 from .strategies import implementing, on_change, registered, report_buckets
 from .strategies.offload import OffloadTraffic, saved_activation_bytes
 from .strategies.optimizer import OPTIMIZER_STATE_BYTES, optimizer_step_traffic
-from .strategies.terms import ComputeTime, PricedOp, Term, TimeContext
+from .strategies.terms import ComputeTime, PricedOp, TimeContext
 from .topology.topology import Topology
 from .train_spec import TrainSpec
 
@@ -312,73 +313,74 @@ def _context(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
                        kernels=profile.kernels, compute=ct, offload=offload, priced=cp.priced)
 
 
-@dataclass(slots=True)
-class _StrategyTerms:
+class _StrategyTerms(NamedTuple):
     """The registered strategies' :class:`Term` s summed by kind and by where they occur: exposed
     communication and interference per layer (forward, backward), per micro-batch and per step; offload
     and optimizer seconds per step; exposed communication by report bucket (layer terms per layer and
     micro-batch, micro-batch terms per micro-batch, step terms per step)."""
 
-    exposed_f: float = 0.0
-    exposed_b: float = 0.0
-    slow_f: float = 0.0
-    slow_b: float = 0.0
-    exposed_mb: float = 0.0
-    slow_mb: float = 0.0
-    exposed_step: float = 0.0
-    slow_step: float = 0.0
-    offload: float = 0.0
-    optimizer: float = 0.0
-    layer_by: dict[str, float] = field(default_factory=dict)
-    microbatch_by: dict[str, float] = field(default_factory=dict)
-    step_by: dict[str, float] = field(default_factory=dict)
-
-    def add(self, term: Term) -> None:
-        t, at = term.seconds, term.at
-        if term.kind in ("offload", "optimizer"):
-            if at != "step":
-                raise CostModelError(f"an {term.kind} term is counted once per step; got one at {at!r}")
-            if term.kind == "offload":
-                self.offload += t
-            else:
-                self.optimizer += t
-            return
-        exposed = term.kind == "exposed_comm"
-        if at == "layer_forward":
-            if exposed:
-                self.exposed_f += t
-            else:
-                self.slow_f += t
-        elif at == "layer_backward":
-            if exposed:
-                self.exposed_b += t
-            else:
-                self.slow_b += t
-        elif at == "microbatch":
-            if exposed:
-                self.exposed_mb += t
-            else:
-                self.slow_mb += t
-        elif exposed:
-            self.exposed_step += t
-        else:
-            self.slow_step += t
-        if exposed:
-            table = (self.layer_by if at.startswith("layer") else self.microbatch_by if at == "microbatch"
-                     else self.step_by)
-            table[term.bucket] = table.get(term.bucket, 0.0) + t
+    exposed_f: float
+    exposed_b: float
+    slow_f: float
+    slow_b: float
+    exposed_mb: float
+    slow_mb: float
+    exposed_step: float
+    slow_step: float
+    offload: float
+    optimizer: float
+    layer_by: dict[str, float]
+    microbatch_by: dict[str, float]
+    step_by: dict[str, float]
 
 
 def _strategy_terms(ctx: TimeContext) -> _StrategyTerms:
-    terms = _StrategyTerms()
+    """Sum every strategy's terms (local accumulators: this runs once per combination the planner times)."""
+    exposed_f = exposed_b = slow_f = slow_b = exposed_mb = slow_mb = exposed_step = slow_step = 0.0
+    offload = optimizer = 0.0
+    layer_by: dict[str, float] = {}
+    microbatch_by: dict[str, float] = {}
+    step_by: dict[str, float] = {}
     buckets = report_buckets()
     for strategy in implementing("exposed"):
-        for term in strategy.exposed(ctx):
-            if term.kind == "exposed_comm" and term.bucket not in buckets:
-                raise CostModelError(f"strategy {strategy.name!r} reports exposed time under unknown bucket "
-                                     f"{term.bucket!r}; declare it in layer_buckets or model_buckets")
-            terms.add(term)
-    return terms
+        for kind, t, at, bucket in strategy.exposed(ctx):
+            if kind == "exposed_comm":
+                if bucket not in buckets:
+                    raise CostModelError(f"strategy {strategy.name!r} reports exposed time under unknown bucket "
+                                         f"{bucket!r}; declare it in layer_buckets or model_buckets")
+                if at == "layer_forward":
+                    exposed_f += t
+                    layer_by[bucket] = layer_by.get(bucket, 0.0) + t
+                elif at == "layer_backward":
+                    exposed_b += t
+                    layer_by[bucket] = layer_by.get(bucket, 0.0) + t
+                elif at == "microbatch":
+                    exposed_mb += t
+                    microbatch_by[bucket] = microbatch_by.get(bucket, 0.0) + t
+                else:
+                    exposed_step += t
+                    step_by[bucket] = step_by.get(bucket, 0.0) + t
+            elif kind == "interference":
+                if at == "layer_forward":
+                    slow_f += t
+                elif at == "layer_backward":
+                    slow_b += t
+                elif at == "microbatch":
+                    slow_mb += t
+                else:
+                    slow_step += t
+            elif kind in ("offload", "optimizer"):
+                if at != "step":
+                    raise CostModelError(f"strategy {strategy.name!r}: an {kind} term is counted once per step, "
+                                         f"not per {at}")
+                if kind == "offload":
+                    offload += t
+                else:
+                    optimizer += t
+            else:
+                raise CostModelError(f"strategy {strategy.name!r} returned a term of unknown kind {kind!r}")
+    return _StrategyTerms(exposed_f, exposed_b, slow_f, slow_b, exposed_mb, slow_mb, exposed_step, slow_step,
+                          offload, optimizer, layer_by, microbatch_by, step_by)
 
 
 #: TrainSpec fields the collectives of a step depend on: comm_volume.comm_ops reads only these (a test
@@ -414,7 +416,7 @@ class _CommProfile:
     grad_step: float  # per layer, once per step
     prefetch_f_by: dict[str, float]
     overlapped_b_by: dict[str, float]  # backward prefetch and gradient traffic, by bucket
-    priced: dict[str, tuple[PricedOp, ...]]  # ops of strategy-priced overlap classes, by class
+    priced: dict[str, object]  # ops of strategy-priced overlap classes, by class, as the strategy condensed them
 
 
 _PROFILES: Memo[_CommProfile] = Memo()
@@ -432,7 +434,7 @@ def _price_comm(model: ModelSpec, train: TrainSpec, layout: Layout, topology: To
     """Every collective of a step priced on ``topology`` and classified (see :class:`_CommProfile`)."""
     spans = group_spans(layout, topology)
     layers = model.num_layers
-    claimed = {c for s in registered() for c in s.overlap_classes}
+    owners = {c: s for s in registered() for c in s.overlap_classes}
     memo: dict[tuple[str, float, str], object] = {}
     zero = dict.fromkeys(report_buckets(), 0.0)
     comm_mb, comm_step, exposed_layer = dict(zero), dict(zero), dict(zero)
@@ -485,7 +487,7 @@ def _price_comm(model: ModelSpec, train: TrainSpec, layout: Layout, topology: To
                 grad_mb += t
             else:
                 grad_step += t
-        elif op.overlap in claimed:
+        elif op.overlap in owners:
             priced.setdefault(op.overlap, []).append(PricedOp(op, t, cost.fabric_bytes))
         else:
             raise CostModelError(f"no registered strategy prices overlap class {op.overlap!r} ({op.strategy} "
@@ -496,7 +498,7 @@ def _price_comm(model: ModelSpec, train: TrainSpec, layout: Layout, topology: To
         model_mb=model_mb, model_mb_by=model_mb_by, model_step=model_step, model_step_by=model_step_by,
         prefetch_f=prefetch_f, prefetch_b=prefetch_b, grad_mb=grad_mb, grad_step=grad_step,
         prefetch_f_by=prefetch_f_by, overlapped_b_by=_merge(prefetch_b_by, grad_mb_by, grad_step_by),
-        priced={k: tuple(v) for k, v in priced.items()},
+        priced={k: owners[k].condense(k, tuple(v)) for k, v in priced.items()},
     )
 
 

@@ -6,7 +6,8 @@ the cost models. It owns, in its own module, everything the models need to know 
 - :meth:`Strategy.comm_ops`: the collectives it issues per layer and per model pass;
 - :meth:`Strategy.layer_kernels`, :meth:`Strategy.attention_pass`, :meth:`Strategy.keeps_activations`:
   how it changes one layer's compute;
-- :meth:`Strategy.exposed`: step-time terms that no generic overlap rule covers.
+- :meth:`Strategy.exposed` (with :meth:`Strategy.condense`): step-time terms that no generic overlap
+  rule covers.
 
 ``comm_volume``, ``compute_time`` and ``time_model`` iterate over :func:`registered` strategies and
 sum what they contribute; the overlap rules (which op hides behind which compute) live once, in
@@ -28,7 +29,7 @@ from ..layout import Layout
 from ..model_spec import ModelSpec
 from ..stack import StackTime
 from ..train_spec import TrainSpec
-from .terms import CommOp, ComputeContext, Term, TimeContext
+from .terms import CommOp, ComputeContext, PricedOp, Term, TimeContext
 
 
 class Strategy:
@@ -37,7 +38,8 @@ class Strategy:
     Class attributes: ``name`` (unique; the registry key); ``layer_buckets`` and ``model_buckets`` (the
     report buckets its ops count under, per layer and outside the layers; the ``comm`` JSON lists layer
     buckets per layer); ``overlap_classes`` (``CommOp.overlap`` values whose ops it prices itself in
-    :meth:`exposed`, handed to it priced in ``TimeContext.priced``); ``attention_traffic`` (its
+    :meth:`exposed`, handed to it priced, through :meth:`condense`, in ``TimeContext.priced``);
+    ``attention_traffic`` (its
     per-layer forward traffic belongs to the attention op, so an attention benchmark counts it).
     """
 
@@ -68,6 +70,13 @@ class Strategy:
         backward). They are scaled by the stack's compute overhead like every other kernel."""
         return {}
 
+    def condense(self, overlap_class: str, ops: tuple[PricedOp, ...]) -> object:
+        """What ``TimeContext.priced[overlap_class]`` holds for one of this strategy's overlap classes:
+        the ops priced on the topology (default), or a summary of them. It is computed once per layout
+        and topology and memoized with the prices, so :meth:`exposed` (run per option combination)
+        does only the arithmetic that depends on compute time."""
+        return ops
+
     def exposed(self, ctx: TimeContext) -> Iterable[Term]:
         """Step-time terms beyond the ops the generic overlap rules price (those of its
         ``overlap_classes``, the host-side work of an offload, ...)."""
@@ -80,7 +89,7 @@ _LISTENERS: list[Callable[[], None]] = []
 _BUCKETS: list[tuple[str, ...]] = [(), ()]  # (layer buckets, every bucket) of the registered strategies
 #: Hook name -> the registered strategies that override it (the models' hot loops skip the others).
 _HOOKED: dict[str, tuple[Strategy, ...]] = {}
-HOOKS = ("comm_ops", "keeps_activations", "attention_pass", "layer_kernels", "exposed")
+HOOKS = ("comm_ops", "keeps_activations", "attention_pass", "layer_kernels", "condense", "exposed")
 
 
 def register(strategy: Strategy) -> Strategy:

@@ -85,7 +85,8 @@ def saved_activation_bytes(model: ModelSpec, train: TrainSpec, layout: Layout) -
 
 def host_optimizer_params(ctx: TimeContext) -> float:
     """Parameters whose optimizer state lives on the host (their step runs on the CPU)."""
-    return ctx.offload.optimizer_bytes / host_optimizer_bytes_per_param(ctx.train)
+    on_host = ctx.offload.optimizer_bytes
+    return on_host / host_optimizer_bytes_per_param(ctx.train) if on_host else 0.0
 
 
 class Offload(Strategy):
@@ -95,26 +96,31 @@ class Offload(Strategy):
         return train.offload_checkpoints and not stack.checkpoint_offload_recomputes
 
     def exposed(self, ctx: TimeContext) -> Iterator[Term]:
-        train, layers, c = ctx.train, ctx.layers, ctx.compute
+        train = ctx.train
+        training = train.is_training
+        if not (ctx.offload.optimizer_bytes or ctx.offload.param_bytes or ctx.offload.checkpoint_bytes
+                or (training and train.offload_checkpoints)):
+            return  # nothing on the host (the common case the planner times most)
+        layers, c = ctx.layers, ctx.compute
         pcie = ctx.topology.pcie_bandwidth
         d = train.dtype_bytes
-        if ctx.training:
+        if training:
             cpu_params = host_optimizer_params(ctx)
             if cpu_params > 0:
                 grads_down = cpu_params * d / pcie
                 yield Term("offload", cpu_params * d / pcie)  # updated weights back to the GPU
                 yield Term("offload", max(0.0, grads_down - layers * c.layer_backward))  # hidden behind backward
         checkpoint_bytes = ctx.offload.checkpoint_bytes
-        if (ctx.training and train.offload_checkpoints and train.checkpointing != "none"
+        if (training and train.offload_checkpoints and train.checkpointing != "none"
                 and self.keeps_activations(train, ctx.stack)):
             # save_on_cpu-style offload: every saved activation crosses PCIe (and nothing is recomputed).
             checkpoint_bytes = max(checkpoint_bytes, saved_activation_bytes(ctx.model, train, ctx.layout))
         params = ctx.offload.param_bytes
         if params or checkpoint_bytes:
             fwd_pcie = (params + checkpoint_bytes) / pcie
-            bwd_pcie = ((2 * params if ctx.training else 0.0) + checkpoint_bytes) / pcie
+            bwd_pcie = ((2 * params if training else 0.0) + checkpoint_bytes) / pcie
             per_mb = max(0.0, fwd_pcie - layers * c.layer_forward)
-            if ctx.training:
+            if training:
                 per_mb += max(0.0, bwd_pcie - layers * c.layer_backward)
             yield Term("offload", ctx.accum * per_mb)
 

@@ -20,15 +20,27 @@ has nothing to hide behind.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from ..layout import Layout
 from ..model_spec import ModelSpec
 from ..train_spec import TrainSpec
 from .base import Strategy
-from .terms import CommOp, ComputeContext, Term, TimeContext
+from .terms import CommOp, ComputeContext, PricedOp, Term, TimeContext
 
 #: Ring attention's dK/dV accumulators travel in fp32 (brief convention).
 DKV_ACCUMULATOR_BYTES = 4
+#: The label of the K/V block hops (forward, backward and, with " (recompute)", recompute).
+KV_BLOCKS = "K,V blocks"
+
+
+class RingHops(NamedTuple):
+    """Seconds of one hop of each kind: forward K/V, backward K/V, backward dK/dV, recompute K/V."""
+
+    forward: float = 0.0
+    kv: float = 0.0
+    dkv: float = 0.0
+    recompute: float = 0.0
 
 
 class RingAttention(Strategy):
@@ -50,13 +62,13 @@ class RingAttention(Strategy):
             return CommOp("ring", "send_recv", "ring", float(nbytes), phase, count=count, overlap="ring",
                           recompute=recompute, label=label)
 
-        yield hop(kv, "forward", r - 1, "K,V blocks")
+        yield hop(kv, "forward", r - 1, KV_BLOCKS)
         if not train.is_training:
             return
-        yield hop(kv, "backward", r - 1, "K,V blocks")
+        yield hop(kv, "backward", r - 1, KV_BLOCKS)
         yield hop(2 * block * DKV_ACCUMULATOR_BYTES, "backward", r, "dK,dV accumulators (fp32)")
         if train.checkpointing == "full":
-            yield hop(kv, "backward", r - 1, "K,V blocks (recompute)", recompute=True)
+            yield hop(kv, "backward", r - 1, f"{KV_BLOCKS} (recompute)", recompute=True)
 
     def attention_pass(self, cc: ComputeContext, backward: bool) -> tuple[float, float] | None:
         r = cc.layout.ring
@@ -84,21 +96,26 @@ class RingAttention(Strategy):
         hideable = kernel + r * merge_bytes / cc.hbm  # a K/V hop hides behind a step's kernel and merge,
         return hideable + r * cc.kernels.ring_step_s, hideable / r  # not behind the step's post/wait itself
 
-    def exposed(self, ctx: TimeContext) -> Iterator[Term]:
-        r = ctx.layout.ring
-        if r == 1:
-            return
-        fwd = kv = dkv = again = 0.0  # seconds of one hop of each kind
-        for priced in ctx.priced.get("ring", ()):
+    def condense(self, overlap_class: str, ops: tuple[PricedOp, ...]) -> RingHops:
+        forward = kv = dkv = again = 0.0
+        for priced in ops:
             op, t = priced.op, priced.seconds
             if op.phase == "forward":
-                fwd = t
+                forward = t
             elif op.recompute:
                 again = t
-            elif op.count == r - 1:
+            elif op.label == KV_BLOCKS:
                 kv = t
             else:
                 dkv = t
+        return RingHops(forward, kv, dkv, again)
+
+    def exposed(self, ctx: TimeContext) -> Iterator[Term]:
+        r = ctx.layout.ring
+        hops = ctx.priced.get("ring")
+        if r == 1 or hops is None:
+            return
+        fwd, kv, dkv, again = hops
         slow = ctx.slowdown
         step_f, step_b = ctx.compute.ring_step_forward, ctx.compute.ring_step_backward
         yield Term("exposed_comm", (r - 1) * max(0.0, fwd - step_f), "layer_forward", "ring")
@@ -115,4 +132,4 @@ class RingAttention(Strategy):
         yield Term("interference", interference, "layer_backward")
 
 
-__all__ = ["DKV_ACCUMULATOR_BYTES", "RingAttention"]
+__all__ = ["DKV_ACCUMULATOR_BYTES", "RingAttention", "RingHops"]

@@ -127,12 +127,12 @@ class HostBytes(Protocol):
     def checkpoint_bytes(self) -> float: ...
 
 
-@dataclass(frozen=True, slots=True)
-class TimeContext:
+class TimeContext(NamedTuple):
     """Everything a strategy's step-time terms may read: the specs, the topology and profile, this
     micro-batch's compute (``compute``), the host-resident bytes (``offload``), and the ops of the overlap
-    classes strategies price themselves, already priced on the topology (``priced``: class -> ops, in
-    the order the strategies issued them)."""
+    classes strategies price themselves, priced on the topology (``priced``: class -> what the claiming
+    strategy's ``condense`` made of its ops, by default the priced ops in the order they were issued).
+    (A tuple: the planner builds one per evaluation.)"""
 
     model: ModelSpec
     train: TrainSpec
@@ -142,7 +142,7 @@ class TimeContext:
     kernels: KernelModel
     compute: ComputeTime
     offload: HostBytes
-    priced: Mapping[str, tuple[PricedOp, ...]]
+    priced: Mapping[str, object]
 
     @property
     def layers(self) -> int:
