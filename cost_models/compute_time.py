@@ -32,6 +32,7 @@ offloads every saved activation, :mod:`sp_plan.cost_models.strategies.offload`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import CostModelError
@@ -211,7 +212,6 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
     training = train.is_training
     tp = layout.tp
     b, s, d = train.micro_batch, train.seq_len, train.dtype_bytes
-    hd = model.head_dim
     tokens = b * s / layout.sp  # this rank's share of the sequence
     fr = fractions(topology, profile)
     k = profile.kernels
@@ -221,17 +221,7 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
     # board the kernel data were measured on); streaming kernels are HBM-bound and keep their speed.
     peak = topology.peak_flops(train.dtype) * fr.clock
     hbm = topology.gpu.memory_bandwidth * fr.memory
-    gemm: GemmParams = k.gemm
-    sms = k.sms
-
-    def gemm_time(gemms: list[Gemm], fp8: bool = False, count: float = 1.0) -> float:
-        if fp8:
-            if "fp8" not in topology.gpu.peak_flops:
-                raise CostModelError(f"fp8_linears needs fp8 tensor cores; {topology.gpu.name} lists none")
-            p, f = topology.peak_flops("fp8") * fr.clock, fr.fp8_matmul
-        else:
-            p, f = peak, fr.matmul
-        return count * sum(gemm_seconds(m, n, kk, p, f, gemm, sms) for m, n, kk in gemms)
+    gemm_time = _gemm_timer(topology, fr, k.gemm, k.sms, peak)
 
     # ----- linear layers -------------------------------------------------------------------------------
     mlp_tile = (a.tiled_mlp_tile_tokens or model.hidden_size) if (training and train.tiled_mlp) else None
@@ -250,34 +240,16 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
 
     # ----- attention -----------------------------------------------------------------------------------
     heads_local = model.num_heads / layout.head_split
-    bh = b * heads_local
     # A materialized attention runs only without ring attention (the memory model refuses the pair);
     # its score matrix is over this rank's ring chunk.
     seq_ring = s / layout.ring
     flash = train.attention_kernel == "flash"
-    doc = train.document_length
     cc = ComputeContext(model=model, train=train, layout=layout, stack=stack, kernels=k, attention=fr.attention,
                         attention_fraction_forward=fr.attention_forward,
                         attention_fraction_backward=fr.attention_backward, peak=peak, hbm=hbm, tokens=tokens,
                         heads=heads_local)
-    def attention_calls(backward: bool) -> tuple[float, float]:
-        """(kernel seconds of one pass, seconds of the share a transfer can hide behind)."""
-        if not flash:
-            big = [(seq_ring * bh, seq_ring, hd), (seq_ring * bh, hd, seq_ring)]  # QK^T, PV (batched)
-            t = gemm_time(_backward(big) if backward else big)
-            return t, t
-        for strategy in implementing("attention_pass"):  # one that splits the keys (ring) prices its calls
-            priced = strategy.attention_pass(cc, backward)
-            if priced is not None:
-                return priced
-        if doc is not None and doc < s:
-            t = cc.attention_seconds(bh * s / doc, doc, doc, True, backward)
-        else:
-            t = cc.attention_seconds(bh, s, s, True, backward)
-        return t, t
-
-    attn_f, step_f = attention_calls(False)
-    attn_b, step_b = attention_calls(True) if training else (0.0, 0.0)
+    attn_f, step_f = _attention_pass(cc, gemm_time, seq_ring, False)
+    attn_b, step_b = _attention_pass(cc, gemm_time, seq_ring, True) if training else (0.0, 0.0)
 
     # ----- streaming kernels, strategies' own kernels, overhead -----------------------------------------
     w = microbatch_work(model, train, layout)
@@ -311,22 +283,8 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
                  "stack_overhead": (gaps - 1) * (layers * kernels_f + head_gemm_f) + layers * overhead}
         return ComputeTime(layer_f, 0.0, 0.0, attn_f, 0.0, step_f, 0.0, head_f, 0.0, _report(fr), _parts(parts))
 
-    ckpt = train.checkpointing
-    if _keeps_activations(train, stack):
-        ckpt = "none"  # every saved activation goes to the host and comes back: nothing is recomputed
-    recompute = 0.0
-    if ckpt == "full":
-        recompute = layer_f
-    elif ckpt == "selective":
-        if a.selective_policy == "attention_core_recompute":
-            recompute = attn_f + (MATERIALIZED_FORWARD_PASSES * b * heads_local * seq_ring * s * d / hbm
-                                  if not flash else 0.0)
-        elif a.selective_policy == "op_sac":
-            # torchtitan's per-op policy keeps the attention outputs and every other matmul's output: half
-            # the GEMMs and all elementwise kernels run again.
-            recompute = layer_f - attn_f - (proj_f + mlp_f + cast_f) / 2
-        else:
-            recompute = layer_f - attn_f
+    scores_s = 0.0 if flash else MATERIALIZED_FORWARD_PASSES * b * heads_local * seq_ring * s * d / hbm
+    recompute = _recompute_seconds(train, profile, layer_f, attn_f, proj_f + mlp_f + cast_f, scores_s)
     if train.tiled_mlp:
         recompute += mlp_f  # each tile's forward again, with grad, in backward
     kernels_b = proj_b + mlp_b + cast_b + attn_b + stream_b
@@ -351,6 +309,65 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
     }
     return ComputeTime(layer_f, layer_b, recompute, attn_f, attn_b, step_f, step_b, head_f, head_b, _report(fr),
                        _parts(parts))
+
+
+def _gemm_timer(topology: Topology, fr: Fractions, gemm: GemmParams, sms: int,
+                peak: float) -> Callable[..., float]:
+    """``gemm_time(gemms, fp8=False, count=1)``: seconds of ``count`` runs of ``gemms`` at the clocked
+    peak of the training dtype (or of fp8) and the kernel model's fractions."""
+
+    def gemm_time(gemms: list[Gemm], fp8: bool = False, count: float = 1.0) -> float:
+        if fp8:
+            if "fp8" not in topology.gpu.peak_flops:
+                raise CostModelError(f"fp8_linears needs fp8 tensor cores; {topology.gpu.name} lists none")
+            p, f = topology.peak_flops("fp8") * fr.clock, fr.fp8_matmul
+        else:
+            p, f = peak, fr.matmul
+        return count * sum(gemm_seconds(m, n, kk, p, f, gemm, sms) for m, n, kk in gemms)
+
+    return gemm_time
+
+
+def _attention_pass(cc: ComputeContext, gemm_time: Callable[..., float], seq_ring: float,
+                    backward: bool) -> tuple[float, float]:
+    """(kernel seconds of one attention pass, seconds of the share a transfer can hide behind)."""
+    train, hd = cc.train, cc.model.head_dim
+    s, doc = train.seq_len, train.document_length
+    bh = train.micro_batch * cc.heads
+    if train.attention_kernel != "flash":
+        big = [(seq_ring * bh, seq_ring, hd), (seq_ring * bh, hd, seq_ring)]  # QK^T, PV (batched)
+        t = gemm_time(_backward(big) if backward else big)
+        return t, t
+    for strategy in implementing("attention_pass"):  # one that splits the keys (ring) prices its calls
+        priced = strategy.attention_pass(cc, backward)
+        if priced is not None:
+            return priced
+    if doc is not None and doc < s:
+        t = cc.attention_seconds(bh * s / doc, doc, doc, True, backward)
+    else:
+        t = cc.attention_seconds(bh, s, s, True, backward)
+    return t, t
+
+
+def _recompute_seconds(train: TrainSpec, profile: CostProfile, layer_f: float, attn_f: float, gemms_f: float,
+                       scores_s: float) -> float:
+    """Seconds backward spends re-running one layer's forward for the checkpointing mode (``gemms_f``:
+    its projection, MLP and fp8-cast kernels; ``scores_s``: a materialized attention's softmax passes)."""
+    ckpt = train.checkpointing
+    if _keeps_activations(train, profile.stack.time):
+        return 0.0  # every saved activation goes to the host and comes back: nothing is recomputed
+    if ckpt == "full":
+        return layer_f
+    if ckpt != "selective":
+        return 0.0
+    policy = profile.memory.selective_policy
+    if policy == "attention_core_recompute":
+        return attn_f + scores_s
+    if policy == "op_sac":
+        # torchtitan's per-op policy keeps the attention outputs and every other matmul's output: half the
+        # GEMMs and all elementwise kernels run again.
+        return layer_f - attn_f - gemms_f / 2
+    return layer_f - attn_f
 
 
 def _strategy_kernels(cc: ComputeContext) -> dict[str, tuple[float, float]]:

@@ -182,27 +182,12 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
     # ----- communication: the generic overlap classes, then each strategy's own terms ---------------------
     cp = _comm_profile(model, train, layout, topology)
     lf_exposed, lb_exposed = cp.layer_fwd_exposed, cp.layer_bwd_exposed
-    prefetch_f, prefetch_b, grad_mb, grad_step = cp.prefetch_f, cp.prefetch_b, cp.grad_mb, cp.grad_step
     model_mb, model_step = cp.model_mb, cp.model_step
     st = _strategy_terms(_context(model, train, layout, topology, profile, ct, offload, cp))
 
-    # Prefetched and gradient traffic: hidden behind layer compute, plus one pipeline fill per pass.
-    # Overlapped traffic also slows the compute it hides behind (NCCL kernels take SMs and HBM bandwidth):
-    # ``slow`` x the overlapped time, accounted as interference, not as exposed communication.
-    def hidden(comm: float, compute: float) -> float:
-        return layers * max(0.0, comm - compute) + min(comm, compute) if comm > 0 else 0.0
-
-    def interference(comm: float, compute: float) -> float:
-        return layers * slow * min(comm, compute)
-
-    fwd_overlap = hidden(prefetch_f, c_fwd)
-    bwd_overlap_mb = hidden(prefetch_b + grad_mb, c_bwd) if training else 0.0
-    bwd_overlap_last = hidden(prefetch_b + grad_mb + grad_step, c_bwd) if training else 0.0
-    overlap_slow_mb = interference(prefetch_f, c_fwd)  # prefetch/gradient traffic's, per micro-batch
-    slow_last = 0.0  # the last micro-batch's extra (once-per-step gradient reductions)
-    if training:
-        overlap_slow_mb += interference(prefetch_b + grad_mb, c_bwd)
-        slow_last = interference(prefetch_b + grad_mb + grad_step, c_bwd) - interference(prefetch_b + grad_mb, c_bwd)
+    ov = _layer_overlap(cp, c_fwd, c_bwd, layers, slow, training)
+    fwd_overlap, bwd_overlap_mb, bwd_overlap_last = ov.fwd, ov.bwd_mb, ov.bwd_last
+    overlap_slow_mb, slow_last = ov.slow_mb, ov.slow_last
 
     layer_f = c_fwd + lf_exposed + st.exposed_f + st.slow_f
     layer_b = c_bwd + lb_exposed + st.exposed_b + st.slow_b if training else 0.0
@@ -305,6 +290,43 @@ def attention_forward_seconds(model: ModelSpec, train: TrainSpec, layout: Layout
             if term.at == "layer_forward" and term.kind in ("exposed_comm", "interference"):
                 seconds += term.seconds
     return seconds
+
+
+class _LayerOverlap(NamedTuple):
+    """What the prefetch/gradient traffic costs: exposed seconds in one micro-batch's forward (``fwd``),
+    its backward (``bwd_mb``) and the last micro-batch's backward, once-per-step reductions included
+    (``bwd_last``); the interference it causes per micro-batch (``slow_mb``) and the last micro-batch's
+    extra (``slow_last``)."""
+
+    fwd: float
+    bwd_mb: float
+    bwd_last: float
+    slow_mb: float
+    slow_last: float
+
+
+def _layer_overlap(cp: _CommProfile, c_fwd: float, c_bwd: float, layers: int, slow: float,
+                   training: bool) -> _LayerOverlap:
+    """The overlap rule of the ``prefetch`` and ``grad`` classes, applied to every strategy's traffic at
+    once: one layer's traffic hides behind one layer's compute (layer i+1's behind layer i's), what
+    exceeds it is exposed, plus one pipeline fill per pass. Overlapped traffic also slows the compute it
+    hides behind (NCCL kernels take SMs and HBM bandwidth): ``slow`` x the overlapped time, accounted as
+    interference, not as exposed communication."""
+    prefetch_f, prefetch_b, grad_mb, grad_step = cp.prefetch_f, cp.prefetch_b, cp.grad_mb, cp.grad_step
+
+    def hidden(comm: float, compute: float) -> float:
+        return layers * max(0.0, comm - compute) + min(comm, compute) if comm > 0 else 0.0
+
+    def interference(comm: float, compute: float) -> float:
+        return layers * slow * min(comm, compute)
+
+    fwd = hidden(prefetch_f, c_fwd)
+    if not training:
+        return _LayerOverlap(fwd, 0.0, 0.0, interference(prefetch_f, c_fwd), 0.0)
+    slow_mb = interference(prefetch_f, c_fwd) + interference(prefetch_b + grad_mb, c_bwd)
+    slow_last = interference(prefetch_b + grad_mb + grad_step, c_bwd) - interference(prefetch_b + grad_mb, c_bwd)
+    return _LayerOverlap(fwd, hidden(prefetch_b + grad_mb, c_bwd), hidden(prefetch_b + grad_mb + grad_step, c_bwd),
+                         slow_mb, slow_last)
 
 
 def _context(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology, profile: CostProfile,

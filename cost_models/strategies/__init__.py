@@ -32,4 +32,5 @@ for _strategy in DEFAULT_STRATEGIES:
     register(_strategy)
 
 __all__ = ["CommOp", "ComputeContext", "ComputeTime", "DEFAULT_STRATEGIES", "PricedOp", "Strategy", "Term",
-           "TimeContext", "implementing", "layer_buckets", "on_change", "register", "registered", "report_buckets", "unregister"]
+           "TimeContext", "implementing", "layer_buckets", "on_change", "register", "registered", "report_buckets",
+           "unregister"]

@@ -39,8 +39,8 @@ class Strategy:
     report buckets its ops count under, per layer and outside the layers; the ``comm`` JSON lists layer
     buckets per layer); ``overlap_classes`` (``CommOp.overlap`` values whose ops it prices itself in
     :meth:`exposed`, handed to it priced, through :meth:`condense`, in ``TimeContext.priced``);
-    ``attention_traffic`` (its
-    per-layer forward traffic belongs to the attention op, so an attention benchmark counts it).
+    ``attention_traffic`` (its per-layer forward traffic belongs to the attention op, so an attention
+    benchmark counts it).
     """
 
     name: ClassVar[str] = ""
@@ -158,4 +158,5 @@ def _changed() -> None:
 
 _changed()
 
-__all__ = ["HOOKS", "Strategy", "implementing", "layer_buckets", "on_change", "register", "registered", "report_buckets", "unregister"]
+__all__ = ["HOOKS", "Strategy", "implementing", "layer_buckets", "on_change", "register", "registered", "report_buckets",
+           "unregister"]
