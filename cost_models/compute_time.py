@@ -126,7 +126,7 @@ def efficiency_sources(topology: Topology, profile: CostProfile) -> dict[str, st
     elif k.clock_factor is not None:
         clock = prior
     else:
-        clock = f"GPU spec (cost_models/data/gpus.yaml: {gpu})"
+        clock = f"GPU spec (cost_models/data/gpus/{gpu}.yaml)"
     stack_fit = fitted.stacks.get(profile.stack.name.removesuffix("+calibration"), {})
     calibrated_stack = profile.stack.name.endswith("+calibration")
 
