@@ -1,10 +1,14 @@
 """Turn a plan into the configs other launchers read: Accelerate, DeepSpeed, torchrun.
 
-Field names follow the tools' own sources (accelerate 1.15 ``ClusterConfig`` / ``ParallelismConfig``;
-DeepSpeed's ``zero_optimization``, ``sequence_parallel_size``, ``tensor_parallel.autotp_size``). Where a
-tool cannot express part of the plan, export refuses with the reason instead of writing a config that
-silently runs something else; where it can express it only approximately, the difference is returned
-as a note for the user.
+The DeepSpeed JSON and the Accelerate YAML are meant to run unmodified in their consumers
+(``deepspeed.initialize``, transformers' Trainer, ``accelerate launch``; tests/test_export_deepspeed.py
+and tests/test_export_accelerate.py run them on CPU ranks). Field names follow the tools' own sources
+(accelerate 1.15 ``ClusterConfig`` / ``ParallelismConfig`` / ``DeepSpeedSequenceParallelConfig``;
+DeepSpeed 0.19 ``zero_optimization``, ``sequence_parallel_size``, ``tensor_parallel.autotp_size``).
+Where a tool cannot express part of the plan, export refuses with the field and what to do instead of
+writing a config that silently runs something else; what only the training script can set (micro-batch
+in Accelerate, gradient checkpointing, the ALST handle) is returned as a note for the user.
+docs/exports.md lists what each target writes, leaves out and refuses.
 
 A plan that fits under sp-plan's runtime may not fit under the stack another launcher runs, so the
 configuration is re-estimated under that stack (:func:`check_under_stack`) and refused when it does not
@@ -167,8 +171,8 @@ def to_accelerate(plan: Plan) -> Export:
             }
         )
         notes.append(
-            f"every batch must hold exactly {train.seq_len} tokens per sequence (pack or pad to the planned length); "
-            "for varying lengths set parallelism_config_sp_seq_length_is_variable: true"
+            f"every batch must hold exactly {train.seq_len} tokens per sequence (pack or pad to the planned length) "
+            "and carry position_ids; for varying lengths set parallelism_config_sp_seq_length_is_variable: true"
         )
         notes.append(
             f"attention: load the model with attn_implementation=\"{ACCELERATE_SP_ATTENTION}\" (ALST checks that it "
@@ -273,7 +277,8 @@ def _deepspeed_usage_notes(plan: Plan) -> list[str]:
             f"Ulysses runs through DeepSpeed's ALST handle: mpu = UlyssesSPAttentionHF.register_with_transformers("
             f"model, core_attn_implementation=\"sdpa\", sequence_parallel_size={layout.ulysses}, "
             f"micro_batch_size={train.micro_batch}, seq_length={train.seq_len}, seq_length_is_variable=False), then "
-            "deepspeed.initialize(..., mpu=mpu) and UlyssesSPDataLoaderAdapter; with the Trainer, "
+            "deepspeed.initialize(..., mpu=mpu) and UlyssesSPDataLoaderAdapter, with position_ids in every batch; "
+            "with the Trainer, "
             f"TrainingArguments(parallelism_config=ParallelismConfig(sp_backend=\"deepspeed\", sp_size={layout.ulysses}, "
             "sp_handler=DeepSpeedSequenceParallelConfig(...))). Without the handle DeepSpeed runs plain data "
             "parallelism (no sequence sharding)"
