@@ -65,9 +65,9 @@ def _data_parallel_world(plan: Plan) -> int:
 
 # ----- Accelerate ---------------------------------------------------------------------------------
 
-#: The attention Accelerate's DeepSpeed sp (ALST) wraps: transformers' default, needs no extra package
-#: (torch's SDPA runs flash kernels on GPUs); eager is refused by ALST (a 4D mask of O(S^2) memory).
-ACCELERATE_SP_ATTENTION = "sdpa"
+#: The attention DeepSpeed ALST wraps (Accelerate's sp; the DeepSpeed export's note): transformers' default,
+#: needs no extra package (torch's SDPA runs flash kernels on GPUs); ALST refuses eager (an O(S^2) 4D mask).
+ALST_ATTENTION = "sdpa"
 
 
 def _refuse_accelerate(plan: Plan) -> None:
@@ -167,7 +167,7 @@ def to_accelerate(plan: Plan) -> Export:
                 "parallelism_config_sp_backend": "deepspeed",
                 "parallelism_config_sp_seq_length": train.seq_len,
                 "parallelism_config_sp_seq_length_is_variable": False,
-                "parallelism_config_sp_attn_implementation": ACCELERATE_SP_ATTENTION,
+                "parallelism_config_sp_attn_implementation": ALST_ATTENTION,
             }
         )
         notes.append(
@@ -175,7 +175,7 @@ def to_accelerate(plan: Plan) -> Export:
             "and carry position_ids; for varying lengths set parallelism_config_sp_seq_length_is_variable: true"
         )
         notes.append(
-            f"attention: load the model with attn_implementation=\"{ACCELERATE_SP_ATTENTION}\" (ALST checks that it "
+            f"attention: load the model with attn_implementation=\"{ALST_ATTENTION}\" (ALST checks that it "
             "matches); \"flash_attention_2\" also works where flash-attn is installed"
         )
         if layout.dp_replicate > 1:
@@ -273,15 +273,16 @@ def _deepspeed_usage_notes(plan: Plan) -> list[str]:
                      "Trainer does it for gradient_checkpointing=True); DeepSpeed's activation_checkpointing section "
                      "applies only to models that call deepspeed.checkpointing")
     if layout.ulysses > 1:
+        handler = (f"sp_seq_length={train.seq_len}, sp_seq_length_is_variable=False, "
+                   f"sp_attn_implementation=\"{ALST_ATTENTION}\"")
         notes.append(
-            f"Ulysses runs through DeepSpeed's ALST handle: mpu = UlyssesSPAttentionHF.register_with_transformers("
-            f"model, core_attn_implementation=\"sdpa\", sequence_parallel_size={layout.ulysses}, "
+            "Ulysses runs through DeepSpeed's ALST handle: mpu = UlyssesSPAttentionHF.register_with_transformers("
+            f"model, core_attn_implementation=\"{ALST_ATTENTION}\", sequence_parallel_size={layout.ulysses}, "
             f"micro_batch_size={train.micro_batch}, seq_length={train.seq_len}, seq_length_is_variable=False), then "
             "deepspeed.initialize(..., mpu=mpu) and UlyssesSPDataLoaderAdapter, with position_ids in every batch; "
-            "with the Trainer, "
-            f"TrainingArguments(parallelism_config=ParallelismConfig(sp_backend=\"deepspeed\", sp_size={layout.ulysses}, "
-            "sp_handler=DeepSpeedSequenceParallelConfig(...))). Without the handle DeepSpeed runs plain data "
-            "parallelism (no sequence sharding)"
+            "with the Trainer, TrainingArguments(parallelism_config=ParallelismConfig(sp_backend=\"deepspeed\", "
+            f"sp_size={layout.ulysses}, sp_handler=DeepSpeedSequenceParallelConfig({handler}))). Without the handle "
+            "DeepSpeed runs plain data parallelism (no sequence sharding)"
         )
     if train.offload_optimizer:
         notes.append(
@@ -318,7 +319,8 @@ def to_deepspeed(plan: Plan) -> Export:
     if layout.dp_replicate > 1:
         notes.append(
             "ZeRO shards over all data-parallel ranks (DeepSpeed has no hybrid sharding since MiCS was removed); the "
-            "plan's dp_replicate split is not reproduced, which uses less memory and more inter-node traffic than planned"
+            "plan's dp_replicate split is not reproduced, which uses less memory and more inter-node traffic than "
+            "planned"
         )
     precision: dict[str, Any] = {"enabled": train.dtype == "bf16"}
     if train.dtype == "bf16" and train.optimizer == "adamw_bf16":

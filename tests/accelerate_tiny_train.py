@@ -1,8 +1,9 @@
 """A tiny training script for `accelerate launch --config_file <export>` in tests/test_export_accelerate.py.
 
 Trains a 2-layer Llama for two optimizer steps with the Accelerator the launcher configures, and
-prints one JSON line per rank with what Accelerate set up (distributed type, parallelism sizes,
-gradient accumulation) so the test can compare it with the plan.
+writes one JSON file per rank (TINY_OUT/rank<N>.json; ranks share stdout, so their lines can
+interleave) with what Accelerate set up (distributed type, parallelism sizes, gradient accumulation)
+so the test can compare it with the plan.
 """
 
 import json
@@ -56,7 +57,8 @@ def main() -> None:
             break
     pc = accelerator.parallelism_config
     handler = pc.sp_handler if pc is not None and pc.sp_size > 1 else None
-    print("RESULT " + json.dumps({
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    result = json.dumps({
         "rank": accelerator.process_index, "distributed_type": str(accelerator.distributed_type),
         "num_processes": accelerator.num_processes, "grad_accum": accelerator.gradient_accumulation_steps,
         "dp_shard": pc.dp_shard_size if pc else None, "sp": pc.sp_size if pc else None, "losses": losses,
@@ -65,7 +67,9 @@ def main() -> None:
         "sp_seq_length_is_variable": handler.sp_seq_length_is_variable if handler else None,
         "sp_attn_implementation": handler.sp_attn_implementation if handler else None,
         "attn_implementation": getattr(config, "_attn_implementation", None),
-    }), flush=True)
+    })
+    with open(os.path.join(os.environ.get("TINY_OUT", "."), f"rank{rank}.json"), "w") as f:
+        f.write(result)
 
 
 if __name__ == "__main__":
