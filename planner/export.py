@@ -28,6 +28,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from sp_plan.cost_models.train_spec import TrainSpec
+
 from .errors import PlannerError
 from .plan import Plan
 
@@ -245,11 +247,25 @@ def _refuse_deepspeed(plan: Plan) -> None:
             "cpu_checkpointing) only for models that call deepspeed.checkpointing, not for transformers models; "
             "re-plan with --no-offload-checkpoints, or export --to torchrun (sp-plan's runtime offloads them)"
         )
+    if train.optimizer == "adamw_bf16" and train.dtype == "bf16" and train.zero_stage == 0:
+        raise PlannerError(
+            "train.optimizer=adamw_bf16 with train.zero_stage=0: DeepSpeed keeps bf16 master weights and optimizer "
+            "states (bf16_master_weights_and_grads) only under ZeRO stages 1-3; re-plan with --zero 1 or higher"
+        )
     if train.offload_optimizer and train.zero_stage == 0:
         raise PlannerError(
             "train.offload_optimizer with train.zero_stage=0: DeepSpeed offloads optimizer state only under ZeRO "
             "stages 1-3; re-plan with --zero 1 or higher"
         )
+
+
+def _bf16_section(train: TrainSpec) -> dict[str, Any]:
+    """DeepSpeed's ``bf16`` block; ``adamw_bf16`` (no fp32 master, bf16 moments) is its bf16 master weights
+    and optimizer states."""
+    section: dict[str, Any] = {"enabled": train.dtype == "bf16"}
+    if train.dtype == "bf16" and train.optimizer == "adamw_bf16":
+        section.update({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True})
+    return section
 
 
 def _deepspeed_usage_notes(plan: Plan) -> list[str]:
@@ -284,7 +300,13 @@ def _deepspeed_usage_notes(plan: Plan) -> list[str]:
             f"sp_size={layout.ulysses}, sp_handler=DeepSpeedSequenceParallelConfig({handler}))). Without the handle "
             "DeepSpeed runs plain data parallelism (no sequence sharding)"
         )
-    if train.offload_optimizer:
+    if train.offload_optimizer and "bf16_optimizer_states" in _bf16_section(train):
+        notes.append(
+            "adamw_bf16 with optimizer offload: DeepSpeed keeps offloaded bf16 moments only with "
+            "deepspeed.ops.adam.DeepSpeedCPUAdam(params, fp32_optimizer_states=False) as the optimizer (it asserts "
+            "otherwise, and transformers' Trainer cannot pass one: for the Trainer re-plan with --optimizer adamw)"
+        )
+    elif train.offload_optimizer:
         notes.append(
             "zero_force_ds_cpu_optimizer: false lets the offloaded optimizer be any torch optimizer; for speed pass "
             "deepspeed.ops.adam.DeepSpeedCPUAdam (or delete the key: Accelerate/Trainer then swap it in themselves)"
@@ -322,14 +344,11 @@ def to_deepspeed(plan: Plan) -> Export:
             "plan's dp_replicate split is not reproduced, which uses less memory and more inter-node traffic than "
             "planned"
         )
-    precision: dict[str, Any] = {"enabled": train.dtype == "bf16"}
-    if train.dtype == "bf16" and train.optimizer == "adamw_bf16":
-        precision.update({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True})
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": train.micro_batch,
         "gradient_accumulation_steps": train.grad_accum,
         "gradient_clipping": 1.0,
-        "bf16": precision,
+        "bf16": _bf16_section(train),
         "fp16": {"enabled": train.dtype == "fp16"},
         "zero_optimization": zero,
         "steps_per_print": 10,

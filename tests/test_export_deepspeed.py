@@ -118,6 +118,7 @@ def _trainer_rank(rank: int, world: int, config: dict, ulysses: int, out_dir: st
     args = TrainingArguments(
         output_dir=f"{out_dir}/rank{rank}", per_device_train_batch_size=config["train_micro_batch_size_per_gpu"],
         gradient_accumulation_steps=config["gradient_accumulation_steps"], gradient_checkpointing=True,
+        bf16=config["bf16"]["enabled"], fp16=config["fp16"]["enabled"],  # as the export's note says
         max_steps=2, deepspeed=config, report_to=[], save_strategy="no", logging_steps=1, **extra)
     ids = torch.randint(0, 128, (8, SEQ), generator=torch.Generator().manual_seed(1))
     data = [{"input_ids": row, "labels": row, "position_ids": torch.arange(SEQ)} for row in ids]
@@ -140,9 +141,10 @@ def _run(fn, *args) -> list[dict]:
 
 @needs_deepspeed
 @pytest.mark.multiproc
-@pytest.mark.parametrize("zero_stage", [2, 3])
-def test_deepspeed_initialize_runs_the_exported_zero_config(zero_stage):
-    config = to_deepspeed(make_plan(zero_stage=zero_stage, grad_accum=2)).content
+@pytest.mark.parametrize("zero_stage, dtype, optimizer", [(2, "fp32", "adamw"), (3, "bf16", "adamw"),
+                                                      (2, "bf16", "adamw_bf16")])
+def test_deepspeed_initialize_runs_the_exported_zero_config(zero_stage, dtype, optimizer):
+    config = to_deepspeed(make_plan(zero_stage=zero_stage, dtype=dtype, optimizer=optimizer, grad_accum=2)).content
     results = _run(_initialize_rank, config, 1)
     for r in results:
         assert r["zero_ranks"] == 2 and r["sp"] == 1 and not r["offloaded"]
@@ -185,6 +187,7 @@ def test_deepspeed_initialize_runs_autotp_with_zero3():
 @needs_deepspeed
 @pytest.mark.multiproc
 def test_trainer_runs_the_exported_offload_config(tmp_path):
+    # fp32: TrainingArguments(bf16=True) asks for a GPU or use_cpu (bf16 runs through deepspeed.initialize above).
     config = to_deepspeed(make_plan(zero_stage=3, offload_optimizer=True, grad_accum=2)).content
     for r in _run(_trainer_rank, config, 1, str(tmp_path)):
         assert r["offloaded"] and r["zero_ranks"] == 2 and r["loss"] > 0
@@ -222,6 +225,7 @@ def test_deepspeed_json_validates_with_deepspeeds_own_config_class():
     config_module = pytest.importorskip("deepspeed.runtime.config")
     for plan in (make_plan(zero_stage=3, offload_optimizer=True, offload_params=True, dtype="bf16"),
                  make_plan(ulysses=2, zero_stage=2), make_plan(tp=2, zero_stage=1),
+                 make_plan(zero_stage=1, dtype="bf16", optimizer="adamw_bf16"),
                  make_plan(gpus=4, dp_replicate=2, zero_stage=3)):
         config_module.DeepSpeedConfig(dict(to_deepspeed(plan).content))
 
@@ -229,7 +233,8 @@ def test_deepspeed_json_validates_with_deepspeeds_own_config_class():
 @pytest.mark.parametrize(
     "options, field",
     [({"offload_checkpoints": True, "zero_stage": 3}, "train.offload_checkpoints"),
-     ({"offload_optimizer": True, "zero_stage": 0}, "train.offload_optimizer")],
+     ({"offload_optimizer": True, "zero_stage": 0}, "train.offload_optimizer"),
+     ({"optimizer": "adamw_bf16", "dtype": "bf16", "zero_stage": 0}, "train.optimizer")],
 )
 def test_deepspeed_refuses_what_it_cannot_run_and_names_the_field(options, field):
     with pytest.raises(PlannerError, match=field.replace(".", r"\.")):
