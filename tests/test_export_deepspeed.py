@@ -101,7 +101,11 @@ def _initialize_rank(rank: int, world: int, config: dict, ulysses: int) -> dict:
 
 
 def _trainer_rank(rank: int, world: int, config: dict, ulysses: int, out_dir: str) -> dict:
-    """transformers' Trainer with TrainingArguments(deepspeed=<export>) and what the export's notes ask for."""
+    """transformers' Trainer with TrainingArguments(deepspeed=<export>) and what the export's notes ask for.
+
+    On CPU, Accelerate's state counts one process (no GPU backend), so every rank reads the whole dataset;
+    DeepSpeed itself still runs on the 2-rank gloo world (ZeRO partitions are checked). The same count makes
+    Accelerate's AutoTP batch sharding divide by zero, so AutoTP goes through deepspeed.initialize only."""
     _deepspeed_on_cpu()
     import torch
     from transformers import Trainer, TrainingArguments
