@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sp_plan.planner.calibration.user_runs import write_runs_csv  # noqa: E402
+from sp_plan.planner.fitting.user_runs import write_runs_csv  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = [dict(ulysses=8), dict(ring=8), dict(tp=2, ulysses=4), dict(ring=4, ulysses=2), dict(dp_shard=8),
@@ -49,8 +49,8 @@ def synthetic_rows(n: int, seed: int = 0) -> list[dict]:
     """Rows whose step times the cost model predicts under :data:`TRUTH`, times 5% log-normal noise."""
     sys.path.insert(0, str(ROOT))
     from sp_plan.cost_models import Layout, TrainSpec, get_model_preset
-    from sp_plan.planner.calibration.fit import Parameter, predict_all
-    from sp_plan.planner.calibration.runs import MeasuredRun
+    from sp_plan.planner.fitting.fit import Parameter, predict_all
+    from sp_plan.planner.fitting.runs import MeasuredRun
 
     rng = random.Random(seed)
     model = get_model_preset("llama3-8b")

@@ -8,63 +8,49 @@ the shape-aware kernel model (:mod:`sp_plan.cost_models.kernels`), so layouts th
   ``(k, n, m)``. Tiled MLP runs its GEMMs on ``tile`` tokens at a time; tiled loss runs the LM head on
   ``loss_chunk_tokens`` at a time. Float8 linears run the layer's GEMMs at the fp8 peak and pay memory-
   bound amax/cast passes over their operands.
-- **Attention**: one causal call on the ring-local sequence (heads / (tp U) per GPU); zigzag ring
-  attention runs R calls per pass (one causal 2c x 2c block, R-1 full c x 2c blocks, c = S / 2R), each
-  followed by an LSE merge (fp32 accumulators, memory-bound: the stack's bytes per element) and a ring
-  step's fixed cost. Packed
+- **Attention**: one causal call on the whole sequence (heads / (tp U) per GPU), unless a registered
+  strategy prices the pass itself (``Strategy.attention_pass``): zigzag ring attention
+  (:mod:`sp_plan.cost_models.strategies.ring`) runs R calls per pass (one causal 2c x 2c block, R-1 full
+  c x 2c blocks, c = S / 2R), each followed by an LSE merge (fp32 accumulators, memory-bound: the
+  stack's bytes per element) and a ring step's fixed cost. Packed
   documents (``document_length`` D) run as variable-length calls over D-token documents. A
   materialized attention runs its QK^T and PV as batched GEMMs (the softmax traffic is streaming).
 - **Streaming kernels** (norms, rotary, activation, residuals, softmax of a materialized attention):
   bytes from :mod:`sp_plan.cost_models.flops` at the kernel model's fraction of HBM bandwidth, reduced by the
-  stack's fusion when the blocks are compiled; Ulysses all-to-alls add the stack's copy passes.
+  stack's fusion when the blocks are compiled.
+- **Strategies' own kernels** (``Strategy.layer_kernels``), by compute part: Ulysses all-to-alls add the
+  stack's copy passes (:mod:`sp_plan.cost_models.strategies.ulysses`).
 - **Framework overhead**: the stack's host-side time per layer and pass (hooks, launch gaps).
 
 Recompute: ``full`` re-runs the layer forward; ``selective`` re-runs it without the attention op
 (``attention_outputs`` policy) or only the core attention (Megatron's ``attention_core_recompute``);
-a tiled MLP re-runs its forward GEMMs once more in backward.
+a tiled MLP re-runs its forward GEMMs once more in backward. Nothing is recomputed where a strategy keeps
+the saved activations instead (``Strategy.keeps_activations``: checkpoint offload on a stack that
+offloads every saved activation, :mod:`sp_plan.cost_models.strategies.offload`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import CostModelError
-from .flops import FLASH_BACKWARD_RATIO, MATERIALIZED_FORWARD_PASSES, microbatch_work
-from .kernels import AttentionParams, GemmParams, attention_seconds, gemm_seconds, kernel_family
+from .fitted import fitted_parameters
+from .flops import MATERIALIZED_FORWARD_PASSES, microbatch_work
+from .kernels import AttentionParams, GemmParams, gemm_seconds, kernel_family
 from .layout import Layout
 from .memo import Memo
 from .model_spec import ModelSpec
 from .profile import CostProfile
-from .stack import attention_kernel_for
+from .stack import StackTime, attention_kernel_for
+from .strategies import implementing, on_change
+from .strategies.terms import ComputeContext, ComputeTime
 from .topology.topology import Topology
 from .train_spec import TrainSpec
 
 
 Gemm = tuple[float, float, float]  # (m, n, k)
-
-
-@dataclass(frozen=True, slots=True)
-class ComputeTime:
-    """Seconds per micro-batch on one GPU. ``layer_*`` for one transformer layer; ``*_recompute`` is
-    the backward's recomputation (included in ``layer_backward``); ``attention_*`` are the attention
-    kernels alone (with ring steps' merges and fixed costs), included in the layer figures, and
-    ``ring_step_*`` one ring step's share of them (what a K/V hop can hide behind)."""
-
-    layer_forward: float
-    layer_backward: float
-    layer_recompute: float
-    attention_forward: float
-    attention_backward: float
-    ring_step_forward: float
-    ring_step_backward: float
-    head_forward: float
-    head_backward: float
-    fractions: dict[str, float]
-    #: One micro-batch's compute by component (every layer and the output layer; forward and backward):
-    #: the same seconds as ``num_layers * (layer_forward + layer_backward) + head_forward + head_backward``,
-    #: split into what ``sp-plan estimate --explain-time`` shows (:data:`COMPUTE_PARTS`).
-    parts: dict[str, float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +101,6 @@ def efficiency_sources(topology: Topology, profile: CostProfile) -> dict[str, st
     :func:`fractions` resolves them: a calibration file, the topology's own (probed) calibration, the
     kernel-level fit (kernel benchmarks), the system-level fit (published runs), or a documented prior.
     This is what tells a user which number their own ``sp-plan calibrate`` run should move."""
-    from .fitted import fitted_parameters
-
     c = topology.spec.calibration.compute
     k = profile.kernels
     gpu = topology.gpu.name
@@ -142,7 +126,7 @@ def efficiency_sources(topology: Topology, profile: CostProfile) -> dict[str, st
     elif k.clock_factor is not None:
         clock = prior
     else:
-        clock = f"GPU spec (cost_models/data/gpus.yaml: {gpu})"
+        clock = f"GPU spec (cost_models/data/gpus/{gpu}.yaml)"
     stack_fit = fitted.stacks.get(profile.stack.name.removesuffix("+calibration"), {})
     calibrated_stack = profile.stack.name.endswith("+calibration")
 
@@ -186,10 +170,15 @@ def compute_time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: T
     """Per-layer and output-layer compute seconds of one micro-batch (memoized on what they read)."""
     # Checkpoint offload changes compute only where the stack offloads instead of recomputing: keying on
     # that (not on the flag) keeps one entry for both values of the planner's offload axis elsewhere.
-    no_recompute = train.offload_checkpoints and not profile.stack.time.checkpoint_offload_recomputes
-    key = (model, layout.tp, layout.ulysses, layout.ring, topology, profile, no_recompute,
-           *(getattr(train, f) for f in COMPUTE_FIELDS))
+    # The data-parallel degrees change no kernel: the key holds the degrees that shape one.
+    key = (model, layout.tp, layout.ulysses, layout.ring, topology, profile,
+           _keeps_activations(train, profile.stack.time), *(getattr(train, f) for f in COMPUTE_FIELDS))
     return _COMPUTE.get(key, lambda: _compute(model, train, layout, topology, profile))
+
+
+def _keeps_activations(train: TrainSpec, stack: StackTime) -> bool:
+    """Whether a registered strategy keeps the saved activations instead of recomputing them."""
+    return any(strategy.keeps_activations(train, stack) for strategy in implementing("keeps_activations"))
 
 
 def _linear_gemms(model: ModelSpec, tokens: float, tp: int, mlp_tile: float | None) -> tuple[list[Gemm], list[Gemm], float]:
@@ -221,10 +210,9 @@ def _backward(gemms: list[Gemm]) -> list[Gemm]:
 def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
              profile: CostProfile) -> ComputeTime:
     training = train.is_training
-    tp, u, r = layout.tp, layout.ulysses, layout.ring
+    tp = layout.tp
     b, s, d = train.micro_batch, train.seq_len, train.dtype_bytes
-    hd = model.head_dim
-    tokens = b * s / (u * r)
+    tokens = b * s / layout.sp  # this rank's share of the sequence
     fr = fractions(topology, profile)
     k = profile.kernels
     stack = profile.stack.time
@@ -233,17 +221,7 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
     # board the kernel data were measured on); streaming kernels are HBM-bound and keep their speed.
     peak = topology.peak_flops(train.dtype) * fr.clock
     hbm = topology.gpu.memory_bandwidth * fr.memory
-    gemm: GemmParams = k.gemm
-    sms = k.sms
-
-    def gemm_time(gemms: list[Gemm], fp8: bool = False, count: float = 1.0) -> float:
-        if fp8:
-            if "fp8" not in topology.gpu.peak_flops:
-                raise CostModelError(f"fp8_linears needs fp8 tensor cores; {topology.gpu.name} lists none")
-            p, f = topology.peak_flops("fp8") * fr.clock, fr.fp8_matmul
-        else:
-            p, f = peak, fr.matmul
-        return count * sum(gemm_seconds(m, n, kk, p, f, gemm, sms) for m, n, kk in gemms)
+    gemm_time = _gemm_timer(topology, fr, k.gemm, k.sms, peak)
 
     # ----- linear layers -------------------------------------------------------------------------------
     mlp_tile = (a.tiled_mlp_tile_tokens or model.hidden_size) if (training and train.tiled_mlp) else None
@@ -261,98 +239,57 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
         cast_b = stack.fp8_cast_passes * elems_b * (d + 1) / hbm
 
     # ----- attention -----------------------------------------------------------------------------------
-    heads_local = model.num_heads / (tp * u)
-    bh = b * heads_local
-    seq_ring = s / r
+    heads_local = model.num_heads / layout.head_split
+    # A materialized attention runs only without ring attention (the memory model refuses the pair);
+    # its score matrix is over this rank's ring chunk.
+    seq_ring = s / layout.ring
     flash = train.attention_kernel == "flash"
-    ap = fr.attention
-    q_elems = b * seq_ring * heads_local * hd  # this rank's queries after the head split
-    kv_elems = b * seq_ring * model.num_kv_heads * model.kv_replication(tp * u) / (tp * u) * hd
-    doc = train.document_length
+    cc = ComputeContext(model=model, train=train, layout=layout, stack=stack, kernels=k, attention=fr.attention,
+                        attention_fraction_forward=fr.attention_forward,
+                        attention_fraction_backward=fr.attention_backward, peak=peak, hbm=hbm, tokens=tokens,
+                        heads=heads_local)
+    attn_f, step_f = _attention_pass(cc, gemm_time, seq_ring, False)
+    attn_b, step_b = _attention_pass(cc, gemm_time, seq_ring, True) if training else (0.0, 0.0)
 
-    def attention_calls(backward: bool) -> tuple[float, float]:
-        """(kernel seconds of one pass, seconds of one ring step's share)."""
-        frac = fr.attention_backward if backward else fr.attention_forward
-        ratio = FLASH_BACKWARD_RATIO if backward else 1.0
-        if not flash:
-            big = [(seq_ring * bh, seq_ring, hd), (seq_ring * bh, hd, seq_ring)]  # QK^T, PV (batched)
-            t = gemm_time(_backward(big) if backward else big)
-            return t, t
-        if r == 1:
-            if doc is not None and doc < s:
-                t = attention_seconds(bh * s / doc, doc, doc, hd, True, peak, frac, ap, sms, ratio)
-            else:
-                t = attention_seconds(bh, s, s, hd, True, peak, frac, ap, sms, ratio)
-            return t, t
-        c = s / (2 * r)
-        if doc is not None and doc < 2 * c:
-            kernel = attention_seconds(bh * 2 * c / doc, doc, doc, hd, True, peak, frac, ap, sms, ratio)
-            kernel += (r - 1) * ap.launch_s
-        else:
-            kernel = attention_seconds(bh, 2 * c, 2 * c, hd, True, peak, frac, ap, sms, ratio)
-            kernel += attention_seconds(bh, 2 * c, c, hd, False, peak, frac, ap, sms, ratio, calls=r - 1)
-        if backward:  # dQ into its accumulator, dK/dV into the travelling ones
-            merge_bytes = (q_elems + 2 * kv_elems) * stack.ring_grad_bytes_per_element
-        else:
-            merge_bytes = q_elems * stack.ring_merge_bytes_per_element
-        hideable = kernel + r * merge_bytes / hbm  # a K/V hop hides behind a step's kernel and merge,
-        return hideable + r * k.ring_step_s, hideable / r  # not behind the step's post/wait itself
-
-    attn_f, step_f = attention_calls(False)
-    attn_b, step_b = attention_calls(True) if training else (0.0, 0.0)
-
-    # ----- streaming kernels, copies, overhead ----------------------------------------------------------
+    # ----- streaming kernels, strategies' own kernels, overhead -----------------------------------------
     w = microbatch_work(model, train, layout)
     stream = 1.0 if not train.compiled else stack.compiled_stream_fraction
     scores_f = 0.0
     if not flash:  # the softmax passes of a materialized attention are not fused by compile
-        scores_f = MATERIALIZED_FORWARD_PASSES * b * (model.num_heads / (tp * u)) * seq_ring * s * d
+        scores_f = MATERIALIZED_FORWARD_PASSES * b * heads_local * seq_ring * s * d
     eager = _eager_extra_bytes(model, train, layout, a)  # unfused eager modules' extra passes
     stream_f = ((w.layer_stream_fwd_bytes - scores_f + eager) * stream + scores_f) / hbm
     stream_b = ((w.layer_stream_bwd_bytes - 2 * scores_f + 2 * eager) * stream + 2 * scores_f) / hbm
-    a2a = 0.0
-    if u > 1:
-        q_local = tokens * model.num_heads / tp * hd * d
-        kv_local = tokens * model.num_kv_heads * model.kv_replication(tp * u) / tp * hd * d
-        a2a = stack.alltoall_copy_passes * 2 * (2 * q_local + 2 * kv_local) / hbm  # read + write, q k v out
+    extra = _strategy_kernels(cc)  # e.g. Ulysses' all-to-all copies
     overhead = stack.layer_overhead_s
     # The stack's execution overhead around the kernels (fitted per stack from end-to-end runs).
     gaps = 1.0 + stack.compute_overhead_fraction
 
-    layer_f = (proj_f + mlp_f + cast_f + attn_f + stream_f + a2a) * gaps + overhead
-    head_tokens = tokens if training else b / (u * r)
+    kernels_f = proj_f + mlp_f + cast_f + attn_f + stream_f
+    for f, _ in extra.values():
+        kernels_f += f
+    layer_f = kernels_f * gaps + overhead
+    head_tokens = tokens if training else b / layout.sp
     head_rows = min(a.loss_chunk_tokens, head_tokens) if (training and train.tiled_loss) else head_tokens
     head_chunks = math.ceil(head_tokens / head_rows)
     head_g = [(head_rows, model.vocab_size / tp, model.hidden_size)]
     head_gemm_f = gemm_time(head_g, count=head_chunks)
     head_f = head_gemm_f * gaps
     layers = model.num_layers
-    kernels_f = proj_f + mlp_f + cast_f + attn_f + stream_f + a2a
     if not training:
         parts = {"gemm_forward": layers * (proj_f + mlp_f) + head_gemm_f, "attention_forward": layers * attn_f,
-                 "streaming": layers * stream_f, "ulysses_copies": layers * a2a, "fp8_casts": layers * cast_f,
+                 "streaming": layers * stream_f, "fp8_casts": layers * cast_f,
+                 **{part: layers * f for part, (f, _) in extra.items()},
                  "stack_overhead": (gaps - 1) * (layers * kernels_f + head_gemm_f) + layers * overhead}
         return ComputeTime(layer_f, 0.0, 0.0, attn_f, 0.0, step_f, 0.0, head_f, 0.0, _report(fr), _parts(parts))
 
-    ckpt = train.checkpointing
-    if train.offload_checkpoints and not stack.checkpoint_offload_recomputes:
-        ckpt = "none"  # every saved activation goes to the host and comes back: nothing is recomputed
-    recompute = 0.0
-    if ckpt == "full":
-        recompute = layer_f
-    elif ckpt == "selective":
-        if a.selective_policy == "attention_core_recompute":
-            recompute = attn_f + (MATERIALIZED_FORWARD_PASSES * b * heads_local * seq_ring * s * d / hbm
-                                  if not flash else 0.0)
-        elif a.selective_policy == "op_sac":
-            # torchtitan's per-op policy keeps the attention outputs and every other matmul's output: half
-            # the GEMMs and all elementwise kernels run again.
-            recompute = layer_f - attn_f - (proj_f + mlp_f + cast_f) / 2
-        else:
-            recompute = layer_f - attn_f
+    scores_s = 0.0 if flash else MATERIALIZED_FORWARD_PASSES * b * heads_local * seq_ring * s * d / hbm
+    recompute = _recompute_seconds(train, profile, layer_f, attn_f, proj_f + mlp_f + cast_f, scores_s)
     if train.tiled_mlp:
         recompute += mlp_f  # each tile's forward again, with grad, in backward
-    kernels_b = proj_b + mlp_b + cast_b + attn_b + stream_b + a2a
+    kernels_b = proj_b + mlp_b + cast_b + attn_b + stream_b
+    for _, f in extra.values():
+        kernels_b += f
     layer_b = kernels_b * gaps + overhead + recompute
     head_gemm_b = gemm_time(_backward(head_g), count=head_chunks)
     head_b = head_gemm_b * gaps
@@ -365,8 +302,8 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
         "attention_backward": layers * attn_b,
         "recompute": layers * recompute + head_recompute,
         "streaming": layers * (stream_f + stream_b),
-        "ulysses_copies": layers * 2 * a2a,
         "fp8_casts": layers * (cast_f + cast_b),
+        **{part: layers * (f + fb) for part, (f, fb) in extra.items()},
         "stack_overhead": (gaps - 1) * (layers * (kernels_f + kernels_b) + head_gemm_f + head_gemm_b)
         + 2 * layers * overhead,
     }
@@ -374,8 +311,79 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
                        _parts(parts))
 
 
+def _gemm_timer(topology: Topology, fr: Fractions, gemm: GemmParams, sms: int,
+                peak: float) -> Callable[..., float]:
+    """``gemm_time(gemms, fp8=False, count=1)``: seconds of ``count`` runs of ``gemms`` at the clocked
+    peak of the training dtype (or of fp8) and the kernel model's fractions."""
+
+    def gemm_time(gemms: list[Gemm], fp8: bool = False, count: float = 1.0) -> float:
+        if fp8:
+            if "fp8" not in topology.gpu.peak_flops:
+                raise CostModelError(f"fp8_linears needs fp8 tensor cores; {topology.gpu.name} lists none")
+            p, f = topology.peak_flops("fp8") * fr.clock, fr.fp8_matmul
+        else:
+            p, f = peak, fr.matmul
+        return count * sum(gemm_seconds(m, n, kk, p, f, gemm, sms) for m, n, kk in gemms)
+
+    return gemm_time
+
+
+def _attention_pass(cc: ComputeContext, gemm_time: Callable[..., float], seq_ring: float,
+                    backward: bool) -> tuple[float, float]:
+    """(kernel seconds of one attention pass, seconds of the share a transfer can hide behind)."""
+    train, hd = cc.train, cc.model.head_dim
+    s, doc = train.seq_len, train.document_length
+    bh = train.micro_batch * cc.heads
+    if train.attention_kernel != "flash":
+        big = [(seq_ring * bh, seq_ring, hd), (seq_ring * bh, hd, seq_ring)]  # QK^T, PV (batched)
+        t = gemm_time(_backward(big) if backward else big)
+        return t, t
+    for strategy in implementing("attention_pass"):  # one that splits the keys (ring) prices its calls
+        priced = strategy.attention_pass(cc, backward)
+        if priced is not None:
+            return priced
+    if doc is not None and doc < s:
+        t = cc.attention_seconds(bh * s / doc, doc, doc, True, backward)
+    else:
+        t = cc.attention_seconds(bh, s, s, True, backward)
+    return t, t
+
+
+def _recompute_seconds(train: TrainSpec, profile: CostProfile, layer_f: float, attn_f: float, gemms_f: float,
+                       scores_s: float) -> float:
+    """Seconds backward spends re-running one layer's forward for the checkpointing mode (``gemms_f``:
+    its projection, MLP and fp8-cast kernels; ``scores_s``: a materialized attention's softmax passes)."""
+    ckpt = train.checkpointing
+    if _keeps_activations(train, profile.stack.time):
+        return 0.0  # every saved activation goes to the host and comes back: nothing is recomputed
+    if ckpt == "full":
+        return layer_f
+    if ckpt != "selective":
+        return 0.0
+    policy = profile.memory.selective_policy
+    if policy == "attention_core_recompute":
+        return attn_f + scores_s
+    if policy == "op_sac":
+        # torchtitan's per-op policy keeps the attention outputs and every other matmul's output: half the
+        # GEMMs and all elementwise kernels run again.
+        return layer_f - attn_f - gemms_f / 2
+    return layer_f - attn_f
+
+
+def _strategy_kernels(cc: ComputeContext) -> dict[str, tuple[float, float]]:
+    """The registered strategies' extra kernels per layer, by compute part (summed where two name one)."""
+    out: dict[str, tuple[float, float]] = {}
+    for strategy in implementing("layer_kernels"):
+        for part, (f, b) in strategy.layer_kernels(cc).items():
+            f0, b0 = out.get(part, (0.0, 0.0))
+            out[part] = (f0 + f, b0 + b)
+    return out
+
+
 def _parts(values: dict[str, float]) -> dict[str, float]:
-    return {name: values.get(name, 0.0) for name in COMPUTE_PARTS}
+    """The parts in :data:`COMPUTE_PARTS` order (absent ones 0), then any part only a strategy names."""
+    return {**{name: values.get(name, 0.0) for name in COMPUTE_PARTS},
+            **{name: v for name, v in values.items() if name not in COMPUTE_PARTS}}
 
 
 #: HBM bytes per element of an eager RMSNorm forward in bf16 (HF's LlamaRMSNorm, torchtitan's default
@@ -388,7 +396,7 @@ def _eager_extra_bytes(model: ModelSpec, train: TrainSpec, layout: Layout, a) ->
     """Forward HBM bytes per layer that unfused (eager) norm and SwiGLU kernels move beyond the fused ones
     :mod:`sp_plan.cost_models.flops` counts (backward moves about twice as much)."""
     d = train.dtype_bytes
-    tokens = train.micro_batch * train.seq_len / (layout.ulysses * layout.ring)
+    tokens = train.micro_batch * train.seq_len / layout.sp
     tp = layout.tp
     norm_tokens = tokens / tp if (tp > 1 and train.tp_sequence_parallel) else tokens
     extra = 0.0
@@ -403,6 +411,8 @@ def _report(fr: Fractions) -> dict[str, float]:
     return {"matmul": fr.matmul, "fp8_matmul": fr.fp8_matmul, "attention_forward": fr.attention_forward,
             "attention_backward": fr.attention_backward, "memory": fr.memory, "clock": fr.clock}
 
+
+on_change(_COMPUTE.clear)
 
 __all__ = ["COMPUTE_FIELDS", "COMPUTE_PARTS", "ComputeTime", "Fractions", "compute_time", "efficiency_sources",
            "fractions"]

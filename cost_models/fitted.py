@@ -12,6 +12,11 @@
 The kernel files and stack files keep their documented priors; :func:`sp_plan.cost_models.kernels.kernel_model`
 and :func:`sp_plan.cost_models.stack.load_stack` apply these values on top. A missing or empty file means
 "priors only".
+
+This module imports no cost model (the kernel and stack modules import it), so the provenance record a
+kernel model carries, :class:`FitRecord`, lives here too. What depends on the fitted values caches them;
+:func:`sp_plan.cost_models.profile.clear_caches` forgets all of it, and
+:func:`sp_plan.cost_models.profile.use_fitted` predicts with other values inside a block.
 """
 
 from __future__ import annotations
@@ -19,15 +24,27 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
-from importlib import resources
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from . import data
 from .errors import explain_validation_error
-from .kernels import FitRecord
 from .yaml_io import safe_load
 
 FITTED_FILE = "fitted.yaml"
+
+
+class FitRecord(BaseModel):
+    """Where fitted parameters came from: the sources fitted on and the residuals left (a kernel model
+    carries one when fitted values replaced its priors)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: str = Field(default="", max_length=500)
+    sources: tuple[str, ...] = ()
+    parameters: tuple[str, ...] = ()
+    rms_log_residual: float | None = None
+    residuals: dict[str, float] = Field(default_factory=dict)
 
 
 class KernelFitRecord(BaseModel):
@@ -53,7 +70,7 @@ class FittedParameters(BaseModel):
     #: GPU family (kernel file name, e.g. h100) or "all" -> dotted kernel path -> value. Kernel-level fit only.
     kernels: dict[str, dict[str, float]] = Field(default_factory=dict)
     kernel_fit: KernelFitRecord = KernelFitRecord()
-    #: GPU variant (gpus.yaml name) -> kernel-model key (``clock_factor``) -> value. System-level fit.
+    #: GPU variant (a cost_models/data/gpus/ name) -> kernel-model key (``clock_factor``) -> value. System-level fit.
     variants: dict[str, dict[str, float]] = Field(default_factory=dict)
     #: Stack name -> StackTime field -> value. System-level fit.
     stacks: dict[str, dict[str, float]] = Field(default_factory=dict)
@@ -74,29 +91,29 @@ class FittedParameters(BaseModel):
 
 
 def fitted_path():
-    return resources.files("sp_plan.cost_models.data").joinpath("calibration", FITTED_FILE)
+    """The shipped fitted-values file (``benchmarks/accuracy.py --fit --write`` rewrites it)."""
+    return data.shipped_file("calibration", FITTED_FILE.removesuffix(".yaml"))
 
 
-#: Values in effect instead of the shipped file (``use``): a refit predicts with what it just fitted.
+#: Values in effect instead of the shipped file (``replaced``): a refit predicts with what it just fitted.
 _override: list[FittedParameters] = []
 
 
 def fitted_parameters() -> FittedParameters:
-    """The fitted values predictions use: the shipped file, unless :func:`use` replaced it."""
+    """The fitted values predictions use: the shipped file, unless :func:`replaced` replaced it."""
     return _override[-1] if _override else _shipped()
 
 
 @contextmanager
-def use(params: FittedParameters) -> Iterator[FittedParameters]:
-    """Predict with ``params`` instead of the shipped file inside the block (``benchmarks/accuracy.py
-    --fit`` pins the kernels, then fits the system level on top of the new kernel values)."""
+def replaced(params: FittedParameters) -> Iterator[FittedParameters]:
+    """:func:`fitted_parameters` answers ``params`` inside the block. Only the values: what was derived
+    from the old ones stays cached, so predict through :func:`sp_plan.cost_models.profile.use_fitted`,
+    which also clears those caches."""
     _override.append(params)
-    clear_cache()
     try:
         yield params
     finally:
         _override.pop()
-        clear_cache()
 
 
 @cache
@@ -104,22 +121,18 @@ def _shipped() -> FittedParameters:
     path = fitted_path()
     if not path.is_file():
         return FittedParameters()
-    data = safe_load(path.read_text()) or {}
+    values = safe_load(path.read_text(encoding="utf-8")) or {}
     try:
-        return FittedParameters(**data)
+        return FittedParameters(**values)
     except ValidationError as exc:
         raise explain_validation_error(exc, f"fitted parameters {FITTED_FILE}") from exc
 
 
-def clear_cache() -> None:
-    """Forget loaded fitted values (after rewriting the file)."""
-    from . import kernels, profile, stack
-
+def forget_shipped() -> None:
+    """Forget the shipped file's parsed values (re-read on next use; after rewriting the file).
+    :func:`sp_plan.cost_models.profile.clear_caches` also forgets what was derived from them."""
     _shipped.cache_clear()
-    kernels.kernel_model.cache_clear()
-    stack._shipped.cache_clear()
-    profile.default_profile.cache_clear()
 
 
-__all__ = ["FITTED_FILE", "FittedParameters", "KernelFitRecord", "clear_cache", "fitted_parameters", "fitted_path",
-           "use"]
+__all__ = ["FITTED_FILE", "FitRecord", "FittedParameters", "KernelFitRecord", "fitted_parameters", "fitted_path",
+           "forget_shipped", "replaced"]

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from functools import cache
-from importlib import resources
-
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from . import data
 from .errors import CostModelError, explain_validation_error
-from .yaml_io import safe_load
 
 DType = str  # "bf16" | "fp16" | "fp32" | "tf32" | "fp8"
 
@@ -46,36 +43,29 @@ class GPUSpec(BaseModel):
             ) from None
 
 
-@cache
-def _gpu_file() -> dict:
-    return safe_load(resources.files("sp_plan.cost_models.data").joinpath("gpus.yaml").read_text())
-
-
-def _gpu_table() -> dict[str, dict]:
-    return _gpu_file()["gpus"]
-
-
 def gpu_aliases() -> dict[str, str]:
-    """Other names of shipped variants (``h100-sxm`` -> ``h100-80gb``)."""
-    return dict(_gpu_file().get("aliases") or {})
+    """Other names of shipped variants (``h100-sxm`` -> ``h100-80gb``), as their files declare them."""
+    return dict(data.aliases("gpus"))
 
 
 def gpu_preset_names() -> list[str]:
-    return sorted(_gpu_table())
+    """Shipped GPU variants (``cost_models/data/gpus/<name>.yaml``), sorted."""
+    return list(data.names("gpus"))
 
 
 def canonical_gpu_name(name: str) -> str:
     """The preset name a GPU name or alias resolves to (unknown names are returned normalised)."""
     key = name.strip().lower()
-    return gpu_aliases().get(key, key)
+    return data.canonical("gpus", key) or key
 
 
 def get_gpu_preset(name: str) -> GPUSpec:
-    table = _gpu_table()
-    key = canonical_gpu_name(name)
-    if key not in table:
-        raise CostModelError(f"unknown GPU {name!r}: choose one of {', '.join(gpu_preset_names())}")
+    """A shipped variant by name or alias (case-insensitive); an unknown name gets the closest ones."""
+    key = data.canonical("gpus", name)
+    if key is None:
+        raise data.unknown_name("gpus", name)
+    fields = {k: v for k, v in data.load("gpus", key).items() if k != "aliases"}
     try:
-        return GPUSpec(name=key, **table[key])
+        return GPUSpec(name=key, **fields)
     except ValidationError as exc:
         raise explain_validation_error(exc, f"GPU preset {key}") from exc

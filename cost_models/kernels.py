@@ -26,11 +26,11 @@ Attention (FlashAttention-style, one CTA per (batch, head, query tile)):
 Parameters live in ``cost_models/data/kernels/<gpu>.yaml``, one file per GPU family, as documented
 priors. The values predictions use are pinned by KERNEL-LEVEL measurements only
 (``cost_models/data/calibration/kernels.yaml``: attention kernels by sequence length, head_dim,
-causality and pass, GEMMs by shape) through ``planner/calibration/kernel_fit.py``; the result is the
+causality and pass, GEMMs by shape) through ``planner/fitting/kernel_fit.py``; the result is the
 ``kernels:`` section of ``cost_models/data/calibration/fitted.yaml``. End-to-end training runs never
 move a kernel efficiency: a power cap, a compiler or a framework's overheads are not the kernel's speed.
 
-GPU variants: the same chip at another power cap is another GPU (``cost_models/data/gpus.yaml``) with a
+GPU variants: the same chip at another power cap is another GPU (``cost_models/data/gpus/``) with a
 ``clock_factor`` (sustained clock relative to the family's reference board); compute-bound kernels run
 at ``peak x fraction x clock_factor`` (:attr:`KernelModel.clock_factor` overrides the GPU's value where a
 fit or a calibration file sets it).
@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import math
 from functools import cache, lru_cache
-from importlib import resources
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from . import data
 from .errors import CostModelError
+from .fitted import FitRecord, fitted_parameters
 from .yaml_io import safe_load, validated
 
 
@@ -79,16 +80,6 @@ class AttentionParams(_Frozen):
     launch_s: float = Field(ge=0, le=1e-2, description="fixed seconds per kernel call")
 
 
-class FitRecord(_Frozen):
-    """Where fitted parameters came from: the sources fitted on and the residuals left."""
-
-    method: str = Field(default="", max_length=500)
-    sources: tuple[str, ...] = ()
-    parameters: tuple[str, ...] = ()
-    rms_log_residual: float | None = None
-    residuals: dict[str, float] = Field(default_factory=dict)
-
-
 class KernelModel(_Frozen):
     """Per-GPU kernel performance: shape-aware GEMM and attention efficiency, streaming bandwidth,
     ring-step and overlap costs."""
@@ -105,7 +96,7 @@ class KernelModel(_Frozen):
     clock_factor: float | None = Field(
         default=None, gt=0, le=1.5,
         description=("sustained-clock factor of this GPU variant on compute-bound kernels, when a fit or a "
-                     "calibration sets it (None: the GPU spec's clock_factor, cost_models/data/gpus.yaml)"))
+                     "calibration sets it (None: the GPU spec's clock_factor, cost_models/data/gpus/)"))
     fit: FitRecord | None = None
 
     def attention_params(self, family: str) -> AttentionParams:
@@ -139,21 +130,15 @@ class KernelModel(_Frozen):
 # ----- loading ------------------------------------------------------------------------------------------
 
 
-def _kernel_dir():
-    return resources.files("sp_plan.cost_models.data").joinpath("kernels")
-
-
 @cache
 def _files() -> dict[str, str]:
     """GPU name -> kernel file name, including the aliases a file declares (``also_for``)."""
     table: dict[str, str] = {}
-    for entry in _kernel_dir().iterdir():
-        if not entry.name.endswith(".yaml"):
-            continue
-        data = safe_load(entry.read_text())
-        table[data["gpu"]] = entry.name
-        for alias in data.get("also_for", ()):
-            table.setdefault(alias, entry.name)
+    for name in data.names("kernels"):
+        entry = safe_load(data.read_text("kernels", name))
+        table[entry["gpu"]] = f"{name}.yaml"
+        for alias in entry.get("also_for", ()):
+            table.setdefault(alias, f"{name}.yaml")
     return table
 
 
@@ -176,9 +161,9 @@ def prior_kernel_model(gpu: str) -> KernelModel:
     to their family's file; a GPU with no file, such as an inline GPU of a probed topology, gets the
     generic priors under its own name."""
     name = _file_for(gpu)
-    data = safe_load(_kernel_dir().joinpath(name).read_text())
-    data.pop("also_for", None)
-    return validated(KernelModel, {**data, "gpu": gpu}, f"kernel file {name}")
+    values = safe_load(data.read_text("kernels", name.removesuffix(".yaml")))
+    values.pop("also_for", None)
+    return validated(KernelModel, {**values, "gpu": gpu}, f"kernel file {name}")
 
 
 @cache
@@ -187,8 +172,6 @@ def kernel_model(gpu: str) -> KernelModel:
     measurements (``cost_models/data/calibration/fitted.yaml`` ``kernels:``, per GPU family and for all
     GPUs) and, where the system-level fit set one, the variant's clock factor (``variants:``), with the
     kernel fit's record attached."""
-    from .fitted import fitted_parameters
-
     prior = prior_kernel_model(gpu)
     fitted = fitted_parameters()
     family = kernel_family(gpu)

@@ -6,28 +6,21 @@ only as good as this count, and the tests check it against each model's publishe
 
 from __future__ import annotations
 
-import difflib
-
 import json
 import math
-from functools import cache
-from importlib import resources
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from . import data
 from .errors import CostModelError, explain_validation_error
-from .yaml_io import safe_load
 
 Activation = Literal["swiglu", "gelu"]
 Norm = Literal["rmsnorm", "layernorm"]
 #: ``alibi``: linear attention biases computed inside the attention kernel (MPT, BLOOM): no parameters and
 #: no rotary tables.
 PositionEmbedding = Literal["rope", "learned", "alibi"]
-
-#: Largest config.json we read: real ones are a few KB; anything larger is not a model config.
-_MAX_CONFIG_BYTES = 1 << 20
 
 
 class ModelSpec(BaseModel):
@@ -151,49 +144,30 @@ class ModelSpec(BaseModel):
 # ----- presets ---------------------------------------------------------------------------------
 
 
-@cache
-def _preset_table() -> dict[str, dict]:
-    text = resources.files("sp_plan.cost_models.data").joinpath("models.yaml").read_text()
-    return safe_load(text)["models"]
-
-
-@cache
-def _preset_aliases() -> dict[str, str]:
-    text = resources.files("sp_plan.cost_models.data").joinpath("models.yaml").read_text()
-    return safe_load(text).get("aliases") or {}
-
-
 def model_preset_names() -> list[str]:
-    return sorted(_preset_table())
+    """Shipped model presets (``cost_models/data/models/<name>.yaml``), sorted."""
+    return list(data.names("models"))
 
 
 def get_model_preset(name: str) -> ModelSpec:
     """A shipped preset by name or alias (case-insensitive); an unknown name gets the closest ones."""
-    table = _preset_table()
-    aliases = _preset_aliases()
-    key = name.strip().lower()
-    key = aliases.get(key, key)
-    if key not in table:
-        close = difflib.get_close_matches(key, [*table, *aliases], n=3, cutoff=0.6)
-        hint = f"did you mean {' or '.join(close)}? " if close else ""
-        raise CostModelError(
-            f"unknown model {name!r}: {hint}use a preset ({', '.join(model_preset_names())}) or a path to a "
-            "config.json"
-        )
+    key = data.canonical("models", name)
+    if key is None:
+        raise data.unknown_name("models", name)
+    fields = {k: v for k, v in data.load("models", key).items() if k != "aliases"}
     try:
-        return ModelSpec(name=key, **table[key])
+        return ModelSpec(name=key, **fields)
     except ValidationError as exc:  # a broken preset is our bug, but say which one
         raise explain_validation_error(exc, f"model preset {key}") from exc
 
 
 def load_model(name_or_path: str | Path) -> ModelSpec:
-    """A preset name, or a path to a HF ``config.json`` (or a folder containing one)."""
-    text = str(name_or_path)
-    path = Path(text).expanduser()
-    looks_like_path = path.suffix == ".json" or "/" in text or path.is_dir()
-    if looks_like_path:
-        return load_hf_config(path)
-    return get_model_preset(text)
+    """A preset name, or a path to a HF ``config.json`` (or a folder containing one): which one is
+    :func:`sp_plan.cost_models.data.resolve`'s rule."""
+    found = data.resolve("models", name_or_path)
+    if found.path is not None:
+        return load_hf_config(found.path)
+    return get_model_preset(found.name)
 
 
 # ----- Hugging Face config.json ------------------------------------------------------------------
@@ -232,16 +206,7 @@ def load_hf_config(path: Path) -> ModelSpec:
     """Read a local Hugging Face ``config.json`` (Llama/Mistral/Qwen2/Qwen3) without network access."""
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
-        raise CostModelError(f"model config {str(path)!r} not found: give a preset name or a path to config.json")
-    if path.stat().st_size > _MAX_CONFIG_BYTES:
-        raise CostModelError(f"{path} is larger than 1 MiB, which no model config.json is")
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError as exc:
-        raise CostModelError(f"{path} is not a UTF-8 text file, so not a config.json: {exc.reason}") from exc
-    except OSError as exc:
-        raise CostModelError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    text = data.read_user_text("models", path)
     if not _json_depth_ok(text):
         raise CostModelError(f"{path} nests deeper than {_MAX_CONFIG_DEPTH} levels, which no model config.json does")
     try:

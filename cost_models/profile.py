@@ -13,6 +13,8 @@ Three layers, later ones win:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -20,7 +22,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from . import stack as _stack
 from .errors import CostModelError
+from .fitted import FittedParameters, forget_shipped, replaced
 from .kernels import KernelModel, kernel_model
 from .memory.assumptions import MemoryAssumptions
 from .stack import StackProfile, load_stack
@@ -171,12 +175,41 @@ def resolve_profile(gpu: str, stack: str | Path | StackProfile | None = None,
     return CostProfile(base, kernels, overridden)
 
 
+# ----- caches of fitted values -------------------------------------------------------------------------
+
+
+def clear_caches() -> None:
+    """Forget the fitted values and everything cached from them (kernel models, shipped stacks with
+    their fitted overheads, default profiles): after rewriting ``fitted.yaml``, or when other values
+    take effect. This module sits above the kernel and stack modules, so it is the one that reaches
+    every cache."""
+    forget_shipped()
+    kernel_model.cache_clear()
+    _stack._shipped.cache_clear()
+    default_profile.cache_clear()
+
+
+@contextmanager
+def use_fitted(params: FittedParameters) -> Iterator[FittedParameters]:
+    """Predict with ``params`` instead of the shipped fitted values inside the block
+    (``benchmarks/accuracy.py --fit`` pins the kernels, then fits the system level on top of the new
+    kernel values); the caches are cleared on entry and on exit."""
+    try:
+        with replaced(params):
+            clear_caches()
+            yield params
+    finally:
+        clear_caches()
+
+
 __all__ = [
     "CALIBRATION_KIND",
     "CalibrationError",
     "CalibrationFile",
     "CostProfile",
+    "clear_caches",
     "default_profile",
     "load_calibration",
     "resolve_profile",
+    "use_fitted",
 ]

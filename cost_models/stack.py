@@ -20,20 +20,21 @@ Every value in a shipped profile carries a comment saying where it comes from.
 from __future__ import annotations
 
 from functools import cache
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import CostModelError, explain_validation_error
+from . import data
+from .errors import explain_validation_error
+from .fitted import fitted_parameters
 from .memory.assumptions import MemoryAssumptions
-from .yaml_io import parse_mapping, read_small_text, validated
+from .yaml_io import parse_mapping, validated
 
 #: The stack every command uses unless told otherwise: this project's runtime.
 DEFAULT_STACK = "sp-plan"
-#: A stack file larger than this is not a stack file.
-MAX_STACK_FILE_BYTES = 1 << 20
+#: A stack file larger than this is not a stack file (the bound every user data file has).
+MAX_STACK_FILE_BYTES = data.MAX_USER_FILE_BYTES
 
 
 class StackTime(BaseModel):
@@ -59,7 +60,7 @@ class StackTime(BaseModel):
         default_factory=dict,
         max_length=32,
         description=(
-            "Where the stack runs another attention kernel on some GPUs: GPU variant (gpus.yaml name) or "
+            "Where the stack runs another attention kernel on some GPUs: GPU variant (a GPU preset name) or "
             "kernel family (kernel file name: h100, b200, ...) -> kernel family ('fa2', 'fa3', 'cudnn'); a "
             "variant's entry wins over its family's, and GPUs not listed run ``attention_kernel``. E.g. "
             "torch SDPA's fixed priority puts its FlashAttention-2-based flash backend first on Hopper, while "
@@ -196,14 +197,9 @@ class StackProfile(BaseModel):
         return self.model_copy(update={"memory": mem, "time": tim, "name": name or self.name})
 
 
-def _stack_dir():
-    return resources.files("sp_plan.cost_models.data").joinpath("stacks")
-
-
-@cache
 def stack_names() -> tuple[str, ...]:
-    """Shipped stack profiles, by name."""
-    return tuple(sorted(p.name.removesuffix(".yaml") for p in _stack_dir().iterdir() if p.name.endswith(".yaml")))
+    """Shipped stack profiles (``cost_models/data/stacks/<name>.yaml``), by name."""
+    return data.names("stacks")
 
 
 def parse_stack(text: str, origin: str) -> StackProfile:
@@ -215,34 +211,27 @@ def parse_stack(text: str, origin: str) -> StackProfile:
 @cache
 def prior_stack(name: str) -> StackProfile:
     """A shipped stack file as written (documented priors, no fitted values)."""
-    return parse_stack(_stack_dir().joinpath(f"{name}.yaml").read_text(), f"{name}.yaml")
+    return parse_stack(data.read_text("stacks", name), f"{name}.yaml")
 
 
 @cache
 def _shipped(name: str) -> StackProfile:
     """A shipped stack with the time values fitted to published runs (cost_models/data/calibration/
     fitted.yaml) applied."""
-    from .fitted import fitted_parameters
-
     prior = prior_stack(name)
     values = fitted_parameters().stacks.get(name)
     return prior.with_overrides(time=values) if values else prior
 
 
 def load_stack(ref: str | Path | None = None) -> StackProfile:
-    """A shipped profile by name (``sp-plan``, ``hf-deepspeed``, ``torchtitan``) or a YAML file path;
-    None gives the default stack."""
+    """A shipped profile by name (``sp-plan``, ``hf-deepspeed``, ``torchtitan``) or a YAML file path (which
+    one is :func:`sp_plan.cost_models.data.resolve`'s rule); None gives the default stack."""
     if ref is None:
         return _shipped(DEFAULT_STACK)
-    key = str(ref).strip()
-    if key.lower() in stack_names():
-        return _shipped(key.lower())
-    path = Path(key)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        text = read_small_text(path, MAX_STACK_FILE_BYTES, "stack file",
-                               f"does not exist; shipped stacks: {', '.join(stack_names())}")
-        return parse_stack(text, str(path))
-    raise CostModelError(f"unknown stack {key!r}: choose one of {', '.join(stack_names())} or give a YAML file")
+    found = data.resolve("stacks", ref)
+    if found.name is not None:
+        return _shipped(found.name)
+    return parse_stack(data.read_user_text("stacks", found.path), str(found.path))
 
 
 __all__ = ["DEFAULT_STACK", "StackProfile", "StackTime", "attention_kernel_for", "load_stack", "parse_stack", "prior_stack", "stack_names"]

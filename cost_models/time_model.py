@@ -8,25 +8,28 @@ properties (the ``profile``); the asymptotic fractions come from a calibration f
 ``calibration.compute`` or the kernel model, in that order, so a probed, hand-tuned or calibrated file
 changes predictions without code changes.
 
-Communication: every op of :func:`sp_plan.cost_models.comm_volume.comm_ops` is costed with
-:func:`sp_plan.cost_models.collectives.collective_cost` on the span of its process group
-(:mod:`sp_plan.cost_models.placement`). Overlap rules:
+Communication: every op of :func:`sp_plan.cost_models.comm_volume.comm_ops` (each registered strategy's,
+:mod:`sp_plan.cost_models.strategies`) is costed with :func:`sp_plan.cost_models.collectives.collective_cost`
+on the span of its process group (:mod:`sp_plan.cost_models.placement`). The overlap rules, applied here
+once to every strategy's ops by their ``overlap`` class:
 
-- Ulysses all-to-alls, TP collectives, embedding/LM-head collectives and the loss reduction are
-  exposed: the next kernel needs their result.
-- Ring attention: hop i+1's K/V transfer runs while block i is computed, so each of the R-1 hops costs
-  max(0, transfer - one ring step's kernel and merge). Backward hops carry K/V and the fp32 dK/dV; the
-  last dK/dV hop home has nothing to hide behind.
-- FSDP all-gathers (and, in backward, reduce-scatters) are prefetched: layer i+1's traffic hides behind
-  layer i's compute; what exceeds it is exposed, plus one pipeline fill per pass (min(comm, compute)).
-- Gradient reductions (DDP buckets, ZeRO-1/2 reduce-scatters, HSDP all-reduces) hide behind backward
-  compute the same way; once-per-step reductions only behind the last micro-batch's backward.
-- Once-per-step parameter all-gathers (ZeRO-1/2) and the optimizer step are exposed.
-- Offload (inputs in :class:`OffloadTraffic`, normally the memory model's figures): parameter shards
-  come in over PCIe ahead of use and checkpointed activations go out and come back asynchronously, so
-  each pass's PCIe time hides behind that pass's compute; the CPU optimizer step (the slower of
-  host-memory bandwidth and the stack's per-core optimizer throughput) and the copy of updated
-  parameters back to the GPU are exposed, gradient copies to the host hide behind the last backward.
+- ``exposed`` (Ulysses all-to-alls, TP collectives, embedding/LM-head collectives, the loss reduction,
+  and every op outside the layers): on the critical path, the next kernel needs their result.
+- ``prefetch`` (FSDP all-gathers and, in backward, reduce-scatters) and ``grad`` (DDP buckets, ZeRO-1/2
+  reduce-scatters, HSDP all-reduces): all strategies' traffic of one layer hides behind that layer's
+  compute, layer i+1's behind layer i's; what exceeds it is exposed, plus one pipeline fill per pass
+  (min(comm, compute)). Once-per-step reductions hide only behind the last micro-batch's backward. The
+  exposed time is attributed to strategies in proportion to their traffic.
+- Any other class is priced by the strategy that claims it (``Strategy.overlap_classes``): ring
+  attention's hops each hide behind one ring step's compute (:mod:`sp_plan.cost_models.strategies.ring`).
+
+Strategies add the terms no op covers (``Strategy.exposed``): the ring hops' exposed time, PCIe traffic
+of offloading (:mod:`~sp_plan.cost_models.strategies.offload`: each pass's transfers hide behind that
+pass's compute; updated weights coming back are exposed, gradient copies to the host hide behind the
+last backward) and the optimizer step (:mod:`~sp_plan.cost_models.strategies.optimizer`: exposed, on
+the GPU, or on the CPU at the slower of host-memory bandwidth and the stack's per-core throughput).
+This module sums them: layer terms into each layer's time, micro-batch terms into each micro-batch's,
+step terms once.
 
 Overlapped collectives slow the compute they hide behind (NCCL kernels take SMs and HBM bandwidth): the
 kernel model's ``nccl_compute_slowdown`` x the overlapped time, reported as ``interference_s``. They are
@@ -37,102 +40,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .collectives import collective_cost
+from .comm_volume import LAYER_STRATEGIES, CommEstimate, comm_estimate, comm_ops
 from .compute_time import compute_time, efficiency_sources
-from .comm_volume import (
-    LAYER_STRATEGIES,
-    STEP_STRATEGIES,
-    CommEstimate,
-    comm_estimate,
-    comm_ops,
-    tp_local_layer_params,
-    tp_local_other_params,
-)
 from .errors import CostModelError
 from .flops import microbatch_work
 from .layout import Layout
 from .memo import Memo
-from .memory.states import host_optimizer_bytes_per_param
 from .model_spec import ModelSpec
 from .placement import Placement, group_spans, place
 from .profile import CostProfile, default_profile
+from .strategies import implementing, on_change, registered, report_buckets
+from .strategies.offload import OffloadTraffic, saved_activation_bytes
+from .strategies.optimizer import OPTIMIZER_STATE_BYTES, optimizer_step_traffic
+from .strategies.terms import ComputeTime, PricedOp, TimeContext
 from .topology.topology import Topology
 from .train_spec import TrainSpec
-
-#: Optimizer state bytes per parameter (brief convention): fp32 master + m + v, or bf16 m + v.
-OPTIMIZER_STATE_BYTES: dict[str, int] = {"adamw": 12, "adamw_bf16": 4}
-
-
-def optimizer_step_traffic(optimizer: str, dtype_bytes: int) -> int:
-    """Bytes an AdamW step reads and writes per parameter (it is memory-bound).
-
-    ``adamw``: read and write master, m, v (2 x 12), read the gradient, write the low-precision
-    weight. ``adamw_bf16``: read and write weight, m and v, read the gradient.
-    """
-    state = OPTIMIZER_STATE_BYTES[optimizer]
-    if optimizer == "adamw":
-        return 2 * state + 2 * dtype_bytes
-    return 2 * state + 3 * dtype_bytes
-
-
-class OffloadTraffic(BaseModel):
-    """What lives in host memory, per GPU, in bytes (feed the memory model's figures).
-
-    ``optimizer_bytes``: optimizer states on the host; the optimizer step then runs on the CPU and
-    gradients go down / updated weights come back over PCIe once per step. ``param_bytes``: the
-    parameter shard kept on the host (ZeRO-3 offload), copied to the GPU for forward and again for
-    backward each micro-batch, gradients copied back. ``checkpoint_bytes``: checkpointed activations
-    moved to the host during forward and fetched back during backward, per micro-batch.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    optimizer_bytes: float = Field(default=0.0, ge=0)
-    param_bytes: float = Field(default=0.0, ge=0)
-    checkpoint_bytes: float = Field(default=0.0, ge=0)
-
-    @classmethod
-    def estimate(cls, model: ModelSpec, train: TrainSpec, layout: Layout) -> "OffloadTraffic":
-        """A first-order estimate from the train flags, for when the memory model's numbers are not
-        at hand: TP-local parameters sharded over the ZeRO group, and per layer the checkpointed block
-        input (plus, for selective, the attention output and its fp32 LSE)."""
-        if not train.is_training:
-            return cls()
-        d = train.dtype_bytes
-        params = tp_local_layer_params(model, layout.tp) * model.num_layers + tp_local_other_params(model, layout.tp)
-        shard = layout.shard_group if train.zero_stage >= 1 else 1
-        on_host = train.offload_optimizer or train.offload_params  # FSDP2's parameter offload moves the step too
-        optimizer = params / shard * host_optimizer_bytes_per_param(train) if on_host else 0.0
-        param = params / layout.shard_group * d if train.offload_params else 0.0
-        checkpoint = 0.0
-        if train.offload_checkpoints and train.checkpointing != "none":
-            tokens = train.micro_batch * train.seq_len / layout.sp
-            per_layer = tokens * model.hidden_size * d
-            if layout.tp > 1 and train.tp_sequence_parallel:
-                per_layer /= layout.tp
-            if train.checkpointing == "selective":
-                per_layer += tokens * model.num_heads / layout.tp * (model.head_dim * d + 4)
-            checkpoint = per_layer * model.num_layers
-        return cls(optimizer_bytes=optimizer, param_bytes=param, checkpoint_bytes=checkpoint)
-
-
-def saved_activation_bytes(model: ModelSpec, train: TrainSpec, layout: Layout) -> float:
-    """Bytes per GPU and micro-batch that autograd saves for backward in all layers without checkpointing,
-    with a flash attention kernel: per token and layer the two norm inputs and outputs (4h), q/k/v and the
-    attention output (2q + 2kv, the LSE aside) and the MLP's gate, activation, up and product (4f for
-    SwiGLU, 2f for GELU), TP-local widths; Korthikanti et al. 2022 count 34h bytes for a GPT layer on the
-    same basis. What a save_on_cpu-style offload moves to the host and back (the memory model owns the
-    device-side accounting)."""
-    tp = layout.tp
-    tokens = train.micro_batch * train.seq_len / (layout.ulysses * layout.ring)
-    q = model.q_size / tp
-    kv = model.num_kv_heads * model.kv_replication(tp) / tp * model.head_dim
-    f = model.ffn_hidden_size / tp * (4 if model.activation == "swiglu" else 2)
-    h = model.hidden_size / (tp if (tp > 1 and train.tp_sequence_parallel) else 1)
-    return model.num_layers * tokens * (4 * h + 2 * q + 2 * kv + f) * train.dtype_bytes
 
 
 class TimeEstimate(BaseModel):
@@ -245,7 +172,6 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
     # ----- compute (shape-aware, kernel by kernel: sp_plan.cost_models.compute_time) ------------------------
     w = microbatch_work(model, train, layout)
     ct = compute_time(model, train, layout, topology, profile)
-    hbm = topology.gpu.memory_bandwidth * ct.fractions["memory"]
     slow = profile.kernels.nccl_compute_slowdown
     c_fwd, c_bwd, c_re = ct.layer_forward, ct.layer_backward, ct.layer_recompute
     attn_f, attn_b = ct.attention_forward, ct.attention_backward
@@ -253,97 +179,45 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
     compute_mb = layers * (c_fwd + c_bwd) + head_f + head_b
     compute_s = accum * compute_mb
 
-    # ----- communication ----------------------------------------------------------------------------
+    # ----- communication: the generic overlap classes, then each strategy's own terms ---------------------
     cp = _comm_profile(model, train, layout, topology)
     lf_exposed, lb_exposed = cp.layer_fwd_exposed, cp.layer_bwd_exposed
-    prefetch_f, prefetch_b, grad_mb, grad_step = cp.prefetch_f, cp.prefetch_b, cp.grad_mb, cp.grad_step
-    ring_f, ring_b_kv, ring_b_dkv, ring_re = cp.ring_f, cp.ring_b_kv, cp.ring_b_dkv, cp.ring_re
     model_mb, model_step = cp.model_mb, cp.model_step
+    st = _strategy_terms(_context(model, train, layout, topology, profile, ct, offload, cp))
 
-    # Ring attention: each hop hides behind one ring step's compute. Overlapped traffic also slows the
-    # compute it hides behind (NCCL kernels take SMs and HBM bandwidth): ``slow`` x the overlapped time,
-    # accounted as interference, not as exposed communication.
-    r = layout.ring
-    ring_exposed_f = ring_exposed_b = ring_slow_f = ring_slow_b = 0.0
-    if r > 1:
-        step_f, step_b = ct.ring_step_forward, ct.ring_step_backward
-        ring_exposed_f = (r - 1) * max(0.0, ring_f - step_f)
-        ring_slow_f = (r - 1) * slow * min(ring_f, step_f)
-        if training:
-            hop_b = ring_b_kv + ring_b_dkv
-            ring_exposed_b = (r - 1) * max(0.0, hop_b - step_b) + ring_b_dkv
-            ring_slow_b = (r - 1) * slow * min(hop_b, step_b)
-            if ring_re:
-                ring_exposed_b += (r - 1) * max(0.0, ring_re - step_f)
-                ring_slow_b += (r - 1) * slow * min(ring_re, step_f)
+    ov = _layer_overlap(cp, c_fwd, c_bwd, layers, slow, training)
+    fwd_overlap, bwd_overlap_mb, bwd_overlap_last = ov.fwd, ov.bwd_mb, ov.bwd_last
+    overlap_slow_mb, slow_last = ov.slow_mb, ov.slow_last
 
-    # Prefetched and gradient traffic: hidden behind layer compute, plus one pipeline fill per pass.
-    def hidden(comm: float, compute: float) -> float:
-        return layers * max(0.0, comm - compute) + min(comm, compute) if comm > 0 else 0.0
-
-    def interference(comm: float, compute: float) -> float:
-        return layers * slow * min(comm, compute)
-
-    fwd_overlap = hidden(prefetch_f, c_fwd)
-    bwd_overlap_mb = hidden(prefetch_b + grad_mb, c_bwd) if training else 0.0
-    bwd_overlap_last = hidden(prefetch_b + grad_mb + grad_step, c_bwd) if training else 0.0
-    overlap_slow_mb = interference(prefetch_f, c_fwd)  # prefetch/gradient traffic's, per micro-batch
-    slow_last = 0.0  # the last micro-batch's extra (once-per-step gradient reductions)
-    if training:
-        overlap_slow_mb += interference(prefetch_b + grad_mb, c_bwd)
-        slow_last = interference(prefetch_b + grad_mb + grad_step, c_bwd) - interference(prefetch_b + grad_mb, c_bwd)
-
-    layer_f = c_fwd + lf_exposed + ring_exposed_f + ring_slow_f
-    layer_b = c_bwd + lb_exposed + ring_exposed_b + ring_slow_b if training else 0.0
+    layer_f = c_fwd + lf_exposed + st.exposed_f + st.slow_f
+    layer_b = c_bwd + lb_exposed + st.exposed_b + st.slow_b if training else 0.0
     microbatch_s = (layers * (layer_f + layer_b) + fwd_overlap + bwd_overlap_mb + head_f + head_b + model_mb
-                    + overlap_slow_mb)
-    interference_s = accum * (layers * (ring_slow_f + ring_slow_b) + overlap_slow_mb) + slow_last
+                    + overlap_slow_mb + st.exposed_mb + st.slow_mb)
+    interference_s = (accum * (layers * (st.slow_f + st.slow_b) + overlap_slow_mb + st.slow_mb) + slow_last
+                      + st.slow_step)
     step_comm_exposed = (
-        accum * (layers * (lf_exposed + lb_exposed + ring_exposed_f + ring_exposed_b) + model_mb + fwd_overlap)
-        + (accum - 1) * bwd_overlap_mb + bwd_overlap_last + model_step
+        accum * (layers * (lf_exposed + lb_exposed + st.exposed_f + st.exposed_b) + model_mb + fwd_overlap
+                 + st.exposed_mb)
+        + (accum - 1) * bwd_overlap_mb + bwd_overlap_last + model_step + st.exposed_step
     )
-
-    # ----- optimizer and offload ---------------------------------------------------------------------
-    optimizer_s = offload_s = 0.0
-    pcie = topology.pcie_bandwidth
-    d = train.dtype_bytes
-    if training:
-        params = tp_local_layer_params(model, layout.tp) * layers + tp_local_other_params(model, layout.tp)
-        local = params / (layout.shard_group if train.zero_stage >= 1 else 1)
-        traffic = optimizer_step_traffic(train.optimizer, d)
-        cpu_params = offload.optimizer_bytes / host_optimizer_bytes_per_param(train)
-        gpu_params = max(0.0, local - cpu_params)
-        optimizer_s = gpu_params * traffic / hbm
-        if cpu_params > 0:
-            cores = topology.spec.node.host.cpu_cores / topology.gpus_per_node
-            optimizer_s += max(cpu_params * traffic / topology.host_memory_bandwidth_per_gpu,
-                               cpu_params / (profile.stack.time.cpu_optimizer_params_per_s_per_core * cores))
-            grads_down = cpu_params * d / pcie
-            offload_s += cpu_params * d / pcie  # updated weights back to the GPU
-            offload_s += max(0.0, grads_down - layers * c_bwd)  # gradient copies hide behind backward
-    checkpoint_bytes = offload.checkpoint_bytes
-    if (training and train.offload_checkpoints and train.checkpointing != "none"
-            and not profile.stack.time.checkpoint_offload_recomputes):
-        # save_on_cpu-style offload: every saved activation crosses PCIe (and nothing is recomputed).
-        checkpoint_bytes = max(checkpoint_bytes, saved_activation_bytes(model, train, layout))
-    if offload.param_bytes or checkpoint_bytes:
-        fwd_pcie = (offload.param_bytes + checkpoint_bytes) / pcie
-        bwd_pcie = ((2 * offload.param_bytes if training else 0.0) + checkpoint_bytes) / pcie
-        per_mb = max(0.0, fwd_pcie - layers * c_fwd)
-        if training:
-            per_mb += max(0.0, bwd_pcie - layers * c_bwd)
-        offload_s += accum * per_mb
+    optimizer_s, offload_s = st.optimizer, st.offload
 
     overhead_s = profile.stack.time.step_overhead_s
     step_s = (accum * microbatch_s + (bwd_overlap_last - bwd_overlap_mb) + slow_last
-              + model_step + optimizer_s + offload_s + overhead_s)
+              + model_step + optimizer_s + offload_s + overhead_s + st.exposed_step + st.slow_step)
     tokens_per_step = float(train.micro_batch * train.seq_len * accum * layout.dp)
 
     def build() -> TimeEstimate:
-        comm_by = {k: accum * cp.comm_mb[k] + cp.comm_step[k] for k in STEP_STRATEGIES}
+        buckets = report_buckets()
+        comm_by = {k: accum * cp.comm_mb[k] + cp.comm_step[k] for k in buckets}
         exposed = {k: layers * accum * cp.exposed_layer[k] + accum * cp.model_mb_by[k] + cp.model_step_by[k]
-                   for k in STEP_STRATEGIES}
-        exposed["ring"] += (ring_exposed_f + ring_exposed_b) * layers * accum
+                   for k in buckets}
+        for k, v in st.layer_by.items():
+            exposed[k] += v * layers * accum
+        for k, v in st.microbatch_by.items():
+            exposed[k] += v * accum
+        for k, v in st.step_by.items():
+            exposed[k] += v
         _split(exposed, fwd_overlap * accum, cp.prefetch_f_by)
         _split(exposed, bwd_overlap_mb * (accum - 1) + bwd_overlap_last, cp.overlapped_b_by)
         model_flops = w.model_flops * layout.world * accum
@@ -372,8 +246,8 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
                 "layer_recompute_s": c_re if training else 0.0,
                 "layer_attention_forward_s": attn_f,
                 "layer_attention_backward_s": attn_b if training else 0.0,
-                "layer_forward_exposed_comm_s": lf_exposed + ring_exposed_f,
-                "layer_backward_exposed_comm_s": lb_exposed + ring_exposed_b if training else 0.0,
+                "layer_forward_exposed_comm_s": lf_exposed + st.exposed_f,
+                "layer_backward_exposed_comm_s": lb_exposed + st.exposed_b if training else 0.0,
                 "head_compute_s": head_f + head_b,
                 "microbatch_s": microbatch_s,
             },
@@ -396,26 +270,148 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
 def attention_forward_seconds(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
                               profile: CostProfile | None = None) -> float:
     """One attention layer's forward on its own (an attention benchmark: no projections or MLP): the
-    Ulysses all-to-alls of Q, K, V and the output (exposed) plus the attention kernels, ring steps and
-    their K/V hops (each hidden behind a step's compute, NCCL slowing it). ``train.mode`` must be
+    attention kernels plus the forward traffic of the strategies that belong to the attention op
+    (``Strategy.attention_traffic``): Ulysses' all-to-alls of Q, K, V and the output (exposed) and the
+    ring's K/V hops (each hidden behind a step's compute, NCCL slowing it). ``train.mode`` must be
     ``prefill`` (forward only)."""
     if train.is_training:
         raise CostModelError("attention_forward_seconds times a forward pass: use mode='prefill'")
     profile = profile or default_profile(topology.gpu.name)
     ct = compute_time(model, train, layout, topology, profile)
     cp = _comm_profile(model, train, layout, topology)
-    slow = profile.kernels.nccl_compute_slowdown
-    r = layout.ring
-    ring = 0.0
-    if r > 1:
-        ring = (r - 1) * (max(0.0, cp.ring_f - ct.ring_step_forward) + slow * min(cp.ring_f, ct.ring_step_forward))
-    return cp.exposed_layer["ulysses"] + ct.attention_forward + ring
+    ctx = _context(model, train, layout, topology, profile, ct, OffloadTraffic(), cp)
+    seconds = ct.attention_forward
+    for strategy in registered():
+        if not strategy.attention_traffic:
+            continue
+        for bucket in strategy.layer_buckets:
+            seconds += cp.exposed_layer[bucket]
+        for term in strategy.exposed(ctx):
+            if term.at == "layer_forward" and term.kind in ("exposed_comm", "interference"):
+                seconds += term.seconds
+    return seconds
+
+
+class _LayerOverlap(NamedTuple):
+    """What the prefetch/gradient traffic costs: exposed seconds in one micro-batch's forward (``fwd``),
+    its backward (``bwd_mb``) and the last micro-batch's backward, once-per-step reductions included
+    (``bwd_last``); the interference it causes per micro-batch (``slow_mb``) and the last micro-batch's
+    extra (``slow_last``)."""
+
+    fwd: float
+    bwd_mb: float
+    bwd_last: float
+    slow_mb: float
+    slow_last: float
+
+
+def _layer_overlap(cp: _CommProfile, c_fwd: float, c_bwd: float, layers: int, slow: float,
+                   training: bool) -> _LayerOverlap:
+    """The overlap rule of the ``prefetch`` and ``grad`` classes, applied to every strategy's traffic at
+    once: one layer's traffic hides behind one layer's compute (layer i+1's behind layer i's), what
+    exceeds it is exposed, plus one pipeline fill per pass. Overlapped traffic also slows the compute it
+    hides behind (NCCL kernels take SMs and HBM bandwidth): ``slow`` x the overlapped time, accounted as
+    interference, not as exposed communication."""
+    prefetch_f, prefetch_b, grad_mb, grad_step = cp.prefetch_f, cp.prefetch_b, cp.grad_mb, cp.grad_step
+
+    def hidden(comm: float, compute: float) -> float:
+        return layers * max(0.0, comm - compute) + min(comm, compute) if comm > 0 else 0.0
+
+    def interference(comm: float, compute: float) -> float:
+        return layers * slow * min(comm, compute)
+
+    fwd = hidden(prefetch_f, c_fwd)
+    if not training:
+        return _LayerOverlap(fwd, 0.0, 0.0, interference(prefetch_f, c_fwd), 0.0)
+    slow_mb = interference(prefetch_f, c_fwd) + interference(prefetch_b + grad_mb, c_bwd)
+    slow_last = interference(prefetch_b + grad_mb + grad_step, c_bwd) - interference(prefetch_b + grad_mb, c_bwd)
+    return _LayerOverlap(fwd, hidden(prefetch_b + grad_mb, c_bwd), hidden(prefetch_b + grad_mb + grad_step, c_bwd),
+                         slow_mb, slow_last)
+
+
+def _context(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology, profile: CostProfile,
+             ct: ComputeTime, offload: OffloadTraffic, cp: _CommProfile) -> TimeContext:
+    return TimeContext(model=model, train=train, layout=layout, topology=topology, stack=profile.stack.time,
+                       kernels=profile.kernels, compute=ct, offload=offload, priced=cp.priced)
+
+
+class _StrategyTerms(NamedTuple):
+    """The registered strategies' :class:`Term` s summed by kind and by where they occur: exposed
+    communication and interference per layer (forward, backward), per micro-batch and per step; offload
+    and optimizer seconds per step; exposed communication by report bucket (layer terms per layer and
+    micro-batch, micro-batch terms per micro-batch, step terms per step)."""
+
+    exposed_f: float
+    exposed_b: float
+    slow_f: float
+    slow_b: float
+    exposed_mb: float
+    slow_mb: float
+    exposed_step: float
+    slow_step: float
+    offload: float
+    optimizer: float
+    layer_by: dict[str, float]
+    microbatch_by: dict[str, float]
+    step_by: dict[str, float]
+
+
+def _strategy_terms(ctx: TimeContext) -> _StrategyTerms:
+    """Sum every strategy's terms (local accumulators: this runs once per combination the planner times)."""
+    exposed_f = exposed_b = slow_f = slow_b = exposed_mb = slow_mb = exposed_step = slow_step = 0.0
+    offload = optimizer = 0.0
+    layer_by: dict[str, float] = {}
+    microbatch_by: dict[str, float] = {}
+    step_by: dict[str, float] = {}
+    buckets = report_buckets()
+    for strategy in implementing("exposed"):
+        for kind, t, at, bucket in strategy.exposed(ctx):
+            if kind == "exposed_comm":
+                if bucket not in buckets:
+                    raise CostModelError(f"strategy {strategy.name!r} reports exposed time under unknown bucket "
+                                         f"{bucket!r}; declare it in layer_buckets or model_buckets")
+                if at == "layer_forward":
+                    exposed_f += t
+                    layer_by[bucket] = layer_by.get(bucket, 0.0) + t
+                elif at == "layer_backward":
+                    exposed_b += t
+                    layer_by[bucket] = layer_by.get(bucket, 0.0) + t
+                elif at == "microbatch":
+                    exposed_mb += t
+                    microbatch_by[bucket] = microbatch_by.get(bucket, 0.0) + t
+                else:
+                    exposed_step += t
+                    step_by[bucket] = step_by.get(bucket, 0.0) + t
+            elif kind == "interference":
+                if at == "layer_forward":
+                    slow_f += t
+                elif at == "layer_backward":
+                    slow_b += t
+                elif at == "microbatch":
+                    slow_mb += t
+                else:
+                    slow_step += t
+            elif kind in ("offload", "optimizer"):
+                if at != "step":
+                    raise CostModelError(f"strategy {strategy.name!r}: an {kind} term is counted once per step, "
+                                         f"not per {at}")
+                if kind == "offload":
+                    offload += t
+                else:
+                    optimizer += t
+            else:
+                raise CostModelError(f"strategy {strategy.name!r} returned a term of unknown kind {kind!r}")
+    return _StrategyTerms(exposed_f, exposed_b, slow_f, slow_b, exposed_mb, slow_mb, exposed_step, slow_step,
+                          offload, optimizer, layer_by, microbatch_by, step_by)
 
 
 #: TrainSpec fields the collectives of a step depend on: comm_volume.comm_ops reads only these (a test
 #: checks that changing any other field leaves the op list unchanged).
 COMM_FIELDS = ("seq_len", "micro_batch", "dtype", "mode", "optimizer", "zero_stage", "checkpointing",
                "tp_sequence_parallel")
+
+#: Overlap classes priced here; any other belongs to the strategy that claims it.
+GENERIC_OVERLAP = ("exposed", "prefetch", "grad")
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,8 +421,8 @@ class _CommProfile:
     combination that moves the same bytes, so :func:`_time` only does the arithmetic that depends on
     compute time and gradient accumulation."""
 
-    comm_mb: dict[str, float]  # strategy -> all occurrences in one micro-batch
-    comm_step: dict[str, float]  # strategy -> once-per-step ops
+    comm_mb: dict[str, float]  # bucket -> all occurrences in one micro-batch
+    comm_step: dict[str, float]  # bucket -> once-per-step ops
     fabric_mb: float
     fabric_step: float
     exposed_layer: dict[str, float]  # non-overlapping per-layer ops, one layer and micro-batch
@@ -436,19 +432,17 @@ class _CommProfile:
     model_mb_by: dict[str, float]
     model_step: float  # whole-model ops once per step (exposed)
     model_step_by: dict[str, float]
-    ring_f: float  # one hop
-    ring_b_kv: float
-    ring_b_dkv: float
-    ring_re: float
     prefetch_f: float  # per layer
     prefetch_b: float
     grad_mb: float  # per layer, per micro-batch
     grad_step: float  # per layer, once per step
     prefetch_f_by: dict[str, float]
-    overlapped_b_by: dict[str, float]  # backward prefetch and gradient traffic, by strategy
+    overlapped_b_by: dict[str, float]  # backward prefetch and gradient traffic, by bucket
+    priced: dict[str, object]  # ops of strategy-priced overlap classes, by class, as the strategy condensed them
 
 
 _PROFILES: Memo[_CommProfile] = Memo()
+on_change(_PROFILES.clear)
 
 
 def _comm_profile(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology) -> _CommProfile:
@@ -462,18 +456,19 @@ def _price_comm(model: ModelSpec, train: TrainSpec, layout: Layout, topology: To
     """Every collective of a step priced on ``topology`` and classified (see :class:`_CommProfile`)."""
     spans = group_spans(layout, topology)
     layers = model.num_layers
+    owners = {c: s for s in registered() for c in s.overlap_classes}
     memo: dict[tuple[str, float, str], object] = {}
-    zero = dict.fromkeys(STEP_STRATEGIES, 0.0)
+    zero = dict.fromkeys(report_buckets(), 0.0)
     comm_mb, comm_step, exposed_layer = dict(zero), dict(zero), dict(zero)
     model_mb_by, model_step_by = dict(zero), dict(zero)
     fabric_mb = fabric_step = 0.0
     lf = lb = model_mb = model_step = 0.0
-    ring_f = ring_b_kv = ring_b_dkv = ring_re = 0.0
     prefetch_f = prefetch_b = grad_mb = grad_step = 0.0
     prefetch_f_by: dict[str, float] = {}
     prefetch_b_by: dict[str, float] = {}
     grad_mb_by: dict[str, float] = {}
     grad_step_by: dict[str, float] = {}
+    priced: dict[str, list[PricedOp]] = {}
     for op in comm_ops(model, train, layout):
         key = (op.collective, op.nbytes, op.group)
         cost = memo.get(key)
@@ -500,15 +495,6 @@ def _price_comm(model: ModelSpec, train: TrainSpec, layout: Layout, topology: To
             else:
                 lb += t * op.count
             exposed_layer[op.strategy] += t * op.count
-        elif op.overlap == "ring":
-            if op.phase == "forward":
-                ring_f = t
-            elif op.recompute:
-                ring_re = t
-            elif op.count == layout.ring - 1:
-                ring_b_kv = t
-            else:
-                ring_b_dkv = t
         elif op.overlap == "prefetch":
             if op.phase == "forward":
                 prefetch_f += t
@@ -516,20 +502,25 @@ def _price_comm(model: ModelSpec, train: TrainSpec, layout: Layout, topology: To
             else:
                 prefetch_b += t
                 prefetch_b_by[op.strategy] = prefetch_b_by.get(op.strategy, 0.0) + t
-        else:  # grad
+        elif op.overlap == "grad":
             table = grad_mb_by if op.per == "microbatch" else grad_step_by
             table[op.strategy] = table.get(op.strategy, 0.0) + t
             if op.per == "microbatch":
                 grad_mb += t
             else:
                 grad_step += t
+        elif op.overlap in owners:
+            priced.setdefault(op.overlap, []).append(PricedOp(op, t, cost.fabric_bytes))
+        else:
+            raise CostModelError(f"no registered strategy prices overlap class {op.overlap!r} ({op.strategy} "
+                                 f"{op.label or op.collective})")
     return _CommProfile(
         comm_mb=comm_mb, comm_step=comm_step, fabric_mb=fabric_mb, fabric_step=fabric_step,
         exposed_layer=exposed_layer, layer_fwd_exposed=lf, layer_bwd_exposed=lb,
         model_mb=model_mb, model_mb_by=model_mb_by, model_step=model_step, model_step_by=model_step_by,
-        ring_f=ring_f, ring_b_kv=ring_b_kv, ring_b_dkv=ring_b_dkv, ring_re=ring_re,
         prefetch_f=prefetch_f, prefetch_b=prefetch_b, grad_mb=grad_mb, grad_step=grad_step,
         prefetch_f_by=prefetch_f_by, overlapped_b_by=_merge(prefetch_b_by, grad_mb_by, grad_step_by),
+        priced={k: owners[k].condense(k, tuple(v)) for k, v in priced.items()},
     )
 
 
@@ -551,6 +542,8 @@ def _split(exposed: dict[str, float], seconds: float, weights: dict[str, float])
 
 
 __all__ = [
+    "COMM_FIELDS",
+    "OPTIMIZER_STATE_BYTES",
     "saved_activation_bytes",
     "CommTime",
     "OffloadTraffic",

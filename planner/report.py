@@ -3,12 +3,13 @@ would make an infeasible run fit. Every sentence is built from the estimates' nu
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.model_spec import ModelSpec
 from sp_plan.cost_models.topology import Topology
+from sp_plan.cost_models.text_table import Column, format_table
 from sp_plan.cost_models.train_spec import TrainSpec
 from sp_plan.cost_models.units import GB, format_tokens
 
@@ -58,17 +59,17 @@ def stack_text(result: SearchResult) -> str:
     return text + (f", calibration {result.calibration}" if result.calibration else "")
 
 
+PLAN_COLUMNS = (Column("#", ">"), Column("layout"), Column("options"), Column("mem/GPU", ">"), Column("step", ">"),
+                Column("tokens/s", ">"), Column("MFU", ">"), Column("exposed comm", ">"))
+
+
 def render_table(plans: Iterable[RankedPlan], mode: str) -> list[str]:
-    rows = [f"{'#':>2}  {'layout':<34} {'options':<62} {'mem/GPU':>9} {'step':>10} {'tokens/s':>11} "
-            f"{'MFU':>6} {'exposed comm':>13}"]
+    rows = []
     for p in plans:
         t, m = p.estimate.time, p.estimate.memory
-        rows.append(
-            f"{p.rank:>2}  {p.layout.describe():<34} {describe_options(p.options, mode):<62} "
-            f"{m.total / GB:>6.1f} GB {t.step_s:>8.2f} s {t.tokens_per_s:>11,.0f} {t.mfu:>6.1%} "
-            f"{t.exposed_comm_s:>11.3f} s"
-        )
-    return rows
+        rows.append([str(p.rank), p.layout.describe(), describe_options(p.options, mode), f"{m.total / GB:.1f} GB",
+                     f"{t.step_s:.2f} s", f"{t.tokens_per_s:,.0f}", f"{t.mfu:.1%}", f"{t.exposed_comm_s:.3f} s"])
+    return format_table(PLAN_COLUMNS, rows)
 
 
 def _placement_text(plan: RankedPlan) -> str:
@@ -98,9 +99,8 @@ def _layer_bytes(plan: RankedPlan, strategy: str, phase: str = "forward") -> flo
 def compare(winner: RankedPlan, other: RankedPlan, indent: str = "    ") -> list[str]:
     """What separates two plans, one aligned line each: per-layer traffic by strategy, exposed
     communication per step, compute, memory options."""
-    slower = other.score / winner.score - 1
     width = max(len(winner.layout.describe()), len(other.layout.describe()))
-    lines = [f"{other.layout.describe()} is {slower:+.2%} slower:"]
+    lines = [f"{other.layout.describe()} {_standing(winner, other)}:"]
     for plan in (winner, other):
         traffic = ", ".join(
             f"{s} {_layer_bytes(plan, s) / GB:.2f} GB" for s in ("tp", "ulysses", "ring") if _layer_bytes(plan, s) > 0)
@@ -112,6 +112,19 @@ def compare(winner: RankedPlan, other: RankedPlan, indent: str = "    ") -> list
             f"comm {t.exposed_comm_s:.3f} s/step" + (f" ({exposed})" if exposed else "")
             + f" | compute {t.compute_s:.2f} s | {describe_options(plan.options, plan.train.mode)}")
     return lines
+
+
+def _standing(winner: RankedPlan, other: RankedPlan) -> str:
+    """How ``other`` compares with the plan ranked above it, on the tokens/s the table shows. The ranking
+    discounts each moving part slightly (the near-tie rule), so a plan can rank lower while being a
+    little faster: then say that, not "+0.00% slower"."""
+    slower = winner.estimate.time.tokens_per_s / other.estimate.time.tokens_per_s - 1
+    if slower > 0.00005:
+        return f"is {slower:+.2%} slower"
+    behind = other.score / winner.score - 1
+    pace = "as fast" if slower > -0.00005 else f"{-slower:.2%} faster"
+    return (f"is {pace} but ranks {behind:+.3%} behind: the near-tie rule discounts each moving part "
+            f"({other.moving_parts} vs {winner.moving_parts}) so that near-ties go to the simpler plan")
 
 
 def explain_winner(result: SearchResult, model: ModelSpec) -> list[str]:
@@ -140,12 +153,16 @@ def explain_winner(result: SearchResult, model: ModelSpec) -> list[str]:
     return lines
 
 
-def explain_rejections(result: SearchResult, limit: int = 12) -> list[str]:
-    """Grouped reasons the other layouts lost or were never viable."""
+def explain_rejections(result: SearchResult, limit: int = 12, explained: Collection[str] = ()) -> list[str]:
+    """Grouped reasons the other layouts lost or were never viable. ``explained``: layouts (as
+    :meth:`Rejection.describe_layout` writes them) already compared with the winner on their own, e.g. the
+    best plan of each family under --explain's Alternatives: listing them again as "pruned" would contradict
+    the comparison just shown."""
     lines: list[str] = []
     by_kind: dict[str, list[Rejection]] = {}
     for r in result.rejected:
-        by_kind.setdefault(r.kind, []).append(r)
+        if r.describe_layout() not in explained:
+            by_kind.setdefault(r.kind, []).append(r)
     titles = {
         "slower": "fit but ranked lower",
         "bound": "pruned: cannot beat the plans shown",
@@ -157,6 +174,9 @@ def explain_rejections(result: SearchResult, limit: int = 12) -> list[str]:
         if not items:
             continue
         lines.append(f"{titles[kind]} ({len(items)}):")
+        if kind == "bound":
+            lines.append("  (discounted tokens/s: the ranking's figure, a small discount per moving part so that "
+                         "near-ties go to the simpler plan; the table above shows undiscounted tokens/s)")
         if kind == "memory":
             items = sorted(items, key=lambda r: r.shortfall_bytes or 0.0)
         elif kind in ("slower", "bound"):

@@ -545,9 +545,8 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
                     else "even with no memory-saving option at all it")
             pruned_reason.setdefault(layout, Rejection(
                 layout=layout.degrees(), kind="bound", score=bound,
-                reason=f"not evaluated: {what} could reach only {_per_token(bound)}, "
-                       f"slower than the top {settings.top_k} plans (slowest {_per_token(kth_best)}; "
-                       "both with the near-tie penalty)"))
+                reason=f"not evaluated: {what} could reach only {_per_token(bound)}, below the top "
+                       f"{settings.top_k} plans' cut-off of {_per_token(kth_best)}"))
             continue
         if start is None:
             top = s.most_saving_valid(lattice)
@@ -563,8 +562,8 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
         if best is None:  # every fitting option set is slower than the top K (or this layout's best)
             pruned_reason.setdefault(layout, Rejection(
                 layout=layout.degrees(), kind="bound",
-                reason=f"fits only with options slower than the top {settings.top_k} plans "
-                       f"(slowest {_per_token(kth_best)} with the near-tie penalty)"))
+                reason=f"fits only with options slower than the top {settings.top_k} plans (cut-off "
+                       f"{_per_token(kth_best)})"))
             continue
         if layout not in best_of or best.score < best_of[layout][0]:
             best_of[layout] = (best.score, best)
@@ -582,11 +581,14 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
         plans.append(RankedPlan(rank=rank, layout=layout, options=options, train=best.train, estimate=full,
                                 score=score, moving_parts=layout_moving_parts(layout) + moving_parts(options)))
     best_score = found[0][0] if found else None
+    best_rate = plans[0].estimate.time.tokens_per_s if plans else None
     for score, layout, best in found[settings.top_k:]:
+        rate = best.time.tokens_per_step / best.time.step_s
         rejected.append(Rejection(
             layout=layout.degrees(), options={k: getattr(best.train, k) for k in _OPTION_KEYS}, kind="slower",
-            score=score, reason=f"fits, but {_per_token(score)} vs {_per_token(best_score)} for the best plan "
-                                f"({score / best_score - 1:+.1%}; both with the near-tie penalty)"))
+            score=score, reason=f"fits, but {rate:,.0f} tokens/s vs {best_rate:,.0f} tokens/s for the best plan "
+                                f"({rate / best_rate - 1:+.1%}; ranked {score / best_score - 1:+.1%} behind it with "
+                                "the near-tie discount for moving parts)"))
     stats = SearchStats(layouts=len(layouts), structural_rejections=len(space.rejected),
                         memory_evaluations=s.memory_evals, time_evaluations=s.time_evals, pruned_by_bound=pruned,
                         seconds=wallclock.perf_counter() - started)
@@ -604,12 +606,11 @@ _OPTION_KEYS = ("zero_stage", "checkpointing", "offload_checkpoints", "tiled_los
 
 
 def _per_token(score: float | None) -> str:
+    """The objective's tokens/s: discounted for moving parts (the near-tie rule), so slightly below the
+    tokens/s a plan's table row shows; the pruning texts compare on this scale and say so."""
     if score is None:
         return "n/a"
-    # The objective's tokens/s: with the near-tie penalty for moving parts, so slightly below the
-    # plan's own predicted tokens/s (the rejection texts compare plans on this scale).
-    return f"{1.0 / score:,.0f} tokens/s"
-
+    return f"{1.0 / score:,.0f} discounted tokens/s"
 
 def _structural(r: StructuralRejection) -> Rejection:
     return Rejection(layout={"tp": r.tp, "ulysses": r.ulysses, "ring": r.ring}, kind="structure", reason=r.reason)

@@ -37,7 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sp_plan.runtime.checkpoint import Chunk, SaveJob, commit_save, prepare_save
+from sp_plan.runtime.checkpoint.geometry import Chunk
+from sp_plan.runtime.checkpoint.manager import SaveJob, commit_save, prepare_save
 from sp_plan.runtime.errors import RuntimeConfigError
 
 

@@ -4,10 +4,13 @@
 :func:`unsupported_reasons` returns anything, and asks the planner only for plans it can run
 (:func:`planner_constraints`), so a plan the runtime cannot execute is never silently approximated.
 
-What runs depends on the model: the runtime's own :class:`sp_plan.runtime.models.LlamaModel` (``kind``
-``"llama"``) executes every option ``sp-plan plan`` can output for training (tensor parallelism, tiled
-MLP and loss, checkpoint/optimizer/parameter offload, ZeRO-1/2/3, every checkpointing mode); a
-Hugging Face transformers model (``"hf"``) is driven through transformers' attention registry,
+What runs depends on the model family, and each family's
+:class:`~sp_plan.runtime.models.base.ModelAdapter` says what it cannot do (``unsupported_options``,
+``unsupported_degrees``, with reasons) and how its code spends memory (``memory_assumptions``). The
+runtime's own :class:`sp_plan.runtime.models.LlamaModel` (family ``"llama"``) executes every option
+``sp-plan plan`` can output for training (tensor parallelism, tiled MLP and loss,
+checkpoint/optimizer/parameter offload, ZeRO-1/2/3, every checkpointing mode); a Hugging Face
+transformers model (``"hf"``) is driven through transformers' attention registry,
 checkpointing hooks, its own MLP forward (run tiled) and the runtime's TP shards of its projections
 (the families name them like the runtime's Llama; forward pre-hooks open the TP regions), so it runs
 every option too.
@@ -21,38 +24,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from sp_plan.cost_models.layout import Layout
+from sp_plan.cost_models.memory import MemoryAssumptions
 from sp_plan.cost_models.train_spec import TrainSpec
+from sp_plan.runtime.errors import RuntimeConfigError
+from sp_plan.runtime.models.base import ModelAdapter, adapter_named
 
-MODEL_KINDS: tuple[str, ...] = ("llama", "hf")
-
-#: TrainSpec boolean options a model kind does not execute -> why (the option is refused when True).
-UNSUPPORTED_OPTIONS: dict[str, dict[str, str]] = {
-    "llama": {},
-    "hf": {},
-}
-
-#: Layout degrees a model kind executes only at 1 -> why.
-UNSUPPORTED_DEGREES: dict[str, dict[str, str]] = {
-    "llama": {},
-    "hf": {},
-}
-
-#: Memory-model assumptions (:class:`sp_plan.cost_models.memory.MemoryAssumptions` fields) that describe how a
-#: model kind's code spends activation memory, so plans for it are made with its real footprint: HF's
-#: LlamaRMSNorm is written in eager torch ops and keeps an fp32 copy of its input for backward
-#: (measured equal in tests/test_hf_memory.py); the runtime's Llama uses a fused-style norm.
-MEMORY_ASSUMPTIONS: dict[str, dict[str, Any]] = {
-    "llama": {},
-    "hf": {"norm_implementation": "eager"},
-}
+#: A model family: its :class:`sp_plan.runtime.models.base.ModelAdapter`, or the name it is registered under.
+Family = ModelAdapter | str
 
 
-def memory_assumptions(kind: str = "llama"):
-    """The :class:`sp_plan.cost_models.memory.MemoryAssumptions` the planner uses for a model of ``kind``."""
-    from sp_plan.cost_models.memory import MemoryAssumptions
-
-    _check_kind(kind)
-    return MemoryAssumptions(**MEMORY_ASSUMPTIONS[kind])
+def memory_assumptions(family: Family = "llama") -> MemoryAssumptions:
+    """The :class:`sp_plan.cost_models.memory.MemoryAssumptions` the planner uses for a model of ``family``
+    (its adapter's ``memory_assumptions``: how the family's code spends activation memory, so plans for
+    it are made with its real footprint)."""
+    return MemoryAssumptions(**adapter_named(family).memory_assumptions)
 
 
 #: ZeRO stages auto_configure runs, all with FSDP2 (see sp_plan.runtime.auto for how each is reproduced).
@@ -76,35 +61,30 @@ _TP_DROPOUT = ("the model uses dropout, which under tensor parallelism needs per
                "re-plan with --tp 1")
 
 
-def _check_kind(kind: str) -> None:
-    if kind not in MODEL_KINDS:
-        raise ValueError(f"unknown model kind {kind!r}: expected one of {', '.join(MODEL_KINDS)}")
-
-
-def _degrees_blocked(kind: str, model: Any) -> dict[str, str]:
-    """Degrees held at 1 for this kind (and, with the model's spec, for its architecture)."""
-    blocked = dict(UNSUPPORTED_DEGREES[kind])
+def _degrees_blocked(adapter: ModelAdapter, model: Any) -> dict[str, str]:
+    """Degrees held at 1 for this family (and, with the model's spec, for its architecture)."""
+    blocked = dict(adapter.unsupported_degrees)
     if model is not None and (getattr(model, "hidden_dropout", 0) or getattr(model, "attention_dropout", 0)):
         blocked.setdefault("tp", _TP_DROPOUT)
     return blocked
 
 
-def unsupported_reasons(plan: Any, kind: str = "llama") -> list[str]:
-    """One line per plan option the runtime cannot execute for a model of ``kind`` (empty: the plan
+def unsupported_reasons(plan: Any, family: Family = "llama") -> list[str]:
+    """One line per plan option the runtime cannot execute for a model of ``family`` (empty: the plan
     runs as planned).
 
     ``plan`` is a :class:`sp_plan.planner.plan.Plan` or anything with ``train`` (TrainSpec) and ``layout``
     (Layout) attributes.
     """
-    _check_kind(kind)
+    adapter = adapter_named(family)
     train: TrainSpec = plan.train
     layout: Layout = plan.layout
     reasons = []
-    for dim, why in _degrees_blocked(kind, getattr(plan, "model", None)).items():
+    for dim, why in _degrees_blocked(adapter, getattr(plan, "model", None)).items():
         degree = getattr(layout, dim)
         if degree > 1:
             reasons.append(f"{dim}={degree}: {why}")
-    for option, why in UNSUPPORTED_OPTIONS[kind].items():
+    for option, why in adapter.unsupported_options.items():
         if getattr(train, option):
             reasons.append(f"{option}: {why}")
     for option, allowed in SUPPORTED_VALUES.items():
@@ -118,30 +98,29 @@ def unsupported_reasons(plan: Any, kind: str = "llama") -> list[str]:
     return reasons
 
 
-def planner_constraints(kind: str = "llama", model: Any = None) -> tuple[dict[str, int], dict[str, Any]]:
+def planner_constraints(family: Family = "llama", model: Any = None) -> tuple[dict[str, int], dict[str, Any]]:
     """``(fixed_layout, fixed_options)`` for :class:`sp_plan.planner.search.PlanSettings` so that the planner only
-    returns plans :func:`unsupported_reasons` accepts for a model of ``kind`` (and ``model``, a
+    returns plans :func:`unsupported_reasons` accepts for a model of ``family`` (and ``model``, a
     ModelSpec, when given)."""
-    _check_kind(kind)
-    fixed_layout = {dim: 1 for dim in _degrees_blocked(kind, model)}
-    fixed_options: dict[str, Any] = {option: False for option in UNSUPPORTED_OPTIONS[kind]}
+    adapter = adapter_named(family)
+    fixed_layout = {dim: 1 for dim in _degrees_blocked(adapter, model)}
+    fixed_options: dict[str, Any] = {option: False for option in adapter.unsupported_options}
     return fixed_layout, fixed_options
 
 
-def merge_constraints(user_layout: Mapping[str, int], user_options: Mapping[str, Any], kind: str = "llama",
+def merge_constraints(user_layout: Mapping[str, int], user_options: Mapping[str, Any], family: Family = "llama",
                       model: Any = None) -> tuple[dict[str, int], dict[str, Any]]:
     """The user's pinned degrees/options plus the runtime's constraints; a pin the runtime cannot run is
     refused here (before any search) with the reason."""
-    from sp_plan.runtime.errors import RuntimeConfigError
-
-    fixed_layout, fixed_options = planner_constraints(kind, model)
-    blocked = _degrees_blocked(kind, model)
+    adapter = adapter_named(family)
+    fixed_layout, fixed_options = planner_constraints(adapter, model)
+    blocked = _degrees_blocked(adapter, model)
     for dim, value in user_layout.items():
         if dim in fixed_layout and value != fixed_layout[dim]:
             raise RuntimeConfigError(f"{dim}={value}: {blocked[dim]}")
     for option, value in user_options.items():
         if option in fixed_options and value != fixed_options[option]:
-            raise RuntimeConfigError(f"{option}: {UNSUPPORTED_OPTIONS[kind][option]}")
+            raise RuntimeConfigError(f"{option}: {adapter.unsupported_options[option]}")
         if option == "zero_stage" and value not in SUPPORTED_ZERO_STAGES:
             raise RuntimeConfigError(
                 f"zero_stage={value}: plain DDP is not wired (FSDP2 runs ZeRO-1/2/3); pin zero_stage 1, 2 or 3"

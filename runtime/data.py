@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch.utils.data import DistributedSampler
 
+from sp_plan.runtime.attention.documents import check_cu_seqlens, cu_seqlens_from_starts, row_bounds
 from sp_plan.runtime.errors import RuntimeConfigError
 
 #: Label value PyTorch's cross-entropy (and HF) skip.
@@ -67,8 +68,6 @@ def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
 
 def document_starts_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
     """Bool (batch, seq): True where a document of ``cu_seqlens`` starts after the first token of its row."""
-    from sp_plan.runtime.attention.documents import row_bounds
-
     starts = torch.zeros(batch, seq, dtype=torch.bool)
     for row, bounds in enumerate(row_bounds(cu_seqlens, batch, seq)):
         starts[row, list(bounds[1:-1])] = True
@@ -195,8 +194,6 @@ class BatchSharder:
         cu_seqlens = data.get(DOCUMENTS_KEY)
         starts = None  # document starts (batch, seq), when the rows are packed
         if cu_seqlens is not None:
-            from sp_plan.runtime.attention.documents import check_cu_seqlens
-
             check_cu_seqlens(cu_seqlens)
             starts = document_starts_from_cu_seqlens(cu_seqlens, batch_size, seq)
         if position_ids is None:
@@ -239,8 +236,6 @@ class BatchSharder:
         full = {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
         full = pad_to_multiple(full, self.seq_multiple, self.pad_token_id)
         if starts is not None and bool(starts.any()) and not self.cross_document_attention:
-            from sp_plan.runtime.attention.documents import cu_seqlens_from_starts
-
             padded = full["input_ids"].shape[1]
             starts = torch.nn.functional.pad(starts.to(torch.bool), (0, padded - seq), value=False)
             full[DOCUMENTS_KEY] = cu_seqlens_from_starts(starts)  # padding joins each row's last document

@@ -75,7 +75,8 @@ def train_step(setup, micro_batches: Sequence[Any], optimizer: torch.optim.Optim
     step_tokens = global_token_count((s["labels"] for s in shards), setup.data_group, setup.device)
     losses, weighted = [], 0.0
     for i, shard in enumerate(shards):
-        _set_micro_batch_flags(setup.model, setup.train.zero_stage, last=i == len(shards) - 1)
+        for part in setup.model_parts:
+            _set_micro_batch_flags(part, setup.train.zero_stage, last=i == len(shards) - 1)
         out = setup.compute_loss(shard, num_items=step_tokens)
         out.loss.backward()
         losses.append(out.value)

@@ -47,6 +47,7 @@ from sp_plan.cost_models.memory.assumptions import MemoryAssumptions
 from . import comm_counter
 from .errors import RuntimeConfigError
 from .loss import cross_entropy_sum, loss_dtype
+from .tp import vocab_parallel_cross_entropy
 
 #: Tokens per chunk, the memory model's assumption (``MemoryAssumptions.loss_chunk_tokens``).
 DEFAULT_CHUNK_TOKENS: int = MemoryAssumptions.model_fields["loss_chunk_tokens"].default
@@ -215,7 +216,5 @@ def causal_lm_loss(
                                    ignore_index=ignore_index, tp_group=group, vocab_start=vocab_start)
     logits = model(input_ids, position_ids)
     if group is not None:
-        from .tp import vocab_parallel_cross_entropy
-
         return vocab_parallel_cross_entropy(logits, labels, group, vocab_start, ignore_index=ignore_index)
     return plain_cross_entropy(logits, labels, ignore_index=ignore_index)

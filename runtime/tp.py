@@ -37,7 +37,9 @@ before gradient clipping (:meth:`TensorParallel.attach` registers it as an optim
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -510,28 +512,78 @@ def tensor_parallel_state(spec, mesh_or_group, sequence_parallel: bool) -> tuple
     return tp, _Split(kv_rep, kv_first)
 
 
-def shard_block(tp: TensorParallel, split: _Split, spec, attn: nn.Module, mlp: nn.Module,
-                norms: list[nn.Module]) -> None:
-    """Shard one Llama-style block in place: column-parallel q/k/v_proj and gate/up_proj, row-parallel
-    o_proj and down_proj (the module names the runtime's Llama and the HF families share), and record the
-    replicated parameters whose gradients are partial sums (``norms`` are the block's pre-norms, replicated
-    under sequence parallelism; q/k norms always)."""
-    q_rows, kv_rows, f_rows = tp.bounds["q"], tp.bounds["kv"], tp.bounds["ffn"]
-    attn.q_proj = _rows(attn.q_proj, *q_rows)
-    attn.k_proj = _rows(attn.k_proj, *kv_rows)
-    attn.v_proj = _rows(attn.v_proj, *kv_rows)
-    attn.o_proj = _row_parallel(attn.o_proj, *q_rows, tp)
-    mlp.gate_proj = _rows(mlp.gate_proj, *f_rows)
-    mlp.up_proj = _rows(mlp.up_proj, *f_rows)
-    mlp.down_proj = _row_parallel(mlp.down_proj, *f_rows, tp)
+@dataclass(frozen=True)
+class Projection:
+    """One linear layer of a block that tensor parallelism splits (picotron's ``(submodule, proj, style)``).
+
+    ``submodule``: the block's child holding it (``attn``, ``self_attn``, ``mlp``); ``name``: the
+    ``nn.Linear`` attribute there; ``style``: ``column`` (output rows split, bias split with them) or
+    ``row`` (input columns split, output summed over TP); ``split``: the :attr:`TensorParallel.bounds` key
+    it is cut along (``q`` heads, ``kv`` heads, ``ffn`` features).
+    """
+
+    submodule: str
+    name: str
+    style: Literal["column", "row"]
+    split: Literal["q", "kv", "ffn"]
+
+
+def llama_projections(attention: str, mlp: str) -> tuple[Projection, ...]:
+    """Megatron's split of a Llama-style block whose attention and MLP children are called
+    ``attention`` and ``mlp``: column-parallel q/k/v_proj and gate/up_proj, row-parallel o_proj and
+    down_proj (the projection names the runtime's Llama and the HF Llama-family models share)."""
+    return (
+        Projection(attention, "q_proj", "column", "q"),
+        Projection(attention, "k_proj", "column", "kv"),
+        Projection(attention, "v_proj", "column", "kv"),
+        Projection(attention, "o_proj", "row", "q"),
+        Projection(mlp, "gate_proj", "column", "ffn"),
+        Projection(mlp, "up_proj", "column", "ffn"),
+        Projection(mlp, "down_proj", "row", "ffn"),
+    )
+
+
+#: The runtime Llama's blocks (``LlamaBlock.attn`` / ``LlamaBlock.mlp``).
+LLAMA_PROJECTIONS = llama_projections("attn", "mlp")
+#: q/k norms of the runtime Llama's attention (replicated on every TP rank when the model has them).
+LLAMA_HEAD_NORMS: tuple[tuple[str, str], ...] = (("attn", "q_norm"), ("attn", "k_norm"))
+
+
+def shard_projections(tp: TensorParallel, split: _Split, spec, block: nn.Module,
+                      projections: Sequence[Projection], head_norms: Sequence[tuple[str, str]] = (),
+                      norms: Sequence[nn.Module] = ()) -> None:
+    """Shard one block in place by its projection table: each ``column`` projection keeps this rank's
+    output rows, each ``row`` projection becomes a :class:`RowParallelLinear`; then record the
+    replicated parameters whose gradients are partial sums: K/V weights replicated per KV head (tp > KV
+    heads), the ``head_norms`` (``(submodule, name)``, absent ones skipped) always, and under sequence
+    parallelism the block's pre-``norms`` and the row projections' biases."""
+    rows = []
+    for p in projections:
+        parent = getattr(block, p.submodule)
+        linear = getattr(parent, p.name)
+        bounds = tp.bounds[p.split]
+        sharded = _rows(linear, *bounds) if p.style == "column" else _row_parallel(linear, *bounds, tp)
+        setattr(parent, p.name, sharded)
+        if p.style == "row":
+            rows.append(sharded)
     if split.kv_rep > 1:
-        for proj in (attn.k_proj, attn.v_proj):
-            tp.head_replicated += [(proj, name, split.kv_first, spec.num_kv_heads) for name, _ in proj.named_parameters()]
-    replicated = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+        for p in projections:
+            if p.split == "kv" and p.style == "column":
+                proj = getattr(getattr(block, p.submodule), p.name)
+                tp.head_replicated += [(proj, name, split.kv_first, spec.num_kv_heads)
+                                       for name, _ in proj.named_parameters()]
+    replicated = [getattr(getattr(block, sub), name, None) for sub, name in head_norms]
     if tp.sequence_parallel:
-        replicated += norms
-        tp.replicated += [(m, "bias") for m in (attn.o_proj, mlp.down_proj) if m.bias is not None]
+        replicated += list(norms)
+        tp.replicated += [(m, "bias") for m in rows if m.bias is not None]
     tp.replicated += [(m, name) for m in replicated if m is not None for name, _ in m.named_parameters()]
+
+
+def shard_block(tp: TensorParallel, split: _Split, spec, block: nn.Module) -> None:
+    """Shard one :class:`sp_plan.runtime.models.llama.model.LlamaBlock` in place
+    (:data:`LLAMA_PROJECTIONS`; its two pre-norms replicated under sequence parallelism)."""
+    shard_projections(tp, split, spec, block, LLAMA_PROJECTIONS, LLAMA_HEAD_NORMS,
+                      [block.input_norm, block.post_attention_norm])
 
 
 def shard_vocabulary(tp: TensorParallel, embedding: torch.Tensor, head: torch.Tensor | None
@@ -553,7 +605,7 @@ def apply_tensor_parallel(model: nn.Module, mesh_or_group, *, sequence_parallel:
     Call on the full model (every rank holding the same weights, e.g. after a seeded init, or on the meta
     device before initialising), before FSDP2's ``fully_shard`` and before building the optimizer.
     Returns the :class:`TensorParallel` state, also stored as ``model.tensor_parallel``.
-    (HF transformers models: :func:`sp_plan.runtime.hf.apply_hf_tensor_parallel`.)
+    (HF transformers models: :func:`sp_plan.runtime.models.hf.tp_plan.apply_hf_tensor_parallel`.)
     """
     spec = model.spec
     tp, split = tensor_parallel_state(spec, mesh_or_group, sequence_parallel)
@@ -561,7 +613,7 @@ def apply_tensor_parallel(model: nn.Module, mesh_or_group, *, sequence_parallel:
     if tp.size == 1:
         return tp
     for layer in model.layers:
-        shard_block(tp, split, spec, layer.attn, layer.mlp, [layer.input_norm, layer.post_attention_norm])
+        shard_block(tp, split, spec, layer)
         layer.attn.num_heads = spec.num_heads // tp.size
         layer.attn.num_kv_heads = (tp.bounds["kv"][1] - tp.bounds["kv"][0]) // spec.head_dim
         layer.attn.tp_enter = tp.enter

@@ -67,16 +67,19 @@ import signal
 import threading
 import time
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from sp_plan.runtime.errors import RuntimeConfigError
 from sp_plan.runtime.step import StepResult, train_step
+
+if TYPE_CHECKING:
+    from sp_plan.runtime.checkpoint import Piece
 
 #: ``Trainer(resume=AUTO)``: resume from the newest verified checkpoint, or start a new run if there is none.
 AUTO = "auto"
@@ -365,7 +368,8 @@ class Trainer:
     ``run_config`` differ from the checkpoint's (this run's values then apply). ``run_config``: JSON-able
     settings of the run that the optimizer and scheduler states do not capture (warm-up length, ...),
     saved with every checkpoint and compared at resume. ``on_step(trainer, record)`` runs after every
-    step (all ranks).
+    step (all ranks). ``checkpoint_pieces``: more named state to checkpoint and restore beside the model,
+    optimizer, scheduler, data, RNG and step (:class:`sp_plan.runtime.checkpoint.Piece` objects).
     """
 
     def __init__(self, setup, optimizer, data, *, max_steps: int, scheduler=None, max_grad_norm: float | None = None,
@@ -376,7 +380,8 @@ class Trainer:
                  progress: bool = True, handle_signals: bool | None = None, live_bytes_every: int = 0,
                  async_save: bool = False, skip_nonfinite: bool = True, max_nonfinite_steps: int = 3,
                  print_fn: Callable[[str], None] = print,
-                 on_step: Callable[[Trainer, StepRecord], None] | None = None) -> None:
+                 on_step: Callable[[Trainer, StepRecord], None] | None = None,
+                 checkpoint_pieces: Sequence[Piece] = ()) -> None:
         if max_steps < 0 or save_every < 0:
             raise RuntimeConfigError(f"max_steps ({max_steps}) and save_every ({save_every}) must be >= 0")
         if max_nonfinite_steps < 1:
@@ -409,6 +414,7 @@ class Trainer:
         self.telemetry_kwargs = dict(log_every=log_every, tensorboard_dir=tensorboard_dir, metrics_file=metrics_file,
                                      progress=progress, live_bytes_every=live_bytes_every, print_fn=print_fn)
         self.print_fn, self.on_step = print_fn, on_step
+        self.checkpoint_pieces = tuple(checkpoint_pieces)
         self.step = 0
         self.tokens_seen = 0
         self.checkpointer = None
@@ -432,7 +438,7 @@ class Trainer:
         return save(self.checkpoint_dir, step=self.step, setup=self.setup, optimizer=self.optimizer,
                     scheduler=self.scheduler, data=self.data, tokens_seen=self.tokens_seen,
                     keep=self.keep_checkpoints, extra={"run_config": self.run_config}, run_id=self.run_id,
-                    log=self._say)
+                    log=self._say, pieces=self.checkpoint_pieces)
 
     def wait_for_save(self) -> None:
         """Block until a background save is complete (no-op without ``async_save``)."""
@@ -492,7 +498,8 @@ class Trainer:
                 "rates rescaled to the new base lr)")
         now = [dict(g) for g in self.optimizer.param_groups] if self.optimizer is not None else []
         state = load_checkpoint(path, setup=self.setup, optimizer=self.optimizer, scheduler=self.scheduler,
-                                data=self.data, verify=False)  # verified by _choose_checkpoint
+                                data=self.data, verify=False,  # verified by _choose_checkpoint
+                                pieces=self.checkpoint_pieces)
         if refused:
             self._apply_hparams(now)
             self._say(f"resume: overriding the checkpoint's settings with this run's: {'; '.join(refused)}")

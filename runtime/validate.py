@@ -34,9 +34,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from sp_plan.cost_models.collectives import bytes_sent
+from sp_plan.cost_models.comm_volume import comm_estimate, comm_ops, multiplier
+from sp_plan.cost_models.errors import CostModelError
+from sp_plan.cost_models.estimate import estimate
+from sp_plan.cost_models.memory.timeline import INDEX_BYTES, rope_table_bytes
+from sp_plan.cost_models.placement import group_shapes
+from sp_plan.cost_models.topology import default_topology, load_topology
 from sp_plan.cost_models.units import GB
-from sp_plan.runtime.capabilities import MEMORY_ASSUMPTIONS
+from sp_plan.runtime.auto import auto_configure
+from sp_plan.runtime.capabilities import Family, memory_assumptions
 from sp_plan.runtime.comm_counter import CommCounter
+from sp_plan.runtime.distributed import init_distributed
+from sp_plan.runtime.models.base import ModelAdapter, adapter_named
+from sp_plan.runtime.planning import describe_plan
+from sp_plan.runtime.probe.run import run_probe
+from sp_plan.runtime.step import synchronize, train_step
 from sp_plan.runtime.saved_tensor_meter import SavedTensorMeter
 
 #: Collectives compared with the cost model. SP and loss ones come from CommCounter, FSDP ones from C10dTrace.
@@ -185,8 +198,9 @@ class ValidationReport:
     #: so ``sp-plan calibrate`` can re-predict the run under other parameters.
     plan: dict[str, Any] = field(default_factory=dict)
     time_topology: dict[str, Any] = field(default_factory=dict)
+    #: The model family that ran (its registered adapter name).
     kind: str = "llama"
-    #: The memory-assumption overrides the prediction used for this model kind.
+    #: The memory-assumption overrides the prediction used for this model family.
     memory_overrides: dict[str, Any] = field(default_factory=dict)
 
     def to_json_dict(self) -> dict[str, Any]:
@@ -198,33 +212,32 @@ class ValidationReport:
 
 def _step_bytes(model, train, layout, keep) -> float:
     """Bytes sent per GPU per step by the comm model's ops that ``keep(op)`` selects."""
-    from sp_plan.cost_models.collectives import bytes_sent
-    from sp_plan.cost_models.comm_volume import comm_ops, multiplier
-    from sp_plan.cost_models.placement import group_shapes
-
     sizes = {name: size for name, (_, size) in group_shapes(layout).items()}
     return sum(bytes_sent(op.collective, op.nbytes, sizes[op.group]) * multiplier(op, model, train)
                for op in comm_ops(model, train, layout) if keep(op))
 
 
-def predict(plan, topology, kind: str = "llama") -> Prediction:
-    """Memory, communication and time predicted for ``plan``'s configuration on ``topology``, with the
-    memory assumptions of the model ``kind`` that runs it (:func:`sp_plan.runtime.capabilities.memory_assumptions`)."""
-    from sp_plan.cost_models.comm_volume import comm_estimate
-    from sp_plan.cost_models.estimate import estimate
-    from sp_plan.cost_models.memory.timeline import INDEX_BYTES, rope_table_bytes
-    from sp_plan.runtime.capabilities import memory_assumptions
+def _rope_tables_unseen(adapter: ModelAdapter, train, model) -> bool:
+    """Whether the run keeps RoPE tables alive that the saved-tensor meter cannot see (the family's
+    checkpointing binds them into its recompute closures)."""
+    return (adapter.checkpoint_binds_rope_tables and train.checkpointing != "none"
+            and model.position_embedding == "rope")
 
+
+def predict(plan, topology, family: Family = "llama") -> Prediction:
+    """Memory, communication and time predicted for ``plan``'s configuration on ``topology``, with the
+    memory assumptions of the model ``family`` that runs it (:func:`sp_plan.runtime.capabilities.memory_assumptions`)."""
     model, train, layout = plan.model, plan.train, plan.layout
-    est = estimate(model, train, layout, topology, memory_assumptions(kind), with_placement=False)
+    adapter = adapter_named(family)
+    est = estimate(model, train, layout, topology, memory_assumptions(adapter), with_placement=False)
     detail = est.detail
     local_tokens = train.micro_batch * train.seq_len // layout.sp
     position_ids = local_tokens * INDEX_BYTES  # on the device, never saved by autograd
     activations = (model.num_layers * detail.per_layer.saved_bytes + detail.output_layer.saved_bytes
                    + detail.inputs_bytes - position_ids)
-    if kind == "hf" and train.checkpointing != "none" and model.position_embedding == "rope":
-        # HF's checkpointing binds the RoPE cos/sin as keyword arguments of the recompute closure: alive
-        # as the model says, but never packed as saved tensors, so the meter cannot see them.
+    if _rope_tables_unseen(adapter, train, model):
+        # The family's checkpointing binds the RoPE cos/sin as keyword arguments of the recompute closure
+        # (HF's does): alive as the model says, but never packed as saved tensors, so the meter cannot see them.
         activations -= rope_table_bytes(local_tokens, model.head_dim, train.dtype_bytes)
     comm = comm_estimate(model, train, layout)
     by_collective = {name: comm.by_collective.get(name, 0.0) for name in SP_COLLECTIVES}
@@ -250,8 +263,6 @@ def _micro_batches(setup, generator: torch.Generator) -> list[torch.Tensor]:
 
 def measure(setup, steps: int, seed: int = 0) -> RankMeasurement:
     """Run ``steps`` optimizer steps (the first one measured for bytes, the rest timed) on random tokens."""
-    from sp_plan.runtime.step import synchronize, train_step
-
     generator = torch.Generator().manual_seed(seed + setup.dp_rank)  # same sample on the SP ranks
     optimizer = setup.make_optimizer(lr=1e-4)
 
@@ -287,20 +298,14 @@ def measure(setup, steps: int, seed: int = 0) -> RankMeasurement:
 
 def prediction_topology(plan, topology: Any, device_type: str):
     """The topology step time is predicted on: the given one, the plan's on GPUs, a quick probe on CPU."""
-    from sp_plan.cost_models.topology import load_topology
-
     world = plan.layout.world
     if topology is not None:
         return load_topology(str(topology), world), f"topology {topology}"
     if device_type == "cuda":
-        from sp_plan.cost_models.errors import CostModelError
-        from sp_plan.cost_models.topology import default_topology
-
         try:
             return load_topology(plan.hardware.topology, world), f"the plan's topology ({plan.hardware.topology})"
         except CostModelError:  # a topology file from another machine: the GPU's natural node instead
             return default_topology(plan.hardware.gpu, world), f"the natural node of {plan.hardware.gpu}"
-    from sp_plan.runtime.probe.run import run_probe
 
     compute_s, link_s = CPU_PROBE_BUDGETS
     with tempfile.TemporaryDirectory() as tmp:
@@ -310,37 +315,29 @@ def prediction_topology(plan, topology: Any, device_type: str):
 
 
 def run_validation(plan, *, steps: int = 3, topology: Any = None, seed: int = 0,
-                   kind: str = "llama") -> ValidationReport | None:
+                   family: Family = "llama") -> ValidationReport | None:
     """Build the plan's model (random weights), auto-configure it, measure; the report on rank 0 only.
-    ``kind``: ``llama`` (the runtime's LlamaModel) or ``hf`` (a transformers model of the same shape,
-    :func:`sp_plan.runtime.hf.hf_model_from_spec`)."""
-    from sp_plan.runtime.auto import auto_configure, describe_plan, init_distributed
-
+    ``family``: the model family that builds the model (its adapter's ``model_from_spec``): ``llama``
+    (the runtime's LlamaModel) or ``hf`` (a transformers model of the same shape,
+    :func:`sp_plan.runtime.models.hf.model.hf_model_from_spec`)."""
     device_type = init_distributed()
     topo, note = prediction_topology(plan, topology, device_type)
+    adapter = adapter_named(family)
     torch.manual_seed(seed)
-    if kind == "hf":
-        from sp_plan.runtime.hf import hf_model_from_spec
-
-        model = hf_model_from_spec(plan.model, plan.train.seq_len)
-    else:
-        from sp_plan.runtime.models import LlamaModel
-
-        model = LlamaModel(plan.model)
-        model.init_weights(generator=torch.Generator().manual_seed(seed))
+    model = adapter.model_from_spec(plan.model, plan.train.seq_len, seed)
     setup = auto_configure(model, plan=plan)
     mine = measure(setup, steps, seed)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() != 0:
         return None
-    prediction = predict(plan, topo, kind)
+    prediction = predict(plan, topo, adapter)
     prediction.topology_note = note
     notes = []
     if device_type == "cpu":
         notes.append("peak memory: not measured on CPU (no allocator statistics); the activation row is the "
                      "measured saved-tensor total")
-    if kind == "hf" and plan.train.checkpointing != "none":
+    if adapter.checkpoint_binds_rope_tables and plan.train.checkpointing != "none":
         notes.append("activations: HF keeps the RoPE cos/sin in its checkpoint closures (on the device, not saved "
                      "tensors the meter sees): left out of the prediction too")
     fsdp_differs = any(r.comm_bytes[c] != prediction.comm_bytes[c] for r in gathered for c in FSDP_COLLECTIVES)
@@ -349,8 +346,8 @@ def run_validation(plan, *, steps: int = 3, topology: Any = None, seed: int = 0,
                      "the shard count")
     return ValidationReport(plan_lines=describe_plan(plan), prediction=prediction, ranks=gathered,
                             device=device_type, notes=notes, plan=plan.model_dump(mode="json"),
-                            time_topology=topo.spec.model_dump(mode="json"), kind=kind,
-                            memory_overrides=dict(MEMORY_ASSUMPTIONS[kind]))
+                            time_topology=topo.spec.model_dump(mode="json"), kind=adapter.name,
+                            memory_overrides=dict(adapter.memory_assumptions))
 
 
 # ----- rendering ------------------------------------------------------------------------------------------

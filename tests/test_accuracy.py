@@ -8,7 +8,7 @@ from sp_plan.cost_models import Layout, TrainSpec, get_model_preset
 from sp_plan.cost_models.fitted import fitted_parameters
 from sp_plan.cost_models.gpu_spec import get_gpu_preset
 from sp_plan.cost_models.kernels import kernel_model
-from sp_plan.planner.calibration.fit import (
+from sp_plan.planner.fitting.fit import (
     SPLITS,
     Parameter,
     dependent_sources,
@@ -20,11 +20,11 @@ from sp_plan.planner.calibration.fit import (
     predict_all,
     profile_for,
 )
-from sp_plan.planner.calibration.kernel_fit import fit_kernels
-from sp_plan.planner.calibration.parameters import SHIPPED_MIN_SOURCES, TIME_KINDS, published_fit_parameters
-from sp_plan.planner.calibration.published import published_entries, published_runs
-from sp_plan.planner.calibration.report import errors_of
-from sp_plan.planner.calibration.runs import METRICS, MeasuredRun, predict
+from sp_plan.planner.fitting.kernel_fit import fit_kernels
+from sp_plan.planner.fitting.parameters import SHIPPED_MIN_SOURCES, TIME_KINDS, published_fit_parameters
+from sp_plan.planner.fitting.published import published_entries, published_runs
+from sp_plan.planner.fitting.report import errors_of
+from sp_plan.planner.fitting.runs import METRICS, MeasuredRun, predict
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_a_parameter_constrained_by_one_source_keeps_its_prior(time_runs):
     shipped = fitted_parameters()
     assert "compiled_stream_fraction" not in shipped.stacks.get("torchtitan", {})
     assert "h100-96gb" not in shipped.variants
-    assert kernel_model("h100-96gb").clock_factor is None  # the gpus.yaml prior applies
+    assert kernel_model("h100-96gb").clock_factor is None  # the GPU file's prior applies
     assert get_gpu_preset("h100-96gb").clock_factor == pytest.approx(0.87)
 
 

@@ -14,9 +14,9 @@ from sp_plan.cost_models import Layout, TrainSpec, get_model_preset
 from sp_plan.cost_models.estimate import estimate
 from sp_plan.cost_models.profile import load_calibration, resolve_profile
 from sp_plan.cost_models.topology import load_topology
-from sp_plan.planner.calibration.fit import Parameter, predict_all
-from sp_plan.planner.calibration.runs import MeasuredRun
-from sp_plan.planner.calibration.user_runs import write_runs_csv
+from sp_plan.planner.fitting.fit import Parameter, predict_all
+from sp_plan.planner.fitting.runs import MeasuredRun
+from sp_plan.planner.fitting.user_runs import write_runs_csv
 from sp_plan.cli.main import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,12 +86,12 @@ def test_calibrate_errors_are_one_line(tmp_path):
     no_measure = tmp_path / "nomeasure.csv"
     write_runs_csv(no_measure, [{"model": "llama3-8b", "seq_len": 8192, "gpus": 8}])
     from sp_plan.cost_models.errors import CostModelError
-    from sp_plan.planner.calibration.user_runs import runs_from_csv
+    from sp_plan.planner.fitting.user_runs import runs_from_csv
 
     with pytest.raises(CostModelError, match="no measurement"):
         runs_from_csv(no_measure, "sp-plan")
     (tmp_path / "x.json").write_text("[1, 2]")
-    from sp_plan.planner.calibration.user_runs import load_runs
+    from sp_plan.planner.fitting.user_runs import load_runs
 
     with pytest.raises(CostModelError, match="validate --json"):
         load_runs([tmp_path / "x.json"], tmp_path, "sp-plan")

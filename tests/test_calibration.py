@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from sp_plan.cost_models import CostModelError, Layout, TrainSpec, get_model_preset
-from sp_plan.cost_models.calibration import TimingSample, fit_alpha_beta, link_calibration, predict
+from sp_plan.cost_models.link_fit import TimingSample, fit_alpha_beta, link_calibration, predict
 from sp_plan.cost_models.time_model import comm_and_time
 from sp_plan.cost_models.topology import CalibrationSpec, Topology, get_preset_spec, resize
 

@@ -237,6 +237,7 @@ def _atomicity_and_errors(rank: int, world: int, root: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
     import sp_plan.runtime.checkpoint as ck
+    from sp_plan.runtime.checkpoint import store
     from sp_plan.runtime.errors import RuntimeConfigError
 
     out: dict = {}
@@ -249,7 +250,7 @@ def _atomicity_and_errors(rank: int, world: int, root: str) -> dict:
     def interrupted(step: int, where: str) -> None:
         trainer.step = step
         if where == "rename":  # killed after every file was written, before the rename
-            original, ck.os.replace = ck.os.replace, _raise_killed
+            original, store.os.replace = store.os.replace, _raise_killed
         else:  # killed while DCP writes the data files
             original, dcp.FileSystemWriter.write_data = dcp.FileSystemWriter.write_data, _raise_killed
         try:
@@ -258,7 +259,7 @@ def _atomicity_and_errors(rank: int, world: int, root: str) -> dict:
             out[f"error_{where}"] = f"{type(exc).__name__}: {exc}"
         finally:
             if where == "rename":
-                ck.os.replace = original
+                store.os.replace = original
             else:
                 dcp.FileSystemWriter.write_data = original
 

@@ -108,7 +108,7 @@ def rewrite_state(step_dir: Path, edit) -> None:
 
 
 def _resume_scenarios(rank: int, world: int, scenarios: list[dict]) -> dict:
-    import sp_plan.runtime.checkpoint as ck
+    from sp_plan.runtime.checkpoint import manager, store
     from sp_plan.runtime.errors import RuntimeConfigError
 
     out = {}
@@ -128,19 +128,19 @@ def _resume_scenarios(rank: int, world: int, scenarios: list[dict]) -> dict:
             trainer.scheduler.base_lrs = [sc["lr"]]
         restore = []
         if sc.get("free_bytes") is not None:
-            real = ck.shutil.disk_usage
-            ck.shutil.disk_usage = lambda p, real=real: real(p)._replace(free=sc["free_bytes"])
-            restore.append(lambda real=real: setattr(ck.shutil, "disk_usage", real))
-        if sc.get("damage_save") is not None and hasattr(ck, "verify_checkpoint"):
-            real_verify = ck.verify_checkpoint
+            real = store.shutil.disk_usage
+            store.shutil.disk_usage = lambda p, real=real: real(p)._replace(free=sc["free_bytes"])
+            restore.append(lambda real=real: setattr(store.shutil, "disk_usage", real))
+        if sc.get("damage_save") is not None and hasattr(manager, "verify_checkpoint"):
+            real_verify = manager.verify_checkpoint
 
             def damaging_verify(path, group=None, *, collective=True, real=real_verify, target=sc["damage_save"]):
                 if Path(path).name == target and rank == 0:
                     flip_bytes(Path(path), "__0_0.distcp")  # rank 0's own file: it re-reads it next
                 return real(path, group, collective=collective)
 
-            ck.verify_checkpoint = damaging_verify
-            restore.append(lambda real=real_verify: setattr(ck, "verify_checkpoint", real))
+            manager.verify_checkpoint = damaging_verify
+            restore.append(lambda real=real_verify: setattr(manager, "verify_checkpoint", real))
         try:
             fit = trainer.fit()
             out[sc["name"]] = {"start": fit.start_step, "losses": fit.losses, "messages": messages, "lrs": lrs,
@@ -491,7 +491,8 @@ def test_the_bookkeeping_alone_is_checked_before_choosing_a_plan(reference, tmp_
 def test_a_checkpoint_moved_aside_for_replacement_survives_a_crash(tmp_path):
     """A save that replaces a step moves the old directory aside first; if it dies before its own rename,
     the next save puts the old one back (and removes the aside copy once a replacement is complete)."""
-    from sp_plan.runtime.checkpoint import _remove_stale, latest_checkpoint
+    from sp_plan.runtime.checkpoint import latest_checkpoint
+    from sp_plan.runtime.checkpoint.store import remove_stale as _remove_stale
 
     root = tmp_path / "ckpt"
     aside = root / ".step_00000003.replaced-0a1b2c3d"

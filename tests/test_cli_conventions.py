@@ -4,12 +4,18 @@ model names get suggestions, common names resolve."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from sp_plan.cost_models import CostModelError, get_model_preset
 from sp_plan.cli.main import cli, main
+from sp_plan.cost_models.topology import load_topology
 
 
 def run(*args: str):
@@ -56,17 +62,11 @@ def test_unknown_model_suggests_the_closest_names(capsys):
 
 
 def _console_script() -> str:
-    import shutil
-    import sys
-    from pathlib import Path
-
     script = Path(sys.executable).with_name("sp-plan")
     return str(script) if script.exists() else shutil.which("sp-plan") or "sp-plan"
 
 
 def _sh(args: list[str], stdin: str | None = None):
-    import subprocess
-
     return subprocess.run([_console_script(), *args], input=stdin, capture_output=True, text=True, timeout=120)
 
 
@@ -101,7 +101,7 @@ def test_dash_is_stdout_and_stdin_through_the_console_script(tmp_path):
 def test_calibrate_out_dash_writes_the_calibration_to_stdout(tmp_path):
     import yaml
 
-    from sp_plan.planner.calibration.user_runs import write_runs_csv
+    from sp_plan.planner.fitting.user_runs import write_runs_csv
     from tests.test_calibrate import synthetic_rows
 
     rows = synthetic_rows({"gemm.peak_fraction": 0.45, "attention.fa2.forward_fraction": 0.5,
@@ -111,3 +111,38 @@ def test_calibrate_out_dash_writes_the_calibration_to_stdout(tmp_path):
     assert done.returncode == 0, done.stderr
     assert yaml.safe_load(done.stdout)["kind"] == "sp-plan-calibration"
     assert "fitted" in done.stderr
+
+
+@pytest.mark.parametrize("command", ["plan", "estimate"])
+def test_a_missing_seq_len_is_named_not_a_pydantic_message(command):
+    """Current click (8.5 here) takes an explicit default=None as a value, so a required --seq-len went unchecked and the
+    user read pydantic's "seq_len: Input should be a valid integer"."""
+    done = _sh([command, "--model", "llama3-8b", "--gpus", "8"])
+    assert done.returncode == 2
+    assert "Missing option '--seq-len'" in done.stderr and "valid integer" not in done.stderr
+
+
+def test_topo_show_and_list_print_json():
+    shown = _sh(["topo", "show", "dgx-h100", "--gpus", "16", "--json"])
+    assert shown.returncode == 0, shown.stderr
+    data = json.loads(shown.stdout)
+    topo = load_topology("dgx-h100", num_gpus=16)
+    assert data["derived"]["num_gpus"] == 16 and data["derived"]["nodes"] == 2
+    for cls, link in topo.links.items():
+        assert data["derived"]["link_classes"][cls]["bandwidth"] == pytest.approx(link.bandwidth)
+    assert data["spec"]["name"] == topo.spec.name
+    listed = json.loads(_sh(["topo", "list", "--json"]).stdout)
+    assert "dgx-h100" in {p["name"] for p in listed["topologies"]} and listed["fabrics"]
+    clash = _sh(["topo", "show", "dgx-h100", "--json", "--out", "-"])
+    assert clash.returncode == 2 and "both write standard output" in clash.stderr
+
+
+def test_probe_prints_json(tmp_path):
+    out = tmp_path / "topo.yaml"
+    done = subprocess.run([_console_script(), "probe", "--out", str(out), "--json", "--sizes", "16K,256K,2M",
+                           "--compute-budget", "0.05", "--link-budget", "0.5"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(done.stdout)
+    assert data["path"] == str(out) and out.exists()
+    assert data["topology"]["provenance"]["measured"]

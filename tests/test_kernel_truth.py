@@ -7,21 +7,22 @@ import math
 import pytest
 
 from sp_plan.cost_models import Layout, TrainSpec, get_model_preset
-from sp_plan.cost_models.fitted import FittedParameters, fitted_parameters, use
+from sp_plan.cost_models.fitted import FittedParameters, fitted_parameters
 from sp_plan.cost_models.gpu_spec import canonical_gpu_name, get_gpu_preset
 from sp_plan.cost_models.kernels import kernel_model, prior_kernel_model
+from sp_plan.cost_models.profile import use_fitted as use
 from sp_plan.cost_models.time_model import time_estimate
 from sp_plan.cost_models.topology import default_topology
-from sp_plan.planner.calibration.fit import FitResult, Parameter, fit
-from sp_plan.planner.calibration.kernel_fit import (
+from sp_plan.planner.fitting.fit import FitResult, Parameter, fit
+from sp_plan.planner.fitting.kernel_fit import (
     KERNEL_TRUTH_PREFIXES,
     fit_kernels,
     kernel_data,
     kernel_figures,
     leave_one_kernel_source_out,
 )
-from sp_plan.planner.calibration.parameters import SHIPPED_MIN_SOURCES, TIME_KINDS, VARIANT_KEYS, published_fit_parameters
-from sp_plan.planner.calibration.published import published_runs
+from sp_plan.planner.fitting.parameters import SHIPPED_MIN_SOURCES, TIME_KINDS, VARIANT_KEYS, published_fit_parameters
+from sp_plan.planner.fitting.published import published_runs
 
 LLAMA8 = get_model_preset("llama3-8b")
 
@@ -42,7 +43,7 @@ def test_every_kernel_figure_names_its_source_variant_and_convention():
     figures = kernel_figures()
     assert len(figures) > 100
     for f in figures:
-        assert f.gpu == get_gpu_preset(f.gpu).name  # a gpus.yaml variant, not a vague "H100"
+        assert f.gpu == get_gpu_preset(f.gpu).name  # a data/gpus/ variant, not a vague "H100"
         assert f.value > 0 and f.confidence in ("exact", "label", "derived", "ambiguous")
     for e in data["attention"]:
         assert data["sources"][e["source"]]["flops"] == "fa_paper"
@@ -215,7 +216,7 @@ def test_nccl_tests_bus_bandwidth_against_the_collective_model():
     """nccl-tests on 8 x H100 NVLink4: ~370 GB/s bus bandwidth for ring all-reduce, all-gather and
     all-to-all; the collective model on the dgx-h100 preset is within 5%. NVLS all-reduce (480 GB/s) is
     not modelled and shows as a -25% miss."""
-    from sp_plan.planner.calibration.kernel_fit import collective_checks
+    from sp_plan.planner.fitting.kernel_fit import collective_checks
 
     checks = collective_checks()
     ring = [c for c in checks if "NVLS" not in c.id]

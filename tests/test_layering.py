@@ -130,8 +130,7 @@ def _import_graph() -> nx.DiGraph:
         graph.add_node(module)
         for name, line in _imports(path, module):
             target = _project_target(name)
-            # A package's __init__ re-exporting its own submodules is the package's face, not a circle.
-            if target and target != module and not target.startswith(module + "."):
+            if target and target != module:
                 graph.add_edge(module, target, line=line)
     return graph
 

@@ -16,9 +16,9 @@ from sp_plan.cost_models.model_spec import get_model_preset
 from sp_plan.cost_models.profile import resolve_profile
 from sp_plan.cost_models.topology import load_topology
 from sp_plan.cost_models.train_spec import TrainSpec
-from sp_plan.planner.calibration.published import published_runs
-from sp_plan.planner.calibration.runs import max_seq_len
-from sp_plan.planner.calibration.fit import profile_for
+from sp_plan.planner.fitting.published import published_runs
+from sp_plan.planner.fitting.runs import max_seq_len
+from sp_plan.planner.fitting.fit import profile_for
 from sp_plan.planner.capacity import max_seq_len as capacity_max_seq_len
 from sp_plan.planner.search import PlanSettings
 

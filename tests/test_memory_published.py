@@ -11,8 +11,8 @@ import pytest
 
 from sp_plan.cost_models.profile import resolve_profile
 from sp_plan.cost_models.units import GiB
-from sp_plan.planner.calibration.published import published_runs
-from sp_plan.planner.calibration.runs import _estimate, max_seq_len, run_topology
+from sp_plan.planner.fitting.published import published_runs
+from sp_plan.planner.fitting.runs import _estimate, max_seq_len, run_topology
 
 RUNS, _ = published_runs()
 EXACT_MEMORY = [r for r in RUNS if r.kind == "memory" and r.confidence == "exact"]

@@ -367,7 +367,7 @@ def _write(path: Path, rows: list[dict]) -> Path:
 
 
 def test_a_csv_file_is_one_source_so_cross_validation_refits_per_file_not_per_row(tmp_path):
-    from sp_plan.planner.calibration.user_runs import runs_from_csv
+    from sp_plan.planner.fitting.user_runs import runs_from_csv
 
     runs = runs_from_csv(_write(tmp_path / "a.csv", _rows(5)), "sp-plan")
     assert {r.source for r in runs} == {str(tmp_path / "a.csv")}
@@ -375,8 +375,8 @@ def test_a_csv_file_is_one_source_so_cross_validation_refits_per_file_not_per_ro
 
 
 def test_the_fit_sees_at_most_max_fit_runs_and_the_rest_are_reported_held_out(tmp_path, monkeypatch):
-    from sp_plan.planner.calibration import user_fit
-    from sp_plan.planner.calibration.user_runs import runs_from_csv
+    from sp_plan.planner.fitting import user_fit
+    from sp_plan.planner.fitting.user_runs import runs_from_csv
 
     monkeypatch.setattr(user_fit, "MAX_FIT_RUNS", 6)
     seen: list[int] = []
@@ -399,7 +399,7 @@ def test_the_fit_sees_at_most_max_fit_runs_and_the_rest_are_reported_held_out(tm
 
 
 def test_the_time_only_prediction_equals_the_full_estimate():
-    from sp_plan.planner.calibration.runs import MeasuredRun, predict
+    from sp_plan.planner.fitting.runs import MeasuredRun, predict
 
     model = get_model_preset("llama3-8b")
     topo = load_topology("dgx-h100", 8)

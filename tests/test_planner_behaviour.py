@@ -294,3 +294,26 @@ def test_contradictory_pins_are_explained_and_pins_that_exclude_an_option_still_
         assert words in str(err.value)
     result = search(model, train, topology, PlanSettings(fixed_options={"offload_optimizer": False, "zero_stage": 3}))
     assert result.plans and all(not p.options["offload_params"] for p in result.plans)
+
+
+def test_a_faster_plan_ranked_lower_by_the_near_tie_rule_says_so():
+    """llama3-8b at 1M on 64 GPUs: the tp x ring plan is 0.2% faster than the winner but has one more moving
+    part; the comparison must show it as faster, naming the rule (it read "is -0.20% slower")."""
+    code, out = run_plan("--model", "llama3-8b", "--seq-len", "1M", "--gpus", "64", "--top", "3")
+    assert code == 0, out
+    line = next(ln for ln in out.splitlines() if "vs the best tp x ring plan" in ln)
+    assert "faster but ranks" in line and "near-tie rule" in line and "slower" not in line
+
+
+def test_explain_never_lists_a_layout_as_pruned_after_comparing_it():
+    code, out = run_plan("--model", "llama3-70b", "--seq-len", "1M", "--gpus", "64", "--top", "5", "--explain")
+    assert code == 0, out
+    alternatives = out.split("Alternatives:", 1)[1]
+    compared = [ln.split("plan: ", 1)[1].split(" is ", 1)[0] for ln in alternatives.splitlines()
+                if ln.startswith("  best ")]
+    assert compared
+    pruned = alternatives.split("pruned: cannot beat the plans shown", 1)[1].split("\n", 1)[1]
+    listed = {ln.split()[0] if " x " not in ln else ln[2:38].strip() for ln in pruned.splitlines()
+              if ln.startswith("  ") and not ln.startswith("  (") and not ln.startswith("  ...")}
+    assert not set(compared) & listed
+    assert "discounted tokens/s" in pruned  # the ranking's figure is named as such, not as the table's

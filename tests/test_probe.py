@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sp_plan.cost_models.calibration import TimingSample, predict
+from sp_plan.cost_models.link_fit import TimingSample, predict
 from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.topology import Topology, load_topology, save_topology
 from sp_plan.runtime.probe.build import DeviceFacts, ProbeFacts, build_spec, match_gpu_preset

@@ -2,7 +2,7 @@
 
 Inputs are ``sp-plan validate --json`` reports (one run each, configuration included) and/or CSV files
 (one run per row: configuration columns plus measured ``step_s`` / ``tps_per_gpu`` / memory columns; see
-:mod:`sp_plan.planner.calibration.user_runs`). The fit (:mod:`sp_plan.planner.calibration.user_fit`) moves the GPU's
+:mod:`sp_plan.planner.fitting.user_runs`). The fit (:mod:`sp_plan.planner.fitting.user_fit`) moves the GPU's
 asymptotic GEMM/attention/HBM efficiencies, per-kernel and per-ring-step fixed costs and the stack's
 overheads from their current values toward the measurements; the file it writes is what
 ``estimate``/``plan``/``capacity`` take with ``--calibration FILE``. Give ``--check`` runs to see the
@@ -22,6 +22,12 @@ import yaml
 
 from sp_plan.cost_models.atomic_io import write_output
 from sp_plan.cost_models.errors import CostModelError
+from sp_plan.cost_models.text_table import Column, format_table
+
+#: The report's two tables: every run before and after the fit, then the error by metric.
+RUN_COLUMNS = (Column("run"), Column("measured", ">"), Column("before", ">"), Column("after", ">"))
+ERROR_COLUMNS = (Column("error"), Column("runs", ">"), Column("before", ">"), Column("after", ">"),
+                 Column("tau before", ">"), Column("tau after", ">"))
 
 
 @click.command("calibrate")
@@ -35,9 +41,9 @@ from sp_plan.cost_models.errors import CostModelError
 @click.option("--json", "as_json", is_flag=True, help="Print the before/after errors as JSON.")
 def command(runs: tuple[Path, ...], check: tuple[Path, ...], stack: str, out_file: Path, as_json: bool) -> None:
     """Fit a calibration to measured runs (validate --json reports or CSV) and print before/after errors."""
-    from sp_plan.planner.calibration.user_fit import calibrate
-    from sp_plan.planner.calibration.user_runs import load_runs
-    from sp_plan.planner.calibration.fit import run_gpu
+    from sp_plan.planner.fitting.user_fit import calibrate
+    from sp_plan.planner.fitting.user_runs import load_runs
+    from sp_plan.planner.fitting.fit import run_gpu
 
     from .common import check_output_path
 
@@ -71,16 +77,17 @@ def command(runs: tuple[Path, ...], check: tuple[Path, ...], stack: str, out_fil
         f"wrote {out_file}")
     for name, value in result.fit.as_dict().items():
         say(f"  {name:<48} {value:.4g}")
-    say(f"{'run':<70}{'measured':>11}{'before':>11}{'after':>11}")
     checked, sampled_ids = {id(r) for r in check_runs}, {id(r) for r in result.fitted_runs}
+    runs = []
     for r in fit_runs + check_runs:
         before, after = result.predictions[r.id]
         tag = (" (held out)" if id(r) in checked else "" if id(r) in sampled_ids else " (not in fit sample)")
-        say(f"{(r.id + tag)[:70]:<70}{r.value:>11.4g}{before:>11.4g}{after:>11.4g}")
-    say(f"{'error':<40}{'runs':>5}{'before':>10}{'after':>10}{'tau before':>12}{'tau after':>11}")
+        runs.append([r.id + tag, f"{r.value:.4g}", f"{before:.4g}", f"{after:.4g}"])
+    say("\n".join(format_table(RUN_COLUMNS, runs)))
+    errors = []
     for e in cal.errors:
         tb = "-" if e.before_kendall_tau is None else f"{e.before_kendall_tau:.2f}"
         ta = "-" if e.after_kendall_tau is None else f"{e.after_kendall_tau:.2f}"
-        say(f"{e.metric:<40}{e.runs:>5}{e.before_mean_abs_pct:>9.1f}%{e.after_mean_abs_pct:>9.1f}%"
-            f"{tb:>12}{ta:>11}")
+        errors.append([e.metric, str(e.runs), f"{e.before_mean_abs_pct:.1f}%", f"{e.after_mean_abs_pct:.1f}%", tb, ta])
+    say("\n".join(format_table(ERROR_COLUMNS, errors)))
     say(f"use it: sp-plan plan ... --calibration {out_file}")

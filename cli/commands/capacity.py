@@ -10,6 +10,7 @@ import click
 
 from sp_plan.cost_models.atomic_io import atomic_output
 from sp_plan.cost_models.errors import CostModelError
+from sp_plan.cost_models.text_table import Column, format_table
 from sp_plan.cost_models.units import GB, format_tokens, parse_seq_len
 
 from sp_plan.planner.capacity import MAX_GPUS, SweepPoint, max_seq_len, min_gpus, sweep
@@ -157,23 +158,26 @@ def seq_granule_start(gpus: int) -> int:
     return seq_granule(gpus)
 
 
+SWEEP_COLUMNS = (Column("GPUs", ">"), Column("seq", ">"), Column("layout"), Column("options"), Column("mem/GPU", ">"),
+                 Column("step", ">"), Column("tokens/s", ">"), Column("MFU", ">"))
+
+
 def render_sweep(points: list[SweepPoint], mode: str) -> str:
-    rows = [f"{'GPUs':>6} {'seq':>10}  {'layout':<32} {'options':<48} {'mem/GPU':>9} {'step':>10} {'tokens/s':>11} "
-            f"{'MFU':>6}"]
+    rows = []
     for p in points:
+        where = [str(p.gpus), format_tokens(p.seq_len)]
         if p.plan is None:
             if p.nearest is not None and p.nearest.kernel_limit is not None:
-                rows.append(f"{p.gpus:>6} {format_tokens(p.seq_len):>10}  does not fit ({p.nearest.kernel_limit})")
+                rows.append([*where, f"does not fit ({p.nearest.kernel_limit})"])
                 continue
             miss = (f" (closest is short by {p.nearest.shortfall_bytes / GB:.1f} GB)"
                     if p.nearest and p.nearest.shortfall_bytes is not None else "")
-            rows.append(f"{p.gpus:>6} {format_tokens(p.seq_len):>10}  does not fit{miss}")
+            rows.append([*where, f"does not fit{miss}"])
             continue
         t, m = p.plan.estimate.time, p.plan.estimate.memory
-        rows.append(f"{p.gpus:>6} {format_tokens(p.seq_len):>10}  {p.plan.layout.describe():<32} "
-                    f"{describe_options(p.plan.options, mode):<48} {m.total / GB:>6.1f} GB {t.step_s:>8.2f} s "
-                    f"{t.tokens_per_s:>11,.0f} {t.mfu:>6.1%}")
-    return "\n".join(rows)
+        rows.append([*where, p.plan.layout.describe(), describe_options(p.plan.options, mode), f"{m.total / GB:.1f} GB",
+                     f"{t.step_s:.2f} s", f"{t.tokens_per_s:,.0f}", f"{t.mfu:.1%}"])
+    return "\n".join(format_table(SWEEP_COLUMNS, rows))
 
 
 #: Formats --plot writes, by file suffix (matplotlib's Agg backend; PNG when the suffix names none).

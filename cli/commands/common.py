@@ -121,7 +121,7 @@ def memory_technique_options(func: Callable) -> Callable:
 def _model_options(func: Callable, seq_len_required: bool) -> Callable:
     options = [
         click.option("--model", "model_name", required=True, help="Preset name or path to a HF config.json."),
-        click.option("--seq-len", type=SEQ_LEN, required=seq_len_required, default=None,
+        click.option("--seq-len", type=SEQ_LEN, required=seq_len_required,
                      help="Tokens per sequence: 131072, 128K, 1M."),
         click.option("--mode", type=click.Choice(["train", "prefill"]), default="train", show_default=True),
         click.option("--micro-batch", type=click.IntRange(1, 1 << 16), default=1, show_default=True),

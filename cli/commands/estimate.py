@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from sp_plan.cost_models.errors import explain_validation_error
 from sp_plan.cost_models.estimate import Estimate, estimate
 from sp_plan.cost_models.memory.kernel_limits import within_row_kernel_limit
+from sp_plan.cost_models.text_table import Column, format_table
 from sp_plan.cost_models.units import GB, GiB, format_tokens
 
 from sp_plan.planner.sanity import check_figures
@@ -164,6 +165,8 @@ def render_comm_time(est: Estimate) -> list[str]:
     return rows
 
 
+EXPLAIN_COLUMNS = (Column("part"), Column("seconds", ">"), Column("share", ">"), Column("efficiency"),
+                   Column("from"))
 #: (component, label, efficiency key or None) in the order the explanation lists them.
 _EXPLAINED = (
     ("gemm_forward", "GEMMs forward (layers + LM head)", "matmul"),
@@ -190,14 +193,14 @@ def render_time_explanation(est: Estimate) -> str:
         f"{est.layout.world} x {det.gpu} | {est.layout.describe()} | stack {det.stack}",
         f"step {t.step_s:.3f} s = what each part takes on the critical path (peak {peak:,.4g} TFLOP/s per GPU, "
         f"sustained clock x{eff.get('clock', 1.0):.3f}: {sources.get('clock', '')})",
-        f"  {'part':<42}{'seconds':>11}{'share':>8}  {'efficiency':<30}from",
     ]
+    table: list[list[str]] = []
 
     def row(label: str, seconds: float, efficiency: str = "", source: str = "") -> None:
         share = seconds / t.step_s if t.step_s > 0 else 0.0
         if share < 1e-5:  # a few microseconds of a long step: noise in a table meant to explain it
             return
-        rows.append(f"  {label:<42}{seconds:>11.4f}{share:>8.1%}  {efficiency:<30}{source}")
+        table.append([label, f"{seconds:.4f}", f"{share:.1%}", efficiency, source])
 
     for key, label, eff_key in _EXPLAINED:
         seconds = parts.get(key, 0.0)
@@ -228,7 +231,8 @@ def render_time_explanation(est: Estimate) -> str:
     if parts.get("step_overhead", 0.0) > 0:
         row("stack overhead per step", parts["step_overhead"], "", sources.get("step_overhead_s", ""))
     total = sum(parts.values())
-    rows.append(f"  {'= step':<42}{total:>11.4f}{total / t.step_s if t.step_s > 0 else 0.0:>8.1%}")
+    table.append(["= step", f"{total:.4f}", f"{total / t.step_s if t.step_s > 0 else 0.0:.1%}"])
+    rows += format_table(EXPLAIN_COLUMNS, table, indent="  ")
     rows.append(f"  {t.tokens_per_s:,.0f} tokens/s | MFU {t.mfu:.1%} (HFU {t.hfu:.1%}); efficiencies are the "
                 "asymptotic fractions, each kernel's shape lowers them (GEMM tiles and waves, attention length)")
     if sources.get("kernel_data_sources"):

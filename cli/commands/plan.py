@@ -148,13 +148,15 @@ def explain_alternatives(model, train, topology, settings: PlanSettings, result:
     with the winner; then the grouped rejection reasons."""
     lines = ["Alternatives:"]
     best = result.plans[0]
+    compared: set[str] = set()
     for fam, layout in sorted(family_champions(result).items()):
         fixed = settings.model_copy(update={"fixed_layout": layout, "top_k": 1})
         alt = search(model, train, topology, fixed, world=world)
         if alt.plans:
             first, *rest = compare(best, alt.plans[0])
             lines += [f"  best {fam} plan: {first}", *rest]
-    lines += explain_rejections(result)
+            compared.add(alt.plans[0].layout.describe())
+    lines += explain_rejections(result, explained=compared)
     return lines
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -38,8 +39,10 @@ def _sizes(text: str | None) -> list[int] | None:
 @click.option("--link-budget", type=FiniteFloatRange(0.1, 600), default=None,
               help="Seconds for all timings of one link class.")
 @click.option("--name", default=None, help="Topology name (default: probe-<host>).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the probed topology and what was and was not measured as JSON (rank 0).")
 def command(out: Path, sizes: str | None, compute_budget: float | None, link_budget: float | None,
-            name: str | None) -> None:
+            name: str | None, as_json: bool) -> None:
     """Discover GPUs, NVLink/PCIe, host and NICs; time links under torchrun; write a topology file.
 
     Run alone for discovery and compute, or under `torchrun --nproc-per-node N -m sp_plan.cli probe`
@@ -53,8 +56,13 @@ def command(out: Path, sizes: str | None, compute_budget: float | None, link_bud
     except ImportError as exc:  # torch is an optional dependency of the planner
         raise CostModelError(f"sp-plan probe needs torch ({exc.name} is missing): pip install 'sp-plan[runtime]'") from exc
     result = run_probe(out, sizes=parsed, compute_budget_s=compute_budget, link_budget_s=link_budget, name=name)
-    for line in result.lines:
-        click.echo(line)
+    if as_json:
+        if result.spec is not None:  # rank 0 writes the file and reports
+            click.echo(json.dumps({"path": str(result.path), "topology": result.spec.model_dump(mode="json")},
+                                  indent=2))
+    else:
+        for line in result.lines:
+            click.echo(line)
     if "WORLD_SIZE" in os.environ:  # a torchrun rank: leave before the interpreter's teardown can abort it
         from sp_plan.runtime.auto import finish_worker
 

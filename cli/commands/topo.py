@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import click
 
 from sp_plan.cost_models.topology import (
@@ -16,7 +18,7 @@ from sp_plan.cost_models.topology import (
     with_fabric,
 )
 from sp_plan.cost_models.topology.presets import fabric_description, parse_reference
-from sp_plan.cost_models.topology.render import render
+from sp_plan.cost_models.topology.render import render, topology_json
 
 from .common import check_output_path
 
@@ -35,8 +37,10 @@ def command() -> None:
 @click.option("--nics-per-node", type=click.IntRange(1, 64), default=None, help="NICs per node on the fabric.")
 @click.option("--out", "out", type=click.Path(dir_okay=False), default=None,
               help="Also write the (resized) topology as YAML to this file (- for standard output).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the topology and its derived link figures as JSON (bytes/s, seconds).")
 def show(topology: str | None, gpus: int | None, gpus_per_node: int | None, fabric: str | None,
-         nics_per_node: int | None, out: str | None) -> None:
+         nics_per_node: int | None, out: str | None, as_json: bool) -> None:
     """Print a topology: nodes, GPUs, link classes with bandwidth and latency, NICs, calibration.
 
     PRESET is a shipped machine (see `sp-plan topo list`), optionally with a fabric as
@@ -44,8 +48,10 @@ def show(topology: str | None, gpus: int | None, gpus_per_node: int | None, fabr
     `sp-plan probe`). Without an argument, lists the presets.
     """
     if topology is None:
-        _list()
+        _list(as_json)
         return
+    if as_json and out == "-":
+        raise click.UsageError("--json and --out - would both write standard output: give --out a file name")
     check_output_path(out, "--out")
     if fabric is not None or nics_per_node is not None:
         if "@" in topology:
@@ -54,10 +60,15 @@ def show(topology: str | None, gpus: int | None, gpus_per_node: int | None, fabr
         topo = Topology(resize(with_fabric(spec, fabric, nics_per_node), gpus, gpus_per_node))
     else:
         topo = load_topology(topology, num_gpus=gpus, gpus_per_node=gpus_per_node)
-    _emit(topo, out)
+    _emit(topo, out, as_json)
 
 
-def _emit(topo, out: str | None) -> None:
+def _emit(topo, out: str | None, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(topology_json(topo), indent=2))
+        if out:
+            click.echo(f"wrote {save_topology(topo, out)}", err=True)
+        return
     if out == "-":  # the YAML is standard output; the rendering goes to standard error
         click.echo(render(topo), err=True)
         click.echo(spec_to_yaml(topo.spec), nl=False)
@@ -69,12 +80,25 @@ def _emit(topo, out: str | None) -> None:
 
 
 @command.command("list")
-def list_presets() -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the presets as JSON.")
+def list_presets(as_json: bool) -> None:
     """List topology presets and fabric presets."""
-    _list()
+    _list(as_json)
 
 
-def _list() -> None:
+def _list(as_json: bool = False) -> None:
+    if as_json:
+        presets = []
+        for name in preset_names():
+            spec = get_preset_spec(name)
+            presets.append({"name": name, "gpus_per_node": spec.node.gpus,
+                            "gpu": spec.gpu if isinstance(spec.gpu, str) else spec.gpu.name,
+                            "interconnect": spec.node.interconnect.kind,
+                            "fabric": ({"name": spec.fabric.name, "nics_per_node": spec.fabric.nics_per_node}
+                                       if spec.fabric else None)})
+        fabrics = [{"name": name, "description": fabric_description(name)} for name in fabric_names()]
+        click.echo(json.dumps({"topologies": presets, "fabrics": fabrics}, indent=2))
+        return
     click.echo("Topology presets (one node each; --gpus adds nodes over the preset's fabric):")
     for name in preset_names():
         spec = get_preset_spec(name)

@@ -31,6 +31,10 @@ from .common import (
     split_options,
 )
 
+#: The model families validate runs (registered adapter names): the runtime's Llama, or with --hf a
+#: transformers model of the plan's shape.
+DEFAULT_FAMILY = "llama"
+HF_FAMILY = "hf"
 #: Wall-clock bound for the launched ranks (start-up, planning of nothing, a few steps).
 LAUNCH_TIMEOUT_S = 1800
 
@@ -71,7 +75,7 @@ def _available_host_bytes() -> int | None:
     return None
 
 
-def check_host_memory(plan, local_ranks: int, available: int | None = None, kind: str = "llama") -> None:
+def check_host_memory(plan, local_ranks: int, available: int | None = None, family: str = "llama") -> None:
     """Refuse, with the arithmetic and the way out, a run whose ranks cannot even build the model: each
     local rank materializes the whole model (random fp32 weights) before FSDP shards it, and a rank the
     kernel kills for memory leaves only a bare SIGKILL behind."""
@@ -82,7 +86,7 @@ def check_host_memory(plan, local_ranks: int, available: int | None = None, kind
     if available is None:
         return
     init = plan.model.num_params * INIT_BYTES_PER_PARAM
-    core = memory_core(plan.model, plan.train, plan.layout, memory_assumptions(kind))
+    core = memory_core(plan.model, plan.train, plan.layout, memory_assumptions(family))
     step = core.peak_allocated + core.host_total  # what the memory model predicts a rank holds in a step
     per_rank = max(init, step)
     need = per_rank * local_ranks
@@ -96,7 +100,7 @@ def check_host_memory(plan, local_ranks: int, available: int | None = None, kind
             "config.json")
 
 
-def _launch(plan_path: Path, world: int, steps: int, time_topology: str | None, kind: str) -> dict:
+def _launch(plan_path: Path, world: int, steps: int, time_topology: str | None, hf: bool) -> dict:
     """Run the ranks under torch.distributed.run and return rank 0's report (JSON)."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "report.json"
@@ -105,7 +109,7 @@ def _launch(plan_path: Path, world: int, steps: int, time_topology: str | None, 
                "--result-file", str(result)]
         if time_topology:
             cmd += ["--time-topology", time_topology]
-        if kind == "hf":
+        if hf:
             cmd.append("--hf")
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
         if done.returncode != 0 or not result.exists():
@@ -166,15 +170,15 @@ def command(plan_path: Path | None, model_name: str | None, seq_len: str | None,
         if seq_len is not None:
             options["seq_len"] = parse_seq_len(seq_len)
         plan = _plan_from_flags(model_name, gpus, gpus_per_node, gpu_name, topology_ref, layers, options)
-    kind = "hf" if hf else "llama"
-    reasons = unsupported_reasons(plan, kind)
+    family = HF_FAMILY if hf else DEFAULT_FAMILY  # a registered model adapter's name
+    reasons = unsupported_reasons(plan, family)
     if reasons:
         raise CostModelError("the runtime cannot execute this plan: " + " | ".join(reasons))
     world = plan.layout.world
     if "WORLD_SIZE" not in os.environ:  # the launcher checks once for all the ranks it will start
-        check_host_memory(plan, world, kind=kind)
+        check_host_memory(plan, world, family=family)
     if "WORLD_SIZE" in os.environ or world == 1:
-        _run_here(plan, steps, time_topology, as_json, result_file, kind)
+        _run_here(plan, steps, time_topology, as_json, result_file, family)
         if "WORLD_SIZE" in os.environ:  # a launched rank: its report is written
             from sp_plan.runtime.auto import finish_worker
 
@@ -184,12 +188,12 @@ def command(plan_path: Path | None, model_name: str | None, seq_len: str | None,
         path = Path(tmp) / "plan.yaml"
         plan.save(path)
         click.echo(f"launching {world} rank(s) for {plan.layout.describe()} ...", err=True)
-        report = _launch(path, world, steps, time_topology, kind)
+        report = _launch(path, world, steps, time_topology, hf)
     _emit(report, as_json)
 
 
 def _run_here(plan, steps: int, time_topology: str | None, as_json: bool, result_file: Path | None,
-              kind: str = "llama") -> None:
+              family: str = "llama") -> None:
     try:
         import torch  # noqa: F401
     except ImportError as exc:
@@ -199,7 +203,7 @@ def _run_here(plan, steps: int, time_topology: str | None, as_json: bool, result
     from sp_plan.runtime.validate import run_validation
 
     try:
-        report = run_validation(plan, steps=steps, topology=time_topology, kind=kind)
+        report = run_validation(plan, steps=steps, topology=time_topology, family=family)
         if report is not None:
             data = report.to_json_dict()
             if result_file is not None:

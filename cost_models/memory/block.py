@@ -1,6 +1,6 @@
 """The ops of one transformer block on one GPU, as a :class:`~.graph.Graph`.
 
-It mirrors the forward code of the runtime (``runtime/models/llama.py``) and of HF Llama/torchtitan:
+It mirrors the forward code of the runtime (``runtime/models/llama/model.py``) and of HF Llama/torchtitan:
 
     x -> norm1 -> [all-gather over tp] -> q, k, v projections -> [q/k norm] -> RoPE
       -> [repeat KV heads] -> [Ulysses all-to-all of q, k, v] -> attention (flash, ring or materialized)

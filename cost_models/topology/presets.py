@@ -1,8 +1,9 @@
 """Topology presets, references like ``dgx-h100@efa:32``, and YAML load/save with clear errors.
 
 A reference is ``NAME[@FABRIC[:NICS]]`` where NAME is a shipped preset (``cost_models/data/
-topologies/NAME.yaml``) or a path to a topology YAML file, FABRIC one of the fabric presets
-(``_fabrics.yaml``) and NICS the NICs per node. The GPU count then decides the node count: the same
+topologies/NAME.yaml``) or a path to a topology YAML file (told apart by
+:func:`sp_plan.cost_models.data.resolve`), FABRIC one of the fabric presets (``_fabrics.yaml``) and NICS
+the NICs per node. The GPU count then decides the node count: the same
 node description, repeated.
 """
 
@@ -11,21 +12,22 @@ from __future__ import annotations
 import datetime as _dt
 import math
 from functools import cache
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .. import data
 from ..atomic_io import atomic_write_text
 from ..errors import CostModelError
 from ..gpu_spec import canonical_gpu_name, get_gpu_preset
-from ..yaml_io import parse_mapping, read_small_text, safe_load, validated
+from ..yaml_io import parse_mapping, safe_load, validated
 from .spec import MAX_GPUS_PER_NODE, MAX_NICS_PER_NODE, MAX_TOTAL_GPUS, FabricSpec, LinkCalibration, TopologySpec
 from .topology import Topology
 
-#: Real topology files are a few KB; anything larger is not one (and is refused before parsing).
-MAX_TOPOLOGY_FILE_BYTES = 1 << 20
+#: Real topology files are a few KB; anything larger is not one (and is refused before parsing): the bound
+#: every user data file has.
+MAX_TOPOLOGY_FILE_BYTES = data.MAX_USER_FILE_BYTES
 
 #: The node each GPU model usually comes in, for ``default_topology`` (``--gpu`` without a topology).
 NATURAL_NODE_PRESET: dict[str, str] = {
@@ -44,23 +46,14 @@ NATURAL_NODE_PRESET: dict[str, str] = {
 }
 
 
-def _data_dir():
-    return resources.files("sp_plan.cost_models.data").joinpath("topologies")
-
-
-@cache
 def preset_names() -> list[str]:
     """Shipped topology presets (files in ``cost_models/data/topologies``, minus ``_*`` helpers)."""
-    return sorted(
-        entry.name[: -len(".yaml")]
-        for entry in _data_dir().iterdir()
-        if entry.name.endswith(".yaml") and not entry.name.startswith("_")
-    )
+    return list(data.names("topologies"))
 
 
 @cache
 def _fabric_table() -> dict[str, dict[str, Any]]:
-    return safe_load(_data_dir().joinpath("_fabrics.yaml").read_text())["fabrics"]
+    return safe_load(data.read_text("topologies", "_fabrics"))["fabrics"]
 
 
 def fabric_names() -> list[str]:
@@ -73,16 +66,14 @@ def fabric_description(name: str) -> str:
 
 @cache
 def _preset_spec(name: str) -> TopologySpec:
-    text = _data_dir().joinpath(f"{name}.yaml").read_text()
-    return _spec_from_text(text, f"topology preset {name}")
+    return _spec_from_text(data.read_text("topologies", name), f"topology preset {name}")
 
 
 def get_preset_spec(name: str) -> TopologySpec:
-    key = name.strip().lower()
-    if key not in preset_names():
-        raise CostModelError(
-            f"unknown topology {name!r}: use a preset ({', '.join(preset_names())}) or a path to a topology YAML file"
-        )
+    """A shipped preset by name (case-insensitive); an unknown name gets the closest ones."""
+    key = data.canonical("topologies", name)
+    if key is None:
+        raise data.unknown_name("topologies", name)
     return _preset_spec(key)
 
 
@@ -103,17 +94,12 @@ def spec_from_dict(data: Any, what: str = "topology") -> TopologySpec:
 
 def load_spec_file(path: str | Path) -> TopologySpec:
     """Read and validate a topology YAML file (``yaml.safe_load``, size-bounded)."""
-    text = read_small_text(path, MAX_TOPOLOGY_FILE_BYTES, "topology file",
-                           f"not found: give a preset ({', '.join(preset_names())}) or an existing YAML path")
     path = Path(path).expanduser()
+    text = data.read_user_text("topologies", path)
     spec = _spec_from_text(text, f"topology file {path}")
     if isinstance(spec.gpu, str):
         get_gpu_preset(spec.gpu)  # unknown GPU names fail here, with the list of presets
     return spec
-
-
-def _looks_like_path(text: str) -> bool:
-    return text.endswith((".yaml", ".yml")) or "/" in text or Path(text).expanduser().is_file()
 
 
 def parse_reference(ref: str) -> tuple[TopologySpec, str | None, int | None]:
@@ -130,7 +116,8 @@ def parse_reference(ref: str) -> tuple[TopologySpec, str | None, int | None]:
                 nics = int(count)
             except ValueError:
                 raise CostModelError(f"in {ref!r}, NICS after ':' must be an integer, e.g. dgx-h100@efa:32") from None
-    spec = load_spec_file(base) if _looks_like_path(base) else get_preset_spec(base)
+    found = data.resolve("topologies", base)
+    spec = load_spec_file(found.path) if found.path is not None else _preset_spec(found.name)
     return spec, fabric, nics
 
 
@@ -214,7 +201,7 @@ def load_topology(preset_or_path: str | Path, num_gpus: int | None = None,
     """
     ref = str(preset_or_path)
     base = ref.rpartition("@")[0] if "@" in ref else ref
-    if _looks_like_path(base):
+    if data.is_user_file("topologies", base):
         spec, fabric, nics = parse_reference(ref)
         return Topology(resize(with_fabric(spec, fabric, nics), num_gpus, gpus_per_node))
     return _cached_topology(ref.strip().lower(), num_gpus, gpus_per_node)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from ..compute_time import fractions
+from ..errors import CostModelError
+from ..profile import default_profile
 from ..units import GB, GiB
 from .topology import Topology
 
@@ -36,10 +39,6 @@ def _compute_efficiencies(topology: Topology) -> str:
     the GPU's kernel model (fitted to published runs). Showing that value, labelled, tells the user what
     the estimates assume instead of failing on the unset field or hiding it.
     """
-    from ..compute_time import fractions  # lazy: compute_time imports the topology package
-    from ..errors import CostModelError
-    from ..profile import default_profile
-
     c = topology.spec.calibration.compute
     try:
         used = fractions(topology, default_profile(topology.gpu.name))
@@ -58,6 +57,25 @@ def _compute_efficiencies(topology: Topology) -> str:
         else:
             parts.append(f"{label} unset")
     return ", ".join(parts)
+
+
+def topology_json(topology: Topology) -> dict:
+    """What ``topo show`` prints, for machines: the spec as a topology file holds it, plus the figures the
+    cost model derives from it (effective link bandwidths and latencies, PCIe and fabric shares), in bytes/s
+    and seconds."""
+    spec = topology.spec
+    derived = {
+        "num_gpus": spec.num_gpus,
+        "nodes": spec.nodes,
+        "gpus_per_node": spec.node.gpus,
+        "link_classes": {cls: {"nominal_bandwidth": link.nominal_bandwidth, "efficiency": link.efficiency,
+                               "bandwidth": link.bandwidth, "alpha_s": link.alpha}
+                         for cls, link in topology.links.items()},
+        "pcie_bandwidth_per_gpu": topology.pcie_bandwidth if spec.node.pcie is not None else None,
+        "fabric_bandwidth_per_gpu": topology.analysis.fabric_share if spec.fabric is not None else None,
+        "host_ram_per_gpu": topology.host_ram_per_gpu,
+    }
+    return {"name": spec.name, "derived": derived, "spec": spec.model_dump(mode="json")}
 
 
 def render(topology: Topology) -> str:

@@ -191,7 +191,7 @@ class TopologySpec(_Strict):
 
     name: str = Field(min_length=1, max_length=200)
     description: str = Field(default="", max_length=2000)
-    #: A GPU preset name (``cost_models/data/gpus.yaml``) or an inline GPU description.
+    #: A GPU preset name (``cost_models/data/gpus/<name>.yaml``) or an inline GPU description.
     gpu: str | GPUSpec
     nodes: int = Field(default=1, ge=1, le=MAX_NODES)
     node: NodeSpec

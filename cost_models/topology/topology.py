@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import CostModelError
 from ..gpu_spec import GPUSpec, get_gpu_preset
+from ..kernels import kernel_model
 from .graph import NodeAnalysis, build_graph
 from .spec import LINK_CLASSES, CalibrationSpec, ComputeCalibration, TopologySpec
 
@@ -130,8 +131,6 @@ class Topology:
         """Achievable fractions of peak for compute, HBM, PCIe and host memory: the topology's
         calibration where it gives them, else the asymptotic fractions of the GPU's kernel model
         (FlashAttention-2 for attention; the time model picks the stack's kernel family itself)."""
-        from ..kernels import kernel_model
-
         c = self.spec.calibration.compute
         k = kernel_model(self.gpu.name)
         fa = k.attention_params("fa2")

@@ -36,6 +36,7 @@ import torch
 
 from sp_plan.runtime.attention.documents import (
     block_pairs,
+    check_cu_seqlens,
     documents_backward,
     documents_forward,
     row_bounds,
@@ -259,8 +260,6 @@ def ulysses_qkv_to_heads_op(
         check_qkv(q, k, v, causal, scale)
         ulysses_kv_replication(q.shape[2], k.shape[2], world)
         if cu_seqlens is not None:
-            from sp_plan.runtime.attention.documents import check_cu_seqlens
-
             check_cu_seqlens(cu_seqlens)
     except RuntimeConfigError as exc:
         problem = str(exc)

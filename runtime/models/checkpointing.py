@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from ..attention.ops import KEPT_BY_SELECTIVE
 from ..errors import RuntimeConfigError
 
 CheckpointMode = Literal["none", "selective", "full"]
@@ -38,8 +39,6 @@ def _attention_kernel_ops() -> set[Any]:
     """Attention ops whose outputs selective keeps: PyTorch's fused attention ops that exist in this build
     (their outputs are out, LSE, RNG state) and the sequence-parallel attention steps of
     :mod:`sp_plan.runtime.attention.ops` (local kernel, ring pass, Ulysses output all-to-all)."""
-    from sp_plan.runtime.attention.ops import KEPT_BY_SELECTIVE
-
     names = (
         "_scaled_dot_product_flash_attention_for_cpu",
         "_scaled_dot_product_flash_attention",

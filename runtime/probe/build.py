@@ -14,9 +14,10 @@ import re
 import statistics
 from dataclasses import dataclass, field
 
-from sp_plan.cost_models.calibration import AlphaBetaFit, TimingSample, fit_alpha_beta, link_calibration, model_terms
+from sp_plan.cost_models.link_fit import AlphaBetaFit, TimingSample, fit_alpha_beta, link_calibration, model_terms
 from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.gpu_spec import GPUSpec, get_gpu_preset
+from sp_plan.cost_models.kernels import attention_shape_efficiency, prior_kernel_model
 from sp_plan.cost_models.topology import (
     CalibrationSpec,
     ComputeCalibration,
@@ -226,8 +227,6 @@ def _cpu_attention(dev: DeviceFacts, name: str, peaks: dict[str, float], facts: 
     (aten's CPU flash kernel accumulates in fp32 and is bound by its softmax, not its GEMMs), while bf16
     GEMMs run about twice as fast: a bf16 CPU run's attention is priced optimistically, and a note says so.
     """
-    from sp_plan.cost_models.kernels import attention_shape_efficiency, prior_kernel_model
-
     reference = peaks.get(dev.attention_dtype) or max(peaks.values())
     kernels = prior_kernel_model(name)
     params = kernels.attention_params("fa2")

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from sp_plan.cost_models.calibration import TimingSample
+from sp_plan.cost_models.link_fit import TimingSample
 
 #: Matmul sizes: large enough to reach steady-state throughput, small enough for a CPU budget (a CPU
 #: GEMM reaches its rate from about 128 x 128 up; measured on a 2-core EPYC: 512^3 and 2048 x 128 x 128

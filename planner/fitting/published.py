@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cache
-from importlib import resources
 from typing import Any
 
+from sp_plan.cost_models import data as shipped_data
 from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.model_spec import ModelSpec, get_model_preset
@@ -192,8 +192,7 @@ class Skipped:
 
 @cache
 def published_entries() -> dict[str, Any]:
-    text = resources.files("sp_plan.cost_models.data").joinpath("calibration", "published.yaml").read_text()
-    return safe_load(text)
+    return safe_load(shipped_data.read_text("calibration", "published"))
 
 
 def _model(name: str) -> ModelSpec:

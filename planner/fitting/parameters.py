@@ -8,9 +8,9 @@ compile and Float8 pulled the H100 FA2 backward from 0.30 to 0.175 of peak and s
 What system-level runs alone can tell, and so fit here:
 
 - a stack's overheads (``time.<StackTime field>``: per-layer host time, compiled fusion), per stack;
-- a GPU variant's sustained-clock factor (``kernels.clock_factor`` scoped to one gpus.yaml variant).
+- a GPU variant's sustained-clock factor (``kernels.clock_factor`` scoped to one GPU variant, a data/gpus/ file).
 
-Priors are the documented values in the stack files and gpus.yaml (never previously fitted ones, so a
+Priors are the documented values in the stack files and the GPU files (data/gpus/; never previously fitted ones, so a
 refit reproduces itself). A parameter is shipped only when figures of two or more sources depend on it
 (:data:`SHIPPED_MIN_SOURCES`); the others keep their priors.
 """
@@ -33,7 +33,7 @@ def _stack(field: str, stack: str, lower: float, upper: float, sigma: float, spa
 
 
 def _variant(gpu: str, lower: float, upper: float, sigma: float) -> Parameter:
-    """The sustained-clock factor of a GPU variant (prior: gpus.yaml)."""
+    """The sustained-clock factor of a GPU variant (prior: its data/gpus/ file)."""
     prior = get_gpu_preset(gpu).clock_factor
     return Parameter(target="kernels.clock_factor", gpu=gpu, prior=prior, lower=lower, upper=upper, sigma=sigma)
 

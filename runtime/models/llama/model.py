@@ -35,10 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from sp_plan.cost_models.model_spec import ModelSpec
-
-from ..errors import RuntimeConfigError
-from ..tiled_mlp import tile_tokens_for, tiled_gated_mlp
-from .checkpointing import check_mode, keep_for_selective, run_checkpointed
+from sp_plan.runtime.errors import RuntimeConfigError
+from sp_plan.runtime.models.checkpointing import check_mode, keep_for_selective, run_checkpointed
+from sp_plan.runtime.tiled_mlp import tile_tokens_for, tiled_gated_mlp
 
 AttentionFn = Callable[..., torch.Tensor]
 

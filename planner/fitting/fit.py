@@ -37,7 +37,7 @@ ROBUST_SCALE = 0.3
 class Parameter(BaseModel):
     """One fitted quantity: ``target`` is ``kernels.<dotted path>``, ``time.<StackTime field>`` or
     ``memory.<MemoryAssumptions field>``; ``family`` limits a kernel parameter to one GPU family (the
-    kernel file's name: h100, a100, l20, ...), ``gpu`` to one GPU variant (a gpus.yaml name: the
+    kernel file's name: h100, a100, l20, ...), ``gpu`` to one GPU variant (a data/gpus/ file name: the
     variant's ``clock_factor``), ``stack`` a time/memory parameter to one stack."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -20,15 +20,19 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
-from importlib import resources
 from typing import Any
 
 import numpy as np
 
+from sp_plan.cost_models import data as shipped_data
+from sp_plan.cost_models.collectives import collective_cost
 from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.flops import FLASH_BACKWARD_RATIO
 from sp_plan.cost_models.gpu_spec import GPUSpec, get_gpu_preset
 from sp_plan.cost_models.kernels import KernelModel, attention_seconds, gemm_seconds, kernel_family, prior_kernel_model
+from sp_plan.cost_models.layout import Layout
+from sp_plan.cost_models.placement import group_spans
+from sp_plan.cost_models.topology import default_topology
 from sp_plan.cost_models.yaml_io import safe_load
 
 KERNEL_DATA_FILE = "kernels.yaml"
@@ -78,8 +82,7 @@ class KernelParameter:
 @cache
 def kernel_data() -> dict[str, Any]:
     """The kernel-level measurements file, parsed."""
-    path = resources.files("sp_plan.cost_models.data").joinpath("calibration", KERNEL_DATA_FILE)
-    return safe_load(path.read_text())
+    return safe_load(shipped_data.read_text("calibration", KERNEL_DATA_FILE.removesuffix(".yaml")))
 
 
 def _peak(gpu: GPUSpec) -> float:
@@ -318,11 +321,6 @@ NCCL_CHECK_BYTES = float(1 << 30)
 def collective_checks(data: dict[str, Any] | None = None) -> list[CollectiveCheck]:
     """Intra-node nccl-tests bus bandwidths (busbw = bytes sent per GPU / time, nccl-tests' definition for
     ring all-reduce, all-gather and all-to-all) vs the model's on the GPU's natural node."""
-    from sp_plan.cost_models.collectives import collective_cost
-    from sp_plan.cost_models.layout import Layout
-    from sp_plan.cost_models.placement import group_spans
-    from sp_plan.cost_models.topology import default_topology
-
     data = kernel_data() if data is None else data
     out = []
     for e in data.get("collectives", []):

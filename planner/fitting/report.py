@@ -12,7 +12,11 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from sp_plan.cost_models.gpu_spec import get_gpu_preset
+from sp_plan.cost_models.kernels import kernel_model
+
 from .fit import kendall_tau, log_residuals
+from .kernel_fit import collective_checks
 from .runs import MeasuredRun
 
 #: The issue's accuracy targets: |error| per kind, scored on exact-confidence figures (out of sample where
@@ -195,9 +199,6 @@ def render_splits(results: Sequence[RunResult], splits: dict[str, dict[str, dict
 def render_kernels(figures: Sequence, record) -> list[str]:
     """Kernel-level accuracy: each published kernel curve predicted by the shipped (kernel-pinned) model,
     in sample and by a kernel fit that left the curve's source out."""
-    from sp_plan.cost_models.gpu_spec import get_gpu_preset
-    from sp_plan.cost_models.kernels import kernel_model
-
     curves: dict[str, list[tuple[float, float | None]]] = {}
     held = {k: v for errs in record.held_out.values() for k, v in errs.items()}
     for f in figures:
@@ -211,8 +212,6 @@ def render_kernels(figures: Sequence, record) -> list[str]:
         ho = [abs(h) for _, h in errs if h is not None]
         lines.append(f"{curve[:72]:<72}{len(errs):>4}{sum(abs(e) for e in ins) / len(ins):>11.1%}"
                      f"{max(ins, key=abs):>+9.1%}" + (f"{sum(ho) / len(ho):>10.1%}" if ho else f"{'-':>10}"))
-    from .kernel_fit import collective_checks
-
     for c in collective_checks():
         err = c.predicted_gbps / c.measured_gbps - 1
         lines.append(f"{c.id[:72]:<72}{1:>4}{abs(err):>11.1%}{err:>+9.1%}{'(busbw)':>10}")

@@ -1,0 +1,135 @@
+"""Ring attention (zigzag): K/V blocks passed around the ring, each hop hidden behind a block's compute.
+
+Reads the ``ring`` degree R (and the head split, for the heads one rank attends over).
+
+Traffic, per layer and micro-batch: blocks of b S/R tokens x kv_heads x rep / (tp U) heads x head_dim.
+Forward: R-1 sends of the K and V blocks (dtype d). Backward: R-1 sends of K and V (dtype d) and R sends
+of the dK and dV accumulators in fp32 (they travel with their blocks and come home). Full recompute
+passes K and V around once more (selective recompute keeps the attention output: no ring pass).
+
+Compute: R calls per pass on chunks of c = S / 2R tokens (one causal 2c x 2c block, R-1 full c x 2c
+blocks; packed documents shorter than 2c run as variable-length calls), each followed by an LSE merge
+(fp32 accumulators, memory-bound: the stack's bytes per element) and a ring step's fixed cost.
+
+Time (overlap class ``ring``): hop i+1's transfer runs while block i is computed, so each of the R-1
+hops costs max(0, transfer - one ring step's kernel and merge), and slows that compute by the NCCL
+slowdown x the overlapped time. Backward hops carry K/V and the fp32 dK/dV; the last dK/dV hop home
+has nothing to hide behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import NamedTuple
+
+from ..layout import Layout
+from ..model_spec import ModelSpec
+from ..train_spec import TrainSpec
+from .base import Strategy
+from .terms import CommOp, ComputeContext, PricedOp, Term, TimeContext
+
+#: Ring attention's dK/dV accumulators travel in fp32 (brief convention).
+DKV_ACCUMULATOR_BYTES = 4
+#: The label of the K/V block hops (forward, backward and, with " (recompute)", recompute).
+KV_BLOCKS = "K,V blocks"
+
+
+class RingHops(NamedTuple):
+    """Seconds of one hop of each kind: forward K/V, backward K/V, backward dK/dV, recompute K/V."""
+
+    forward: float = 0.0
+    kv: float = 0.0
+    dkv: float = 0.0
+    recompute: float = 0.0
+
+
+class RingAttention(Strategy):
+    name = "ring"
+    layer_buckets = ("ring",)
+    overlap_classes = ("ring",)
+    attention_traffic = True
+
+    def comm_ops(self, model: ModelSpec, train: TrainSpec, layout: Layout) -> Iterator[CommOp]:
+        r = layout.ring
+        if r == 1:
+            return
+        rep = model.kv_replication(layout.head_split)
+        heads = model.num_kv_heads * rep / layout.head_split  # this rank's K/V heads
+        block = train.micro_batch * (train.seq_len / r) * heads * model.head_dim
+        kv = 2 * block * train.dtype_bytes
+
+        def hop(nbytes: float, phase: str, count: int, label: str, recompute: bool = False) -> CommOp:
+            return CommOp("ring", "send_recv", "ring", float(nbytes), phase, count=count, overlap="ring",
+                          recompute=recompute, label=label)
+
+        yield hop(kv, "forward", r - 1, KV_BLOCKS)
+        if not train.is_training:
+            return
+        yield hop(kv, "backward", r - 1, KV_BLOCKS)
+        yield hop(2 * block * DKV_ACCUMULATOR_BYTES, "backward", r, "dK,dV accumulators (fp32)")
+        if train.checkpointing == "full":
+            yield hop(kv, "backward", r - 1, f"{KV_BLOCKS} (recompute)", recompute=True)
+
+    def attention_pass(self, cc: ComputeContext, backward: bool) -> tuple[float, float] | None:
+        r = cc.layout.ring
+        if r == 1:
+            return None
+        train, model = cc.train, cc.model
+        b, s, hd = train.micro_batch, train.seq_len, model.head_dim
+        bh = b * cc.heads
+        c = s / (2 * r)
+        doc = train.document_length
+        if doc is not None and doc < 2 * c:
+            kernel = cc.attention_seconds(bh * 2 * c / doc, doc, doc, True, backward)
+            kernel += (r - 1) * cc.attention.launch_s
+        else:
+            kernel = cc.attention_seconds(bh, 2 * c, 2 * c, True, backward)
+            kernel += cc.attention_seconds(bh, 2 * c, c, False, backward, calls=r - 1)
+        seq = s / r
+        split = cc.layout.head_split
+        q_elems = b * seq * cc.heads * hd  # this rank's queries after the head split
+        kv_elems = b * seq * model.num_kv_heads * model.kv_replication(split) / split * hd
+        if backward:  # dQ into its accumulator, dK/dV into the travelling ones
+            merge_bytes = (q_elems + 2 * kv_elems) * cc.stack.ring_grad_bytes_per_element
+        else:
+            merge_bytes = q_elems * cc.stack.ring_merge_bytes_per_element
+        hideable = kernel + r * merge_bytes / cc.hbm  # a K/V hop hides behind a step's kernel and merge,
+        return hideable + r * cc.kernels.ring_step_s, hideable / r  # not behind the step's post/wait itself
+
+    def condense(self, overlap_class: str, ops: tuple[PricedOp, ...]) -> RingHops:
+        forward = kv = dkv = again = 0.0
+        for priced in ops:
+            op, t = priced.op, priced.seconds
+            if op.phase == "forward":
+                forward = t
+            elif op.recompute:
+                again = t
+            elif op.label == KV_BLOCKS:
+                kv = t
+            else:
+                dkv = t
+        return RingHops(forward, kv, dkv, again)
+
+    def exposed(self, ctx: TimeContext) -> Iterator[Term]:
+        r = ctx.layout.ring
+        hops = ctx.priced.get("ring")
+        if r == 1 or hops is None:
+            return
+        fwd, kv, dkv, again = hops
+        slow = ctx.slowdown
+        step_f, step_b = ctx.compute.ring_step_forward, ctx.compute.ring_step_backward
+        yield Term("exposed_comm", (r - 1) * max(0.0, fwd - step_f), "layer_forward", "ring")
+        yield Term("interference", (r - 1) * slow * min(fwd, step_f), "layer_forward")
+        if not ctx.training:
+            return
+        hop = kv + dkv
+        exposed = (r - 1) * max(0.0, hop - step_b) + dkv
+        interference = (r - 1) * slow * min(hop, step_b)
+        if again:
+            exposed += (r - 1) * max(0.0, again - step_f)
+            interference += (r - 1) * slow * min(again, step_f)
+        yield Term("exposed_comm", exposed, "layer_backward", "ring")
+        yield Term("interference", interference, "layer_backward")
+
+
+__all__ = ["DKV_ACCUMULATOR_BYTES", "RingAttention", "RingHops"]

@@ -1,0 +1,141 @@
+"""Hugging Face transformers models (Llama, Qwen2, Qwen3, Mistral) on the sequence-parallel runtime.
+
+Optional: ``transformers`` is imported lazily (``pip install 'sp-plan[hf]'``). Pieces:
+
+- :func:`hf_model_spec`: the cost models' ModelSpec of a model, via
+  :func:`sp_plan.cost_models.model_spec.model_from_hf_dict` on its config (for planning);
+- attention: :data:`ATTENTION_NAME` is registered in transformers' ``AttentionInterface`` and set as the
+  model's ``attn_implementation``. Each attention module carries its
+  :class:`sp_plan.runtime.context.SequenceParallel` context; the registered function transposes HF's
+  ``(batch, heads, seq, head_dim)`` to the runtime's ``(batch, seq, heads, head_dim)``, runs the
+  planned Ulysses / Ring / USP attention on the local shards (GQA handled natively, KV heads never
+  repeated by HF) and returns ``(batch, seq, heads, head_dim)`` as HF's own kernels do;
+- masks: the name is deliberately NOT registered in ``AttentionMaskInterface``, so transformers builds
+  no mask for it; the attention function refuses any mask it is given. Positions come from the
+  ``position_ids`` the sharder produced (global positions of the local tokens, RoPE only). Packed
+  documents: the sharder's ``cu_seqlens`` (boundaries over the whole batch) is passed as the model
+  keyword ``cu_seqlens``, which transformers forwards through each layer to the attention function
+  (its ``**kwargs``), and attention is document-masked (:mod:`sp_plan.runtime.attention.documents`);
+- checkpointing: each decoder layer (a ``GradientCheckpointingLayer``) checkpoints its ``forward``
+  through :func:`sp_plan.runtime.models.checkpointing.run_checkpointed`, so ``none``/``selective``/``full``
+  mean exactly what they mean for the runtime's own Llama (FSDP2's hooks stay outside the checkpoint);
+- the tiled MLP (:func:`apply_hf_tiled_mlp`) and tensor parallelism (:func:`apply_hf_tensor_parallel`)
+  reuse the runtime's pieces on HF's own modules (no copy of HF's code).
+
+This package splits those pieces by job: :mod:`.model` (this module: the model's structure, spec,
+forward and construction), :mod:`.attention`, :mod:`.techniques` (checkpointing, tiled MLP),
+:mod:`.tp_plan` (tensor parallelism from a per-``model_type`` table) and :mod:`.adapter`, which hands
+them to the runtime.
+
+Create models with random weights from a config, no download::
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=256, num_hidden_layers=4, ...))
+    setup = sp_plan.runtime.auto_configure(model, seq_len=4096)
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from sp_plan.cost_models.model_spec import ModelSpec, model_from_hf_dict
+from sp_plan.runtime.errors import RuntimeConfigError
+from sp_plan.runtime.models.hf.names import HIDDEN_STATES_METHOD
+
+#: The HF ``model_type``s the runtime drives (decoder layers at ``model.model.layers``).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def transformers_module():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise RuntimeConfigError(
+            f"HF models need transformers ({exc.name} is missing): pip install 'sp-plan[hf]'"
+        ) from None
+    return transformers
+
+
+def hf_model_spec(model: nn.Module) -> ModelSpec:
+    """The ModelSpec of an HF causal LM (from its config; the name is its model_type and size)."""
+    config = model.config.to_dict()
+    model_type = str(config.get("model_type", "")).lower()
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise RuntimeConfigError(
+            f"HF model_type {model_type!r} is not supported by the runtime: use one of "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    name = f"{model_type}-{config.get('num_hidden_layers')}l-{config.get('hidden_size')}h"
+    return model_from_hf_dict(config, name=name)
+
+
+def hf_decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (``model.model.layers`` for the supported families)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise RuntimeConfigError(
+            f"{type(model).__name__} has no model.layers: pass a *ForCausalLM of a supported family "
+            f"({', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    return list(layers)
+
+
+def _documents(cu_seqlens: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    return {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+
+
+def hf_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+              cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits of the local tokens: global ``position_ids`` for RoPE, no mask, no cache; ``cu_seqlens``
+    (packed documents, boundaries over the whole batch) reaches the attention as a keyword."""
+    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **_documents(cu_seqlens))
+    return out.logits
+
+
+def _hidden_states(self: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                   cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    hidden = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                        **_documents(cu_seqlens)).last_hidden_state
+    tp = getattr(self, "tensor_parallel", None)
+    return tp.enter(hidden) if tp is not None else hidden  # the vocab-parallel head's TP region
+
+
+def add_hidden_states_method(model: nn.Module) -> None:
+    """Give ``model`` a ``sp_plan_hidden_states(input_ids, position_ids)`` method: the final-norm output
+    the lm_head multiplies, for the tiled loss (the logits never materialise). A method of the root
+    module (not a call into ``model.model``) so that FSDP2 can register it as a forward method and
+    gather the root's parameters (final norm, lm_head) around it."""
+    if getattr(model, "lm_head", None) is None or getattr(model, "model", None) is None:
+        raise RuntimeConfigError(
+            f"{type(model).__name__} has no lm_head/model pair: the tiled loss needs a *ForCausalLM of a supported "
+            f"family ({', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    setattr(model, HIDDEN_STATES_METHOD, types.MethodType(_hidden_states, model))
+
+
+# ----- building a model from a ModelSpec ----------------------------------------------------------------
+
+
+def hf_model_from_spec(spec: ModelSpec, max_positions: int = 2048) -> nn.Module:
+    """A transformers causal LM with ``spec``'s architecture and random weights (no download, fp32):
+    Qwen3 when the spec has q/k norms, Qwen2 when it has QKV biases, else Llama. For checks and examples
+    that need an HF model of a planned shape (``sp-plan validate --hf``, the training example)."""
+    transformers = transformers_module()
+    if spec.hidden_dropout or spec.attention_dropout:
+        raise RuntimeConfigError(f"{spec.name}: dropout is not supported on the HF path; set it to 0")
+    common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
+                  num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                  num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                  max_position_embeddings=max(max_positions, 2048), tie_word_embeddings=spec.tied_embeddings,
+                  attention_dropout=0.0)
+    if spec.qk_norm:
+        config = transformers.Qwen3Config(**common)
+    elif spec.qkv_bias:
+        config = transformers.Qwen2Config(**common, use_sliding_window=False)
+    else:
+        config = transformers.LlamaConfig(**common)
+    return transformers.AutoModelForCausalLM.from_config(config).float()
