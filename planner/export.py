@@ -1,10 +1,14 @@
 """Turn a plan into the configs other launchers read: Accelerate, DeepSpeed, torchrun.
 
-Field names follow the tools' own sources (accelerate 1.15 ``ClusterConfig`` / ``ParallelismConfig``;
-DeepSpeed's ``zero_optimization``, ``sequence_parallel_size``, ``tensor_parallel.autotp_size``). Where a
-tool cannot express part of the plan, export refuses with the reason instead of writing a config that
-silently runs something else; where it can express it only approximately, the difference is returned
-as a note for the user.
+The DeepSpeed JSON and the Accelerate YAML are meant to run unmodified in their consumers
+(``deepspeed.initialize``, transformers' Trainer, ``accelerate launch``; tests/test_export_deepspeed.py
+and tests/test_export_accelerate.py run them on CPU ranks). Field names follow the tools' own sources
+(accelerate 1.15 ``ClusterConfig`` / ``ParallelismConfig`` / ``DeepSpeedSequenceParallelConfig``;
+DeepSpeed 0.19 ``zero_optimization``, ``sequence_parallel_size``, ``tensor_parallel.autotp_size``).
+Where a tool cannot express part of the plan, export refuses with the field and what to do instead of
+writing a config that silently runs something else; what only the training script can set (micro-batch
+in Accelerate, gradient checkpointing, the ALST handle) is returned as a note for the user.
+docs/exports.md lists what each target writes, leaves out and refuses.
 
 A plan that fits under sp-plan's runtime may not fit under the stack another launcher runs, so the
 configuration is re-estimated under that stack (:func:`check_under_stack`) and refused when it does not
@@ -23,6 +27,8 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 from typing import Any
+
+from sp_plan.cost_models.train_spec import TrainSpec
 
 from .errors import PlannerError
 from .plan import Plan
@@ -61,16 +67,14 @@ def _data_parallel_world(plan: Plan) -> int:
 
 # ----- Accelerate ---------------------------------------------------------------------------------
 
+#: The attention DeepSpeed ALST wraps (Accelerate's sp; the DeepSpeed export's note): transformers' default,
+#: needs no extra package (torch's SDPA runs flash kernels on GPUs); ALST refuses eager (an O(S^2) 4D mask).
+ALST_ATTENTION = "sdpa"
 
-def to_accelerate(plan: Plan) -> Export:
-    """An ``accelerate launch --config_file`` YAML (as a dict) for the plan.
 
-    Ulysses maps to Accelerate's ``sp`` (DeepSpeed ALST backend), Ring to ``cp`` (torch context
-    parallel with FSDP2). Accelerate treats the two as mutually exclusive and does not combine DeepSpeed
-    SP with TP, so USP plans and Ulysses x TP plans are refused with the alternative.
-    """
-    layout, train, hw = plan.layout, plan.train, plan.hardware
-    notes: list[str] = []
+def _refuse_accelerate(plan: Plan) -> None:
+    """Refuse the plans Accelerate cannot run as planned, naming the field and what to do instead."""
+    layout = plan.layout
     if layout.ulysses > 1 and layout.ring > 1:
         raise PlannerError(
             f"Accelerate cannot express USP ({layout.describe()}): its sp (Ulysses) and cp (ring) sizes are "
@@ -81,6 +85,50 @@ def to_accelerate(plan: Plan) -> Export:
             f"Accelerate's DeepSpeed sequence parallelism does not combine with tensor parallelism ({layout.describe()}); "
             "export --to torchrun, or re-plan without tp"
         )
+    if layout.ulysses == 1 and layout.ring == 1 and layout.dp_shard == 1 and layout.world > 1:
+        raise PlannerError(
+            f"layout.dp_shard=1 ({layout.describe() or 'no parallelism'}): Accelerate runs this plan under FSDP2, "
+            "which needs dp_shard > 1 or cp > 1 to shard across (accelerate refuses the config: 'FSDP is enabled but "
+            "the parallelism config has no dimension for FSDP to shard across'); export --to deepspeed (AutoTP) or "
+            "--to torchrun, or re-plan with --tp below the GPU count"
+        )
+    if plan.train.offload_checkpoints:
+        raise PlannerError(
+            "train.offload_checkpoints: neither Accelerate nor transformers can offload checkpointed activations "
+            "to the host; re-plan with --no-offload-checkpoints, or export --to torchrun (sp-plan's runtime "
+            "offloads them)"
+        )
+
+
+def _accelerate_script_notes(plan: Plan, deepspeed: bool) -> list[str]:
+    """What the training script sets: Accelerate's YAML has no field for the micro-batch (the DataLoader's
+    batch size), nor for gradient accumulation outside its DeepSpeed section."""
+    train = plan.train
+    notes = [f"micro-batch: build the training DataLoader with batch_size={train.micro_batch} per process "
+             "(Accelerate's config has no micro-batch field)"]
+    if not deepspeed:
+        notes.append(f"gradient accumulation: create Accelerator(gradient_accumulation_steps={train.grad_accum}) "
+                     "(or TrainingArguments(gradient_accumulation_steps=...)); Accelerate's FSDP config has no field "
+                     "for it")
+    if train.checkpointing != "none" and deepspeed:
+        notes.append("activation checkpointing: call model.gradient_checkpointing_enable() (or "
+                     "TrainingArguments(gradient_checkpointing=True)); Accelerate's DeepSpeed config has no switch "
+                     "for transformers models")
+    return notes
+
+
+def to_accelerate(plan: Plan) -> Export:
+    """An ``accelerate launch --config_file`` YAML (as a dict) for the plan.
+
+    Ulysses maps to Accelerate's ``sp`` (DeepSpeed ALST backend), Ring to ``cp`` (torch context
+    parallel with FSDP2). Accelerate treats the two as mutually exclusive and does not combine DeepSpeed
+    SP with TP, so USP plans and Ulysses x TP plans are refused with the alternative; so are plans that
+    leave FSDP2 nothing to shard across (``dp_shard`` = ``cp`` = 1, e.g. TP over every GPU) and plans that
+    offload checkpointed activations (no transformers/Accelerate equivalent).
+    """
+    _refuse_accelerate(plan)
+    layout, train, hw = plan.layout, plan.train, plan.hardware
+    notes: list[str] = []
     config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,
@@ -114,14 +162,23 @@ def to_accelerate(plan: Plan) -> Export:
         }
         if hw.num_nodes > 1:
             config["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
+        # A fixed length: ALST uses sp_seq_length only when sp_seq_length_is_variable is false.
         parallelism.update(
             {
                 "parallelism_config_sp_size": layout.ulysses,
                 "parallelism_config_sp_backend": "deepspeed",
                 "parallelism_config_sp_seq_length": train.seq_len,
-                "parallelism_config_sp_seq_length_is_variable": True,
-                "parallelism_config_sp_attn_implementation": "flash_attention_2",
+                "parallelism_config_sp_seq_length_is_variable": False,
+                "parallelism_config_sp_attn_implementation": ALST_ATTENTION,
             }
+        )
+        notes.append(
+            f"every batch must hold exactly {train.seq_len} tokens per sequence (pack or pad to the planned length) "
+            "and carry position_ids; for varying lengths set parallelism_config_sp_seq_length_is_variable: true"
+        )
+        notes.append(
+            f"attention: load the model with attn_implementation=\"{ALST_ATTENTION}\" (ALST checks that it "
+            "matches); \"flash_attention_2\" also works where flash-attn is installed"
         )
         if layout.dp_replicate > 1:
             notes.append(
@@ -158,9 +215,10 @@ def to_accelerate(plan: Plan) -> Export:
             notes.append("FSDP2's CPU offload moves parameters, gradients and optimizer states together")
         if train.checkpointing == "selective":
             notes.append("Accelerate's FSDP activation checkpointing is per block (full); selective is not expressible")
-    if train.tiled_mlp or train.tiled_loss or train.offload_checkpoints:
+    notes += _accelerate_script_notes(plan, deepspeed=layout.ulysses > 1)
+    if train.tiled_mlp or train.tiled_loss:
         notes.append(
-            "tiled MLP / tiled loss / checkpoint offload are model-side features: enable them in your training code "
+            "tiled MLP / tiled loss are model-side features: enable them in your training code "
             "(sp-plan's runtime applies them automatically)"
         )
     config["parallelism_config"] = parallelism
@@ -170,10 +228,9 @@ def to_accelerate(plan: Plan) -> Export:
 # ----- DeepSpeed ----------------------------------------------------------------------------------
 
 
-def to_deepspeed(plan: Plan) -> Export:
-    """A DeepSpeed JSON config (as a dict): ZeRO stage, offload, Ulysses degree, AutoTP, precision."""
+def _refuse_deepspeed(plan: Plan) -> None:
+    """Refuse the plans DeepSpeed cannot run as planned, naming the field and what to do instead."""
     layout, train = plan.layout, plan.train
-    notes: list[str] = []
     if layout.ring > 1:
         raise PlannerError(
             f"DeepSpeed has no ring attention ({layout.describe()}): export --to torchrun, or --to accelerate for "
@@ -184,7 +241,93 @@ def to_deepspeed(plan: Plan) -> Export:
             f"DeepSpeed does not combine Ulysses sequence parallelism with AutoTP ({layout.describe()}): "
             "export --to torchrun, or re-plan without tp"
         )
+    if train.offload_checkpoints:
+        raise PlannerError(
+            "train.offload_checkpoints: DeepSpeed offloads checkpointed activations (activation_checkpointing."
+            "cpu_checkpointing) only for models that call deepspeed.checkpointing, not for transformers models; "
+            "re-plan with --no-offload-checkpoints, or export --to torchrun (sp-plan's runtime offloads them)"
+        )
+    if train.optimizer == "adamw_bf16" and train.dtype == "bf16" and train.zero_stage == 0:
+        raise PlannerError(
+            "train.optimizer=adamw_bf16 with train.zero_stage=0: DeepSpeed keeps bf16 master weights and optimizer "
+            "states (bf16_master_weights_and_grads) only under ZeRO stages 1-3; re-plan with --zero 1 or higher"
+        )
+    if train.offload_optimizer and train.zero_stage == 0:
+        raise PlannerError(
+            "train.offload_optimizer with train.zero_stage=0: DeepSpeed offloads optimizer state only under ZeRO "
+            "stages 1-3; re-plan with --zero 1 or higher"
+        )
+
+
+def _bf16_section(train: TrainSpec) -> dict[str, Any]:
+    """DeepSpeed's ``bf16`` block; ``adamw_bf16`` (no fp32 master, bf16 moments) is its bf16 master weights
+    and optimizer states."""
+    section: dict[str, Any] = {"enabled": train.dtype == "bf16"}
+    if train.dtype == "bf16" and train.optimizer == "adamw_bf16":
+        section.update({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True})
+    return section
+
+
+def _deepspeed_usage_notes(plan: Plan) -> list[str]:
+    """How to launch the JSON: the TrainingArguments that must match it and, for Ulysses, the ALST handle."""
+    layout, train = plan.layout, plan.train
     dp = _data_parallel_world(plan)
+    args = [f"per_device_train_batch_size={train.micro_batch}", f"gradient_accumulation_steps={train.grad_accum}"]
+    if train.dtype in ("bf16", "fp16"):
+        args.append(f"{train.dtype}=True")
+    if train.checkpointing != "none":
+        args.append("gradient_checkpointing=True")
+    notes = [
+        f"global batch: {train.micro_batch * train.grad_accum * dp} sequences of {train.seq_len} tokens per step "
+        f"(micro-batch {train.micro_batch} x gradient accumulation {train.grad_accum} x {dp} data-parallel); "
+        "train_batch_size is left for DeepSpeed to derive, because transformers' Trainer and DeepSpeed count the "
+        "world differently under sequence and tensor parallelism",
+        "transformers Trainer: TrainingArguments(" + ", ".join(args) + ", deepspeed=<this file>)",
+    ]
+    if train.checkpointing != "none":
+        notes.append("activation checkpointing is the model's: call model.gradient_checkpointing_enable() (the "
+                     "Trainer does it for gradient_checkpointing=True); DeepSpeed's activation_checkpointing section "
+                     "applies only to models that call deepspeed.checkpointing")
+    if layout.ulysses > 1:
+        handler = (f"sp_seq_length={train.seq_len}, sp_seq_length_is_variable=False, "
+                   f"sp_attn_implementation=\"{ALST_ATTENTION}\"")
+        notes.append(
+            "Ulysses runs through DeepSpeed's ALST handle: mpu = UlyssesSPAttentionHF.register_with_transformers("
+            f"model, core_attn_implementation=\"{ALST_ATTENTION}\", sequence_parallel_size={layout.ulysses}, "
+            f"micro_batch_size={train.micro_batch}, seq_length={train.seq_len}, seq_length_is_variable=False), then "
+            "deepspeed.initialize(..., mpu=mpu) and UlyssesSPDataLoaderAdapter, with position_ids in every batch; "
+            "with the Trainer, TrainingArguments(parallelism_config=ParallelismConfig(sp_backend=\"deepspeed\", "
+            f"sp_size={layout.ulysses}, sp_handler=DeepSpeedSequenceParallelConfig({handler}))). Without the handle "
+            "DeepSpeed runs plain data parallelism (no sequence sharding)"
+        )
+    if train.offload_optimizer and "bf16_optimizer_states" in _bf16_section(train):
+        notes.append(
+            "adamw_bf16 with optimizer offload: DeepSpeed keeps offloaded bf16 moments only with "
+            "deepspeed.ops.adam.DeepSpeedCPUAdam(params, fp32_optimizer_states=False) as the optimizer (it asserts "
+            "otherwise, and transformers' Trainer cannot pass one: for the Trainer re-plan with --optimizer adamw)"
+        )
+    elif train.offload_optimizer:
+        notes.append(
+            "zero_force_ds_cpu_optimizer: false lets the offloaded optimizer be any torch optimizer; for speed pass "
+            "deepspeed.ops.adam.DeepSpeedCPUAdam (or delete the key: Accelerate/Trainer then swap it in themselves)"
+        )
+    return notes
+
+
+def to_deepspeed(plan: Plan) -> Export:
+    """A DeepSpeed JSON config (as a dict): ZeRO stage, offload, Ulysses degree, AutoTP, precision.
+
+    Written to run unmodified both through ``deepspeed.initialize`` and through transformers' Trainer
+    (``TrainingArguments(deepspeed=...)``): ``train_batch_size`` is left out (each derives it from its own
+    data-parallel world, and the Trainer's differs from DeepSpeed's under SP and TP), the Ulysses degree
+    is given without ``data_parallel_size`` (which would make DeepSpeed build a data x sequence mesh and
+    shard ZeRO over the data-parallel ranks only), there is no ``activation_checkpointing`` section
+    (transformers models checkpoint with torch, not deepspeed.checkpointing) and no MiCS (removed from
+    DeepSpeed). What the JSON cannot say is returned as notes (:func:`_deepspeed_usage_notes`).
+    """
+    _refuse_deepspeed(plan)
+    layout, train = plan.layout, plan.train
+    notes: list[str] = []
     zero: dict[str, Any] = {
         "stage": train.zero_stage,
         "overlap_comm": True,
@@ -195,38 +338,30 @@ def to_deepspeed(plan: Plan) -> Export:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if train.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    if layout.dp_replicate > 1 and train.zero_stage == 3:
-        # MiCS: shard within groups of this size, replicate across them (= HSDP).
-        zero["mics_shard_size"] = layout.shard_group
-    elif layout.dp_replicate > 1:
-        notes.append("ZeRO-1/2 shard over all data-parallel ranks; the plan's dp_replicate split is not reproduced")
-    precision: dict[str, Any] = {"enabled": train.dtype == "bf16"}
-    if train.dtype == "bf16" and train.optimizer == "adamw_bf16":
-        precision.update({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True})
+    if layout.dp_replicate > 1:
+        notes.append(
+            "ZeRO shards over all data-parallel ranks (DeepSpeed has no hybrid sharding since MiCS was removed); the "
+            "plan's dp_replicate split is not reproduced, which uses less memory and more inter-node traffic than "
+            "planned"
+        )
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": train.micro_batch,
         "gradient_accumulation_steps": train.grad_accum,
-        "train_batch_size": train.micro_batch * train.grad_accum * dp,
         "gradient_clipping": 1.0,
-        "bf16": precision,
+        "bf16": _bf16_section(train),
         "fp16": {"enabled": train.dtype == "fp16"},
         "zero_optimization": zero,
-        "activation_checkpointing": {
-            "partition_activations": False,
-            "cpu_checkpointing": train.offload_checkpoints,
-            "contiguous_memory_optimization": False,
-        },
         "steps_per_print": 10,
         "wall_clock_breakdown": False,
     }
+    if train.offload_optimizer:
+        config["zero_force_ds_cpu_optimizer"] = False
     if layout.ulysses > 1:
         config["sequence_parallel_size"] = layout.ulysses
-        config["data_parallel_size"] = dp
         config["seq_parallel_communication_data_type"] = "fp16" if train.dtype == "fp16" else "bf16"
     if layout.tp > 1:
         config["tensor_parallel"] = {"autotp_size": layout.tp}
-        # AutoTP counts every rank in the batch (DeepSpeed's batch assertion uses the world size).
-        config["train_batch_size"] = train.micro_batch * train.grad_accum * plan.hardware.num_gpus
+    notes += _deepspeed_usage_notes(plan)
     if train.checkpointing == "selective":
         notes.append("DeepSpeed checkpoints whole blocks; selective checkpointing needs model-side support")
     if train.tiled_mlp or train.tiled_loss:

@@ -22,14 +22,15 @@ from .common import check_output_path
 @click.option("--script", default=DEFAULT_TRAIN_SCRIPT, show_default=True, help="Training script (torchrun only).")
 @click.option("--stack", default=None, metavar="NAME|FILE",
               help="Stack to check the plan under. Default: hf-deepspeed for deepspeed and for accelerate with "
-                   "Ulysses (DeepSpeed ALST), torchtitan for accelerate otherwise (FSDP2 + torch context "
+                   "Ulysses (DeepSpeed ALST), hf-fsdp2 for accelerate otherwise (FSDP2 + torch context "
                    "parallel); torchrun runs the plan's own stack and is not re-checked unless asked.")
 @click.option("--calibration", default=None, metavar="FILE",
               help="Calibration file for the check (default: the plan's own, when checked under its own stack).")
 def command(plan_file: str, target: str, out_file: str | None, script: str, stack: str | None,
             calibration: str | None) -> None:
     """Write PLAN_FILE (from `sp-plan plan --out`; - reads it from standard input) as a launcher config, after checking that the plan
-    still fits under the stack that launcher runs (refused, with the re-plan command, when not)."""
+    still fits under the stack that launcher runs (refused, with the re-plan command, when not). What the
+    config cannot hold (the training script's part) is printed as notes on stderr; docs/exports.md."""
     check_output_path(out_file, "--out")
     if target == "torchrun" and plan_file == "-":
         raise PlannerError("--to torchrun writes a command that reads the plan file at launch: give the plan's "

@@ -1,0 +1,76 @@
+"""A tiny training script for `accelerate launch --config_file <export>` in tests/test_export_accelerate.py.
+
+Trains a 2-layer Llama for two optimizer steps with the Accelerator the launcher configures, and
+writes one JSON file per rank (TINY_OUT/rank<N>.json; ranks share stdout, so their lines can
+interleave) with what Accelerate set up (distributed type, parallelism sizes, gradient accumulation)
+so the test can compare it with the plan.
+"""
+
+import json
+import os
+
+import torch
+from accelerate import Accelerator
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.integrations.deepspeed import deepspeed_sp_compute_loss
+
+SEQ = int(os.environ.get("TINY_SEQ", "32"))
+MICRO_BATCH = int(os.environ.get("TINY_MICRO_BATCH", "1"))
+GRAD_ACCUM = int(os.environ.get("TINY_GRAD_ACCUM", "1"))
+
+
+def _no_shm_kernel() -> None:
+    """DeepSpeed on CPU compiles a shared-memory all-reduce kernel on first use (about a minute on 2 cores);
+    it only speeds up inference, so tests skip it (TINY_NO_SHM=1) and gloo does the communication."""
+    if os.environ.get("TINY_NO_SHM") == "1":
+        import importlib
+
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+def main() -> None:
+    _no_shm_kernel()
+    # What the export's notes tell the script to set: the DataLoader's batch size and the accumulation.
+    accelerator = Accelerator(gradient_accumulation_steps=GRAD_ACCUM)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4 * SEQ)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, 128, (8, SEQ), generator=torch.Generator().manual_seed(1))
+    # position_ids: ALST shards the sequence and needs every token's global position.
+    rows = [{"input_ids": r, "labels": r, "position_ids": torch.arange(SEQ)} for r in ids]
+    loader = torch.utils.data.DataLoader(rows, batch_size=MICRO_BATCH)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses = []
+    for step, batch in enumerate(loader):
+        with accelerator.accumulate(model):
+            if "shift_labels" in batch:  # Ulysses (ALST): each rank holds a shard; weigh the shard losses
+                loss = deepspeed_sp_compute_loss(accelerator, model, batch, False, accelerator.parallelism_config)
+            else:
+                loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+        if step + 1 >= 2 * GRAD_ACCUM:
+            break
+    pc = accelerator.parallelism_config
+    handler = pc.sp_handler if pc is not None and pc.sp_size > 1 else None
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    result = json.dumps({
+        "rank": accelerator.process_index, "distributed_type": str(accelerator.distributed_type),
+        "num_processes": accelerator.num_processes, "grad_accum": accelerator.gradient_accumulation_steps,
+        "dp_shard": pc.dp_shard_size if pc else None, "sp": pc.sp_size if pc else None, "losses": losses,
+        "world": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
+        "sp_seq_length": handler.sp_seq_length if handler else None,
+        "sp_seq_length_is_variable": handler.sp_seq_length_is_variable if handler else None,
+        "sp_attn_implementation": handler.sp_attn_implementation if handler else None,
+        "attn_implementation": getattr(config, "_attn_implementation", None),
+    })
+    with open(os.path.join(os.environ.get("TINY_OUT", "."), f"rank{rank}.json"), "w") as f:
+        f.write(result)
+
+
+if __name__ == "__main__":
+    main()
