@@ -67,7 +67,7 @@ def _pin_options(func):
     return func
 
 
-@click.command("train", cls=TrainCommand)
+@click.command("train", cls=TrainCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--plan", default=None, metavar="FILE",
               help="Plan file written by `sp-plan plan --out` (fixes model, layout and options).")
 @click.option("--seq-len", type=SEQ_LEN, default=2048, show_default=True, help="Tokens per sequence (4096, 8K, ...).")
