@@ -35,8 +35,9 @@ from .plan import Plan
 
 #: Port used in the generated rendezvous endpoint; any free port on the master node works.
 DEFAULT_MASTER_PORT = 29500
-#: Training script of our own runtime that the torchrun command launches.
-DEFAULT_TRAIN_SCRIPT = "examples/train_long_context.py"
+#: What the torchrun command launches by default: the installed package's ``sp-plan train`` (a module, so
+#: a plain ``pip install`` runs it; no file of the source tree is needed).
+TRAIN_ENTRY_POINT = ("-m", "sp_plan.cli", "train")
 
 _MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
 
@@ -372,8 +373,10 @@ def to_deepspeed(plan: Plan) -> Export:
 # ----- torchrun -----------------------------------------------------------------------------------
 
 
-def to_torchrun(plan: Plan, plan_path: str = "plan.yaml", script: str = DEFAULT_TRAIN_SCRIPT) -> Export:
-    """The torchrun command line that runs the plan with sp-plan's own runtime."""
+def to_torchrun(plan: Plan, plan_path: str = "plan.yaml", script: str | None = None) -> Export:
+    """The torchrun command line that runs the plan with sp-plan's own runtime: ``-m sp_plan.cli train
+    --plan PLAN`` (:data:`TRAIN_ENTRY_POINT`), or ``script`` when given (a training script of the user's
+    that takes ``--plan``)."""
     hw = plan.hardware
     procs = min(hw.gpus_per_node, hw.num_gpus)
     args = ["torchrun"]
@@ -387,7 +390,8 @@ def to_torchrun(plan: Plan, plan_path: str = "plan.yaml", script: str = DEFAULT_
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint=$MASTER_ADDR:{DEFAULT_MASTER_PORT}",
         ]
-    args += [script, "--plan", plan_path]
+    args += [script] if script else list(TRAIN_ENTRY_POINT)
+    args += ["--plan", plan_path]
     command = " ".join(a if a.startswith(("--node-rank=$", "--rdzv-endpoint=$")) else shlex.quote(a) for a in args)
     notes = []
     if hw.num_nodes > 1:

@@ -109,10 +109,12 @@ def test_deepspeed_zero_config_validates_with_deepspeed_when_installed():
 
 def test_torchrun_command_single_and_multi_node():
     single = to_torchrun(make_plan(ulysses=8)).content
-    assert single == "torchrun --standalone --nproc-per-node=8 examples/train_long_context.py --plan plan.yaml"
+    assert single == "torchrun --standalone --nproc-per-node=8 -m sp_plan.cli train --plan plan.yaml"
     multi = to_torchrun(make_plan(gpus=16, per_node=8, ulysses=8, ring=2))
     assert "--nnodes=2" in multi.content and "--rdzv-endpoint=$MASTER_ADDR:29500" in multi.content
-    assert multi.notes
+    assert multi.content.endswith(" -m sp_plan.cli train --plan plan.yaml") and multi.notes
+    own = to_torchrun(make_plan(ulysses=8), "my plan.yaml", script="train.py").content
+    assert own == "torchrun --standalone --nproc-per-node=8 train.py --plan 'my plan.yaml'"
 
 
 def test_export_cli(tmp_path):

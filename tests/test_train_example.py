@@ -40,7 +40,7 @@ def test_example_trains_from_a_plan_file(tmp_path):
     path = tmp_path / "plan.yaml"
     plan.save(path)
     command = to_torchrun(plan, str(path)).content
-    assert "examples/train_long_context.py" in command and "--plan" in command
+    assert "-m sp_plan.cli train --plan" in command  # the installed entry point this example wraps
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "examples/train_long_context.py", "--plan", str(path), "--steps", "4", "--corpus-bytes", "200000"]

@@ -9,7 +9,7 @@ import yaml
 
 from sp_plan.cost_models.atomic_io import write_output
 
-from sp_plan.planner.export import DEFAULT_TRAIN_SCRIPT, EXPORTERS, check_under_stack, to_torchrun
+from sp_plan.planner.export import EXPORTERS, check_under_stack, to_torchrun
 from sp_plan.planner.plan import load_plan
 from sp_plan.planner.errors import PlannerError
 from .common import check_output_path
@@ -19,14 +19,16 @@ from .common import check_output_path
 @click.argument("plan_file", type=click.Path(dir_okay=False))
 @click.option("--to", "target", type=click.Choice(sorted(EXPORTERS)), required=True, help="Launcher to export for.")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None, help="Write here instead of stdout (- is stdout).")
-@click.option("--script", default=DEFAULT_TRAIN_SCRIPT, show_default=True, help="Training script (torchrun only).")
+@click.option("--script", default=None,
+              help="Training script to launch instead of the installed `-m sp_plan.cli train` (torchrun only; it "
+                   "must take --plan FILE).")
 @click.option("--stack", default=None, metavar="NAME|FILE",
               help="Stack to check the plan under. Default: hf-deepspeed for deepspeed and for accelerate with "
                    "Ulysses (DeepSpeed ALST), hf-fsdp2 for accelerate otherwise (FSDP2 + torch context "
                    "parallel); torchrun runs the plan's own stack and is not re-checked unless asked.")
 @click.option("--calibration", default=None, metavar="FILE",
               help="Calibration file for the check (default: the plan's own, when checked under its own stack).")
-def command(plan_file: str, target: str, out_file: str | None, script: str, stack: str | None,
+def command(plan_file: str, target: str, out_file: str | None, script: str | None, stack: str | None,
             calibration: str | None) -> None:
     """Write PLAN_FILE (from `sp-plan plan --out`; - reads it from standard input) as a launcher config, after checking that the plan
     still fits under the stack that launcher runs (refused, with the re-plan command, when not). What the

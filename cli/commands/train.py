@@ -1,0 +1,167 @@
+"""``sp-plan train``: train with sp-plan's own runtime, from a plan file or planning in place.
+
+Meant to run under torchrun, one process per GPU (gloo ranks on CPU), as ``sp-plan export --to torchrun``
+prints it::
+
+    torchrun --standalone --nproc-per-node 4 -m sp_plan.cli train --plan plan.yaml
+
+Without ``--plan``, rank 0 plans for the probed machine (or ``--topology``) under the layout and option
+pins, and every rank checks it holds the same plan. The run itself is
+:func:`sp_plan.runtime.train_run.run_training`; torch and the runtime are imported only when the command
+runs, so ``sp-plan --help`` stays torch-free. Every rank parses the same command line, so a bad option
+is reported once per node (by local rank 0; the other ranks exit with the same code, silently) instead of
+once per rank.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+
+from sp_plan.runtime.train_options import DEFAULT_CORPUS_BYTES, LAYOUT_PINS, TECHNIQUE_PINS, TrainRunOptions
+
+from .common import SEQ_LEN
+
+
+def reports_errors() -> bool:
+    """Whether this process prints command-line errors: outside torchrun always; under it local rank 0 only
+    (once per node, so every node's log says why its ranks stopped)."""
+    rank = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))
+    return rank.strip() in ("", "0")
+
+
+def fail_once(exc: click.ClickException) -> NoReturn:
+    """Show a command-line error on the reporting rank only, and exit every rank with its code (2)."""
+    if reports_errors():
+        exc.show()
+    raise click.exceptions.Exit(exc.exit_code)
+
+
+class TrainCommand(click.Command):
+    """A command whose parsing errors (unknown option, bad value) are printed by one rank per node."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.ClickException as exc:
+            fail_once(exc)
+
+
+def _pin_options(func):
+    """--ulysses .. --dp-replicate, --checkpointing, --zero and the --x/--no-x technique pins (all optional)."""
+    for dim in reversed(LAYOUT_PINS):
+        func = click.option(f"--{dim.replace('_', '-')}", dim, type=int, default=None,
+                            help=f"Pin the {dim} degree (default: the planner decides).")(func)
+    for option in reversed(TECHNIQUE_PINS):
+        flag = option.replace("_", "-")
+        func = click.option(f"--{flag}/--no-{flag}", option, default=None,
+                            help=f"Use (or, with --no-..., never use) {option} (default: the planner decides).")(func)
+    func = click.option("--zero", "zero_stage", type=click.IntRange(1, 3), default=None,
+                        help="Pin the ZeRO stage (1, 2 or 3).")(func)
+    func = click.option("--checkpointing", type=click.Choice(["none", "selective", "full"]), default=None,
+                        help="Pin activation checkpointing.")(func)
+    return func
+
+
+@click.command("train", cls=TrainCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--plan", default=None, metavar="FILE",
+              help="Plan file written by `sp-plan plan --out` (fixes model, layout and options).")
+@click.option("--seq-len", type=SEQ_LEN, default=2048, show_default=True, help="Tokens per sequence (4096, 8K, ...).")
+@click.option("--steps", type=int, default=30, show_default=True,
+              help="Train until this optimizer step (counting resumed ones).")
+@click.option("--micro-batch", type=int, default=1, show_default=True)
+@click.option("--global-batch", type=int, default=None,
+              help="Sequences per optimizer step (default: one micro-batch per data-parallel rank).")
+@click.option("--lr", type=float, default=2e-3, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="Compute dtype (default: bf16 on GPUs, fp32 on CPU).")
+@click.option("--topology", default=None, metavar="PRESET|FILE",
+              help="Topology preset or file for planning (default: probe this machine).")
+@click.option("--layers", type=int, default=4, show_default=True, help="Model layers (ignored with --plan).")
+@click.option("--hidden", type=int, default=128, show_default=True, help="Hidden size (ignored with --plan).")
+@click.option("--heads", type=int, default=4, show_default=True, help="Attention heads (ignored with --plan).")
+@click.option("--kv-heads", type=int, default=2, show_default=True, help="Key/value heads (ignored with --plan).")
+@click.option("--ffn", type=int, default=352, show_default=True, help="FFN hidden size (ignored with --plan).")
+@click.option("--hf", is_flag=True,
+              help="Train a Hugging Face transformers LlamaForCausalLM of the same architecture (random weights, "
+                   "no download; needs the [hf] extra) instead of the runtime's own Llama.")
+@click.option("--sp-only/--no-sp-only", default=True, show_default=True,
+              help="Split every sequence over all ranks (no data parallelism); --no-sp-only lets the planner "
+                   "choose any layout (ignored with --plan).")
+@_pin_options
+@click.option("--dataset", default=None,
+              help="Hugging Face text dataset: a .jsonl/.json/.txt/.parquet/.csv/.arrow file, a directory of them "
+                   "or of datasets.save_to_disk, or a hub name (needs --tokenizer). Default: this Python's "
+                   "standard library, byte-level.")
+@click.option("--tokenizer", default=None, help="Tokenizer directory (save_pretrained) or hub name.")
+@click.option("--text-column", default="text", show_default=True)
+@click.option("--split", default="train", show_default=True)
+@click.option("--positions", type=click.Choice(["continuous", "per-document"]), default="continuous",
+              show_default=True,
+              help="Packed rows: GPT-style continuous positions (attention across the documents of a row), or "
+                   "HF-style positions restarting per document (document-masked attention).")
+@click.option("--data-cache", type=click.Path(path_type=Path), default=None,
+              help="Where packed datasets are cached (default: ~/.cache/sp-plan/packed).")
+@click.option("--corpus", type=click.Path(path_type=Path), default=None,
+              help="Byte-level default: directory of .py files (default: this Python's standard library).")
+@click.option("--corpus-bytes", type=int, default=DEFAULT_CORPUS_BYTES, show_default=True)
+@click.option("--checkpoint-dir", type=click.Path(path_type=Path), default=None,
+              help="Save checkpoints here (after the last step, every --save-every steps, and on SIGTERM/SIGINT).")
+@click.option("--save-every", type=int, default=0, show_default=True,
+              help="Checkpoint every N steps (0: only at the end).")
+@click.option("--keep-checkpoints", type=int, default=2, show_default=True, help="Keep the newest N checkpoints.")
+@click.option("--async-save", is_flag=True,
+              help="Write periodic checkpoints in the background (training waits only for a copy to host memory; "
+                   "costs one host copy of each rank's state).")
+@click.option("--resume", is_flag=True,
+              help="Continue from the newest checkpoint in --checkpoint-dir that verifies (newer ones that do not "
+                   "are skipped, and said); an error (exit 2) if there is none.")
+@click.option("--resume-or-start", is_flag=True,
+              help="Like --resume, but start a new run when --checkpoint-dir holds no checkpoint at all.")
+@click.option("--override-hparams", is_flag=True,
+              help="On resume, use this command line's --lr (and schedule) even where it differs from the "
+                   "checkpoint's (default: such a difference is an error naming both values).")
+@click.option("--tensorboard", type=click.Path(path_type=Path), default=None,
+              help="Write TensorBoard scalars to this directory.")
+@click.option("--metrics-file", type=click.Path(path_type=Path), default=None,
+              help="Append one JSON line per step (rank 0).")
+@click.option("--log-every", type=int, default=10, show_default=True, help="Print a telemetry line every N steps.")
+@click.option("--live-bytes-every", type=int, default=0, show_default=True,
+              help="CPU: profile live tensor bytes every N steps (slows those steps).")
+@click.option("--no-progress", "progress", flag_value=False, default=True, help="No progress bar.")
+@click.pass_context
+def command(ctx: click.Context, **params: Any) -> None:
+    """Train with sp-plan's runtime (under torchrun: one process per GPU), from --plan FILE or planning in
+    place. By default a small Llama-style model learns this Python's standard library, byte-level (no
+    download); --dataset and --tokenizer train on a Hugging Face text dataset. Checkpoints, resume and
+    telemetry: docs/training.md."""
+    options = options_from_params(ctx, params)
+    from sp_plan.runtime.distributed import finish_worker  # torch: only when the command runs
+    from sp_plan.runtime.train_run import run_training
+
+    finish_worker(run_training(options))
+
+
+def options_from_params(ctx: click.Context, params: dict[str, Any]) -> TrainRunOptions:
+    """The run's options from the parsed command line; a combination that cannot run is a usage error."""
+    options = TrainRunOptions(**params)
+    problems = options.conflicts()
+    if problems:
+        fail_once(click.UsageError("; ".join(problems), ctx))
+    return options
+
+
+def parse_options(argv: list[str], prog_name: str = "sp-plan train") -> TrainRunOptions:
+    """Parse a ``train`` command line without running it (examples/train_long_context.py uses this): usage
+    errors are shown (by the reporting rank) and end in ``SystemExit`` with click's code, as argparse does."""
+    try:
+        ctx = command.make_context(prog_name, list(argv))
+        with ctx:
+            return options_from_params(ctx, ctx.params)
+    except click.exceptions.Exit as exc:
+        raise SystemExit(exc.exit_code) from None

@@ -1,0 +1,104 @@
+"""The options of one ``sp-plan train`` run, and the constants of its default data: torch-free, so the
+command line can parse and check them (and ``sp-plan train --help`` can run) without importing torch.
+
+:class:`TrainRunOptions` is what :func:`sp_plan.runtime.train_run.run_training` takes; the CLI builds one
+from its flags, and code can build one directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Byte-level tokenizer: 256 byte values plus these special tokens.
+PAD, BOS, EOS = 256, 257, 258
+VOCAB = 259
+#: Corpus size cap: plenty for a few dozen steps, and quick to read on every rank.
+DEFAULT_CORPUS_BYTES = 8 << 20
+WARMUP_STEPS = 5
+
+#: Layout degrees and memory techniques the command line can pin.
+LAYOUT_PINS = ("ulysses", "ring", "tp", "dp_shard", "dp_replicate")
+TECHNIQUE_PINS = ("tiled_mlp", "tiled_loss", "offload_checkpoints", "offload_optimizer", "offload_params")
+
+#: Exit code of a run that stopped on a non-finite loss: a diverged job must not look successful.
+DIVERGED_EXIT_CODE = 3
+
+
+@dataclass(frozen=True)
+class TrainRunOptions:
+    """Everything one run takes; the defaults are the command line's (``sp-plan train --help`` says what each
+    does). ``None`` for a pin means "the planner decides"; the model shape is ignored with ``plan``."""
+
+    plan: str | None = None
+    seq_len: int = 2048
+    steps: int = 30
+    micro_batch: int = 1
+    global_batch: int | None = None
+    lr: float = 2e-3
+    seed: int = 0
+    dtype: str | None = None
+    topology: str | None = None
+    # model (ignored with a plan)
+    layers: int = 4
+    hidden: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    ffn: int = 352
+    hf: bool = False
+    # layout and options the planner must use (ignored with a plan)
+    sp_only: bool = True
+    ulysses: int | None = None
+    ring: int | None = None
+    tp: int | None = None
+    dp_shard: int | None = None
+    dp_replicate: int | None = None
+    checkpointing: str | None = None
+    zero_stage: int | None = None
+    tiled_mlp: bool | None = None
+    tiled_loss: bool | None = None
+    offload_checkpoints: bool | None = None
+    offload_optimizer: bool | None = None
+    offload_params: bool | None = None
+    # data
+    dataset: str | None = None
+    tokenizer: str | None = None
+    text_column: str = "text"
+    split: str = "train"
+    positions: str = "continuous"
+    data_cache: Path | None = None
+    corpus: Path | None = None
+    corpus_bytes: int = DEFAULT_CORPUS_BYTES
+    # checkpoints and telemetry
+    checkpoint_dir: Path | None = None
+    save_every: int = 0
+    keep_checkpoints: int = 2
+    async_save: bool = False
+    resume: bool = False
+    resume_or_start: bool = False
+    override_hparams: bool = False
+    tensorboard: Path | None = None
+    metrics_file: Path | None = None
+    log_every: int = 10
+    live_bytes_every: int = 0
+    progress: bool = True
+
+    def conflicts(self) -> list[str]:
+        """Option combinations that cannot run, as the messages the command line shows (before any work)."""
+        found = []
+        if (self.dataset is None) != (self.tokenizer is None):
+            found.append("--dataset and --tokenizer go together (the default corpus is byte-level)")
+        if self.async_save and self.checkpoint_dir is None:
+            found.append("--async-save needs --checkpoint-dir")
+        if (self.resume or self.resume_or_start) and self.checkpoint_dir is None:
+            found.append("--resume and --resume-or-start need --checkpoint-dir")
+        if self.resume and self.resume_or_start:
+            found.append("--resume and --resume-or-start exclude each other")
+        if self.save_every and self.checkpoint_dir is None:
+            found.append("--save-every needs --checkpoint-dir")
+        return found
+
+    def pins_given(self) -> bool:
+        """Whether any layout degree or option is pinned (then a resumed checkpoint's plan is not reused)."""
+        names = (*LAYOUT_PINS, "checkpointing", "zero_stage", *TECHNIQUE_PINS)
+        return any(getattr(self, k) is not None for k in names)

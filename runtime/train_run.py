@@ -1,0 +1,207 @@
+"""One training run of sp-plan's own runtime, from a plan file or from pins: what ``sp-plan train`` runs.
+
+The options arrive as a :class:`TrainRunOptions` (no click here: the runtime never imports the CLI);
+``sp_plan.cli.commands.train`` parses the command line into one, and ``examples/train_long_context.py``
+is a thin wrapper over that command. :func:`run_training` builds the model (the runtime's Llama, or with
+``hf`` a transformers Llama of the same shape), plans or loads the plan through
+:func:`~sp_plan.runtime.auto.auto_configure`, builds the data stream (by default byte-level tokens of this
+Python's standard library, no download; or a Hugging Face text dataset packed to the planned sequence
+length) and hands everything to :class:`~sp_plan.runtime.trainer.Trainer`.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sp_plan.cost_models.model_spec import ModelSpec
+from sp_plan.planner.plan import Plan, load_plan, plan_from_dict
+from sp_plan.runtime.auto import AutoConfigured, auto_configure
+from sp_plan.runtime.checkpoint import list_checkpoints, read_verified_state
+from sp_plan.runtime.data import TokenWindows
+from sp_plan.runtime.errors import RuntimeConfigError
+from sp_plan.runtime.models import LlamaModel
+from sp_plan.runtime.text_data import GlobalBatches
+from sp_plan.runtime.train_options import (
+    BOS,
+    DIVERGED_EXIT_CODE,
+    EOS,
+    LAYOUT_PINS,
+    PAD,
+    TECHNIQUE_PINS,
+    VOCAB,
+    WARMUP_STEPS,
+    TrainRunOptions,
+)
+from sp_plan.runtime.trainer import Trainer
+
+def read_corpus(root: Path | None, limit: int) -> torch.Tensor:
+    """Byte tokens of every .py file under ``root`` (sorted), each as BOS + bytes + EOS, up to ``limit``."""
+    root = root or Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(f for f in root.rglob("*.py") if "site-packages" not in f.parts)
+    if not files:
+        raise RuntimeConfigError(f"no .py files under {root}: pass --corpus DIR")
+    chunks, total = [], 0
+    for file in files:
+        data = file.read_bytes()
+        if not data:  # empty __init__.py files
+            continue
+        piece = torch.cat([torch.tensor([BOS]), torch.frombuffer(bytearray(data), dtype=torch.uint8).long(),
+                           torch.tensor([EOS])])
+        chunks.append(piece)
+        total += piece.numel()
+        if total >= limit:
+            break
+    return torch.cat(chunks)[:limit]
+
+
+def tokenizer_vocabulary(options: TrainRunOptions) -> tuple[int, int]:
+    """(vocabulary size, padding id) of the run's tokenizer: the byte-level one, or ``options.tokenizer``."""
+    if options.tokenizer is None:
+        return VOCAB, PAD
+    from sp_plan.runtime.text_data import check_dataset_source, load_tokenizer  # transformers: lazy
+
+    check_dataset_source(options.dataset)  # fail before the slow parts
+    tokenizer = load_tokenizer(options.tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return len(tokenizer), pad
+
+
+def build_model(options: TrainRunOptions, plan: Plan | None, vocab: int) -> nn.Module:
+    """The model to train: the plan's architecture, else the options' shape; seeded random weights."""
+    if plan is not None:
+        spec = plan.model
+    else:
+        prefix = "byte-llama" if options.tokenizer is None else "llama"
+        spec = ModelSpec(name=f"{prefix}-{options.layers}x{options.hidden}", num_layers=options.layers,
+                         hidden_size=options.hidden, num_heads=options.heads, num_kv_heads=options.kv_heads,
+                         head_dim=options.hidden // options.heads, ffn_hidden_size=options.ffn, vocab_size=vocab)
+    if spec.vocab_size < vocab:
+        raise RuntimeConfigError(f"the plan's model has a vocabulary of {spec.vocab_size}; the tokenizer needs {vocab}")
+    torch.manual_seed(options.seed)
+    if options.hf:
+        return build_hf_model(spec, options.seq_len)
+    model = LlamaModel(spec)
+    model.init_weights(generator=torch.Generator().manual_seed(options.seed))
+    return model
+
+
+def build_hf_model(spec: ModelSpec, seq_len: int) -> nn.Module:
+    """A transformers causal LM with ``spec``'s architecture and random weights (seeded by the caller)."""
+    try:
+        from sp_plan.runtime.hf import hf_model_from_spec  # transformers: lazy
+
+        return hf_model_from_spec(spec, seq_len)
+    except ImportError as exc:
+        raise RuntimeConfigError("--hf needs transformers: pip install 'sp-plan[hf]'") from exc
+
+
+def checkpoint_plan(options: TrainRunOptions) -> Plan | None:
+    """The plan of the checkpoint a resume will load, when this launch may reuse it: no plan file, no pins,
+    the same number of ranks. Re-planning could pick another layout on a noisy probe."""
+    if not (options.resume or options.resume_or_start) or options.plan or options.pins_given():
+        return None
+    # The newest checkpoint whose bookkeeping matches its manifest (the Trainer then verifies every file of
+    # the one it resumes from, and may fall back further: the same run's plan).
+    for _, path in reversed(list_checkpoints(options.checkpoint_dir)):
+        try:
+            state = read_verified_state(path)
+            break
+        except RuntimeConfigError:
+            continue
+    else:
+        return None
+    if state.get("world_size") != int(os.environ.get("WORLD_SIZE", "1")) or not state.get("plan"):
+        return None
+    return plan_from_dict(state["plan"], f"the plan saved in {path}")
+
+
+def make_data(options: TrainRunOptions, setup: AutoConfigured) -> tuple[GlobalBatches, str]:
+    """This rank's resumable batch stream and a line describing the data."""
+    train = setup.train
+    if options.dataset is None:
+        tokens = read_corpus(options.corpus, options.corpus_bytes)
+        dataset = TokenWindows(tokens, train.seq_len)
+        what = (f"{tokens.numel():,} byte tokens of Python stdlib source, {len(dataset)} sequences of "
+                f"{train.seq_len:,}")
+    else:
+        from sp_plan.runtime.text_data import PackedTextDataset, check_vocabulary  # datasets: lazy
+
+        log = print if dist.get_rank() == 0 else None
+        dataset = PackedTextDataset.build(options.dataset, options.tokenizer, train.seq_len,
+                                          text_column=options.text_column, split=options.split,
+                                          positions=options.positions.replace("-", "_"),
+                                          cache_dir=options.data_cache, log=log)
+        check_vocabulary(dataset, setup.plan.model.vocab_size)
+        if dataset.positions == "per_document":  # refused up front if the runtime cannot train such rows
+            try:
+                setup.sharder.prepare({k: v.unsqueeze(0) for k, v in dataset[0].items()})
+            except RuntimeConfigError as exc:
+                raise RuntimeConfigError(f"{exc} (this example: --positions continuous)") from None
+        what = dataset.describe()
+    data = GlobalBatches.for_setup(setup, dataset, seed=options.seed)
+    if data.sequences_per_step > len(dataset):
+        raise RuntimeConfigError(
+            f"the data gives {len(dataset)} sequences, fewer than one step of {data.sequences_per_step}: use a shorter "
+            "--seq-len or more data"
+        )
+    line = (f"data: {what}; {setup.dp_size} data-parallel group(s); {train.grad_accum} micro-batch(es) of "
+            f"{train.micro_batch} per step")
+    return data, line
+
+
+def configure(options: TrainRunOptions, model: nn.Module, plan: Plan | None, pad: int) -> AutoConfigured:
+    """Set the model up for the plan, or (no plan) plan for this machine under the options' pins."""
+    if plan is not None:
+        return auto_configure(model, plan=plan, pad_token_id=pad)
+    pins = {k: getattr(options, k) for k in LAYOUT_PINS if getattr(options, k)}
+    if options.sp_only:
+        for dim in ("dp_shard", "dp_replicate", "tp"):
+            pins.setdefault(dim, 1)
+    fixed = {k: getattr(options, k) for k in ("checkpointing", "zero_stage", *TECHNIQUE_PINS)
+             if getattr(options, k) is not None}
+    return auto_configure(model, seq_len=options.seq_len, micro_batch=options.micro_batch, dtype=options.dtype,
+                          global_batch=options.global_batch, topology=options.topology, fixed_layout=pins,
+                          fixed_options=fixed, pad_token_id=pad)
+
+
+def run_training(options: TrainRunOptions) -> int:
+    """Run the training; the process exit code (0, or :data:`DIVERGED_EXIT_CODE` on a non-finite loss).
+
+    Raises :class:`~sp_plan.runtime.errors.RuntimeConfigError` (and the planner's errors) for runs that
+    cannot start; the caller ends the torchrun worker (:func:`~sp_plan.runtime.distributed.finish_worker`).
+    """
+    problems = options.conflicts()
+    if problems:
+        raise RuntimeConfigError("; ".join(problems))
+    vocab, pad = tokenizer_vocabulary(options)
+    plan = load_plan(options.plan) if options.plan else None
+    reused = checkpoint_plan(options) if plan is None else None
+    model = build_model(options, plan or reused, vocab)
+    setup = configure(options, model, plan or reused, pad)
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        print("\n".join(setup.describe()))
+        if reused is not None:
+            print("  (the plan of the checkpoint being resumed)")
+    data, data_line = make_data(options, setup)
+    if rank0:
+        print(data_line, flush=True)
+    optimizer = setup.make_optimizer(lr=options.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS))
+    trainer = Trainer(setup, optimizer, data, max_steps=options.steps, scheduler=schedule, max_grad_norm=1.0,
+                      checkpoint_dir=options.checkpoint_dir, save_every=options.save_every,
+                      keep_checkpoints=options.keep_checkpoints,
+                      resume="auto" if options.resume_or_start else options.resume,
+                      override_hparams=options.override_hparams,
+                      run_config={"warmup_steps": WARMUP_STEPS, "seed": options.seed}, log_every=options.log_every,
+                      tensorboard_dir=options.tensorboard, metrics_file=options.metrics_file,
+                      progress=options.progress, live_bytes_every=options.live_bytes_every,
+                      async_save=options.async_save)
+    result = trainer.fit()
+    return DIVERGED_EXIT_CODE if result.stopped_by == "non-finite" else 0
