@@ -326,3 +326,15 @@ def test_console_script_exit_codes(args, code):
     done = subprocess.run([str(console_script()), *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == code, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["--steps", "0"], ["--steps", "-3"], ["--micro-batch", "0"], ["--global-batch", "-1"], ["--lr", "nan"],
+    ["--lr", "0"], ["--lr", "inf"], ["--seed", "-1"], ["--layers", "0"], ["--hidden", "-1"], ["--heads", "1e9"],
+    ["--kv-heads", "x"], ["--ffn", "0"], ["--corpus-bytes", "0"], ["--save-every", "-1"],
+    ["--keep-checkpoints", "0"], ["--log-every", "-1"], ["--live-bytes-every", "-1"], ["--ulysses", "0"],
+    ["--ring", "-2"], ["--tp", "abc"], ["--zero", "4"], ["--seq-len", "abc"], ["--seq-len", "-4K"],
+])
+def test_fuzz_train_argument_checks(args):
+    """Refused while parsing, before torch or a rank starts: one line, exit 2."""
+    check(["train", *args], allowed=(2,))

@@ -21,9 +21,13 @@ from typing import Any, NoReturn
 
 import click
 
+from sp_plan.cost_models.layout import MAX_DEGREE
 from sp_plan.runtime.train_options import DEFAULT_CORPUS_BYTES, LAYOUT_PINS, TECHNIQUE_PINS, TrainRunOptions
 
-from .common import SEQ_LEN
+from .common import SEQ_LEN, FiniteFloatRange
+
+#: Bound on the built-in model's sizes: far above a CPU run, and refuses 0 and negatives in one line.
+MODEL_SIZE = click.IntRange(1, 1 << 20)
 
 
 def reports_errors() -> bool:
@@ -54,7 +58,7 @@ class TrainCommand(click.Command):
 def _pin_options(func):
     """--ulysses .. --dp-replicate, --checkpointing, --zero and the --x/--no-x technique pins (all optional)."""
     for dim in reversed(LAYOUT_PINS):
-        func = click.option(f"--{dim.replace('_', '-')}", dim, type=int, default=None,
+        func = click.option(f"--{dim.replace('_', '-')}", dim, type=click.IntRange(1, MAX_DEGREE), default=None,
                             help=f"Pin the {dim} degree (default: the planner decides).")(func)
     for option in reversed(TECHNIQUE_PINS):
         flag = option.replace("_", "-")
@@ -71,22 +75,22 @@ def _pin_options(func):
 @click.option("--plan", default=None, metavar="FILE",
               help="Plan file written by `sp-plan plan --out` (fixes model, layout and options).")
 @click.option("--seq-len", type=SEQ_LEN, default=2048, show_default=True, help="Tokens per sequence (4096, 8K, ...).")
-@click.option("--steps", type=int, default=30, show_default=True,
+@click.option("--steps", type=click.IntRange(1, 1 << 30), default=30, show_default=True,
               help="Train until this optimizer step (counting resumed ones).")
-@click.option("--micro-batch", type=int, default=1, show_default=True)
-@click.option("--global-batch", type=int, default=None,
+@click.option("--micro-batch", type=click.IntRange(1, 1 << 16), default=1, show_default=True)
+@click.option("--global-batch", type=click.IntRange(1, 1 << 30), default=None,
               help="Sequences per optimizer step (default: one micro-batch per data-parallel rank).")
-@click.option("--lr", type=float, default=2e-3, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--lr", type=FiniteFloatRange(0.0, 1e3, min_open=True), default=2e-3, show_default=True)
+@click.option("--seed", type=click.IntRange(0, (1 << 63) - 1), default=0, show_default=True)
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="Compute dtype (default: bf16 on GPUs, fp32 on CPU).")
 @click.option("--topology", default=None, metavar="PRESET|FILE",
               help="Topology preset or file for planning (default: probe this machine).")
-@click.option("--layers", type=int, default=4, show_default=True, help="Model layers (ignored with --plan).")
-@click.option("--hidden", type=int, default=128, show_default=True, help="Hidden size (ignored with --plan).")
-@click.option("--heads", type=int, default=4, show_default=True, help="Attention heads (ignored with --plan).")
-@click.option("--kv-heads", type=int, default=2, show_default=True, help="Key/value heads (ignored with --plan).")
-@click.option("--ffn", type=int, default=352, show_default=True, help="FFN hidden size (ignored with --plan).")
+@click.option("--layers", type=MODEL_SIZE, default=4, show_default=True, help="Model layers (ignored with --plan).")
+@click.option("--hidden", type=MODEL_SIZE, default=128, show_default=True, help="Hidden size (ignored with --plan).")
+@click.option("--heads", type=MODEL_SIZE, default=4, show_default=True, help="Attention heads (ignored with --plan).")
+@click.option("--kv-heads", type=MODEL_SIZE, default=2, show_default=True, help="Key/value heads (ignored with --plan).")
+@click.option("--ffn", type=MODEL_SIZE, default=352, show_default=True, help="FFN hidden size (ignored with --plan).")
 @click.option("--hf", is_flag=True,
               help="Train a Hugging Face transformers LlamaForCausalLM of the same architecture (random weights, "
                    "no download; needs the [hf] extra) instead of the runtime's own Llama.")
@@ -109,12 +113,12 @@ def _pin_options(func):
               help="Where packed datasets are cached (default: ~/.cache/sp-plan/packed).")
 @click.option("--corpus", type=click.Path(path_type=Path), default=None,
               help="Byte-level default: directory of .py files (default: this Python's standard library).")
-@click.option("--corpus-bytes", type=int, default=DEFAULT_CORPUS_BYTES, show_default=True)
+@click.option("--corpus-bytes", type=click.IntRange(1, 1 << 40), default=DEFAULT_CORPUS_BYTES, show_default=True)
 @click.option("--checkpoint-dir", type=click.Path(path_type=Path), default=None,
               help="Save checkpoints here (after the last step, every --save-every steps, and on SIGTERM/SIGINT).")
-@click.option("--save-every", type=int, default=0, show_default=True,
+@click.option("--save-every", type=click.IntRange(0, 1 << 30), default=0, show_default=True,
               help="Checkpoint every N steps (0: only at the end).")
-@click.option("--keep-checkpoints", type=int, default=2, show_default=True, help="Keep the newest N checkpoints.")
+@click.option("--keep-checkpoints", type=click.IntRange(1, 1 << 20), default=2, show_default=True, help="Keep the newest N checkpoints.")
 @click.option("--async-save", is_flag=True,
               help="Write periodic checkpoints in the background (training waits only for a copy to host memory; "
                    "costs one host copy of each rank's state).")
@@ -130,8 +134,8 @@ def _pin_options(func):
               help="Write TensorBoard scalars to this directory.")
 @click.option("--metrics-file", type=click.Path(path_type=Path), default=None,
               help="Append one JSON line per step (rank 0).")
-@click.option("--log-every", type=int, default=10, show_default=True, help="Print a telemetry line every N steps.")
-@click.option("--live-bytes-every", type=int, default=0, show_default=True,
+@click.option("--log-every", type=click.IntRange(0, 1 << 30), default=10, show_default=True, help="Print a telemetry line every N steps.")
+@click.option("--live-bytes-every", type=click.IntRange(0, 1 << 30), default=0, show_default=True,
               help="CPU: profile live tensor bytes every N steps (slows those steps).")
 @click.option("--no-progress", "progress", flag_value=False, default=True, help="No progress bar.")
 @click.pass_context
