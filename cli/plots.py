@@ -56,6 +56,8 @@ _COLOURS = {
     "GEMMs": "#1f77b4", "attention forward": "#ff7f0e", "attention backward": "#ffbb78", "recompute": "#d62728",
     "other compute": "#c7c7c7", SMALL_LABEL: "#dbdb8d", "compute slowed by comm": "#bcbd22", "offload": "#8c564b",
 }
+#: Behind a label drawn over bars or lines: white, slightly see-through, so the label stays readable.
+_TEXT_BOX = {"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.85}
 _COMM_COLOURS = ("#9467bd", "#c5b0d5", "#17becf", "#9edae5", "#e377c2", "#f7b6d2")
 
 
@@ -106,7 +108,7 @@ def _label_totals(ax: Any, labels: Sequence[str], totals: Sequence[float], texts
     for x, (total, text) in enumerate(zip(totals, texts)):
         if text:
             ax.annotate(text, (x, total), xytext=(0, 3), textcoords="offset points", ha="center", va="bottom",
-                        fontsize=8, zorder=5, bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none"})
+                        fontsize=8, zorder=5, bbox=_TEXT_BOX)
 
 
 def _memory_limits(ax: Any, capacity_gb: float, usable_gb: float | None, top_gb: float) -> None:
@@ -114,11 +116,12 @@ def _memory_limits(ax: Any, capacity_gb: float, usable_gb: float | None, top_gb:
     neither sits on the frame."""
     ax.axhline(capacity_gb, color="black", linestyle="--", linewidth=1)
     ax.annotate(f"capacity {capacity_gb:.1f} GB", (0.0, capacity_gb), xycoords=("axes fraction", "data"),
-                xytext=(3, 2), textcoords="offset points", fontsize=8, va="bottom")
+                xytext=(3, 2), textcoords="offset points", fontsize=8, va="bottom", zorder=6, bbox=_TEXT_BOX)
     if usable_gb is not None and usable_gb < capacity_gb:
         ax.axhline(usable_gb, color="black", linestyle=":", linewidth=1)
         ax.annotate(f"usable {usable_gb:.1f} GB", (1.0, usable_gb), xycoords=("axes fraction", "data"),
-                    xytext=(-3, -2), textcoords="offset points", fontsize=8, va="top", ha="right")
+                    xytext=(-3, -2), textcoords="offset points", fontsize=8, va="top", ha="right", zorder=6,
+                    bbox=_TEXT_BOX)
     ax.set_ylim(0, max(capacity_gb, top_gb) * 1.15)
 
 
