@@ -184,7 +184,8 @@ def predicted_duration_problem(plan: Plan, steps: int, device_type: str, max_hou
     t = plan.train
     tokens = t.seq_len * t.micro_batch * t.grad_accum * plan.layout.dp
     where = "a CPU run" if device_type == "cpu" else "a GPU run"
-    bound = f"--max-predicted-hours {max_hours:g}" if max_hours is not None else f"the {_duration(limit)} bound for {where}"
+    bound = (f"--max-predicted-hours {max_hours:g}" if max_hours is not None
+             else f"the {_duration(limit)} bound for {where}")
     if planned_here:
         shrink = ("fewer --steps, a smaller --global-batch (sequences per step), a shorter --seq-len or a smaller "
                   "model")
