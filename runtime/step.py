@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +57,8 @@ def synchronize(device: torch.device) -> None:
 
 
 def train_step(setup, micro_batches: Sequence[Any], optimizer: torch.optim.Optimizer | None = None, *,
-               max_grad_norm: float | None = None, sharded: bool = False, skip_nonfinite: bool = False) -> StepResult:
+               max_grad_norm: float | None = None, sharded: bool = False, skip_nonfinite: bool = False,
+               on_micro_batch: Callable[[int, int], None] | None = None) -> StepResult:
     """Run one optimizer step of ``setup`` (an :class:`sp_plan.runtime.auto.AutoConfigured`) over ``micro_batches``.
 
     ``micro_batches`` are this data-parallel rank's full-sequence batches (or shards, with
@@ -68,6 +69,9 @@ def train_step(setup, micro_batches: Sequence[Any], optimizer: torch.optim.Optim
     into NaN. Both numbers are global (all-reduced over the ranks that share them), so every rank takes
     the same decision without another collective; the norm costs one pass over the gradients when not
     clipping.
+
+    ``on_micro_batch(k, n)`` is called after the k-th of n micro-batches' backward: progress inside a
+    step that accumulates many (telemetry of long steps).
     """
     synchronize(setup.device)
     started = time.perf_counter()
@@ -81,6 +85,8 @@ def train_step(setup, micro_batches: Sequence[Any], optimizer: torch.optim.Optim
         out.loss.backward()
         losses.append(out.value)
         weighted += out.value * out.global_tokens
+        if on_micro_batch is not None:
+            on_micro_batch(i + 1, len(shards))
     setup.sync_gradients()
     if max_grad_norm is not None:
         grad_norm = setup.clip_grad_norm_(max_grad_norm)

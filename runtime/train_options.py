@@ -21,6 +21,10 @@ WARMUP_STEPS = 5
 LAYOUT_PINS = ("ulysses", "ring", "tp", "dp_shard", "dp_replicate")
 TECHNIQUE_PINS = ("tiled_mlp", "tiled_loss", "offload_checkpoints", "offload_optimizer", "offload_params")
 
+#: Predicted run time (hours) above which a run starts only when told to (``--yes``): an hour on CPU, where
+#: runs are demos and tests, a week on GPUs. ``--max-predicted-hours`` replaces the bound.
+PREDICTED_HOURS_LIMIT = {"cpu": 1.0, "gpu": 7 * 24.0}
+
 #: Exit code of a run that stopped on a non-finite loss: a diverged job must not look successful.
 DIVERGED_EXIT_CODE = 3
 
@@ -82,6 +86,9 @@ class TrainRunOptions:
     log_every: int = 10
     live_bytes_every: int = 0
     progress: bool = True
+    # how long a run may be predicted to take before it needs ``yes`` (see train_run.check_predicted_duration)
+    max_predicted_hours: float | None = None
+    yes: bool = False
 
     def conflicts(self) -> list[str]:
         """Option combinations that cannot run, as the messages the command line shows (before any work)."""

@@ -33,6 +33,7 @@ from sp_plan.runtime.train_options import (
     EOS,
     LAYOUT_PINS,
     PAD,
+    PREDICTED_HOURS_LIMIT,
     TECHNIQUE_PINS,
     VOCAB,
     WARMUP_STEPS,
@@ -155,6 +156,60 @@ def make_data(options: TrainRunOptions, setup: AutoConfigured) -> tuple[GlobalBa
     return data, line
 
 
+def _duration(hours: float) -> str:
+    """``hours`` in the unit a person reads it in: seconds, minutes, hours or days."""
+    for unit, size in (("day", 24.0), ("hour", 1.0), ("minute", 1 / 60)):
+        if hours >= (2 * size if unit == "day" else size):
+            value = hours / size
+            break
+    else:
+        unit, value = "second", hours * 3600
+    text = f"{value:,.3g}" if value < 1000 else f"{value:,.0f}"
+    return f"{text} {unit}{'' if text == '1' else 's'}"
+
+
+def predicted_duration_problem(plan: Plan, steps: int, device_type: str, max_hours: float | None = None,
+                               planned_here: bool = True) -> str | None:
+    """Why a run must not start unasked, or None: the plan's predicted step time x ``steps`` exceeds
+    ``max_hours`` (default :data:`PREDICTED_HOURS_LIMIT` for the device type). A typo in a batch size can
+    turn a minute's demo into days of a machine; the message names the prediction and how to shrink it.
+    A plan without a time estimate is not judged."""
+    step_s = ((plan.estimate or {}).get("time") or {}).get("step_s")
+    if not step_s or step_s <= 0:
+        return None
+    limit = max_hours if max_hours is not None else PREDICTED_HOURS_LIMIT["cpu" if device_type == "cpu" else "gpu"]
+    hours = step_s * steps / 3600
+    if hours <= limit:
+        return None
+    t = plan.train
+    tokens = t.seq_len * t.micro_batch * t.grad_accum * plan.layout.dp
+    where = "a CPU run" if device_type == "cpu" else "a GPU run"
+    bound = (f"--max-predicted-hours {max_hours:g}" if max_hours is not None
+             else f"the {_duration(limit)} bound for {where}")
+    if planned_here:
+        shrink = ("fewer --steps, a smaller --global-batch (sequences per step), a shorter --seq-len or a smaller "
+                  "model")
+    else:
+        shrink = ("fewer --steps, or a plan for a smaller global batch (sp-plan plan --global-batch-tokens ...) or "
+                  "shorter sequences")
+    per_step = f"{step_s:,.3g}" if step_s < 1000 else f"{step_s:,.0f}"
+    return (f"the plan predicts {per_step} s per step on {plan.hardware.topology} ({tokens:,} tokens per step: "
+            f"{t.seq_len:,} x micro-batch {t.micro_batch} x grad-accum {t.grad_accum} x {plan.layout.dp} "
+            f"data-parallel), so {steps:,} steps take about {_duration(hours)}, over {bound}. To run it anyway "
+            f"pass --yes (or raise --max-predicted-hours); to shrink it: {shrink}")
+
+
+def check_predicted_duration(options: TrainRunOptions, setup: AutoConfigured, planned_here: bool) -> None:
+    """Refuse (before any data is read or step is taken) a run predicted to take far longer than meant,
+    unless ``options.yes``; :func:`predicted_duration_problem` says when and why."""
+    if options.yes:
+        return
+    problem = predicted_duration_problem(setup.plan, options.steps, setup.device.type, options.max_predicted_hours,
+                                         planned_here)
+    if problem:
+        raise RuntimeConfigError(problem)
+
+
 def configure(options: TrainRunOptions, model: nn.Module, plan: Plan | None, pad: int) -> AutoConfigured:
     """Set the model up for the plan, or (no plan) plan for this machine under the options' pins."""
     if plan is not None:
@@ -189,6 +244,7 @@ def run_training(options: TrainRunOptions) -> int:
         print("\n".join(setup.describe()))
         if reused is not None:
             print("  (the plan of the checkpoint being resumed)")
+    check_predicted_duration(options, setup, planned_here=plan is None and reused is None)
     data, data_line = make_data(options, setup)
     if rank0:
         print(data_line, flush=True)

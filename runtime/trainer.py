@@ -88,6 +88,9 @@ HPARAMS = ("initial_lr", "lr", "betas", "eps", "weight_decay", "momentum", "damp
            "maximize", "alpha", "lr_decay")
 #: Memory figures reduced over ranks each step (bytes; -1 when not measured).
 MEMORY_KEYS = ("max_allocated", "max_reserved", "rss", "peak_rss", "live_peak")
+#: Seconds between progress reports inside one step (micro-batch k of n): a step of many micro-batches
+#: can take minutes, and a run that prints nothing that long looks hung.
+MICRO_BATCH_REPORT_S = 30.0
 
 
 @dataclass
@@ -209,6 +212,8 @@ class Telemetry:
         if metrics_file is not None and self.rank0:
             Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
             self.metrics = open(metrics_file, "a")
+        self.current_step: int | None = None
+        self.step_started = self.last_report = time.monotonic()
         self.bar = None
         if progress and self.rank0:
             try:
@@ -221,9 +226,27 @@ class Telemetry:
     def measure_live(self, step: int) -> bool:
         return not self.cuda and self.live_bytes_every > 0 and step % self.live_bytes_every == 0
 
-    def begin_step(self) -> None:
+    def begin_step(self, step: int | None = None) -> None:
+        """Before step ``step`` (1-based) runs: reset the peak-memory counters and the in-step progress clock."""
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.setup.device)
+        self.current_step = step
+        self.step_started = self.last_report = time.monotonic()
+
+    def micro_batch_done(self, k: int, n: int) -> None:
+        """Progress inside a step of ``n`` micro-batches, at most every :data:`MICRO_BATCH_REPORT_S` seconds
+        (rank 0): on the progress bar, or (without one, when lines are printed) as a line."""
+        if not self.rank0 or n < 2 or k == n:
+            return
+        now = time.monotonic()
+        if now - self.last_report < MICRO_BATCH_REPORT_S:
+            return
+        self.last_report = now
+        text = f"micro-batch {k}/{n}"
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=True)
+        elif self.log_every:
+            self.write(f"step {self.current_step}: {text} after {now - self.step_started:,.0f} s")
 
     def local_memory(self, live_peak: int | None) -> list[int]:
         values = dict.fromkeys(MEMORY_KEYS, -1)
@@ -591,14 +614,15 @@ class Trainer:
             while self.step < self.max_steps:
                 micro_batches = self.data.next_step()
                 lr = _lr(self.optimizer)
-                telemetry.begin_step()
+                telemetry.begin_step(self.step + 1)
                 live = None
                 if telemetry.measure_live(self.step + 1):
                     holder: list[StepResult] = []
-                    live = live_peak(lambda: holder.append(self._train_step(micro_batches)), self.setup.device)
+                    live = live_peak(lambda: holder.append(self._train_step(micro_batches, telemetry.micro_batch_done)),
+                                     self.setup.device)
                     result = holder[0]
                 else:
-                    result = self._train_step(micro_batches)
+                    result = self._train_step(micro_batches, telemetry.micro_batch_done)
                 if self.scheduler is not None and not result.skipped:
                     self.scheduler.step()
                 self.step += 1
@@ -647,9 +671,9 @@ class Trainer:
             self.print_fn(summary(result, telemetry.mfu_note))
         return result
 
-    def _train_step(self, micro_batches) -> StepResult:
+    def _train_step(self, micro_batches, on_micro_batch: Callable[[int, int], None] | None = None) -> StepResult:
         return train_step(self.setup, micro_batches, self.optimizer, max_grad_norm=self.max_grad_norm,
-                          skip_nonfinite=self.skip_nonfinite)
+                          skip_nonfinite=self.skip_nonfinite, on_micro_batch=on_micro_batch)
 
     def _reduce_max(self, values: list[int]) -> list[int]:
         if self.world == 1:

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import click
 
-from sp_plan.cost_models.atomic_io import atomic_output
 from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.text_table import Column, format_table
 from sp_plan.cost_models.units import GB, format_tokens, parse_seq_len
@@ -17,6 +15,7 @@ from sp_plan.planner.capacity import MAX_GPUS, SweepPoint, max_seq_len, min_gpus
 from sp_plan.planner.errors import PlannerError
 from sp_plan.planner.report import describe_options
 from sp_plan.planner.sanity import check_figures
+from ..plots import draw_sweep
 from .common import build_model, build_topology, build_train, check_output_path, hardware_options, \
     layout_options, model_options_optional_seq
 from .plan import planning_options, settings_from
@@ -102,7 +101,7 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
         check_figures([_plan_json(p.plan) for p in results if p.plan is not None], "the sweep")
         stack = _stack_fields(settings, topology_for(points[0][0]).gpu.name)
         if plot_file:
-            draw_sweep(results, key, plot_file, model.name)
+            draw_sweep(results, key, plot_file, model.name, headroom=settings.headroom)
         if as_json:
             click.echo(json.dumps({"sweep": [
                 {"gpus": p.gpus, "seq_len": p.seq_len, "plan": _plan_json(p.plan),
@@ -178,52 +177,3 @@ def render_sweep(points: list[SweepPoint], mode: str) -> str:
         rows.append([*where, p.plan.layout.describe(), describe_options(p.plan.options, mode), f"{m.total / GB:.1f} GB",
                      f"{t.step_s:.2f} s", f"{t.tokens_per_s:,.0f}", f"{t.mfu:.1%}"])
     return "\n".join(format_table(SWEEP_COLUMNS, rows))
-
-
-#: Formats --plot writes, by file suffix (matplotlib's Agg backend; PNG when the suffix names none).
-PLOT_FORMATS = ("png", "svg", "pdf")
-
-
-def _plot_format(path: str) -> str:
-    """The image format for ``path``: savefig into a file object cannot guess it from the name."""
-    suffix = Path(path).suffix.lower().lstrip(".")
-    return suffix if suffix in PLOT_FORMATS else "png"
-
-
-COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "kv_cache", "buffers", "overhead")
-
-
-def draw_sweep(points: list[SweepPoint], key: str, path: str, title: str) -> None:
-    """Stacked memory-breakdown bars per point and the tokens/s curve on a second axis."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise PlannerError("--plot needs matplotlib: pip install 'sp-plan[plot]'") from exc
-    labels = [str(p.gpus) if key == "gpus" else format_tokens(p.seq_len) for p in points]
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(points) + 3), 4.5))
-    bottoms = [0.0] * len(points)
-    for comp in COMPONENTS:
-        heights = [getattr(p.plan.estimate.memory, comp) / GB if p.plan else 0.0 for p in points]
-        ax.bar(labels, heights, bottom=bottoms, label=comp)
-        bottoms = [b + h for b, h in zip(bottoms, heights)]
-    capacity = next((p.plan.estimate.memory.capacity / GB for p in points if p.plan), None)
-    if capacity:
-        ax.axhline(capacity, color="black", linestyle="--", linewidth=1, label="capacity")
-    ax.set_xlabel("GPUs" if key == "gpus" else "sequence length")
-    ax.set_ylabel("memory per GPU (GB)")
-    ax2 = ax.twinx()
-    ax2.plot(labels, [p.plan.estimate.time.tokens_per_s if p.plan else float("nan") for p in points],
-             color="black", marker="o", label="tokens/s")
-    ax2.set_ylabel("tokens/s (cluster)")
-    ax.legend(loc="upper left", fontsize=7, ncol=2)
-    ax.set_title(f"{title}: best plan per point")
-    fig.tight_layout()
-    try:
-        # matplotlib writes in place: a crash mid-write would leave half a PNG; write whole or not at all.
-        with atomic_output(path, "wb") as handle:
-            fig.savefig(handle, format=_plot_format(path), dpi=120)
-    finally:
-        plt.close(fig)

@@ -15,6 +15,8 @@ from sp_plan.cost_models.text_table import Column, format_table
 from sp_plan.cost_models.units import GB, GiB, format_tokens
 
 from sp_plan.planner.sanity import check_figures
+from sp_plan.planner.search import DEFAULT_HEADROOM
+from ..plots import draw_estimate_memory
 from .common import (
     build_assume,
     build_cluster,
@@ -22,6 +24,7 @@ from .common import (
     build_model,
     build_profile,
     build_train,
+    check_output_path,
     hardware_options,
     layout_options,
     model_options,
@@ -53,20 +56,29 @@ def run_estimate(model_name: str, gpus: int | None, gpus_per_node: int | None, g
 @click.option("--explain-time", is_flag=True,
               help="Break the step time into GEMMs, attention, recompute, communication, offload, optimizer and "
                    "overheads, with each one's efficiency and where that value came from.")
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False), default=None,
+              help="Also draw the memory per GPU by component and by phase of the step, against the capacity and "
+                   "the planner's usable memory (capacity minus its default headroom), to this PNG, SVG or PDF "
+                   "(needs matplotlib).")
 def command(model_name: str, gpus: int | None, gpus_per_node: int | None, gpu_name: str, topology_ref: str | None,
-            as_json: bool, explain_time: bool, **options: Any) -> None:
+            as_json: bool, explain_time: bool, plot_file: str | None, **options: Any) -> None:
     """Per-GPU memory of one layout (weights, gradients, optimizer, activations, logits, KV cache,
     buffers and overheads at the peak phase of the step, host memory), its communication volume per
     layer and per step, and the predicted step time, tokens/s and MFU on the topology."""
+    check_output_path(plot_file, "--plot")
     result = run_estimate(model_name, gpus, gpus_per_node, gpu_name, topology_ref, options)
     data = result.to_json_dict()
     check_figures(data, "the estimate")  # never print a NaN or a 10^297 s step as an answer
+    if plot_file:
+        draw_estimate_memory(result, plot_file, headroom=DEFAULT_HEADROOM)
     if as_json:
         click.echo(json.dumps(data, indent=2))
     elif explain_time:
         click.echo(render_time_explanation(result))
     else:
         click.echo(render_table(result))
+    if plot_file:
+        click.echo(f"wrote {plot_file}", err=True)
 
 
 def _gb(n: float) -> str:

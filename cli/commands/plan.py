@@ -17,6 +17,7 @@ from sp_plan.planner.plan import plan_from_ranked
 from sp_plan.planner.report import explain_rejections, explain_winner, family_champions, headline, render_table, compare
 from sp_plan.planner.sanity import check_figures
 from sp_plan.planner.search import DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_HEADROOM, PlanSettings, SearchResult, search
+from ..plots import draw_plan_times
 from .common import (
     LAYOUT_KEYS,
     TokenCountType,
@@ -95,16 +96,21 @@ def result_json(result: SearchResult, extra: dict[str, Any] | None = None) -> di
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None,
               help="Write the winning plan to this YAML file (for the runtime and `sp-plan export`); - writes it "
                    "to standard output and the report to standard error.")
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False), default=None,
+              help="Also draw the step time of the --top plans by component (GEMMs, attention, recompute, exposed "
+                   "communication by strategy, offload, optimizer, overheads) to this PNG, SVG or PDF (needs "
+                   "matplotlib).")
 @click.pass_context
 def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node: int | None, gpu_name: str,
             topology_ref: str | None, top: int, explain: bool, as_json: bool, out_file: str | None,
-            **options: Any) -> None:
+            plot_file: str | None, **options: Any) -> None:
     """Recommend the fastest layout and memory options that fit.
 
     Layout degrees (--tp, --ulysses, ...) and memory options (--zero, --checkpointing, --tiled-mlp, ...)
     given on the command line are pinned; everything else is searched.
     """
     check_output_path(out_file, "--out")
+    check_output_path(plot_file, "--plot")
     settings, train_kwargs, _ = settings_from(ctx, options, top)
     model = build_model(model_name)
     train = build_train(**train_kwargs)
@@ -126,6 +132,8 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
         chosen = plan_from_ranked(result.plans[0], model, topology, gpus, explanation, stack=result.stack,
                                   calibration=result.calibration)
         write_output(out_file, chosen.to_yaml(), error=PlannerError)
+    if plot_file:
+        draw_plan_times(result.plans, plot_file, f"{model.name} on {gpus} x {topology.gpu.name}")
     if as_json:
         click.echo(json.dumps(result_json(result), indent=2), err=to_stdout)
     else:
@@ -141,6 +149,8 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
         click.echo("\n".join(lines), err=to_stdout)
     if out_file and not to_stdout:
         click.echo(f"wrote plan to {out_file}", err=True)
+    if plot_file:
+        click.echo(f"wrote {plot_file}", err=True)
 
 
 def explain_alternatives(model, train, topology, settings: PlanSettings, result: SearchResult, world: int) -> list[str]:

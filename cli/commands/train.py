@@ -138,6 +138,10 @@ def _pin_options(func):
 @click.option("--live-bytes-every", type=click.IntRange(0, 1 << 30), default=0, show_default=True,
               help="CPU: profile live tensor bytes every N steps (slows those steps).")
 @click.option("--no-progress", "progress", flag_value=False, default=True, help="No progress bar.")
+@click.option("--max-predicted-hours", type=FiniteFloatRange(0.0, 1e7, min_open=True), default=None, metavar="HOURS",
+              help="Refuse to start when the plan's predicted step time x --steps exceeds this (default: 1 hour "
+                   "on CPU, 7 days on GPUs); --yes starts anyway.")
+@click.option("--yes", is_flag=True, help="Start even when the predicted run time exceeds the bound.")
 @click.pass_context
 def command(ctx: click.Context, **params: Any) -> None:
     """Train with sp-plan's runtime (under torchrun: one process per GPU), from --plan FILE or planning in
