@@ -13,6 +13,7 @@ Plans and arguments the Trainer cannot run are refused with every reason named.
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from types import SimpleNamespace
 
@@ -24,6 +25,7 @@ pytest.importorskip("transformers")
 from tests.distributed import run_ranks  # noqa: E402
 
 STEPS, MICRO, ACCUM, SEQ, VOCAB, LR, SEED = 3, 1, 2, 32, 128, 1e-3, 7
+SFT_VOCAB = 320  # the byte-level BPE tokenizer's 300 tokens fit
 TIMEOUT_S = 90
 #: (case, layout pins, option pins)
 CASES = [
@@ -32,11 +34,11 @@ CASES = [
 ]
 
 
-def _model():
+def _model(vocab: int = VOCAB):
     import transformers
 
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128,
+                                      num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=128,
                                       attention_dropout=0.0, tie_word_embeddings=False)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
@@ -54,10 +56,10 @@ def _dataset() -> list[dict[str, torch.Tensor]]:
     return rows
 
 
-def _configure(layout: dict, options: dict):
+def _configure(layout: dict, options: dict, vocab: int = VOCAB):
     from sp_plan.runtime.auto import auto_configure
 
-    return auto_configure(_model(), seq_len=SEQ, micro_batch=MICRO, global_batch=MICRO * ACCUM, dtype="fp32",
+    return auto_configure(_model(vocab), seq_len=SEQ, micro_batch=MICRO, global_batch=MICRO * ACCUM, dtype="fp32",
                           topology="dgx-h100", fixed_layout=layout, fixed_options=options)
 
 
@@ -102,17 +104,59 @@ def _trainer_run(layout: dict, options: dict, out_dir: str, save: bool) -> dict:
     return result
 
 
-def _rank(rank: int, world: int, out_dir: str) -> dict:
-    return {case: {"reference": _runtime_loop(layout, options),
-                   "trainer": _trainer_run(layout, options, f"{out_dir}/{case}", save=case == "ulysses2")}
-            for case, layout, options in CASES}
+def _sft_run(out_dir: str, tokenizer_dir: str) -> dict:
+    """TRL's SFTTrainer on text rows (tokenised, truncated and right-padded by TRL) against the runtime's own
+    step over the very batches TRL's collator makes, in the trainer's sampler order."""
+    import datasets
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig
+
+    from sp_plan.runtime.integrations.transformers import training_arguments
+    from sp_plan.runtime.integrations.trl import SequenceParallelSFTTrainer
+    from sp_plan.runtime.step import train_step
+
+    layout, options = {"ulysses": 2}, {"zero_stage": 3, "checkpointing": "full"}
+    reference, setup = _configure(layout, options, SFT_VOCAB), _configure(layout, options, SFT_VOCAB)
+    gen = torch.Generator().manual_seed(5)
+    words = ["sequence", "parallel", "ring", "ulysses", "token", "loss", "plan", "mesh", "shard", "gather"]
+    texts = [" ".join(words[int(i)] for i in torch.randint(0, len(words), (int(n),), generator=gen))
+             for n in torch.randint(2, 12, (STEPS * MICRO * ACCUM,), generator=gen)]
+    args = SFTConfig(**training_arguments(
+        setup.plan, output_dir=out_dir, max_steps=STEPS, learning_rate=LR, weight_decay=0.0, max_length=SEQ,
+        lr_scheduler_type="constant", optim="adamw_torch", max_grad_norm=1.0, logging_steps=1, report_to=[],
+        seed=SEED, disable_tqdm=True))
+    trainer = SequenceParallelSFTTrainer(setup, args, train_dataset=datasets.Dataset.from_dict({"text": texts}),
+                                         processing_class=PreTrainedTokenizerFast.from_pretrained(tokenizer_dir))
+    batches = list(trainer.get_train_dataloader())
+    optimizer = reference.make_optimizer(lr=LR, weight_decay=0.0)
+    want = [train_step(reference, batches[i * ACCUM:(i + 1) * ACCUM], optimizer, max_grad_norm=1.0).loss
+            for i in range(STEPS)]
+    trainer.train()
+    return {"losses": trainer.step_losses, "reference": want, "keys": sorted(batches[0]),
+            "lengths": sorted({b["input_ids"].shape[1] for b in batches})}
+
+
+def _rank(rank: int, world: int, out_dir: str, tokenizer_dir: str | None) -> dict:
+    results = {case: {"reference": _runtime_loop(layout, options),
+                      "trainer": _trainer_run(layout, options, f"{out_dir}/{case}", save=case == "ulysses2")}
+               for case, layout, options in CASES}
+    if tokenizer_dir is not None:
+        results["sft"] = _sft_run(f"{out_dir}/sft", tokenizer_dir)
+    return results
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("hf_trainer"))
+    tokenizer_dir = None
+    if importlib.util.find_spec("trl") is not None:  # the SFTTrainer case runs where TRL is installed
+        from sp_plan.runtime.text_data import build_bpe_tokenizer
+
+        tokenizer_dir = f"{out_dir}/tokenizer"
+        build_bpe_tokenizer(["sequence parallel ring ulysses token loss plan mesh shard gather"] * 4, tokenizer_dir,
+                            vocab_size=300)
     start = time.monotonic()
-    results = run_ranks(2, _rank, out_dir, timeout=TIMEOUT_S)
+    results = run_ranks(2, _rank, out_dir, tokenizer_dir, timeout=TIMEOUT_S)
     return results, out_dir, time.monotonic() - start
 
 
@@ -145,6 +189,17 @@ def test_trainer_save_model_writes_the_full_unparallelised_weights(trained):
     assert params.keys() == full.keys()
     for name, value in full.items():
         assert torch.equal(params[name].detach(), torch.from_numpy(value)), name
+
+
+@pytest.mark.multiproc
+def test_trl_sft_trainer_matches_the_runtime_step(trained):
+    pytest.importorskip("trl")
+    for rank in trained[0]:
+        got = rank["sft"]
+        assert got["keys"] == ["attention_mask", "input_ids", "labels"] and len(got["lengths"]) > 1, got
+        assert len(got["losses"]) == STEPS
+        for a, b in zip(got["losses"], got["reference"]):
+            assert abs(a - b) < 1e-5, (got["losses"], got["reference"])
 
 
 def _plan(dtype: str = "fp32", tp: int = 1, **train):
@@ -186,3 +241,14 @@ def test_trainer_refuses_what_it_cannot_run(tmp_path):
     fine = _plan("fp32")
     ok = SimpleNamespace(layout=fine.layout, train=fine.train, tensor_parallel=None)
     check_trainer_supported(ok, TrainingArguments(**training_arguments(fine, output_dir=str(tmp_path))))
+
+
+def test_sft_trainer_refuses_trl_options_the_runtime_does_not_run(tmp_path):
+    trl = pytest.importorskip("trl")
+    from sp_plan.runtime.integrations.trl import unsupported_sft_reasons
+
+    args = trl.SFTConfig(output_dir=str(tmp_path), loss_type="dft", activation_offloading=True, use_cpu=True)
+    reasons = " ".join(unsupported_sft_reasons(args, {"peft_config": object()}))
+    for option in ("loss_type='dft'", "activation_offloading", "peft_config"):
+        assert option in reasons, (option, reasons)
+    assert unsupported_sft_reasons(trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True), {}) == []

@@ -32,6 +32,7 @@ forward): use ``sp-plan train`` for those, or ``sp-plan export --to deepspeed`` 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +62,7 @@ def training_arguments(plan, **overrides: Any) -> dict[str, Any]:
     ``micro_batch x grad_accum x dp`` sequences, as planned (the Trainer's own ``world_size`` counts the
     sequence-parallel ranks too; its printed "total batch size" overcounts by the SP degree, the data does
     not). ``bf16`` as the plan's dtype says (FSDP2's mixed precision does the casting; the flag keeps
-    Accelerate's state truthful). The Trainer's activation (gradient) checkpointing stays off, its default:
+    Accelerate's state truthful). The Trainer's activation (gradient) checkpointing is set off:
     ``auto_configure`` already applied the plan's checkpointing per block, and the Trainer's would checkpoint
     twice. Checkpoint saving and
     evaluation are off (see the module doc). ``overrides`` (learning rate, max_steps, output_dir, ...) win.
@@ -72,11 +73,21 @@ def training_arguments(plan, **overrides: Any) -> dict[str, Any]:
         "gradient_accumulation_steps": train.grad_accum,
         "bf16": train.dtype == "bf16",
         "fp16": False,
+        _checkpointing_field(): False,
         "save_strategy": "no",
         "eval_strategy": "no",
     }
     kwargs.update(overrides)
     return kwargs
+
+
+def _checkpointing_field() -> str:
+    """The TrainingArguments field of the Trainer's own checkpointing: ``activation_checkpointing`` (transformers
+    5) or ``gradient_checkpointing`` (older). Set explicitly: TRL's SFTConfig defaults it to True."""
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
 
 
 # ----- what the Trainer cannot run ---------------------------------------------------------------------
@@ -140,8 +151,10 @@ class _StepTokens:
 # ----- the trainer -------------------------------------------------------------------------------------
 
 
-class SequenceParallelTrainer(Trainer):
-    """``transformers.Trainer`` over an :class:`~sp_plan.runtime.auto.AutoConfigured` setup (see the module doc).
+class SequenceParallelMixin:
+    """The overrides that make a ``transformers.Trainer`` (or a subclass of it, such as TRL's ``SFTTrainer``)
+    train an :class:`~sp_plan.runtime.auto.AutoConfigured` setup (see the module doc). Put it first in the
+    bases: ``class MyTrainer(SequenceParallelMixin, Trainer)``.
 
     ``setup``: what ``auto_configure`` returned (its model is the one trained); the other arguments are the
     Trainer's. ``step_losses`` collects each optimizer step's exact global token-mean loss (the Trainer's
@@ -257,3 +270,7 @@ class SequenceParallelTrainer(Trainer):
             self.setup.model.save_pretrained(output_dir, state_dict=state)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
+
+
+class SequenceParallelTrainer(SequenceParallelMixin, Trainer):
+    """``transformers.Trainer`` over an :class:`~sp_plan.runtime.auto.AutoConfigured` setup (see the module doc)."""
