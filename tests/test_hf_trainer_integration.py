@@ -6,8 +6,9 @@ step, right-padded rows with different valid-token counts, gradient clipping):
 :func:`sp_plan.runtime.step.train_step` runs the same model (rebuilt from the same seed) on the same
 data order. The step losses and gradient norms agree within 1e-5, and the Trainer's own log shows the
 step's global loss (not one rank's slice). Ulysses also saves with ``trainer.save_model`` and reloads the
-checkpoint with plain transformers. Without a GPU Accelerate counts one process on CPU; the DDP wrap the
-trainer prevents on GPU is checked by the model coming back unwrapped from ``accelerator.prepare``.
+checkpoint with plain transformers. ``use_cpu=True`` makes Accelerate multi-process on CPU (MULTI_CPU, 2
+processes), so its DDP wrap is live as on GPUs: the model must come back unwrapped from ``accelerator.prepare``.
+TRL's SFTTrainer (where TRL is installed) matches the runtime's step on the batches its own collator makes.
 Plans and arguments the Trainer cannot run are refused with every reason named.
 """
 
@@ -89,13 +90,14 @@ def _trainer_run(layout: dict, options: dict, out_dir: str, save: bool) -> dict:
     args = TrainingArguments(**training_arguments(
         setup.plan, output_dir=out_dir, max_steps=STEPS, learning_rate=LR, weight_decay=0.0,
         lr_scheduler_type="constant", optim="adamw_torch", max_grad_norm=1.0, logging_steps=1, report_to=[],
-        seed=SEED, disable_tqdm=True))
+        seed=SEED, disable_tqdm=True, use_cpu=True))
     trainer = SequenceParallelTrainer(setup, args, train_dataset=_dataset())
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     prepared = trainer.accelerator.prepare(setup.model)
     result = {"losses": trainer.step_losses, "logged": [e["loss"] for e in logged],
               "logged_norms": [e["grad_norm"] for e in logged], "unwrapped": prepared is setup.model,
+              "accelerate": (str(trainer.accelerator.distributed_type), trainer.accelerator.num_processes),
               "layout": setup.layout.describe()}
     if save:
         full = {k: v.cpu().numpy() for k, v in setup.full_state_dict().items()}
@@ -124,7 +126,7 @@ def _sft_run(out_dir: str, tokenizer_dir: str) -> dict:
     args = SFTConfig(**training_arguments(
         setup.plan, output_dir=out_dir, max_steps=STEPS, learning_rate=LR, weight_decay=0.0, max_length=SEQ,
         lr_scheduler_type="constant", optim="adamw_torch", max_grad_norm=1.0, logging_steps=1, report_to=[],
-        seed=SEED, disable_tqdm=True))
+        seed=SEED, disable_tqdm=True, use_cpu=True))
     trainer = SequenceParallelSFTTrainer(setup, args, train_dataset=datasets.Dataset.from_dict({"text": texts}),
                                          processing_class=PreTrainedTokenizerFast.from_pretrained(tokenizer_dir))
     batches = list(trainer.get_train_dataloader())
@@ -174,7 +176,8 @@ def test_trainer_matches_the_runtime_step(case, trained):
             assert abs(a - b) < 1e-5 * max(1.0, b), (case, got["logged_norms"], want["grad_norms"])
         # The Trainer's log is the step's global token-mean loss on every rank (it rounds to 4 digits).
         assert got["logged"] == pytest.approx(got["losses"], abs=1e-4), (case, got["logged"], got["losses"])
-        assert got["unwrapped"], "Accelerate wrapped the FSDP2 model"
+        # Accelerate runs multi-process (its DDP wrap is live, as on GPUs) and leaves the FSDP2 model unwrapped.
+        assert got["accelerate"] == ("DistributedType.MULTI_CPU", 2) and got["unwrapped"], got["accelerate"]
         assert want["losses"][-1] < want["losses"][0]  # it trains
 
 
