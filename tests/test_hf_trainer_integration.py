@@ -255,3 +255,15 @@ def test_sft_trainer_refuses_trl_options_the_runtime_does_not_run(tmp_path):
     for option in ("loss_type='dft'", "activation_offloading", "peft_config"):
         assert option in reasons, (option, reasons)
     assert unsupported_sft_reasons(trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True), {}) == []
+
+
+def test_trainer_refuses_an_iterable_dataset():
+    from sp_plan.runtime.errors import RuntimeConfigError
+    from sp_plan.runtime.integrations.transformers import SequenceParallelTrainer
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield {"input_ids": torch.arange(4)}
+
+    with pytest.raises(RuntimeConfigError, match="map-style train_dataset"):
+        SequenceParallelTrainer.get_train_dataloader(SimpleNamespace(train_dataset=Stream()))

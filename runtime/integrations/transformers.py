@@ -4,7 +4,8 @@ A plain ``Trainer(model=setup.model, ...)`` cannot train such a model: Accelerat
 model in DDP ("got mixed torch.Tensor and DTensor"), its data loader gives every rank different samples
 (sequence-parallel ranks must share theirs), and the model's loss averages each rank's slice of a sequence.
 :class:`SequenceParallelTrainer` keeps the Trainer's loop (optimizer, scheduler, callbacks, logging) and
-swaps the three parts that must be the runtime's::
+swaps the three parts that must be the runtime's (the overrides are :class:`SequenceParallelMixin`, which
+also fits Trainer subclasses: :mod:`sp_plan.runtime.integrations.trl` puts it on TRL's ``SFTTrainer``)::
 
     setup = auto_configure(model, seq_len=4096, ...)              # plan, mesh, SP attention, FSDP2
     args = TrainingArguments(output_dir="out", **training_arguments(setup.plan, learning_rate=2e-5))
@@ -183,6 +184,10 @@ class SequenceParallelMixin:
         """Full-sequence batches of this data-parallel rank's samples (SP ranks of one group read the same)."""
         if self.train_dataset is None:
             raise RuntimeConfigError("SequenceParallelTrainer.train needs a train_dataset")
+        if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
+            raise RuntimeConfigError(
+                "SequenceParallelTrainer needs a map-style train_dataset (len and indexing): the data-parallel sampler "
+                "gives the ranks of one sequence-parallel group the same rows; materialise or index the iterable one")
         dataset, collator = self.train_dataset, self.data_collator
         try:
             import datasets
@@ -197,7 +202,7 @@ class SequenceParallelMixin:
             dataset, batch_size=self._train_batch_size, collate_fn=collator,
             sampler=self.setup.sampler(dataset, shuffle=True, seed=seed, drop_last=True),
             drop_last=self.args.dataloader_drop_last, num_workers=self.args.dataloader_num_workers,
-            pin_memory=self.args.dataloader_pin_memory,
+            pin_memory=self.args.dataloader_pin_memory and self.setup.device.type == "cuda",
         )
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
