@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -146,3 +147,20 @@ def test_probe_prints_json(tmp_path):
     data = json.loads(done.stdout)
     assert data["path"] == str(out) and out.exists()
     assert data["topology"]["provenance"]["measured"]
+
+
+def test_help_shows_no_default_for_what_plan_and_capacity_search():
+    """plan --help said '--zero [default: 3]' and '--checkpointing [default: full]' for options it searches."""
+    searched = {"zero_stage", "checkpointing", "micro_batch", "grad_accum"}
+
+    def records(name: str) -> dict[str, str]:
+        command = cli.get_command(click.Context(cli), name)
+        ctx = click.Context(command, info_name=name)
+        return {p.name: p.get_help_record(ctx)[1] for p in command.params if p.name in searched}
+
+    for name in ("plan", "capacity"):
+        for option, text in records(name).items():
+            assert "default" not in text and "searched unless given" in text, (name, option, text)
+    estimate = records("estimate")
+    assert "[default: 3;" in estimate["zero_stage"] and "default: full" in estimate["checkpointing"]
+    assert not any("searched" in text for text in estimate.values())

@@ -57,6 +57,27 @@ class FiniteFloatRange(click.FloatRange):
         return result
 
 
+#: Commands that search the memory options and the micro-batch unless they are typed.
+SEARCHING_COMMANDS = frozenset({"plan", "capacity"})
+
+
+class SearchedOption(click.Option):
+    """An option that plan and capacity search unless it is typed: their --help says so instead of showing a
+    default, which only estimate and validate use."""
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        if ctx.command.name not in SEARCHING_COMMANDS:
+            return super().get_help_record(ctx)
+        shown, self.show_default = self.show_default, False
+        try:
+            record = super().get_help_record(ctx)
+        finally:
+            self.show_default = shown
+        if record is None:
+            return None
+        return record[0], f"{record[1]}  [searched unless given]".strip()
+
+
 def model_options(func: Callable) -> Callable:
     """--model, --seq-len (required), --mode, --micro-batch, --dtype and the memory options."""
     return _model_options(func, seq_len_required=True)
@@ -82,6 +103,7 @@ MEMORY_TECHNIQUE_OPTIONS = (
         type=click.Choice(["none", "selective", "full"]),
         default="full",
         show_default=True,
+        cls=SearchedOption,
         help="Activation checkpointing per transformer block.",
     ),
     click.option("--tiled-mlp/--no-tiled-mlp", default=False,
@@ -124,8 +146,10 @@ def _model_options(func: Callable, seq_len_required: bool) -> Callable:
         click.option("--seq-len", type=SEQ_LEN, required=seq_len_required,
                      help="Tokens per sequence: 131072, 128K, 1M."),
         click.option("--mode", type=click.Choice(["train", "prefill"]), default="train", show_default=True),
-        click.option("--micro-batch", type=click.IntRange(1, 1 << 16), default=1, show_default=True),
-        click.option("--grad-accum", type=click.IntRange(1, 1 << 16), default=1, show_default=True),
+        click.option("--micro-batch", type=click.IntRange(1, 1 << 16), default=1, show_default=True,
+                     cls=SearchedOption),
+        click.option("--grad-accum", type=click.IntRange(1, 1 << 16), default=1, show_default=True,
+                     cls=SearchedOption),
         click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True),
         click.option(
             "--optimizer",
@@ -134,7 +158,8 @@ def _model_options(func: Callable, seq_len_required: bool) -> Callable:
             show_default=True,
             help="adamw: fp32 master + moments (12 B/param); adamw_bf16: bf16 moments, no master (4 B/param).",
         ),
-        click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=3, show_default=True),
+        click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=3, show_default=True,
+                     cls=SearchedOption),
         *MEMORY_TECHNIQUE_OPTIONS,
         click.option(
             "--attention",
