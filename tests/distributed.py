@@ -79,6 +79,15 @@ def _rank_main(
             dist.destroy_process_group()
 
 
+def error_of(fn: Callable[[], Any]) -> str | None:
+    """What ``fn()`` raised, as ``"Type: message"`` (a rank's result for the parent to assert on), or None."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def run_ranks(
     world: int,
     fn: Callable[..., Any],

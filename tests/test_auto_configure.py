@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import run_ranks
+from tests.distributed import error_of, run_ranks
 
 pytestmark = pytest.mark.multiproc
 
@@ -35,14 +35,6 @@ def _plan(seq_len: int, **train):
                 hardware=Hardware(num_gpus=2, gpus_per_node=2, gpu="h100-80gb", topology="dgx-h100"))
 
 
-def _error(fn) -> str | None:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the message is the result
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 def _packed_reference(ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> float:
     """Single process: causal attention over the whole row (or within each document of ``cu_seqlens``),
     RoPE with the per-document positions, no label across a document boundary."""
@@ -59,9 +51,9 @@ def _rank(rank: int, world: int) -> dict:
     from sp_plan.runtime.step import train_step
 
     out = {}
-    out["bad_topology"] = _error(lambda: auto_configure(_model(), seq_len=64, topology="no-such-topology"))
-    out["different_plans"] = _error(lambda: auto_configure(_model(), plan=_plan(64 if rank == 0 else 128)))
-    out["unsupported"] = _error(lambda: auto_configure(_model(), plan=_plan(64, zero_stage=0)))
+    out["bad_topology"] = error_of(lambda: auto_configure(_model(), seq_len=64, topology="no-such-topology"))
+    out["different_plans"] = error_of(lambda: auto_configure(_model(), plan=_plan(64 if rank == 0 else 128)))
+    out["unsupported"] = error_of(lambda: auto_configure(_model(), plan=_plan(64, zero_stage=0)))
     ids = torch.randint(0, 64, (1, 64), generator=torch.Generator().manual_seed(5))
     positions = torch.cat([torch.arange(20), torch.arange(30), torch.arange(14)]).view(1, 64)
     batch = {"input_ids": ids, "position_ids": positions}

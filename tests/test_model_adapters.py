@@ -18,7 +18,7 @@ from sp_plan.planner.plan import Hardware, Plan
 from sp_plan.runtime.capabilities import memory_assumptions, merge_constraints, planner_constraints, unsupported_reasons
 from sp_plan.runtime.errors import RuntimeConfigError
 from sp_plan.runtime.models.base import ModelAdapter, adapter_for, adapter_named, adapter_names, register_adapter
-from tests.distributed import run_ranks
+from tests.distributed import error_of, run_ranks
 
 SEQ = 64
 SPEC = ModelSpec(name="toy", num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=4, head_dim=8,
@@ -129,14 +129,6 @@ def _reference_loss() -> float:
     return F.cross_entropy(logits.reshape(-1, SPEC.vocab_size), ids[:, 1:].reshape(-1)).item()
 
 
-def _error(fn) -> str | None:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the message is the result
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 def _rank(rank: int, world: int) -> dict:
     from sp_plan.runtime.auto import auto_configure
     from sp_plan.runtime.step import train_step
@@ -149,8 +141,8 @@ def _rank(rank: int, world: int) -> dict:
     out["loss"] = train_step(setup, [_batch()]).loss
     tiled = auto_configure(_toy(), plan=_plan(Layout(ulysses=2), tiled_loss=True))
     out["tiled_loss"] = train_step(tiled, [_batch()]).loss
-    out["tp_plan"] = _error(lambda: auto_configure(_toy(), plan=_plan(Layout(tp=2))))
-    out["tp_pin"] = _error(lambda: auto_configure(_toy(), seq_len=SEQ, topology="dgx-h100", fixed_layout={"tp": 2}))
+    out["tp_plan"] = error_of(lambda: auto_configure(_toy(), plan=_plan(Layout(tp=2))))
+    out["tp_pin"] = error_of(lambda: auto_configure(_toy(), seq_len=SEQ, topology="dgx-h100", fixed_layout={"tp": 2}))
     return out
 
 
