@@ -16,8 +16,8 @@ from typing import Any
 
 from sp_plan.cost_models.atomic_io import atomic_output
 from sp_plan.cost_models.estimate import Estimate
+from sp_plan.cost_models.memory.report import ALLOCATED_COMPONENTS
 from sp_plan.cost_models.units import GB, format_tokens
-
 from sp_plan.planner.capacity import SweepPoint
 from sp_plan.planner.errors import PlannerError
 from sp_plan.planner.search import RankedPlan
@@ -26,7 +26,7 @@ from sp_plan.planner.search import RankedPlan
 PLOT_FORMATS = ("png", "svg", "pdf")
 
 #: Memory components, bottom to top of a stacked bar (the estimate table's order).
-MEMORY_COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "kv_cache", "buffers", "overhead")
+MEMORY_COMPONENTS = (*ALLOCATED_COMPONENTS, "overhead")
 
 #: Step-time groups of ``time.components`` (bottom to top); exposed communication follows, one group per
 #: strategy, then ``interference``, ``offload``, ``optimizer`` and ``overhead``. A compute part not named

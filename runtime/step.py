@@ -40,15 +40,19 @@ class StepResult:
     skipped: bool = False
 
 
-def _set_micro_batch_flags(model: torch.nn.Module, zero_stage: int, last: bool) -> None:
+def set_micro_batch_flags(setup, last: bool) -> None:
+    """Tell every FSDP2 model part what the plan's ZeRO stage does for a micro-batch that is (or is not) the
+    step's last (step 2 of the module doc); any loop that accumulates micro-batches calls it first."""
     from torch.distributed.fsdp import FSDPModule
 
-    if not isinstance(model, FSDPModule):
-        return
-    if zero_stage in (1, 2):
-        model.set_reshard_after_backward(last)  # keep parameters gathered between micro-batches of a step
-    if zero_stage == 1:
-        model.set_requires_gradient_sync(last)  # accumulate unsharded; reduce-scatter once per step
+    zero_stage = setup.train.zero_stage
+    for part in setup.model_parts:
+        if not isinstance(part, FSDPModule):
+            continue
+        if zero_stage in (1, 2):
+            part.set_reshard_after_backward(last)  # keep parameters gathered between micro-batches of a step
+        if zero_stage == 1:
+            part.set_requires_gradient_sync(last)  # accumulate unsharded; reduce-scatter once per step
 
 
 def synchronize(device: torch.device) -> None:
@@ -79,8 +83,7 @@ def train_step(setup, micro_batches: Sequence[Any], optimizer: torch.optim.Optim
     step_tokens = global_token_count((s["labels"] for s in shards), setup.data_group, setup.device)
     losses, weighted = [], 0.0
     for i, shard in enumerate(shards):
-        for part in setup.model_parts:
-            _set_micro_batch_flags(part, setup.train.zero_stage, last=i == len(shards) - 1)
+        set_micro_batch_flags(setup, last=i == len(shards) - 1)
         out = setup.compute_loss(shard, num_items=step_tokens)
         out.loss.backward()
         losses.append(out.value)

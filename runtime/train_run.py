@@ -41,6 +41,7 @@ from sp_plan.runtime.train_options import (
 )
 from sp_plan.runtime.trainer import Trainer
 
+
 def read_corpus(root: Path | None, limit: int) -> torch.Tensor:
     """Byte tokens of every .py file under ``root`` (sorted), each as BOS + bytes + EOS, up to ``limit``."""
     root = root or Path(sysconfig.get_paths()["stdlib"])
@@ -95,7 +96,7 @@ def build_model(options: TrainRunOptions, plan: Plan | None, vocab: int) -> nn.M
 def build_hf_model(spec: ModelSpec, seq_len: int) -> nn.Module:
     """A transformers causal LM with ``spec``'s architecture and random weights (seeded by the caller)."""
     try:
-        from sp_plan.runtime.hf import hf_model_from_spec  # transformers: lazy
+        from sp_plan.runtime.models.hf.model import hf_model_from_spec  # transformers: lazy
 
         return hf_model_from_spec(spec, seq_len)
     except ImportError as exc:

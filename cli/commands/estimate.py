@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from sp_plan.cost_models.errors import explain_validation_error
 from sp_plan.cost_models.estimate import Estimate, estimate
 from sp_plan.cost_models.memory.kernel_limits import within_row_kernel_limit
+from sp_plan.cost_models.memory.report import ALLOCATED_COMPONENTS
 from sp_plan.cost_models.text_table import Column, format_table
 from sp_plan.cost_models.units import GB, GiB, format_tokens
 
@@ -94,7 +95,7 @@ def render_table(est: Estimate) -> str:
         f"{est.layout.world} x {det.gpu} | {layout} | stack {det.stack}"
     )
     rows = [kernel_line, f"{'per GPU':<28}{'GB':>11}{'GiB':>11}"]
-    for name in ("weights", "gradients", "optimizer", "activations", "logits", "kv_cache", "buffers"):
+    for name in ALLOCATED_COMPONENTS:
         rows.append(f"  {name:<26}{_gb(getattr(mem, name))}")
     rows.append(f"  {'= peak allocated':<26}{_gb(mem.peak_allocated)}")
     o = det.overhead

@@ -46,7 +46,7 @@ from sp_plan.runtime.auto import AutoConfigured
 from sp_plan.runtime.data import DOCUMENTS_KEY
 from sp_plan.runtime.errors import RuntimeConfigError
 from sp_plan.runtime.loss import LossOutput, global_token_count
-from sp_plan.runtime.step import _set_micro_batch_flags
+from sp_plan.runtime.step import set_micro_batch_flags
 
 #: What to use instead, in every refusal.
 ALTERNATIVES = ("use `sp-plan train` (the runtime's own loop), or `sp-plan export --to deepspeed` for a run the "
@@ -233,8 +233,7 @@ class SequenceParallelMixin:
         if shard.get(DOCUMENTS_KEY) is not None:  # the attention reads the document boundaries on the host
             shard[DOCUMENTS_KEY] = shard[DOCUMENTS_KEY].to("cpu", torch.int32)
         last = step.done == step.micro_batches - 1
-        for part in self.setup.model_parts:
-            _set_micro_batch_flags(part, self.setup.train.zero_stage, last=last)
+        set_micro_batch_flags(self.setup, last=last)
         out: LossOutput = self.setup.compute_loss(shard, num_items=step.tokens)
         share = out.value * out.global_tokens / max(step.tokens, 1)
         step.done += 1
