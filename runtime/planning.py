@@ -55,13 +55,12 @@ def probe_topology(world: int, device_type: str) -> Topology | None:
 
 def plan_for(spec: ModelSpec, base: TrainSpec, topology, world: int, *, global_batch: int | None = None,
              fixed_layout: Mapping[str, int] | None = None, fixed_options: Mapping[str, Any] | None = None,
-             family: Family = "llama", stack: str | None = None, calibration: str | None = None,
-             kind: Family | None = None) -> Plan:
+             family: Family = "llama", stack: str | None = None, calibration: str | None = None) -> Plan:
     """Ask the planner for the fastest plan this runtime can execute for a model of ``family`` (a
     :class:`~sp_plan.runtime.models.base.ModelAdapter` or its registered name; no torch.distributed
     involved), under ``stack`` (default sp-plan) and ``calibration``, with the family's memory
-    assumptions (its adapter's ``memory_assumptions``) on top. ``kind``: the earlier name of ``family``."""
-    adapter = adapter_named(family if kind is None else kind)
+    assumptions (its adapter's ``memory_assumptions``) on top."""
+    adapter = adapter_named(family)
     layout_pins, option_pins = merge_constraints(fixed_layout or {}, fixed_options or {}, adapter, spec)
     sequences = global_batch if global_batch is not None else base.micro_batch
     settings = PlanSettings(global_batch_tokens=sequences * base.seq_len, micro_batch_fixed=True,

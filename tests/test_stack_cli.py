@@ -477,9 +477,9 @@ def test_plan_for_combines_the_stack_with_the_model_kinds_memory_overrides(tmp_p
     fat = stack_file(tmp_path, memory={"fragmentation_fraction": 0.3})
     spec, base = _tiny_spec(), TrainSpec(seq_len=64, dtype="fp32")
     topology = default_topology(GPU, 2, 2)
-    default = plan_for(spec, base, topology, 2, kind="hf")
+    default = plan_for(spec, base, topology, 2, family="hf")
     assert default.stack == "sp-plan" and default.calibration is None
-    hf = plan_for(spec, base, topology, 2, kind="hf", stack=fat)
+    hf = plan_for(spec, base, topology, 2, family="hf", stack=fat)
     assert hf.stack == str(Path(fat).resolve())
     expected = estimate(spec, hf.train, hf.layout, topology,
                         profile=resolve_profile(GPU, fat, assume={"norm_implementation": "eager"}))

@@ -258,7 +258,7 @@ def test_plans_for_hf_models_use_their_memory_footprint():
     base = TrainSpec(seq_len=32768)
     pins = {"checkpointing": "none", "tiled_mlp": False, "tiled_loss": False}
     plans = {kind: plan_for(spec, base, load_topology("dgx-h100", 8), 8, fixed_layout={"ulysses": 8},
-                            fixed_options=pins, kind=kind) for kind in ("llama", "hf")}
+                            fixed_options=pins, family=kind) for kind in ("llama", "hf")}
     act = {kind: plan.estimate["memory"]["activations"] for kind, plan in plans.items()}
     tokens = base.seq_len // 8
     extra_per_layer = 2 * tokens * spec.hidden_size * 4  # two norms, fp32 input copies
