@@ -171,7 +171,7 @@ def compute_time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: T
     # Checkpoint offload changes compute only where the stack offloads instead of recomputing: keying on
     # that (not on the flag) keeps one entry for both values of the planner's offload axis elsewhere.
     # The data-parallel degrees change no kernel: the key holds the degrees that shape one.
-    key = (model, layout.tp, layout.ulysses, layout.ring, topology, profile,
+    key = (model, *layout.model_degrees(), topology, profile,
            _keeps_activations(train, profile.stack.time), *(getattr(train, f) for f in COMPUTE_FIELDS))
     return _COMPUTE.get(key, lambda: _compute(model, train, layout, topology, profile))
 

@@ -1,47 +1,106 @@
-"""How the world of GPUs is factored: dp_replicate x dp_shard x ring x ulysses x tp.
+"""How the world of GPUs is factored into the registered degrees (:mod:`sp_plan.cost_models.degrees`).
 
-Mesh order, outermost to innermost, is ``dp_replicate, dp_shard, ring, ulysses, tp``: innermost
+Today ``dp_replicate x dp_shard x ring x ulysses x tp``, in mesh order, outermost to innermost: innermost
 dimensions are contiguous in rank order, so they land on the fastest links (NVLink) when ranks are
-numbered node by node.
+numbered node by node. The layout's derived sizes (data-parallel, sequence-parallel, shard group, head
+split) follow from the roles each degree is registered with, not from a list of names here.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model, model_validator
+from pydantic_core import InitErrorDetails
 
+from . import degrees as registry
+from .degrees import MAX_DEGREE
 from .errors import CostModelError
 from .model_spec import ModelSpec
 
-MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "ring", "ulysses", "tp")
+#: Mesh order of the degrees registered at import, outermost first (:func:`degrees.mesh_dims` is the live
+#: order, which also lists degrees registered later).
+MESH_DIMS: tuple[str, ...] = registry.mesh_dims()
 
-#: Bound on any one degree and on the world size: far above any cluster, low enough to stay sane.
-MAX_DEGREE = 1 << 20
+DegreeValue = Annotated[int, Field(default=1, ge=1, le=MAX_DEGREE)]
+_DEGREE_VALUE: TypeAdapter[int] = TypeAdapter(DegreeValue)
 
 
-class Layout(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class _LayoutBase(BaseModel):
+    """The layout's behaviour; its fields are the registered degrees (see :data:`Layout`)."""
 
-    dp_replicate: int = Field(default=1, ge=1, le=MAX_DEGREE)
-    dp_shard: int = Field(default=1, ge=1, le=MAX_DEGREE)
-    tp: int = Field(default=1, ge=1, le=MAX_DEGREE)
-    ulysses: int = Field(default=1, ge=1, le=MAX_DEGREE)
-    ring: int = Field(default=1, ge=1, le=MAX_DEGREE)
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _registered_degrees_only(cls, data: Any) -> Any:
+        """Degrees registered after import arrive as extra fields: refuse any name that is not a degree (as
+        pydantic's ``extra="forbid"`` would, field by field), validate the late ones with the same bounds as
+        the declared ones and default them to 1."""
+        if not isinstance(data, dict):
+            return data
+        known = registry.registered()
+        errors = [InitErrorDetails(type="extra_forbidden", loc=(key,), input=value)
+                  for key, value in data.items() if key not in known]
+        late = [name for name in known if name not in cls.model_fields]
+        checked = dict(data)
+        for name in late:
+            try:
+                checked[name] = _DEGREE_VALUE.validate_python(data.get(name, 1))
+            except ValidationError as exc:
+                errors += [InitErrorDetails(type=e["type"], loc=(name, *e["loc"]), input=e["input"],
+                                            ctx=e.get("ctx", {})) for e in exc.errors()]
+        if errors:
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        return checked
+
+    #: world, sp, dp, shard group, head split, data ranks and the model degrees, computed once per layout (the
+    #: cost model reads them for every (layout, option) combination the planner scores). A slot, not a
+    #: private attribute: pydantic routes private attributes through ``__getattr__``, ten times slower.
+    #: Copies and unpickled layouts do not carry it; :meth:`_derived` recomputes it on first use.
+    __slots__ = ("_sizes",)
+
+    def _derived(self) -> tuple:
+        try:
+            return self._sizes
+        except AttributeError:
+            pass
+        values = {**self.__dict__, **(self.__pydantic_extra__ or {})}
+
+        def product(names: tuple[str, ...]) -> int:
+            return math.prod(values[n] for n in names)
+
+        sizes = (
+            product(registry.mesh_dims()), product(registry.with_role("sequence")), product(registry.with_role("data")),
+            product(registry.with_role("shards_state")), product(registry.with_role("heads")),
+            product(registry.without_role("weights")), tuple(values[n] for n in registry.without_role("data")),
+        )
+        object.__setattr__(self, "_sizes", sizes)
+        return sizes
+
+    def __hash__(self) -> int:
+        extra = self.__pydantic_extra__
+        return hash(tuple(self.__dict__.values()) + (tuple(extra.values()) if extra else ()))
+
+    def model_degrees(self) -> tuple[int, ...]:
+        """The degrees that change what one rank computes (all but the data-parallel ones), in mesh order:
+        the key of the per-rank compute and activation caches."""
+        return self._derived()[6]
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.ulysses * self.ring
+        return self._derived()[0]
 
     @property
     def sp(self) -> int:
         """Sequence-parallel degree: ranks that split one sequence (Ulysses x Ring)."""
-        return self.ulysses * self.ring
+        return self._derived()[1]
 
     @property
     def dp(self) -> int:
         """Data-parallel degree: ranks that see different samples."""
-        return self.dp_replicate * self.dp_shard
+        return self._derived()[2]
 
     @property
     def shard_group(self) -> int:
@@ -50,12 +109,18 @@ class Layout(BaseModel):
         They hold the same TP shard of the weights and the same model replica: the data-parallel
         shard dim plus both sequence-parallel dims (SP ranks compute gradients of the same weights).
         """
-        return self.dp_shard * self.ulysses * self.ring
+        return self._derived()[3]
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that hold the same weights but see different tokens (every degree that does not split the
+        weights): the group that reduces gradients and the loss."""
+        return self._derived()[5]
 
     @property
     def head_split(self) -> int:
         """Ways the attention heads are split: TP splits them, and so does Ulysses' all-to-all."""
-        return self.tp * self.ulysses
+        return self._derived()[4]
 
     def seq_multiple(self, tp_splits_sequence: bool = True) -> int:
         """The sequence length must be a multiple of this.
@@ -63,11 +128,12 @@ class Layout(BaseModel):
         Ulysses x Ring split the sequence; zigzag ring attention cuts it into 2 x ring chunks; with
         Megatron sequence parallelism TP splits the local sequence again between attention blocks.
         """
-        tp = self.tp if tp_splits_sequence else 1
-        return self.ulysses * self.ring * (2 if self.ring > 1 else 1) * tp
+        return math.prod(d.sequence_multiple(getattr(self, name), tp_splits_sequence)
+                         for name, d in registry.registered().items())
 
     def degrees(self) -> dict[str, int]:
-        return {dim: getattr(self, dim) for dim in MESH_DIMS}
+        """Every degree, in mesh order (outermost first)."""
+        return {dim: getattr(self, dim) for dim in registry.mesh_dims()}
 
     def describe(self) -> str:
         """Compact form listing only degrees above 1, e.g. ``ulysses=8`` or ``dp_shard=2 x ring=4``."""
@@ -81,27 +147,27 @@ class Layout(BaseModel):
         The CLI lets users name only the interesting degrees; the rest of the GPUs become data-parallel
         shards, the standard FSDP default.
         """
+        fill = registry.fill_degree()
         if world < 1 or world > MAX_DEGREE:
             raise CostModelError(f"GPU count {world} is out of range: use 1 .. {MAX_DEGREE}")
         given = {k: v for k, v in degrees.items() if v is not None}
         for name, value in given.items():
-            if name not in MESH_DIMS:
-                raise CostModelError(f"unknown layout dimension {name!r}; use {', '.join(MESH_DIMS)}")
+            registry.degree(name)  # unknown names: one error listing the degrees
             if value < 1:
                 raise CostModelError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-        if "dp_shard" not in given:
+        if fill not in given:
             others = math.prod(v for k, v in given.items())
             if world % others:
                 raise CostModelError(
                     f"{world} GPUs cannot be split as {_product_text(given)} = {others}: "
                     f"the product of the layout degrees must divide the GPU count"
                 )
-            given["dp_shard"] = world // others
+            given[fill] = world // others
         layout = cls(**given)
         if layout.world != world:
             raise CostModelError(
                 f"layout {layout.describe()} uses {layout.world} GPUs but --gpus is {world}: "
-                "make dp_replicate x dp_shard x tp x ulysses x ring equal the GPU count"
+                f"make {' x '.join(registry.registered())} equal the GPU count"
             )
         return layout
 
@@ -136,3 +202,15 @@ class Layout(BaseModel):
 
 def _product_text(degrees: dict[str, int]) -> str:
     return " x ".join(f"{k}={v}" for k, v in degrees.items()) or "1"
+
+
+#: The layout: one field per degree registered at import (a degree registered later is an extra field with the
+#: same bounds). Built from the registry so that no module lists the degrees by hand.
+Layout = create_model(
+    "Layout",
+    __base__=_LayoutBase,
+    __module__=__name__,
+    **{name: (int, Field(default=1, ge=1, le=MAX_DEGREE, description=d.help))
+       for name, d in registry.registered().items()},
+)
+Layout.__doc__ = """How the world is factored: one degree per registered mesh dimension (all default to 1)."""

@@ -1,4 +1,4 @@
-"""Map the mesh (dp_replicate, dp_shard, ring, ulysses, tp) onto a topology's ranks.
+"""Map the mesh (today dp_replicate, dp_shard, ring, ulysses, tp) onto a topology's ranks.
 
 Ranks are numbered node by node (rank = node x gpus_per_node + local GPU), and the mesh is laid out
 row-major with ``tp`` innermost, as ``torch.distributed.init_device_mesh`` does:
@@ -16,29 +16,43 @@ dimension are costed on the right links.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import CostModelError
-from .layout import MESH_DIMS, Layout
+from . import degrees
+from .layout import Layout
 from .topology.topology import GroupSpan, Topology
 
-#: Process groups the cost model uses: name -> the mesh dims it spans (adjacent, outermost first).
-GROUP_DIMS: dict[str, tuple[str, ...]] = {
-    "tp": ("tp",),
-    "ulysses": ("ulysses",),
-    "ring": ("ring",),
-    "dp_shard": ("dp_shard",),
-    "dp_replicate": ("dp_replicate",),
-    "sp": ("ring", "ulysses"),
-    "shard": ("dp_shard", "ring", "ulysses"),
-    "data": ("dp_replicate", "dp_shard", "ring", "ulysses"),
-}
+def group_dims() -> dict[str, tuple[str, ...]]:
+    """Process groups the cost model uses: name -> the mesh dims it spans (adjacent, outermost first).
+
+    One group per degree (innermost first), then the flattened groups that follow from the degrees' roles:
+    ``sp`` (the sequence-splitting dims), ``shard`` (where ZeRO/FSDP shards state) and ``data`` (every dim
+    that holds the same weights: the group that reduces gradients and the loss).
+    """
+    key = degrees.registry_version()
+    if _GROUP_DIMS[0] != key:
+        groups = {name: (name,) for name in degrees.innermost_first()}
+        groups.update(sp=degrees.with_role("sequence"), shard=degrees.with_role("shards_state"),
+                      data=degrees.without_role("weights"))
+        for name, dims in groups.items():
+            if not degrees.adjacent(dims):
+                raise CostModelError(f"the {name} group spans {', '.join(dims)}, which are not adjacent in the mesh "
+                                     f"order {', '.join(degrees.mesh_dims())}: register the degree at another position")
+        _GROUP_DIMS[:] = [key, groups]
+        group_shapes.cache_clear()
+    return _GROUP_DIMS[1]
+
+
+_GROUP_DIMS: list = [None, {}]
 
 
 def group_shape(layout: Layout, dims: tuple[str, ...]) -> tuple[int, int]:
     """(stride, size) of the groups spanning the adjacent mesh dims ``dims``."""
-    inner = MESH_DIMS[MESH_DIMS.index(dims[-1]) + 1:]
+    order = degrees.mesh_dims()
+    inner = order[order.index(dims[-1]) + 1:]
     stride = math.prod(getattr(layout, d) for d in inner)
     size = math.prod(getattr(layout, d) for d in dims)
     return stride, size
@@ -52,20 +66,11 @@ def check_fits(layout: Layout, topology: Topology) -> None:
         )
 
 
+@lru_cache(maxsize=65536)
 def group_shapes(layout: Layout) -> dict[str, tuple[int, int]]:
-    """(stride, size) of every cost-model group; the same as :func:`group_shape` on ``GROUP_DIMS``,
-    spelled out because the planner calls it for every layout it scores."""
-    tp, u, r, ds, dr = layout.tp, layout.ulysses, layout.ring, layout.dp_shard, layout.dp_replicate
-    return {
-        "tp": (1, tp),
-        "ulysses": (tp, u),
-        "ring": (tp * u, r),
-        "dp_shard": (tp * u * r, ds),
-        "dp_replicate": (tp * u * r * ds, dr),
-        "sp": (tp, u * r),
-        "shard": (tp, u * r * ds),
-        "data": (tp, u * r * ds * dr),
-    }
+    """(stride, size) of every cost-model group (:func:`group_dims`); cached, because the planner asks for
+    every layout it scores. Callers must not mutate the returned dict."""
+    return {name: group_shape(layout, dims) for name, dims in group_dims().items()}
 
 
 def group_spans(layout: Layout, topology: Topology) -> dict[str, GroupSpan]:
@@ -100,9 +105,18 @@ class Placement(BaseModel):
     world: int
     gpus_per_node: int
     nodes: int
-    mesh_order: list[str] = Field(default_factory=lambda: list(MESH_DIMS))
-    rank_formula: str = "rank = ((((dp_replicate*dp_shard + dp_shard)*ring + ring)*ulysses + ulysses)*tp + tp)"
+    mesh_order: list[str] = Field(default_factory=lambda: list(degrees.mesh_dims()))
+    rank_formula: str = Field(default_factory=lambda: rank_formula(degrees.mesh_dims()))
     groups: dict[str, GroupPlacement]
+
+
+def rank_formula(mesh: tuple[str, ...]) -> str:
+    """Row-major rank of a mesh coordinate, e.g. ``rank = ((dp_shard)*ring + ring)*tp + tp``: each dim's
+    name stands for its coordinate on the right of ``*`` and for its size on the left."""
+    text = mesh[0]
+    for dim in mesh[1:]:
+        text = f"({text}*{dim} + {dim})"
+    return "rank = " + text
 
 
 def place(layout: Layout, topology: Topology) -> Placement:
@@ -110,7 +124,7 @@ def place(layout: Layout, topology: Topology) -> Placement:
     groups = {}
     for name, span in spans.items():
         groups[name] = GroupPlacement(
-            dims=list(GROUP_DIMS[name]),
+            dims=list(group_dims()[name]),
             size=span.size,
             stride=span.stride,
             ranks_per_node=span.ranks_per_node,

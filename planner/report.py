@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from typing import Any
 
+from sp_plan.cost_models import degrees as registry
 from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.model_spec import ModelSpec
 from sp_plan.cost_models.topology import Topology
@@ -21,7 +22,7 @@ STRATEGIES = ("tp", "ulysses", "ring", "fsdp", "dp")
 def family(layout: Layout | dict[str, int]) -> str:
     """The kind of model/sequence parallelism a layout uses (data parallelism aside)."""
     degrees = layout.degrees() if isinstance(layout, Layout) else layout
-    parts = [name for name in ("tp", "ulysses", "ring") if degrees.get(name, 1) > 1]
+    parts = [name for name in registry.searched("model") if degrees.get(name, 1) > 1]
     if parts == ["ulysses", "ring"] or parts == ["ring", "ulysses"]:
         return "ulysses x ring (USP)"
     return " x ".join(parts) or "data parallel only"
@@ -77,7 +78,7 @@ def _placement_text(plan: RankedPlan) -> str:
     if placement is None:
         return ""
     parts = []
-    for dim in ("tp", "ulysses", "ring", "dp_shard", "dp_replicate"):
+    for dim in registry.innermost_first():
         group = placement.groups.get(dim)
         if group is None or group.size <= 1:
             continue

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sp_plan.cost_models import degrees
 from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.estimate import Estimate, estimate, offload_capacity, offload_traffic
 from sp_plan.cost_models.layout import Layout
@@ -479,7 +480,8 @@ class _Searcher:
 
 def layout_moving_parts(layout: Layout) -> int:
     """Parallel dimensions beyond plain sharded data parallelism."""
-    return sum(d > 1 for d in (layout.tp, layout.ulysses, layout.ring, layout.dp_replicate))
+    fill = degrees.fill_degree()
+    return sum(value > 1 for dim, value in layout.degrees().items() if dim != fill)
 
 
 def _matches(layout: Layout, fixed: dict[str, int]) -> bool:
@@ -613,7 +615,7 @@ def _per_token(score: float | None) -> str:
     return f"{1.0 / score:,.0f} discounted tokens/s"
 
 def _structural(r: StructuralRejection) -> Rejection:
-    return Rejection(layout={"tp": r.tp, "ulysses": r.ulysses, "ring": r.ring}, kind="structure", reason=r.reason)
+    return Rejection(layout=dict(r.degrees), kind="structure", reason=r.reason)
 
 
 def _shortfall_order(r: Rejection) -> float:

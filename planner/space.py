@@ -1,16 +1,20 @@
 """The layout space: every factorisation of the world that the hardware and the model allow.
 
-Structural constraints are checked here, once per (tp, ulysses, ring) triple, before any cost is
-evaluated; every triple that fails is kept with its reason so ``--explain`` can say why an
-alternative was never considered. The data-parallel remainder is split between dp_shard and
-dp_replicate afterwards (both always valid structurally).
+The model degrees (:func:`sp_plan.cost_models.degrees.searched` ``"model"``: tp, ulysses, ring today) are
+enumerated innermost first, each value checked by its degree's structural check before any cost is
+evaluated; every combination that fails is kept with its reason so ``--explain`` can say why an
+alternative was never considered. The data-parallel remainder is split afterwards: the ``split`` degrees
+(dp_replicate) take divisors of it and the ``fill`` degree (dp_shard) the rest (structurally always
+valid).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 
-from sp_plan.cost_models.errors import CostModelError
+from sp_plan.cost_models import degrees as registry
+from sp_plan.cost_models.degrees import SpaceContext
 from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.model_spec import ModelSpec
 from sp_plan.cost_models.train_spec import TrainSpec
@@ -30,22 +34,26 @@ def divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class StructuralRejection:
-    """A (tp, ulysses, ring) combination that cannot run, and why."""
+    """A combination of model degrees that cannot run, and why (degrees not yet chosen are 1)."""
 
-    tp: int
-    ulysses: int
-    ring: int
+    degrees: Mapping[str, int]
     reason: str
 
+    def __getattr__(self, name: str) -> int:
+        try:
+            return self.__dict__["degrees"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
     def describe(self) -> str:
-        parts = [f"{k}={v}" for k, v in (("tp", self.tp), ("ulysses", self.ulysses), ("ring", self.ring)) if v > 1]
+        parts = [f"{k}={v}" for k, v in self.degrees.items() if v > 1]
         return " x ".join(parts) or "no model/sequence parallelism"
 
 
 @dataclass(frozen=True)
 class LayoutSpace:
     layouts: list[Layout]
-    rejected: list[StructuralRejection]
+    rejected: list[StructuralRejection] = field(default_factory=list)
 
 
 def enumerate_layouts(
@@ -60,52 +68,57 @@ def enumerate_layouts(
 ) -> LayoutSpace:
     """All structurally valid layouts for ``world`` GPUs.
 
-    Constraints: TP groups stay inside one NVLink domain (a node); query heads divide by tp x ulysses;
-    KV heads divide by it or are replicated (``ModelSpec.kv_replication``); the sequence divides by the
-    sequence-parallel degree (2 x ring for zigzag; x tp with Megatron sequence parallelism).
-    ``max_dp_replicate`` bounds the HSDP split (None: any divisor). ``ring_allowed`` False (materialized
-    attention) rejects every ring degree above 1.
+    Constraints (each registered with its degree): TP groups stay inside one NVLink domain (a node); query
+    heads divide by tp x ulysses; KV heads divide by it or are replicated (``ModelSpec.kv_replication``);
+    the sequence divides by the sequence-parallel degree (2 x ring for zigzag; x tp with Megatron sequence
+    parallelism). ``max_dp_replicate`` bounds the HSDP split (None: any divisor). ``ring_allowed`` False
+    (materialized attention) rejects every ring degree above 1.
     """
+    ctx = SpaceContext(model, seq_len, gpus_per_node, tp_splits_sequence, ring_allowed)
+    limits = {"dp_replicate": max_dp_replicate} if max_dp_replicate is not None else {}
+    model_dims = registry.searched("model")
     layouts: list[Layout] = []
     rejected: list[StructuralRejection] = []
-    for tp in divisors(world):
-        if tp > 1 and (tp > gpus_per_node or gpus_per_node % tp):
-            rejected.append(StructuralRejection(tp, 1, 1, f"tp={tp} would span nodes ({gpus_per_node} GPUs per node); "
-                                                          "TP needs NVLink bandwidth"))
+    for chosen, rest in _model_degrees(world, model_dims, dict.fromkeys(model_dims, 1), 0, ctx, rejected):
+        multiple = Layout(**chosen).seq_multiple(tp_splits_sequence)
+        if seq_len % multiple:
+            rejected.append(StructuralRejection(dict(chosen), f"sequence {seq_len} is not divisible by {multiple}"))
             continue
-        if model.num_heads % tp:
-            rejected.append(StructuralRejection(tp, 1, 1, f"tp={tp} does not divide {model.num_heads} query heads"))
-            continue
-        for ulysses in divisors(world // tp):
-            if model.num_heads % (tp * ulysses):
-                if ulysses > 1:
-                    rejected.append(StructuralRejection(
-                        tp, ulysses, 1, f"tp x ulysses = {tp * ulysses} does not divide {model.num_heads} query heads"))
-                continue
-            try:
-                model.kv_replication(tp * ulysses)
-            except CostModelError as exc:
-                rejected.append(StructuralRejection(tp, ulysses, 1, str(exc)))
-                continue
-            for ring in divisors(world // (tp * ulysses)):
-                if ring > 1 and not ring_allowed:
-                    rejected.append(StructuralRejection(
-                        tp, ulysses, ring, "ring attention needs the flash kernel (blockwise with an LSE merge); "
-                                           "materialized attention runs only with ring=1"))
-                    continue
-                probe = Layout(tp=tp, ulysses=ulysses, ring=ring)
-                multiple = probe.seq_multiple(tp_splits_sequence)
-                if seq_len % multiple:
-                    rejected.append(StructuralRejection(
-                        tp, ulysses, ring, f"sequence {seq_len} is not divisible by {multiple}"))
-                    continue
-                rest = world // (tp * ulysses * ring)
-                for dp_replicate in divisors(rest):
-                    if max_dp_replicate is not None and dp_replicate > max_dp_replicate:
-                        break
-                    layouts.append(Layout(dp_replicate=dp_replicate, dp_shard=rest // dp_replicate,
-                                          tp=tp, ulysses=ulysses, ring=ring))
+        for data in _data_degrees(rest, registry.searched("split"), {}, limits):
+            layouts.append(Layout(**data, **chosen))
     return LayoutSpace(layouts, rejected)
+
+
+def _model_degrees(rest: int, dims: tuple[str, ...], chosen: dict[str, int], index: int, ctx: SpaceContext,
+                   rejected: list[StructuralRejection]) -> Iterator[tuple[dict[str, int], int]]:
+    """Every assignment of the model degrees (innermost first) that passes each degree's check, with the
+    GPUs it leaves to data parallelism."""
+    if index == len(dims):
+        yield dict(chosen), rest
+        return
+    dim = dims[index]
+    check = registry.degree(dim).check
+    for value in divisors(rest):
+        chosen[dim] = value
+        reason = check(chosen, ctx) if check is not None else None
+        if reason is not None:
+            rejected.append(StructuralRejection(dict(chosen), reason))
+            continue
+        yield from _model_degrees(rest // value, dims, chosen, index + 1, ctx, rejected)
+    chosen[dim] = 1
+
+
+def _data_degrees(rest: int, split: tuple[str, ...], chosen: dict[str, int],
+                  limits: Mapping[str, int]) -> Iterator[dict[str, int]]:
+    """Divisors of ``rest`` for each ``split`` degree (up to its limit); the fill degree takes the rest."""
+    if not split:
+        yield {**chosen, registry.fill_degree(): rest}
+        return
+    dim, limit = split[0], limits.get(split[0])
+    for value in divisors(rest):
+        if limit is not None and value > limit:
+            break
+        yield from _data_degrees(rest // value, split[1:], {**chosen, dim: value}, limits)
 
 
 def layout_space(world: int, model: ModelSpec, base: TrainSpec, gpus_per_node: int) -> LayoutSpace:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from sp_plan.cost_models import degrees
 from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.memory import MemoryAssumptions
 from sp_plan.cost_models.train_spec import TrainSpec
@@ -61,9 +62,24 @@ _TP_DROPOUT = ("the model uses dropout, which under tensor parallelism needs per
                "re-plan with --tp 1")
 
 
+#: Layout degrees that change what a rank computes and that the runtime implements (TP shards, Ulysses and
+#: ring attention). Any other degree runs only if it is pure data parallelism (roles ``data`` and
+#: ``shards_state``: the mesh, the sampler and FSDP2 take those from the registry).
+EXECUTED_MODEL_DEGREES = frozenset({"tp", "ulysses", "ring"})
+_DATA_ROLES = frozenset({"data", "shards_state"})
+
+
+def runtime_unexecuted_degrees() -> dict[str, str]:
+    """Registered degrees the runtime cannot execute, with the reason (planning-only degrees)."""
+    return {name: (f"this runtime has no implementation of the {name} degree (registered for planning only); "
+                   f"re-plan with {d.flag} 1")
+            for name, d in degrees.registered().items()
+            if name not in EXECUTED_MODEL_DEGREES and not d.roles <= _DATA_ROLES}
+
+
 def _degrees_blocked(adapter: ModelAdapter, model: Any) -> dict[str, str]:
     """Degrees held at 1 for this family (and, with the model's spec, for its architecture)."""
-    blocked = dict(adapter.unsupported_degrees)
+    blocked = {**runtime_unexecuted_degrees(), **adapter.unsupported_degrees}
     if model is not None and (getattr(model, "hidden_dropout", 0) or getattr(model, "attention_dropout", 0)):
         blocked.setdefault("tp", _TP_DROPOUT)
     return blocked

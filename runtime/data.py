@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch.utils.data import DistributedSampler
 
+from sp_plan.cost_models import degrees
 from sp_plan.runtime.attention.documents import check_cu_seqlens, cu_seqlens_from_starts, row_bounds
 from sp_plan.runtime.errors import RuntimeConfigError
 
@@ -279,10 +280,13 @@ class ShardedLoader:
 
 
 def data_parallel_coordinates(mesh) -> tuple[int, int]:
-    """``(dp_rank, dp_size)`` of this rank over ``dp_replicate x dp_shard`` (SP and TP ranks share one)."""
-    replicate, shard = mesh.size("dp_replicate"), mesh.size("dp_shard")
-    rank = mesh.local_rank("dp_replicate") * shard + mesh.local_rank("dp_shard")
-    return rank, replicate * shard
+    """``(dp_rank, dp_size)`` of this rank over the data-parallel dims, ``dp_replicate x dp_shard`` (SP and TP
+    ranks share one), row-major in mesh order."""
+    rank, size = 0, 1
+    for dim in degrees.with_role("data"):
+        rank = rank * mesh.size(dim) + mesh.local_rank(dim)
+        size *= mesh.size(dim)
+    return rank, size
 
 
 def data_parallel_sampler(dataset, mesh, *, shuffle: bool = True, seed: int = 0,

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sp_plan.cost_models import degrees
 from sp_plan.runtime.errors import RuntimeConfigError
 from sp_plan.runtime.mesh import RuntimeMesh, init_default_group
 
@@ -73,11 +74,11 @@ def broadcast_parameters(model_parts: Iterable[nn.Module], device: torch.device)
 
 
 def data_group(mesh: RuntimeMesh) -> dist.ProcessGroup | None:
-    """Every rank that holds different tokens: all mesh dims but tp (the whole world without TP, which
-    needs no extra communicator)."""
-    dims = ("dp_replicate", "dp_shard", "ring", "ulysses")
+    """Every rank that holds the same weights but different tokens: all mesh dims but the weight-splitting
+    ones (tp), i.e. the whole world without TP, which needs no extra communicator."""
+    dims = degrees.without_role("weights")
     if all(mesh.size(d) == 1 for d in dims):
         return None
-    if mesh.size("tp") == 1:
+    if all(mesh.size(d) == 1 for d in degrees.with_role("weights")):
         return dist.group.WORLD
     return mesh.device_mesh[dims]._flatten("data").get_group()

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sp_plan.cost_models import degrees
 from sp_plan.cost_models.train_spec import TrainSpec
 
 from .errors import RuntimeConfigError
@@ -52,10 +53,14 @@ REDUCE_DTYPE = torch.float32
 
 def data_parallel_mesh(mesh) -> Any:
     """The mesh FSDP2 shards over: ``fsdp`` (1-D), or (dp_replicate, fsdp) for HSDP."""
-    if mesh.layout.dp_replicate > 1:
+    replicas = [dim for dim in degrees.replicate_dims() if mesh.size(dim) > 1]
+    if len(replicas) > 1:
+        raise RuntimeConfigError(f"FSDP2 replicates over one mesh dim, but this plan replicates over "
+                                 f"{' x '.join(replicas)}: keep all but one of them at 1")
+    if replicas:
         with warnings.catch_warnings():  # slicing a flattened dim from the root mesh: still the way in 2.13
             warnings.simplefilter("ignore", UserWarning)
-            return mesh.device_mesh[("dp_replicate", "fsdp")]
+            return mesh.device_mesh[(replicas[0], "fsdp")]
     return mesh["fsdp"]
 
 

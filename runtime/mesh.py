@@ -1,13 +1,16 @@
-"""Process groups from a plan: a 5-D DeviceMesh (dp_replicate, dp_shard, ring, ulysses, tp).
+"""Process groups from a plan: a DeviceMesh with one dim per registered layout degree (today the 5-D
+dp_replicate, dp_shard, ring, ulysses, tp; :mod:`sp_plan.cost_models.degrees`).
 
-All five dims are always present, size 1 included, so code can index any of them without checking
+All dims are always present, size 1 included, so code can index any of them without checking
 which parallelisms a plan uses. Rank order follows the mesh order (tp innermost), so consecutive
 ranks, which torchrun places on the same node, share the innermost dims and their fast links.
 
-Two flattened dims are added on top of the five:
+Two flattened dims are added on top, from the degrees' roles:
 
-* ``sp`` = ring x ulysses, the sequence-parallel group (Ulysses innermost, as the USP layout expects);
-* ``fsdp`` = dp_shard x ring x ulysses, the group ZeRO/FSDP shards parameters over
+* ``sp`` = ring x ulysses (the ``sequence`` degrees), the sequence-parallel group (Ulysses innermost, as
+  the USP layout expects);
+* ``fsdp`` = dp_shard x ring x ulysses (the ``shards_state`` degrees), the group ZeRO/FSDP shards
+  parameters over
   (:attr:`sp_plan.cost_models.layout.Layout.shard_group`).
 
 Before creating any group, the launch is checked against the plan: world size, and on CUDA the
@@ -28,7 +31,8 @@ import yaml
 from pydantic import ValidationError
 
 from sp_plan.cost_models.errors import explain_validation_error
-from sp_plan.cost_models.layout import MESH_DIMS, Layout
+from sp_plan.cost_models import degrees
+from sp_plan.cost_models.layout import Layout
 from sp_plan.runtime.errors import RuntimeConfigError
 from sp_plan.cost_models.yaml_io import safe_load
 
@@ -36,8 +40,6 @@ from sp_plan.cost_models.yaml_io import safe_load
 PLAN_FILE_MAX_BYTES = 4 << 20
 SP_DIM = "sp"
 FSDP_DIM = "fsdp"
-SP_DIMS: tuple[str, ...] = ("ring", "ulysses")
-FSDP_DIMS: tuple[str, ...] = ("dp_shard", "ring", "ulysses")
 
 
 # ----- plan -> Layout ----------------------------------------------------------------------------
@@ -73,7 +75,7 @@ def _read_plan_file(path: Path) -> object:
 def load_layout(plan: Layout | Mapping | str | os.PathLike) -> Layout:
     """The Layout of a plan: a Layout, a mapping (a plan with a ``layout`` key, or the degrees), or a file.
 
-    Plan files are YAML or JSON (by suffix) with a ``layout:`` mapping of the five degrees; other
+    Plan files are YAML or JSON (by suffix) with a ``layout:`` mapping of the degrees; other
     top-level keys (the planner's estimate, reasons, ...) are ignored here.
     """
     if isinstance(plan, Layout):
@@ -88,11 +90,12 @@ def load_layout(plan: Layout | Mapping | str | os.PathLike) -> Layout:
         if not isinstance(document, Mapping) or not isinstance(document.get("layout"), Mapping):
             raise RuntimeConfigError(
                 f"plan file {path} has no 'layout:' mapping; expected e.g. 'layout: {{ulysses: 4, ring: 2}}' "
-                f"with keys among {', '.join(MESH_DIMS)}"
+                f"with keys among {', '.join(degrees.mesh_dims())}"
             )
         data = document["layout"]
     if not isinstance(data, Mapping):
-        raise RuntimeConfigError(f"the layout in {where} must be a mapping of {', '.join(MESH_DIMS)} to degrees")
+        raise RuntimeConfigError(f"the layout in {where} must be a mapping of {', '.join(degrees.mesh_dims())} to "
+                                 "degrees")
     return _layout_from_mapping(data, where)
 
 
@@ -144,7 +147,7 @@ def check_launch(
 
 @dataclass(frozen=True)
 class RuntimeMesh:
-    """The plan's layout, its 5-D DeviceMesh, and the flattened ``sp`` and ``fsdp`` 1-D meshes.
+    """The plan's layout, its DeviceMesh (one dim per degree), and the flattened ``sp`` and ``fsdp`` 1-D meshes.
 
     The flattened meshes are kept here rather than looked up on the root mesh, which PyTorch is
     deprecating (2.11+).
@@ -162,9 +165,9 @@ class RuntimeMesh:
             return self.sp_mesh
         if name == FSDP_DIM:
             return self.fsdp_mesh
-        if name not in MESH_DIMS:
+        if name not in degrees.mesh_dims():
             raise RuntimeConfigError(
-                f"unknown mesh dim {name!r}; use one of {', '.join(MESH_DIMS + (SP_DIM, FSDP_DIM))}"
+                f"unknown mesh dim {name!r}; use one of {', '.join(degrees.mesh_dims() + (SP_DIM, FSDP_DIM))}"
             )
         return self.device_mesh[name]
 
@@ -210,7 +213,7 @@ def _init_process_group(layout: Layout, device_type: str) -> None:
 
 
 def build_mesh(plan: Layout | Mapping | str | os.PathLike, *, device_type: str | None = None) -> RuntimeMesh:
-    """Check the launch against ``plan`` and build its 5-D DeviceMesh plus the ``sp``/``fsdp`` dims.
+    """Check the launch against ``plan`` and build its DeviceMesh (one dim per degree) plus the ``sp``/``fsdp`` dims.
 
     Initialises the default process group from torchrun's environment when needed (NCCL plus gloo for CPU
     tensors on CUDA, gloo on CPU) and, on CUDA, selects GPU ``LOCAL_RANK``. ``device_type`` defaults to CUDA when
@@ -235,8 +238,9 @@ def build_mesh(plan: Layout | Mapping | str | os.PathLike, *, device_type: str |
         device = torch.device("cpu")
     if not dist.is_initialized():
         _init_process_group(layout, device_type)
-    shape = tuple(layout.degrees()[dim] for dim in MESH_DIMS)
-    device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-    sp_mesh = _flatten(device_mesh[SP_DIMS], SP_DIM)
-    fsdp_mesh = _flatten(device_mesh[FSDP_DIMS], FSDP_DIM)
+    dims = degrees.mesh_dims()
+    shape = tuple(layout.degrees()[dim] for dim in dims)
+    device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=dims)
+    sp_mesh = _flatten(device_mesh[degrees.with_role("sequence")], SP_DIM)
+    fsdp_mesh = _flatten(device_mesh[degrees.with_role("shards_state")], FSDP_DIM)
     return RuntimeMesh(layout=layout, device_mesh=device_mesh, sp_mesh=sp_mesh, fsdp_mesh=fsdp_mesh, device=device)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from pydantic import ValidationError
 
+from sp_plan.cost_models import degrees
 from sp_plan.cost_models.errors import CostModelError, explain_validation_error
 from sp_plan.cost_models.gpu_spec import GPUSpec, get_gpu_preset
 from sp_plan.cost_models.layout import Layout
@@ -216,17 +217,17 @@ def hardware_options(func: Callable) -> Callable:
 
 
 def layout_options(func: Callable) -> Callable:
-    """--tp, --ulysses, --ring, --dp-shard, --dp-replicate (dp_shard fills the rest by default)."""
-    options = [
-        click.option("--tp", type=int, default=None, help="Tensor-parallel degree."),
-        click.option("--ulysses", type=int, default=None, help="Ulysses (all-to-all) sequence-parallel degree."),
-        click.option("--ring", type=int, default=None, help="Ring-attention sequence-parallel degree."),
-        click.option("--dp-shard", type=int, default=None, help="FSDP/ZeRO shard degree (default: the rest)."),
-        click.option("--dp-replicate", type=int, default=None, help="Replicated data-parallel degree."),
-    ]
-    for option in reversed(options):
-        func = option(func)
+    """One option per registered layout degree, innermost first (--tp, --ulysses, --ring, --dp-shard,
+    --dp-replicate today; the fill degree, dp_shard, takes the rest by default)."""
+    for name in reversed(layout_keys()):
+        func = click.option(degrees.degree(name).flag, name, type=int, default=None,
+                            help=degrees.degree(name).help)(func)
     return func
+
+
+def layout_keys() -> tuple[str, ...]:
+    """The layout degrees, innermost first: the command-line pins and their order in help texts."""
+    return degrees.innermost_first()
 
 
 def check_output_path(path: str | Path | None, option: str) -> None:
@@ -354,7 +355,6 @@ TRAIN_KEYS = (
     "fp8_linears",
     "compiled",
 )
-LAYOUT_KEYS = ("tp", "ulysses", "ring", "dp_shard", "dp_replicate")
 
 
 #: Memory options the planner searches unless the user pins them on the command line.
@@ -376,5 +376,5 @@ def pinned(ctx: click.Context, names: tuple[str, ...]) -> dict[str, Any]:
 def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Separate click's keyword arguments into TrainSpec fields and layout degrees."""
     train = {k: options[k] for k in TRAIN_KEYS if k in options}
-    layout = {k: options[k] for k in LAYOUT_KEYS if k in options}
+    layout = {k: options[k] for k in layout_keys() if k in options}
     return train, layout

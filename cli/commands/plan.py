@@ -19,7 +19,7 @@ from sp_plan.planner.sanity import check_figures
 from sp_plan.planner.search import DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_HEADROOM, PlanSettings, SearchResult, search
 from ..plots import draw_plan_times
 from .common import (
-    LAYOUT_KEYS,
+    layout_keys,
     TokenCountType,
     SEARCHABLE_OPTIONS,
     build_assume,
@@ -55,7 +55,7 @@ def settings_from(ctx: click.Context, options: dict[str, Any], top: int = 5) -> 
     """PlanSettings from the command line: explicit layout degrees and memory options are pinned."""
     if "grad_accum" in pinned(ctx, ("grad_accum",)):
         raise PlannerError("plan derives gradient accumulation from --global-batch-tokens; drop --grad-accum")
-    fixed_layout = {k: v for k, v in pinned(ctx, LAYOUT_KEYS).items() if v is not None}
+    fixed_layout = {k: v for k, v in pinned(ctx, layout_keys()).items() if v is not None}
     fixed_options = pinned(ctx, SEARCHABLE_OPTIONS)
     micro_fixed = "micro_batch" in pinned(ctx, ("micro_batch",))
     try:

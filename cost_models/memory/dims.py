@@ -92,7 +92,7 @@ def local_dims(model: ModelSpec, train: TrainSpec, layout: Layout) -> LocalDims:
     """Shapes for ``model`` under ``layout``; assumes ``layout.check_against`` has passed. Memoized:
     one shared (frozen) object per distinct shape, which also makes the simulation caches keyed on
     it hit by identity."""
-    key = (model, layout.tp, layout.ulysses, layout.ring, *(getattr(train, f) for f in DIMS_FIELDS))
+    key = (model, *layout.model_degrees(), *(getattr(train, f) for f in DIMS_FIELDS))
     return _DIMS.get(key, lambda: _local_dims(model, train, layout))
 
 

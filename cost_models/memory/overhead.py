@@ -28,28 +28,37 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..layout import MESH_DIMS, Layout
+from .. import degrees as registry
+from ..layout import Layout
 KiB = 1 << 10
 from .assumptions import NCCL_LL128_BYTES, NCCL_LL_BYTES, NCCL_SIMPLE_BYTES, MemoryAssumptions
 
-#: Flattened groups the runtime builds besides the per-dimension ones, as (name, dims).
-FLATTENED_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("fsdp_shard", ("dp_shard", "ring", "ulysses")),
-    ("sequence_parallel", ("ring", "ulysses")),
-    ("world", MESH_DIMS),
-)
+def flattened_groups() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Flattened groups the runtime builds besides the per-dimension ones, as (name, dims), from the
+    degrees' roles: the FSDP shard group, the sequence-parallel group and the world."""
+    return (
+        ("fsdp_shard", registry.with_role("shards_state")),
+        ("sequence_parallel", registry.with_role("sequence")),
+        ("world", registry.mesh_dims()),
+    )
 
-#: Groups DeepSpeed creates, as (name, dims): each its own communicator.
-PURPOSE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("world", MESH_DIMS),
-    ("tp", ("tp",)),
-    ("sequence_parallel", ("ring", "ulysses")),
-    ("zero_partition", ("dp_shard", "ring", "ulysses")),
-    ("data_parallel", ("dp_replicate", "dp_shard")),
-)
 
-#: Dimensions whose groups exchange point-to-point (all-to-all or ring send/recv).
-P2P_DIMS = frozenset({"ring", "ulysses"})
+def purpose_groups_dims() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Groups DeepSpeed creates, as (name, dims): each its own communicator."""
+    return (
+        ("world", registry.mesh_dims()),
+        ("tp", ("tp",)),
+        ("sequence_parallel", registry.with_role("sequence")),
+        ("zero_partition", registry.with_role("shards_state")),
+        ("data_parallel", registry.with_role("data")),
+    )
+
+
+def p2p_dims() -> frozenset[str]:
+    """Dimensions whose groups exchange point-to-point (all-to-all or ring send/recv): the sequence-splitting
+    ones."""
+    return frozenset(registry.with_role("sequence"))
+
 
 #: Bytes of one ring/tree connection's buffers per channel: SIMPLE + LL128 + LL.
 NCCL_CONNECTION_BYTES = NCCL_SIMPLE_BYTES + NCCL_LL128_BYTES + NCCL_LL_BYTES
@@ -73,13 +82,14 @@ def process_groups(layout: Layout) -> tuple[ProcessGroup, ...]:
     degrees = layout.degrees()
     seen: set[frozenset[str]] = set()
     groups: list[ProcessGroup] = []
-    candidates = [(dim, (dim,)) for dim in MESH_DIMS] + list(FLATTENED_GROUPS)
+    candidates = [(dim, (dim,)) for dim in registry.mesh_dims()] + list(flattened_groups())
+    p2p = p2p_dims()
     for name, dims in candidates:
         active = frozenset(d for d in dims if degrees[d] > 1)
         if not active or active in seen:
             continue
         seen.add(active)
-        groups.append(_group(name, active, degrees, p2p=name in P2P_DIMS))
+        groups.append(_group(name, active, degrees, p2p=name in p2p))
     return tuple(groups)
 
 
@@ -89,7 +99,7 @@ def purpose_groups(layout: Layout, zero_stage: int) -> tuple[ProcessGroup, ...]:
     partition group exists with ZeRO (stage >= 1)."""
     degrees = layout.degrees()
     groups = []
-    for name, dims in PURPOSE_GROUPS:
+    for name, dims in purpose_groups_dims():
         if name == "zero_partition" and zero_stage < 1:
             continue
         active = frozenset(d for d in dims if degrees[d] > 1)
@@ -102,7 +112,7 @@ def _group(name: str, active: frozenset[str], degrees: dict[str, int], p2p: bool
     size = 1
     for d in active:
         size *= degrees[d]
-    return ProcessGroup(name, tuple(d for d in MESH_DIMS if d in active), size, p2p)
+    return ProcessGroup(name, tuple(d for d in registry.mesh_dims() if d in active), size, p2p)
 
 
 def communicator_bytes(group: ProcessGroup, layout: Layout, a: MemoryAssumptions) -> int:
@@ -127,7 +137,7 @@ def _local_members(group: ProcessGroup, layout: Layout, local_ranks: int) -> int
     inner dims; its members stay on the node while ``stride x size <= local_ranks``."""
     degrees = layout.degrees()
     local, stride = 1, 1
-    for dim in reversed(MESH_DIMS):  # innermost first
+    for dim in registry.innermost_first():
         size = degrees[dim]
         if dim in group.dims:
             if stride * size <= local_ranks:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from .. import degrees
 from ..layout import Layout
 from ..model_spec import ModelSpec
 from ..train_spec import TrainSpec
@@ -111,11 +112,12 @@ def _sharded_ops(model: ModelSpec, train: TrainSpec, layout: Layout) -> Iterator
         if stage in (1, 2):
             yield _op("fsdp", "all_gather", "shard", layer * model.num_layers + other, "step", scope="model",
                       per="step", label="updated parameter all-gather")
-    if layout.dp_replicate > 1:
-        yield _op("dp", "all_reduce", "dp_replicate", layer_grads / shard, "backward", per=grad_per, overlap="grad",
-                  label="gradient shard all-reduce across replicas")
-        yield _op("dp", "all_reduce", "dp_replicate", other_grads / shard, "backward", scope="model", per=grad_per,
-                  label="embedding/head gradient shard all-reduce across replicas")
+    for dim in degrees.replicate_dims():  # HSDP: the reduced shard is all-reduced across each replica dim
+        if getattr(layout, dim) > 1:
+            yield _op("dp", "all_reduce", dim, layer_grads / shard, "backward", per=grad_per, overlap="grad",
+                      label="gradient shard all-reduce across replicas")
+            yield _op("dp", "all_reduce", dim, other_grads / shard, "backward", scope="model", per=grad_per,
+                      label="embedding/head gradient shard all-reduce across replicas")
 
 
 __all__ = ["ParameterSharding", "local_optimizer_params", "optimizer_shard", "parameter_shard_params"]

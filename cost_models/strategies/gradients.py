@@ -34,7 +34,7 @@ def reduced_gradients(train: TrainSpec, layout: Layout) -> tuple[int, int]:
 
 def data_ranks(layout: Layout) -> int:
     """Ranks that see different tokens and so reduce gradients and the loss: every rank but TP's."""
-    return layout.dp * layout.sp
+    return layout.data_ranks
 
 
 __all__ = ["FSDP_GRAD_BYTES", "data_ranks", "fsdp_grad_bytes", "reduced_gradients"]

@@ -15,6 +15,7 @@ from functools import cache
 from typing import Any
 
 from sp_plan.cost_models import data as shipped_data
+from sp_plan.cost_models import degrees as registry
 from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.model_spec import ModelSpec, get_model_preset
@@ -179,7 +180,6 @@ OPTION_BUNDLES: dict[str, dict[str, Any]] = {
     "alst + parameter offload": {"tiled_mlp": True, "offload_checkpoints": True, "offload_params": True},
 }
 
-_LAYOUT_KEYS = ("tp", "ulysses", "ring", "dp_shard", "dp_replicate")
 _OPTION_KEYS = ("zero", "checkpointing", "micro_batch", "dtype", "offload_checkpoints")
 
 
@@ -228,7 +228,7 @@ def _train_kwargs(entry: dict[str, Any], setup: SourceSetup) -> dict[str, Any]:
 
 
 def _layout(entry: dict[str, Any]) -> Layout:
-    degrees = {k: entry[k] for k in _LAYOUT_KEYS if k in entry}
+    degrees = {k: entry[k] for k in registry.innermost_first() if k in entry}
     return Layout.for_world(entry["gpus"], **degrees)
 
 
@@ -257,7 +257,7 @@ def _run(id_: str, entry: dict[str, Any], metric: str, value: float, *, seq_len:
 
 
 def _describe(entry: dict[str, Any], seq_len: int | None = None) -> str:
-    layout = "x".join(f"{k}{entry[k]}" for k in _LAYOUT_KEYS if k in entry and entry[k] > 1) or "dp"
+    layout = "x".join(f"{k}{entry[k]}" for k in registry.innermost_first() if k in entry and entry[k] > 1) or "dp"
     seq = f" {seq_len // 1000}K" if seq_len else ""
     opts = f" {entry['options']}" if "options" in entry else ""
     extra = "".join(f" {label}{entry[key]}" for key, label in (("zero", "zero"), ("checkpointing", "ckpt-"))

@@ -29,6 +29,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from sp_plan.cost_models import degrees as registry
 from sp_plan.cost_models.atomic_io import atomic_write_text
 from sp_plan.cost_models.errors import CostModelError, explain_validation_error
 from sp_plan.cost_models.layout import Layout
@@ -43,7 +44,6 @@ MAX_RUN_FILE_BYTES = 1 << 26
 #: Most measurements one calibrate reads (all files together): each is predicted before and after the fit
 #: (about 1 ms each), while the fit itself sees at most ``user_fit.MAX_FIT_RUNS`` of them.
 MAX_RUNS = 10_000
-_LAYOUT = ("tp", "ulysses", "ring", "dp_shard", "dp_replicate")
 _BOOL = ("offload_optimizer", "offload_params", "offload_checkpoints", "tiled_mlp", "tiled_loss", "fp8_linears",
          "compiled")
 _INT = ("micro_batch", "grad_accum", "document_length")
@@ -213,7 +213,7 @@ def _csv_row(row: dict[str, str], where: str, stack: str, source: str) -> list[M
     if _cell(row, "zero"):
         train_kw["zero_stage"] = int(_cell(row, "zero"))  # type: ignore[arg-type]
     train = TrainSpec(**train_kw)
-    degrees = {k: int(_cell(row, k)) for k in _LAYOUT if _cell(row, k)}  # type: ignore[arg-type]
+    degrees = {k: int(_cell(row, k)) for k in registry.innermost_first() if _cell(row, k)}  # type: ignore[arg-type]
     layout = Layout.for_world(gpus, **degrees)
     topology = _cell(row, "topology") or NATURAL_NODE_PRESET.get(_cell(row, "gpu") or "h100-80gb")
     if topology is None:
