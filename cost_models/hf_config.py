@@ -97,7 +97,7 @@ _GEMMA_DEFAULTS = {"head_dim": 256, "tie_word_embeddings": True}
 #: (FlashAttention-2 ``softcap``) with no parameters and about no time.
 HF_FAMILIES: dict[str, HFFamily] = {
     "llama": HFFamily(out_bias_follows_attention_bias=True),
-    "mistral": HFFamily(window_layers=_every_layer),
+    "mistral": HFFamily(defaults={"sliding_window": 4096}, window_layers=_every_layer),  # v0.2+ say null
     "qwen2": HFFamily(qkv_bias=True, defaults={"max_window_layers": 28}, window_layers=_above_max_window_layers,
                       window_switch="use_sliding_window"),
     "qwen3": HFFamily(out_bias_follows_attention_bias=True, qk_norm=True, defaults={"max_window_layers": 28},
@@ -171,7 +171,7 @@ def _whole(config: Mapping[str, Any], key: str, name: str, lo: int, hi: int, def
 
 def family_of(config: Mapping[str, Any], name: str) -> tuple[str, HFFamily, Mapping[str, Any]]:
     """``(model_type, family, decoder config)``: a wrapper's ``text_config`` is the decoder, with the
-    family's defaults filled in for the fields the file leaves out."""
+    family's defaults filled in for the fields the file leaves out (as its config class does)."""
     model_type = str(config.get("model_type", "")).lower()
     if model_type not in HF_FAMILIES:
         raise CostModelError(
@@ -183,9 +183,10 @@ def family_of(config: Mapping[str, Any], name: str) -> tuple[str, HFFamily, Mapp
         if not isinstance(text, dict):
             raise CostModelError(f"{name}: a {model_type} config.json must hold its decoder in a 'text_config' object")
         model_type, family = family.text_config, HF_FAMILIES[family.text_config]
-        config = {"tie_word_embeddings": config.get("tie_word_embeddings"), **text}
-    filled = {key: value for key, value in config.items() if value is not None}
-    return model_type, family, {**family.defaults, **filled}
+        tied = config.get("tie_word_embeddings")  # the wrapper ties the decoder's embeddings
+        config = {**text} if tied is None or "tie_word_embeddings" in text else {**text, "tie_word_embeddings": tied}
+    # Defaults fill absent keys only: an explicit null (Mistral v0.2's "sliding_window": null) stays.
+    return model_type, family, {**family.defaults, **config}
 
 
 def _windowed_layers(config: Mapping[str, Any], family: HFFamily, layers: int, name: str) -> tuple[int | None, int | None]:

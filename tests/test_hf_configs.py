@@ -95,6 +95,8 @@ def test_window_rules_and_layer_types():
     gemma3 = {**fixture("gemma-3-12b-pt")["text_config"], "sliding_window_pattern": 4}
     assert model_from_hf_dict(gemma3).windowed_layers == 36
     assert model_from_hf_dict({**fixture("mistral-7b-v0.1"), "sliding_window": None}).sliding_window is None
+    without_key = {k: v for k, v in fixture("mistral-7b-v0.1").items() if k != "sliding_window"}
+    assert model_from_hf_dict(without_key).sliding_window == 4096  # MistralConfig's default, as transformers runs it
     llama = {**fixture("mistral-7b-v0.1"), "model_type": "llama"}  # a stray key the family does not read
     assert model_from_hf_dict(llama).sliding_window is None
 

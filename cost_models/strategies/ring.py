@@ -22,6 +22,7 @@ has nothing to hide behind.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -158,6 +159,15 @@ def _windowed_ring_kernels(cc: ComputeContext, batch_heads: float, r: int, c: fl
     2c queries over that many pairs. The K/V blocks still make all R-1 hops (the comm ops are unchanged):
     rank i's late chunk 2R-1-i needs chunk 2R-2-i, which rank i+1 holds, R-1 hops away in ring order.
     """
+    active = _busiest_step_pairs(r, c, window)
+    kernel = sum(cc.attention_seconds(batch_heads, 2 * c, pairs / (2 * c), False, backward) for pairs in active)
+    return kernel, len(active)
+
+
+@functools.lru_cache(maxsize=4096)
+def _busiest_step_pairs(r: int, c: float, window: int) -> tuple[float, ...]:
+    """In-window (query, key) pairs of the busiest rank at each ring step that has any (per sequence and
+    head; steps without work left out). Depends on the geometry only: cached across passes and layouts."""
     busiest = [0.0] * r
     for rank in range(r):
         work = [0.0] * r
@@ -167,9 +177,7 @@ def _windowed_ring_kernels(cc: ComputeContext, batch_heads: float, r: int, c: fl
                 owner = k if k < r else 2 * r - 1 - k
                 work[(rank - owner) % r] += band_pairs(q * c, (q + 1) * c, k * c, (k + 1) * c, window)
         busiest = [max(a, w) for a, w in zip(busiest, work)]
-    active = [pairs for pairs in busiest if pairs > 0]
-    kernel = sum(cc.attention_seconds(batch_heads, 2 * c, pairs / (2 * c), False, backward) for pairs in active)
-    return kernel, len(active)
+    return tuple(pairs for pairs in busiest if pairs > 0)
 
 
 __all__ = ["DKV_ACCUMULATOR_BYTES", "RingAttention", "RingHops"]
