@@ -34,7 +34,6 @@ SIZE_FIELDS = {
     "head_dim": "head_dim",
     "intermediate_size": "ffn_hidden_size",
     "vocab_size": "vocab_size",
-    "sliding_window": "sliding_window",
 }
 
 #: ``layer_types`` entries we can price (transformers' names); others (chunked attention) are refused.
@@ -189,14 +188,15 @@ def family_of(config: Mapping[str, Any], name: str) -> tuple[str, HFFamily, Mapp
     return model_type, family, {**family.defaults, **config}
 
 
-def _windowed_layers(config: Mapping[str, Any], family: HFFamily, layers: int, name: str) -> tuple[int | None, int | None]:
+def _windowed_layers(config: Mapping[str, Any], family: HFFamily, layers: int, name: str,
+                     bounds: Bounds) -> tuple[int | None, int | None]:
     """``(sliding_window, layers using it)``; ``(None, None)`` without a window. ``layer_types`` (newer
     configs list every layer's kind) wins over the family's rule."""
     if family.window_layers is None or config.get("sliding_window") is None:
         return None, None
     if family.window_switch is not None and config.get(family.window_switch) is not True:
         return None, None
-    window = _whole(config, "sliding_window", name, 1, 1 << 30)
+    window = _whole(config, "sliding_window", name, *bounds("sliding_window"))
     kinds = config.get("layer_types")
     if kinds is None:
         count = family.window_layers(config, layers, name)
@@ -233,7 +233,7 @@ def spec_fields(config: Mapping[str, Any], name: str, bounds: Bounds) -> dict[st
             f"{name}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads} (each KV head "
             "serves a whole number of query heads); fix one of them")
     layers = size("num_hidden_layers")
-    window, windowed = _windowed_layers(config, family, layers, name)
+    window, windowed = _windowed_layers(config, family, layers, name, bounds)
     attention_bias = config.get("attention_bias")
     return dict(
         name=name,

@@ -80,6 +80,9 @@ class RingAttention(Strategy):
         r = cc.layout.ring
         if r == 1:
             return None
+        # A model mixing local and global layers gets the mean pass and the mean per-step share; the
+        # exposed part of each hop (max(0, hop - step)) is then taken on the mean step, an approximation
+        # that is exact when every layer has the same kind.
         return mean_over_layers(cc.model, cc.train.seq_len, lambda window: self._pass(cc, backward, window))
 
     @staticmethod
