@@ -181,3 +181,36 @@ def test_attention_time_is_the_mean_over_local_and_global_layers():
     ring_times = [compute_time(m, train, ring, topology, profile).attention_forward for m in (gemma, local, full)]
     assert ring_times[0] == pytest.approx((ring_times[1] + ring_times[2]) / 2, rel=1e-12)
     assert ring_times[1] < ring_times[2]
+
+
+def test_ring_window_skipping_counts_each_steps_busiest_rank():
+    from sp_plan.cost_models.strategies.ring import _busiest_step_pairs
+
+    r, c, w = 4, 8, 11  # 64 tokens in 8 zigzag chunks of 8; rank i holds chunks i and 7 - i
+
+    def owner(position):
+        chunk = position // c
+        return chunk if chunk < r else 2 * r - 1 - chunk
+
+    work = [[0] * r for _ in range(r)]  # [rank][step]: pairs computed, by brute force
+    for i in range(2 * r * c):
+        for j in range(max(0, i - w + 1), i + 1):
+            work[owner(i)][(owner(i) - owner(j)) % r] += 1
+    busiest = [max(work[rank][step] for rank in range(r)) for step in range(r)]
+    assert _busiest_step_pairs(r, c, w) == tuple(float(p) for p in busiest if p)
+
+
+def test_a_gemma3_config_json_through_the_console_script(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "gemma-3-12b-pt" / "config.json"
+    path.parent.mkdir()
+    path.write_text((FIXTURES / "gemma-3-12b-pt.json").read_text())
+    script = Path(sys.executable).with_name("sp-plan")
+    runs = [subprocess.run([str(script), "estimate", "--model", model, "--seq-len", "32K", "--gpus", "8",
+                            "--ulysses", "8", "--json"], capture_output=True, text=True, timeout=120)
+            for model in (str(path), "gemma-3-12b")]
+    assert all(run.returncode == 0 for run in runs), [run.stderr for run in runs]
+    local, preset = (json.loads(run.stdout) for run in runs)
+    assert local["memory"] == preset["memory"] and local["time"]["step_s"] == preset["time"]["step_s"]
