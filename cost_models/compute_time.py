@@ -13,8 +13,12 @@ the shape-aware kernel model (:mod:`sp_plan.cost_models.kernels`), so layouts th
   (:mod:`sp_plan.cost_models.strategies.ring`) runs R calls per pass (one causal 2c x 2c block, R-1 full
   c x 2c blocks, c = S / 2R), each followed by an LSE merge (fp32 accumulators, memory-bound: the
   stack's bytes per element) and a ring step's fixed cost. Packed
-  documents (``document_length`` D) run as variable-length calls over D-token documents. A
-  materialized attention runs its QK^T and PV as batched GEMMs (the softmax traffic is streaming).
+  documents (``document_length`` D) run as variable-length calls over D-token documents. Sliding-window
+  layers (``ModelSpec.sliding_window`` shorter than the sequence) run the flash kernel's windowed call:
+  only the pairs inside the window (:func:`sp_plan.cost_models.flops.windowed_attention_seconds`; in ring steps, only the blocks
+  that reach into the window); a layer's attention time is the mean over the model's kinds of layer. A
+  materialized attention runs its QK^T and PV as batched GEMMs (the softmax traffic is streaming) over
+  every pair, window or not.
 - **Streaming kernels** (norms, rotary, activation, residuals, softmax of a materialized attention):
   bytes from :mod:`sp_plan.cost_models.flops` at the kernel model's fraction of HBM bandwidth, reduced by the
   stack's fusion when the blocks are compiled.
@@ -37,7 +41,7 @@ from dataclasses import dataclass
 
 from .errors import CostModelError
 from .fitted import fitted_parameters
-from .flops import MATERIALIZED_FORWARD_PASSES, microbatch_work
+from .flops import MATERIALIZED_FORWARD_PASSES, mean_over_layers, microbatch_work, windowed_attention_seconds
 from .kernels import AttentionParams, GemmParams, gemm_seconds, kernel_family
 from .layout import Layout
 from .memo import Memo
@@ -69,7 +73,11 @@ class Fractions:
 
 def _attention_kernel(topology: Topology, profile: CostProfile) -> tuple[str, str]:
     """(the kernel family the stack runs on this GPU, the name of the kernel-file entry that prices it:
-    FlashAttention-2's where the file has none of its own)."""
+    FlashAttention-2's where the file has none of its own).
+
+    Gemma 2's attention-logit soft-capping (``tanh(s / cap) x cap`` on the scores) does not change the
+    choice: FlashAttention-2 (``softcap``) and -3 apply it inside the kernel, one more elementwise op per
+    score next to the exponential, so it is priced as the plain kernel."""
     gpu = topology.gpu.name
     family = attention_kernel_for(profile.stack.time, gpu, kernel_family(gpu))
     return family, family if family in profile.kernels.attention else "fa2"
@@ -342,11 +350,15 @@ def _attention_pass(cc: ComputeContext, gemm_time: Callable[..., float], seq_rin
         priced = strategy.attention_pass(cc, backward)
         if priced is not None:
             return priced
-    if doc is not None and doc < s:
-        t = cc.attention_seconds(bh * s / doc, doc, doc, True, backward)
-    else:
-        t = cc.attention_seconds(bh, s, s, True, backward)
-    return t, t
+
+    def one_call(window: int | None) -> tuple[float, float]:
+        if doc is not None and doc < s:
+            t = windowed_attention_seconds(cc.attention_seconds, cc.attention.launch_s, bh * s / doc, doc, window, backward)
+        else:
+            t = windowed_attention_seconds(cc.attention_seconds, cc.attention.launch_s, bh, s, window, backward)
+        return t, t
+
+    return mean_over_layers(cc.model, s, one_call)  # sliding-window layers run shorter calls
 
 
 def _recompute_seconds(train: TrainSpec, profile: CostProfile, layer_f: float, attn_f: float, gemms_f: float,

@@ -11,7 +11,9 @@ Counting rules (a multiply-add is 2 FLOPs):
   shard of the weights. LM head: 2 x T x hidden x vocab / tp (prefill: the last token only).
 - Attention forward: QK^T and PV, 4 x b x head_dim x heads x (query, key) pairs, split evenly over
   all tp x U x R ranks (zigzag balances causal work). Flash kernels skip fully masked blocks: causal
-  attention has S(S+1)/2 pairs. A materialized (eager) attention computes all S^2 pairs and masks.
+  attention has S(S+1)/2 pairs; a sliding window w < S leaves S w - w(w-1)/2 (in the layers that use
+  it: the per-layer figures are the mean over the layers). A materialized (eager) attention computes
+  all S^2 pairs and masks.
 - Backward: matmuls 2x forward (input and weight gradients); FlashAttention's backward is 2.5x its
   forward (five GEMMs instead of two: it recomputes QK^T); materialized attention's backward is 2x.
 - Recompute: ``full`` checkpointing re-runs the block forward (matmuls and attention); ``selective``
@@ -23,12 +25,16 @@ Counting rules (a multiply-add is 2 FLOPs):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from .layout import Layout
 from .memo import Memo
 from .model_spec import ModelSpec
 from .train_spec import TrainSpec
+
+T = TypeVar("T")
 
 #: Backward/forward FLOP ratios. Dense layers: dX and dW, each the size of the forward GEMM.
 MATMUL_BACKWARD_RATIO = 2.0
@@ -75,12 +81,84 @@ class MicrobatchWork:
         return num_layers * per_layer + self.head_matmul_fwd + self.head_matmul_bwd
 
 
-def attention_pairs(seq_len: int, causal_skip: bool, document_length: int | None = None) -> float:
+def causal_pairs(length: float, window: int | None = None) -> float:
+    """(query, key) pairs of causal attention over ``length`` tokens where each query sees at most
+    ``window`` keys (itself included): ``L (L + 1) / 2`` without a window or when ``window >= L``, else
+    ``L w - w (w - 1) / 2`` (the first w queries see all keys before them, the rest w keys each)."""
+    if window is None or window >= length:
+        return length * (length + 1) / 2
+    return length * window - window * (window - 1) / 2
+
+
+def attention_pairs(seq_len: int, causal_skip: bool, document_length: int | None = None,
+                    window: int | None = None) -> float:
     """(query, key) pairs computed for one sequence: causal flash skips the masked half; with packed
-    documents (document masking) only pairs inside a document of ``document_length`` tokens count."""
+    documents (document masking) only pairs inside a document of ``document_length`` tokens count; with a
+    sliding ``window`` only pairs inside it (flash skips the blocks outside; a materialized attention
+    computes every pair and masks, window or not)."""
+    if window is not None and causal_skip:
+        if document_length is not None and document_length < seq_len:
+            return seq_len / document_length * causal_pairs(document_length, window)
+        return causal_pairs(seq_len, window)
     if document_length is not None and document_length < seq_len and causal_skip:
         return seq_len / document_length * document_length * (document_length + 1) / 2
     return seq_len * (seq_len + 1) / 2 if causal_skip else float(seq_len) * seq_len
+
+
+def mean_over_layers(model: ModelSpec, seq_len: int, per_window: Callable[[int | None], T]) -> T:
+    """The per-layer mean of ``per_window(window)`` over the model's attention layers (window ``None``:
+    full causal attention). Costs are summed over layers as ``num_layers x`` one layer's, so a model whose
+    layers differ (Gemma 2's alternating local/global attention) is priced by this exact mean. A model
+    with one kind of layer gets ``per_window`` itself, bit for bit. ``T`` is a float or a tuple of floats."""
+    groups = model.attention_layer_groups(seq_len)
+    if len(groups) == 1:
+        return per_window(groups[0][0])
+    values = [(per_window(window), layers) for window, layers in groups]
+    if isinstance(values[0][0], tuple):
+        width = len(values[0][0])
+        return tuple(sum(v[i] * n for v, n in values) / model.num_layers for i in range(width))  # type: ignore[return-value]
+    return sum(v * n for v, n in values) / model.num_layers  # type: ignore[return-value]
+
+
+#: ``call(batch_heads, q_len, kv_len, causal, backward) -> seconds`` of one flash-attention call
+#: (``ComputeContext.attention_seconds``).
+AttentionCall = Callable[[float, float, float, bool, bool], float]
+
+
+def windowed_attention_seconds(call: AttentionCall, launch_s: float, batch_heads: float, length: float,
+                               window: int | None, backward: bool) -> float:
+    """Seconds of one causal flash-attention call over ``length`` tokens whose queries see at most
+    ``window`` keys (FlashAttention-2's ``window_size``: blocks wholly outside the band are skipped).
+    Without a window, or one not shorter than the call, it is the plain causal call. Otherwise it is
+    priced as what it computes: the first ``window`` queries form a causal block, the others a band of
+    ``window`` keys each (a rectangle of that many pairs; one kernel, so one launch, ``launch_s``). The
+    band's partly masked edge tiles are not charged separately (about tile / window of the band's work)."""
+    if window is None or window >= length:
+        return call(batch_heads, length, length, True, backward)
+    head = call(batch_heads, window, window, True, backward)
+    band = call(batch_heads, length - window, window, False, backward)
+    return head + band - launch_s
+
+
+def band_pairs(q_lo: float, q_hi: float, k_lo: float, k_hi: float, window: int) -> float:
+    """Causal pairs inside a sliding ``window`` between queries at positions ``[q_lo, q_hi)`` and keys at
+    ``[k_lo, k_hi)``: pairs (i, j) with ``i - window < j <= i`` (a ring step's block with window skipping)."""
+    return max(0.0, _pairs_below(q_lo, q_hi, k_hi, window) - _pairs_below(q_lo, q_hi, k_lo, window))
+
+
+def _pairs_below(q_lo: float, q_hi: float, k_end: float, window: int) -> float:
+    """Pairs (i, j) with i in ``[q_lo, q_hi)``, ``j < k_end`` and ``i - window < j <= i``: query i counts
+    ``clip(k_end + window - 1 - i, 0, window)`` keys (each of its ``window`` keys that lies below k_end)."""
+    top = k_end + window - 1  # queries at i <= top - window count the whole window, none at i >= top
+
+    def prefix(n: float) -> float:  # sum over integer i in [0, n) of clip(top - i, 0, window)
+        n = max(0.0, n)
+        full = min(n, max(0.0, top - window + 1))
+        ramp_end = min(n, max(0.0, top))
+        ramp = max(0.0, ramp_end - full)  # i in [full, ramp_end): top - i, an arithmetic series
+        return full * window + ramp * (top - full) - ramp * (ramp - 1) / 2
+
+    return prefix(q_hi) - prefix(q_lo)
 
 
 #: TrainSpec fields the work of a micro-batch depends on (the rest, e.g. ZeRO or offloading, moves
@@ -119,8 +197,10 @@ def _work(model: ModelSpec, tp: int, u: int, r: int, train: TrainSpec) -> Microb
     mlp_fwd = 2 * tokens * mlp_weights
 
     attn_core = 4 * b * hd * model.num_heads / ranks  # per pair, per GPU
-    attn_fwd = attn_core * attention_pairs(s, causal_skip=flash, document_length=train.document_length)
-    attn_model = attn_core * attention_pairs(s, causal_skip=True, document_length=train.document_length)
+    # Sliding-window layers count only the pairs inside their window (the mean over the layers' kinds).
+    doc = train.document_length
+    attn_fwd = attn_core * mean_over_layers(model, s, lambda w: attention_pairs(s, flash, doc, w))
+    attn_model = attn_core * mean_over_layers(model, s, lambda w: attention_pairs(s, True, doc, w))
 
     # Streaming kernels, bytes per forward: two norms (read + write h), two residual adds (2 reads +
     # 1 write of h), rotary embedding on the local Q and K (read + write), and the activation
@@ -131,7 +211,8 @@ def _work(model: ModelSpec, tp: int, u: int, r: int, train: TrainSpec) -> Microb
     q_local = model.num_heads / tp * hd
     k_local = model.num_kv_heads * rep / tp * hd
     act = (3 if model.activation == "swiglu" else 2) * f / tp
-    stream_fwd = d * (norm_tokens * (2 * 2 * h + 2 * 3 * h) + tokens * (2 * (q_local + k_local) + act))
+    norms = model.norms_per_layer
+    stream_fwd = d * (norm_tokens * (norms * 2 * h + 2 * 3 * h) + tokens * (2 * (q_local + k_local) + act))
     if not flash:
         scores = b * (model.num_heads / (tp * u)) * (s / r) * s * d
         stream_fwd += MATERIALIZED_FORWARD_PASSES * scores

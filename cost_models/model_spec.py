@@ -1,4 +1,5 @@
-"""Transformer architecture description: presets, HF ``config.json`` loading, parameter counts.
+"""Transformer architecture description: presets, HF ``config.json`` loading (parsed by
+:mod:`sp_plan.cost_models.hf_config`), parameter counts.
 
 Parameter counts are derived from the architecture, never typed in: the planner's memory figures are
 only as good as this count, and the tests check it against each model's published total.
@@ -6,8 +7,6 @@ only as good as this count, and the tests check it against each model's publishe
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 from typing import Literal
 
@@ -15,7 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from . import data
 from .errors import CostModelError, explain_validation_error
+from .hf_config import parse_config_text, spec_fields
 
+#: ``swiglu``: a gated MLP (gate, up and down matrices), whatever its gate's nonlinearity: SiLU (Llama) or
+#: GELU-tanh (Gemma's GeGLU) have the same three matrices, FLOPs and saved tensors. ``gelu``: two matrices.
 Activation = Literal["swiglu", "gelu"]
 Norm = Literal["rmsnorm", "layernorm"]
 #: ``alibi``: linear attention biases computed inside the attention kernel (MPT, BLOOM): no parameters and
@@ -47,6 +49,16 @@ class ModelSpec(BaseModel):
     mlp_bias: bool = False
     #: Per-head RMSNorm on queries and keys (Qwen3); adds 2 x head_dim parameters per layer.
     qk_norm: bool = False
+    #: Hidden-size norms per layer beyond the two pre-norms (Gemma 2/3 also normalise the attention and
+    #: MLP outputs: 2 more). Counted in the parameters and in the norms' streaming traffic.
+    extra_norms_per_layer: int = Field(default=0, ge=0, le=8)
+    #: Sliding-window attention: a query sees itself and the ``sliding_window - 1`` keys before it (HF's
+    #: convention). ``None``: full causal attention in every layer.
+    sliding_window: int | None = Field(default=None, ge=1, le=1 << 30)
+    #: How many layers use the window (the others attend globally): Gemma 2 alternates, Gemma 3 has 5
+    #: local to 1 global. ``None`` with a window: every layer (Mistral v0.1). The costs do not depend on
+    #: which layers they are, only how many.
+    sliding_window_layers: int | None = Field(default=None, ge=0, le=10_000)
     #: Dropout after attention softmax and on the hidden states; non-zero values make the layer save
     #: one-byte masks for backward (Megatron's GPT accounting). Modern LLM pre-training uses 0.
     attention_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
@@ -64,6 +76,12 @@ class ModelSpec(BaseModel):
             )
         if self.position_embedding == "learned" and self.max_position_embeddings == 0:
             raise ValueError("learned position embeddings need max_position_embeddings > 0")
+        if self.sliding_window_layers is not None:
+            if self.sliding_window is None:
+                raise ValueError("sliding_window_layers needs a sliding_window (the window those layers use)")
+            if self.sliding_window_layers > self.num_layers:
+                raise ValueError(f"sliding_window_layers={self.sliding_window_layers} exceeds num_layers="
+                                 f"{self.num_layers}")
         return self
 
     # ----- derived sizes -------------------------------------------------------------------
@@ -98,8 +116,14 @@ class ModelSpec(BaseModel):
         """Parameters of one hidden-size norm (LayerNorm has a bias, RMSNorm does not)."""
         return self.hidden_size * (2 if self.norm == "layernorm" else 1)
 
+    @property
+    def norms_per_layer(self) -> int:
+        """Hidden-size norms in one layer: the two pre-norms plus any post-norms."""
+        return 2 + self.extra_norms_per_layer
+
     def params_per_layer(self) -> int:
-        return self.attention_params_per_layer() + self.mlp_params_per_layer() + 2 * self.norm_params()
+        return (self.attention_params_per_layer() + self.mlp_params_per_layer()
+                + self.norms_per_layer * self.norm_params())
 
     def embedding_params(self) -> int:
         """Token embedding plus learned positions (the output head is counted separately)."""
@@ -118,6 +142,24 @@ class ModelSpec(BaseModel):
             + self.lm_head_params()
             + self.norm_params()  # final norm
         )
+
+    # ----- attention span -------------------------------------------------------------------------
+    @property
+    def windowed_layers(self) -> int:
+        """Layers that attend within :attr:`sliding_window` (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return self.num_layers if self.sliding_window_layers is None else self.sliding_window_layers
+
+    def attention_layer_groups(self, seq_len: int) -> tuple[tuple[int | None, int], ...]:
+        """``(window, layers)`` groups for a sequence of ``seq_len`` tokens; window ``None`` is full causal
+        attention. A window that is not shorter than the sequence changes nothing, so it is full attention
+        (and the model's costs equal those of the same model without a window)."""
+        local = self.windowed_layers
+        if local == 0 or self.sliding_window is None or self.sliding_window >= seq_len:
+            return ((None, self.num_layers),)
+        full = self.num_layers - local
+        return ((None, full), (self.sliding_window, local)) if full else ((self.sliding_window, local),)
 
     # ----- divisibility helpers used by Layout checks and the planner --------------------------
     def valid_head_split_degrees(self) -> list[int]:
@@ -170,136 +212,30 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
     return get_model_preset(found.name)
 
 
-# ----- Hugging Face config.json ------------------------------------------------------------------
-
-#: model_type -> (qkv bias default, has q/k norm). Llama exposes ``attention_bias``; Qwen2 always
-#: has QKV biases; Qwen3 has per-head q/k RMSNorm and an ``attention_bias`` flag.
-_HF_FAMILIES: dict[str, tuple[bool, bool]] = {
-    "llama": (False, False),
-    "mistral": (False, False),
-    "qwen2": (True, False),
-    "qwen3": (False, True),
-}
-
-
-#: Deepest JSON nesting a config.json may have (real ones nest two or three levels: rope_scaling,
-#: quantization_config). Checked before parsing: Python's json recurses and a hostile file of nested
-#: brackets would otherwise end in a RecursionError.
-_MAX_CONFIG_DEPTH = 32
-
-
-def _json_depth_ok(text: str, limit: int = _MAX_CONFIG_DEPTH) -> bool:
-    """True when no bracket nesting in ``text`` goes deeper than ``limit`` (brackets inside strings are
-    counted too: an over-estimate that only a config with 32 nested brackets in its strings could hit)."""
-    depth = 0
-    for ch in text:
-        if ch in "[{":
-            depth += 1
-            if depth > limit:
-                return False
-        elif ch in "]}":
-            depth -= 1
-    return True
+# ----- Hugging Face config.json (parsed by :mod:`.hf_config`; built and validated here) -------------------
 
 
 def load_hf_config(path: Path) -> ModelSpec:
-    """Read a local Hugging Face ``config.json`` (Llama/Mistral/Qwen2/Qwen3) without network access."""
+    """Read a local Hugging Face ``config.json`` (a family in :data:`.hf_config.HF_FAMILIES`) without network
+    access."""
     if path.is_dir():
         path = path / "config.json"
-    text = data.read_user_text("models", path)
-    if not _json_depth_ok(text):
-        raise CostModelError(f"{path} nests deeper than {_MAX_CONFIG_DEPTH} levels, which no model config.json does")
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CostModelError(f"{path} is not valid JSON: {exc}") from exc
-    except RecursionError as exc:  # belt and braces: the depth check above should have caught it
-        raise CostModelError(f"{path} nests too deeply to be a model config.json") from exc
-    if not isinstance(config, dict):
-        raise CostModelError(f"{path} must hold a JSON object")
+    config = parse_config_text(data.read_user_text("models", path), str(path))
     return model_from_hf_dict(config, name=path.parent.name or path.stem)
 
 
-#: config.json size fields -> the ModelSpec bound they must respect (the same limits, named for the user).
-_HF_SIZE_FIELDS = {
-    "num_hidden_layers": ModelSpec.model_fields["num_layers"],
-    "hidden_size": ModelSpec.model_fields["hidden_size"],
-    "num_attention_heads": ModelSpec.model_fields["num_heads"],
-    "num_key_value_heads": ModelSpec.model_fields["num_kv_heads"],
-    "head_dim": ModelSpec.model_fields["head_dim"],
-    "intermediate_size": ModelSpec.model_fields["ffn_hidden_size"],
-    "vocab_size": ModelSpec.model_fields["vocab_size"],
-}
-
-
-def _bounds(field: object) -> tuple[int, int]:
+def _bounds(spec_field: str) -> tuple[int, int]:
+    """The (lowest, highest) value ModelSpec accepts for an integer field."""
     lo, hi = 1, None
-    for meta in getattr(field, "metadata", ()):
+    for meta in getattr(ModelSpec.model_fields[spec_field], "metadata", ()):
         lo = getattr(meta, "ge", None) or lo
         hi = getattr(meta, "le", None) or hi
     return int(lo), int(hi if hi is not None else 1 << 62)
 
 
-def _size(config: dict, key: str, name: str, default: int | None = None) -> int:
-    """A config.json size field as a positive int within the model's bounds, or one clear error.
-
-    JSON (as Python reads it) allows Infinity, NaN, 1e400, booleans, strings and fractions where a size is
-    expected; int() would raise OverflowError on some, truncate others and a zero would reach a division.
-    """
-    value = config.get(key)
-    if value is None:
-        if default is not None:
-            return default
-        raise CostModelError(f"{name}: config.json lacks required field {key!r}")
-    lo, hi = _bounds(_HF_SIZE_FIELDS[key])
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise CostModelError(f"{name}: config.json field {key!r} must be a whole number, not {value!r}")
-    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
-        raise CostModelError(f"{name}: config.json field {key!r} must be a finite whole number, not {value!r}")
-    number = int(value)
-    if not lo <= number <= hi:
-        raise CostModelError(f"{name}: config.json field {key!r} is {number}; it must be between {lo} and {hi:,}")
-    return number
-
-
 def model_from_hf_dict(config: dict, name: str = "hf-model") -> ModelSpec:
     """A ModelSpec from a parsed HF config, every size checked (positive, finite, bounded, heads consistent)."""
-    model_type = str(config.get("model_type", "")).lower()
-    if model_type not in _HF_FAMILIES:
-        raise CostModelError(
-            f"model_type {model_type!r} is not supported: supported families are {', '.join(sorted(_HF_FAMILIES))}"
-        )
-    if config.get("num_experts") or config.get("num_local_experts"):
-        raise CostModelError(f"{name}: mixture-of-experts configs are not modelled yet; use a dense model")
-    qkv_bias_default, qk_norm = _HF_FAMILIES[model_type]
-    heads = _size(config, "num_attention_heads", name)
-    hidden = _size(config, "hidden_size", name)
-    kv_heads = _size(config, "num_key_value_heads", name, default=heads)
-    if config.get("head_dim") is None and hidden % heads:
-        raise CostModelError(
-            f"{name}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} and config.json gives "
-            "no head_dim; add head_dim or fix the head count")
-    if heads % kv_heads:
-        raise CostModelError(
-            f"{name}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads} (each KV head "
-            "serves a whole number of query heads); fix one of them")
-    fields = dict(
-        name=name,
-        num_layers=_size(config, "num_hidden_layers", name),
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=_size(config, "head_dim", name, default=hidden // heads or 1),
-        ffn_hidden_size=_size(config, "intermediate_size", name),
-        vocab_size=_size(config, "vocab_size", name),
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        activation="swiglu",
-        norm="rmsnorm",
-        qkv_bias=bool(config.get("attention_bias", qkv_bias_default)),
-        attn_out_bias=bool(config.get("attention_bias", False)) and model_type == "llama",
-        mlp_bias=bool(config.get("mlp_bias", False)),
-        qk_norm=qk_norm,
-    )
+    fields = spec_fields(config, name, _bounds)
     try:
         return ModelSpec(**fields)
     except ValidationError as exc:

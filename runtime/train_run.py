@@ -26,6 +26,7 @@ from sp_plan.runtime.checkpoint import list_checkpoints, read_verified_state
 from sp_plan.runtime.data import TokenWindows
 from sp_plan.runtime.errors import RuntimeConfigError
 from sp_plan.runtime.models import LlamaModel
+from sp_plan.runtime.models.base import refuse_unbuildable
 from sp_plan.runtime.text_data import GlobalBatches
 from sp_plan.runtime.train_options import (
     BOS,
@@ -85,6 +86,7 @@ def build_model(options: TrainRunOptions, plan: Plan | None, vocab: int) -> nn.M
                          head_dim=options.hidden // options.heads, ffn_hidden_size=options.ffn, vocab_size=vocab)
     if spec.vocab_size < vocab:
         raise RuntimeConfigError(f"the plan's model has a vocabulary of {spec.vocab_size}; the tokenizer needs {vocab}")
+    refuse_unbuildable(spec, options.seq_len)  # a window or Gemma's norms would train another model
     torch.manual_seed(options.seed)
     if options.hf:
         return build_hf_model(spec, options.seq_len)

@@ -46,7 +46,7 @@ from sp_plan.runtime.auto import auto_configure
 from sp_plan.runtime.capabilities import Family, memory_assumptions
 from sp_plan.runtime.comm_counter import CommCounter
 from sp_plan.runtime.distributed import init_distributed
-from sp_plan.runtime.models.base import ModelAdapter, adapter_named
+from sp_plan.runtime.models.base import ModelAdapter, adapter_named, refuse_unbuildable
 from sp_plan.runtime.planning import describe_plan
 from sp_plan.runtime.probe.run import run_probe
 from sp_plan.runtime.step import synchronize, train_step
@@ -323,6 +323,7 @@ def run_validation(plan, *, steps: int = 3, topology: Any = None, seed: int = 0,
     device_type = init_distributed()
     topo, note = prediction_topology(plan, topology, device_type)
     adapter = adapter_named(family)
+    refuse_unbuildable(plan.model, plan.train.seq_len)
     torch.manual_seed(seed)
     model = adapter.model_from_spec(plan.model, plan.train.seq_len, seed)
     setup = auto_configure(model, plan=plan)

@@ -22,6 +22,8 @@ from sp_plan.cost_models.model_spec import ModelSpec, load_model
 from sp_plan.cost_models.train_spec import TrainSpec
 from sp_plan.cost_models.units import MAX_SEQ_LEN, parse_token_count
 
+from sp_plan.cli.hub import is_hub_id, load_hub_model
+
 if TYPE_CHECKING:
     from sp_plan.cost_models.profile import CostProfile
     from sp_plan.cost_models.topology import Topology
@@ -143,7 +145,9 @@ def memory_technique_options(func: Callable) -> Callable:
 
 def _model_options(func: Callable, seq_len_required: bool) -> Callable:
     options = [
-        click.option("--model", "model_name", required=True, help="Preset name or path to a HF config.json."),
+        click.option("--model", "model_name", required=True,
+                     help="Preset name, path to a HF config.json (or its folder), or a Hugging Face hub id org/name "
+                          "(only its config.json is fetched, into the HF cache; HF_HUB_OFFLINE=1 reads the cache)."),
         click.option("--seq-len", type=SEQ_LEN, required=seq_len_required,
                      help="Tokens per sequence: 131072, 128K, 1M."),
         click.option("--mode", type=click.Choice(["train", "prefill"]), default="train", show_default=True),
@@ -249,6 +253,10 @@ def check_output_path(path: str | Path | None, option: str) -> None:
 
 
 def build_model(model_name: str) -> ModelSpec:
+    """A preset, a local config.json (or its folder), or a Hugging Face hub id ``org/name`` whose
+    config.json is fetched into the HF cache (:mod:`sp_plan.cli.hub`)."""
+    if is_hub_id(model_name):
+        return load_hub_model(model_name.strip())
     return load_model(model_name)
 
 

@@ -41,6 +41,19 @@ BUILTIN_ADAPTER_MODULES: tuple[str, ...] = (
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
+def refuse_unbuildable(spec: ModelSpec, seq_len: int) -> None:
+    """Refuse a planned architecture the runtime's models (``model_from_spec``, ``sp-plan train``) would build
+    differently, and so train another model: their attention is full causal, and they have two norms a layer."""
+    if spec.attention_layer_groups(seq_len) != ((None, spec.num_layers),):
+        raise RuntimeConfigError(
+            f"{spec.name}: {spec.windowed_layers} layers attend within a {spec.sliding_window}-token window, shorter "
+            f"than seq_len {seq_len}; the runtime's attention is full causal, so it would train a different model: "
+            f"train at seq_len <= {spec.sliding_window} or plan a model without a window")
+    if spec.extra_norms_per_layer:
+        raise RuntimeConfigError(f"{spec.name}: post-attention and post-MLP norms (Gemma 2/3) are not built by the "
+                                 "runtime's models; plan a Llama/Mistral/Qwen-style model")
+
+
 class ModelAdapter(ABC):
     """What the runtime needs from one model family. Subclass, fill in the methods, and
     :func:`register_adapter` an instance.
