@@ -231,6 +231,9 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
     mlp_f = gemm_time(mlp_g, fp8, tiles)
     proj_b = gemm_time(_backward(attn_g), fp8)
     mlp_b = gemm_time(_backward(mlp_g), fp8, tiles)
+    if model.moe is not None or model.mla is not None:  # MLA projections, grouped expert GEMMs, router
+        proj_f, proj_b, mlp_f, mlp_b = _sparse_layer_gemms(model, tokens, tp, mlp_tile, gemm_time, fp8,
+                                                           k.gemm.launch_s, (mlp_f, mlp_b))
     cast_f = cast_b = 0.0
     if fp8:  # amax + cast passes over each GEMM's activation and weight (forward), and the output grad
         elems_f = sum(m * kk + kk * n for m, n, kk in attn_g) + tiles * sum(m * kk + kk * n for m, n, kk in mlp_g)
@@ -347,6 +350,80 @@ def _attention_pass(cc: ComputeContext, gemm_time: Callable[..., float], seq_rin
     else:
         t = cc.attention_seconds(bh, s, s, True, backward)
     return t, t
+
+
+def _grouped_seconds(gemm_time: Callable[..., float], groups: list[tuple[float, float]], shape: Callable[[float], list[Gemm]],
+                     fp8: bool, launch_s: float) -> float:
+    """One grouped-GEMM launch per matrix over ``(rows, experts)`` groups: every expert's GEMM priced at its
+    own (small) shape by the kernel model, tile quantisation and wave fill included, so a grouped GEMM of
+    many small experts runs below one big GEMM's efficiency; the launch is paid once, not per expert."""
+    per_matrix = len(shape(1.0))
+    seconds = sum(count * (gemm_time(shape(rows), fp8) - per_matrix * launch_s) for rows, count in groups if rows > 0)
+    return seconds + per_matrix * launch_s
+
+
+def _moe_ffn_seconds(model: ModelSpec, tokens: float, tp: int, gemm_time: Callable[..., float], fp8: bool,
+                     launch_s: float, tile: float | None) -> tuple[float, float]:
+    """(forward, backward) seconds of one MoE FFN on ``tokens`` local tokens (in ``tile``-token tiles when a
+    tiled MLP runs it): the router GEMM (tokens x experts x hidden, replicated over tp), the routed experts'
+    grouped gate/up/down GEMMs at their per-expert shapes (``MoESpec.expert_row_groups``: capacity padding,
+    or dropless rows with the load imbalance), and the shared experts' GEMMs on every token."""
+    moe, h = model.moe, model.hidden_size
+    rows = min(tile, tokens) if tile else tokens
+    tiles = math.ceil(tokens / rows) if tile else 1.0
+    f = moe.expert_ffn_hidden_size / tp
+
+    def expert(r: float) -> list[Gemm]:
+        return [(r, f, h), (r, f, h), (r, h, f)]
+
+    def expert_backward(r: float) -> list[Gemm]:
+        return _backward(expert(r))
+
+    groups = moe.expert_row_groups(rows)
+    plain = [(rows, moe.num_experts, h)]  # router
+    if moe.shared_width:
+        fs = moe.shared_width / tp
+        plain += [(rows, fs, h), (rows, fs, h), (rows, h, fs)]
+    fwd = _grouped_seconds(gemm_time, groups, expert, fp8, launch_s) + gemm_time(plain, fp8)
+    bwd = _grouped_seconds(gemm_time, groups, expert_backward, fp8, launch_s) + gemm_time(_backward(plain), fp8)
+    return tiles * fwd, tiles * bwd
+
+
+def _mla_gemm_on_tp_rank(model: ModelSpec, tokens: float, out: int, inp: int, tp: int) -> Gemm:
+    """One MLA projection on a TP rank: the latent down-projections (hidden -> q_lora_rank, hidden ->
+    kv_lora_rank + rope) replicated, the up-projections column-parallel (out / tp), o_proj row-parallel."""
+    h, mla = model.hidden_size, model.mla
+    if inp == h and out in (mla.q_lora_rank, mla.kv_latent_width):
+        return (tokens, out, inp)
+    if out == h and inp == model.num_heads * mla.v_head_dim:
+        return (tokens, out, inp / tp)
+    return (tokens, out / tp, inp)
+
+
+def _sparse_layer_gemms(model: ModelSpec, tokens: float, tp: int, mlp_tile: float | None,
+                        gemm_time: Callable[..., float], fp8: bool, launch_s: float,
+                        dense_mlp: tuple[float, float]) -> tuple[float, float, float, float]:
+    """(projections forward, backward, FFN forward, backward) of the mean layer of a MoE and/or MLA model.
+
+    MLA's projections run as their own GEMMs (the latent down-projections replicated over tp, see
+    :meth:`~sp_plan.cost_models.moe.MLASpec.projection_gemms`); dense and MoE layers' FFN seconds are
+    averaged over the layers (DeepSeek-V3: 3 dense, 58 MoE), so ``layers x`` the mean is the model's sum.
+    """
+    h = model.hidden_size
+    if model.mla is not None:
+        proj = [_mla_gemm_on_tp_rank(model, tokens, out, inp, tp) for out, inp in model.mla.projection_gemms(
+            h, model.num_heads)]
+        proj_f, proj_b = gemm_time(proj, fp8), gemm_time(_backward(proj), fp8)
+    else:
+        attn, _, _ = _linear_gemms(model, tokens, tp, None)
+        proj_f, proj_b = gemm_time(attn, fp8), gemm_time(_backward(attn), fp8)
+    mlp_f, mlp_b = dense_mlp
+    if model.moe is not None:
+        moe_f, moe_b = _moe_ffn_seconds(model, tokens, tp, gemm_time, fp8, launch_s, mlp_tile)
+        sparse, layers = model.moe_layer_count, model.num_layers
+        mlp_f = ((layers - sparse) * mlp_f + sparse * moe_f) / layers
+        mlp_b = ((layers - sparse) * mlp_b + sparse * moe_b) / layers
+    return proj_f, proj_b, mlp_f, mlp_b
 
 
 def _recompute_seconds(train: TrainSpec, profile: CostProfile, layer_f: float, attn_f: float, gemms_f: float,
