@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from .errors import CostModelError
 from .fitted import fitted_parameters
-from .flops import MATERIALIZED_FORWARD_PASSES, microbatch_work
+from .flops import MATERIALIZED_FORWARD_PASSES, microbatch_work, sparse_matmul_weights
 from .kernels import AttentionParams, GemmParams, gemm_seconds, kernel_family
 from .layout import Layout
 from .memo import Memo
@@ -480,7 +480,10 @@ def _eager_extra_bytes(model: ModelSpec, train: TrainSpec, layout: Layout, a) ->
     if a.norm_implementation == "eager" and model.norm == "rmsnorm":
         extra += 2 * norm_tokens * model.hidden_size * max(0.0, EAGER_RMSNORM_BYTES_PER_ELEMENT * d / 2 - 2 * d)
     if a.mlp_implementation == "eager" and model.activation == "swiglu":
-        extra += 2 * tokens * model.ffn_hidden_size / tp * d  # silu writes its output, the multiply reads it
+        width = model.ffn_hidden_size / tp
+        if model.moe is not None:  # the mean layer's SwiGLU rows: routed rows x expert width + shared experts
+            width = sparse_matmul_weights(model, tp, tokens).activation_width / 3
+        extra += 2 * tokens * width * d  # silu writes its output, the multiply reads it
     return extra
 
 

@@ -103,12 +103,20 @@ class MoESpec(BaseModel):
     def moe_layer_count(self, num_layers: int) -> int:
         return num_layers - len(self.dense_layers)
 
-    def layer_params_tp(self, hidden: int, tp: int) -> float:
+    def layer_params_tp(self, hidden: int, tp: int, ep: int = 1) -> float:
         """One MoE FFN per TP rank: every expert's (and the shared experts') FFN width split over ``tp``
-        (expert tensor parallelism = tp, Megatron's default); the router replicated. An expert-parallel
-        degree would divide the routed experts' term by ``ep``."""
-        routed = self.num_experts * 3 * hidden * math.ceil(self.expert_ffn_hidden_size / tp)
+        (expert tensor parallelism = tp, Megatron's default); the router replicated. ``ep`` ranks share the
+        routed experts (``num_experts / ep`` each); today's layouts have no expert-parallel degree (1)."""
+        routed = self.num_experts / ep * 3 * hidden * math.ceil(self.expert_ffn_hidden_size / tp)
+        if ep == 1:
+            routed = int(routed)
         return routed + 3 * hidden * math.ceil(self.shared_width / tp) + self.router_params(hidden)
+
+    def dispatch_bytes(self, tokens: float, hidden: int, dtype_bytes: int, ep: int) -> float:
+        """Bytes one rank sends in one dispatch (or combine) all-to-all over ``ep`` ranks: its routed rows
+        of ``hidden`` elements, of which ``(ep - 1) / ep`` leave the rank (DESIGN.md's all-to-all rule).
+        0 without expert parallelism: every expert is local and the permutation is a local copy."""
+        return self.routed_rows(tokens) * hidden * dtype_bytes * (ep - 1) / ep
 
     # ----- routed tokens ---------------------------------------------------------------------------
     def expert_capacity(self, tokens: float) -> float:

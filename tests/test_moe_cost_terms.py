@@ -213,3 +213,27 @@ def test_search_finds_the_brute_force_optimum_for_moe(name, seq, gpus):
     result = search(model, train, topology, PlanSettings(top_k=3))
     assert result.plans[0].score == pytest.approx(best_score, rel=1e-12)
     assert result.stats.time_evaluations < evaluations
+
+
+# ----- terms an expert-parallel degree will use ---------------------------------------------------------------
+
+
+def test_expert_weights_and_dispatch_traffic_divide_by_an_expert_parallel_degree():
+    moe = tiny_moe().moe
+    per_expert = 3 * H * FE
+    assert moe.layer_params_tp(H, 1) == 4 * per_expert + 3 * H * FS + H * E
+    assert moe.layer_params_tp(H, 1, ep=2) == 2 * per_expert + 3 * H * FS + H * E  # shared and router stay
+    assert moe.dispatch_bytes(100, H, 2, ep=1) == 0  # all experts local: no all-to-all
+    assert moe.dispatch_bytes(100, H, 2, ep=4) == 200 * H * 2 * 3 / 4  # routed rows x hidden x (ep-1)/ep
+
+
+def test_saved_activation_offload_bytes_count_routed_rows():
+    from sp_plan.cost_models.strategies.offload import saved_activation_bytes
+
+    s = 256
+    train = TrainSpec(seq_len=s, checkpointing="none")
+    got = saved_activation_bytes(tiny_moe(), train, Layout())
+    per_token_attention = 4 * H + 2 * 64 + 2 * 32
+    dense_ffn = 4 * F
+    moe_ffn = 4 * (K * FE + FS) + 2 * K * H  # SwiGLU of the routed rows and shared expert; rows in and out
+    assert got == pytest.approx(s * (2 * per_token_attention + dense_ffn + moe_ffn) * 2)

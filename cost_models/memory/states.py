@@ -104,6 +104,12 @@ def block_matrices(model: ModelSpec, tp: int) -> BlockMatrices:
     q = model.q_size // tp
     kv = model.num_kv_heads * model.kv_replication(tp) // tp * model.head_dim
     mlp = h * ceil_div(model.ffn_hidden_size, tp)
+    if model.moe is not None:
+        # The MoE block's FFN: per-expert matrices (HF's nn.Linear experts; ZeRO gathers them one by one) and
+        # as many of them as the routed and shared experts and the router hold together.
+        mlp = h * ceil_div(model.moe.expert_ffn_hidden_size, tp)
+        count = ceil_div(int(model.moe.layer_params_tp(h, tp)), mlp)
+        return BlockMatrices(max(h * q, h * kv, mlp), mlp, count)
     return BlockMatrices(max(h * q, h * kv, mlp), mlp, 3 if model.activation == "swiglu" else 2)
 
 
