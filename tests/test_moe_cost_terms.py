@@ -237,3 +237,19 @@ def test_saved_activation_offload_bytes_count_routed_rows():
     dense_ffn = 4 * F
     moe_ffn = 4 * (K * FE + FS) + 2 * K * H  # SwiGLU of the routed rows and shared expert; rows in and out
     assert got == pytest.approx(s * (2 * per_token_attention + dense_ffn + moe_ffn) * 2)
+
+
+def test_dense_and_moe_layers_save_their_mean_and_peak_with_the_larger_block():
+    from sp_plan.cost_models.memory import memory_core
+
+    mixed = tiny_moe()  # layer 0 dense, layer 1 MoE
+    all_moe = tiny_moe().model_copy(update={"moe": tiny_moe().moe.model_copy(update={"dense_layers": ()})})
+    all_dense = tiny_moe().model_copy(update={"moe": None})
+    train = TrainSpec(seq_len=512, checkpointing="none")
+
+    def saved(model):
+        return memory_core(model, train, Layout()).block.saved["activation"]
+
+    assert saved(mixed) == -(-(saved(all_moe) + saved(all_dense)) // 2)
+    peaks = [memory_core(m, train, Layout()).block.backward_peak.total for m in (all_moe, all_dense)]
+    assert memory_core(mixed, train, Layout()).block.backward_peak.total == max(peaks)

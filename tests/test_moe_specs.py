@@ -143,3 +143,19 @@ def test_a_bad_moe_config_through_the_console_script_is_one_line(tmp_path):
                           "--gpus", "8"], capture_output=True, text=True)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "top_k=9 exceeds num_experts=8" in out.stderr
+
+
+def test_a_deepseek_config_without_routed_experts_is_a_dense_mla_model():
+    config = json.loads((FIXTURES / "deepseek-v2.json").read_text())
+    config.update(n_routed_experts=None, num_hidden_layers=4, q_lora_rank=None)
+    m = model_from_hf_dict(config)
+    assert m.moe is None and m.mla.q_lora_rank is None
+    assert (m.num_kv_heads, m.head_dim) == (128, 192)
+    assert m.attention_params_per_layer() == 5120 * 128 * 192 + 5120 * 576 + 512 + 512 * 128 * 256 + 128 * 128 * 5120
+
+
+def test_an_unknown_deepseek_routing_is_refused_with_the_known_ones():
+    config = json.loads((FIXTURES / "deepseek-v3.json").read_text())
+    config["topk_method"] = "expert_choice"
+    with pytest.raises(CostModelError, match="topk_method 'expert_choice' is not modelled; use greedy"):
+        model_from_hf_dict(config)
