@@ -123,10 +123,13 @@ def _work(model: ModelSpec, tp: int, u: int, r: int, train: TrainSpec) -> Microb
     mlp_fwd = 2 * tokens * mlp_weights
 
     attn_core = 4 * b * hd * model.num_heads / ranks  # per pair, per GPU
-    if model.mla is not None:  # QK^T over qk_nope + qk_rope, PV over v_head_dim
-        attn_core = 2 * b * (model.mla.qk_head_dim + model.mla.v_head_dim) * model.num_heads / ranks
+    model_core = attn_core
+    if model.mla is not None:
+        # Model FLOPs: QK^T over qk_nope + qk_rope, PV over v_head_dim. The kernel runs PV at the qk head dim
+        # (flash_attention_2 needs one head dim: HF pads V, memory/mla_block.py), so executed FLOPs keep 4 hd.
+        model_core = 2 * b * (model.mla.qk_head_dim + model.mla.v_head_dim) * model.num_heads / ranks
     attn_fwd = attn_core * attention_pairs(s, causal_skip=flash, document_length=train.document_length)
-    attn_model = attn_core * attention_pairs(s, causal_skip=True, document_length=train.document_length)
+    attn_model = model_core * attention_pairs(s, causal_skip=True, document_length=train.document_length)
 
     # Streaming kernels, bytes per forward: two norms (read + write h), two residual adds (2 reads +
     # 1 write of h), rotary embedding on the local Q and K (read + write), and the activation

@@ -92,10 +92,15 @@ def test_mla_attention_flops_use_the_qk_and_v_head_dims():
     m = tiny_mla()
     s = 128
     w = microbatch_work(m, TrainSpec(seq_len=s, checkpointing="none"), Layout())
-    # QK^T over 16 + 8 dims, PV over 16: 2 x (24 + 16) per head and (query, key) pair.
-    assert w.layer_attn_fwd == pytest.approx(2 * (24 + 16) * 4 * s * (s + 1) / 2)
+    pairs = s * (s + 1) / 2
+    # The kernel runs QK^T and PV at the qk head dim 24 (V padded for flash_attention_2) ...
+    assert w.layer_attn_fwd == pytest.approx(4 * 24 * 4 * pairs)
     projections = (H * 24 + 24 * 4 * 24) + (H * 24 + 16 * 4 * 32) + 4 * 16 * H
     assert w.layer_matmul_fwd == pytest.approx(2 * s * (projections + 3 * H * F))
+    # ... while model FLOPs (MFU) count QK^T over 16 + 8 dims and PV over 16: 2 x (24 + 16) per head and pair.
+    head = 2 * s * H * 100
+    assert w.model_flops == pytest.approx(3 * (2 * (2 * s * (projections + 3 * H * F) + 2 * (24 + 16) * 4 * pairs)
+                                               + head))
 
 
 # ----- time -----------------------------------------------------------------------------------------------
