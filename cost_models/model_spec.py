@@ -77,7 +77,7 @@ class ModelSpec(BaseModel):
         return out
 
     @model_validator(mode="after")
-    def _sparse_parts_consistent(self) -> "ModelSpec":
+    def _sparse_parts_consistent(self) -> ModelSpec:
         if self.moe is not None:
             outside = [i for i in self.moe.dense_layers if i >= self.num_layers]
             if outside:

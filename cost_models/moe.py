@@ -68,7 +68,7 @@ class MoESpec(BaseModel):
     dense_layers: tuple[int, ...] = ()
 
     @model_validator(mode="after")
-    def _consistent(self) -> "MoESpec":
+    def _consistent(self) -> MoESpec:
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}; a token cannot go to "
                              "more experts than there are")
@@ -202,7 +202,7 @@ class MLASpec(BaseModel):
                                                      self.kv_lora_rank), (hidden, heads * self.v_head_dim)]
 
 
-def layers_params_tp(model: "ModelSpec", tp: int, gqa_attention: float, dense_mlp: float) -> float:
+def layers_params_tp(model: ModelSpec, tp: int, gqa_attention: float, dense_mlp: float) -> float:
     """Parameters of all transformer layers together per TP rank, norms excluded.
 
     ``gqa_attention`` and ``dense_mlp`` are the caller's per-rank counts of ordinary attention and of one
@@ -218,16 +218,12 @@ def layers_params_tp(model: "ModelSpec", tp: int, gqa_attention: float, dense_ml
     return total + (model.num_layers - sparse) * dense_mlp + sparse * model.moe.layer_params_tp(model.hidden_size, tp)
 
 
-def mean_layer_params_tp(model: "ModelSpec", tp: int, gqa_attention: float, dense_mlp: float) -> float:
+def mean_layer_params_tp(model: ModelSpec, tp: int, gqa_attention: float, dense_mlp: float) -> float:
     """:func:`layers_params_tp` per layer: the mean transformer layer per TP rank, norms excluded."""
     return layers_params_tp(model, tp, gqa_attention, dense_mlp) / model.num_layers
 
 
 # ----- Hugging Face config.json --------------------------------------------------------------------
-
-#: model_types whose config.json this module reads (the MoE/MLA fields), by the reader for them.
-HF_MOE_TYPES = ("qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
-
 
 def _int(config: Mapping, key: str, name: str, default: int | None = None, lo: int = 1, hi: int = 1 << 22) -> int:
     """A config.json integer within ``[lo, hi]``, or one clear error (JSON allows NaN, 1e400, strings...)."""
@@ -296,6 +292,7 @@ def _deepseek(config: Mapping, name: str, num_layers: int) -> dict:
     return {"moe": moe, "mla": mla, "num_kv_heads": heads, "head_dim": mla.qk_head_dim}
 
 
+#: model_type -> the reader of its MoE/MLA fields (model_spec's ``_HF_FAMILIES`` lists the same types).
 _READERS = {"qwen3_moe": _qwen3_moe, "mixtral": _mixtral, "deepseek_v2": _deepseek, "deepseek_v3": _deepseek}
 
 
@@ -318,5 +315,13 @@ def hf_moe_fields(config: Mapping, model_type: str, name: str, num_layers: int) 
         raise explain_validation_error(exc, f"mixture-of-experts/MLA fields of model config {name}") from exc
 
 
-__all__ = ["DEFAULT_LOAD_IMBALANCE", "HF_MOE_TYPES", "MLASpec", "MoESpec", "ROUTER_LOGIT_BYTES",
-           "TOPK_INDEX_BYTES", "hf_moe_fields", "layers_params_tp", "mean_layer_params_tp"]
+__all__ = [
+    "DEFAULT_LOAD_IMBALANCE",
+    "ROUTER_LOGIT_BYTES",
+    "TOPK_INDEX_BYTES",
+    "MLASpec",
+    "MoESpec",
+    "hf_moe_fields",
+    "layers_params_tp",
+    "mean_layer_params_tp",
+]

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .block import BlockBuilder
 
 
-def mla_projections(b: "BlockBuilder", x: str, saved_in: str, regather: int) -> tuple[str, str, str]:
+def mla_projections(b: BlockBuilder, x: str, saved_in: str, regather: int) -> tuple[str, str, str]:
     """Ops from the (gathered) normed input ``x`` to q, k and v as the attention call takes them."""
     mla, d, B = b.m.mla, b.d, b.B
     t = d.tokens

@@ -31,12 +31,12 @@ if TYPE_CHECKING:
 DenseMlp = Callable[..., str]
 
 
-def routed_rows(b: "BlockBuilder", tokens: int) -> int:
+def routed_rows(b: BlockBuilder, tokens: int) -> int:
     """Expert rows this GPU computes for ``tokens`` tokens (dropless: tokens x top_k; capacity: padded)."""
     return int(b.m.moe.routed_rows(tokens))
 
 
-def moe_ffn_ops(b: "BlockBuilder", x: str, saved_in: str, regather: int, tokens: int, holds: tuple[str, ...],
+def moe_ffn_ops(b: BlockBuilder, x: str, saved_in: str, regather: int, tokens: int, holds: tuple[str, ...],
                 dense_mlp: DenseMlp) -> str:
     """The MoE FFN's ops on ``tokens`` tokens; returns the name of its output (tokens x hidden)."""
     moe, d, B = b.m.moe, b.d, b.B

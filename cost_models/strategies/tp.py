@@ -25,8 +25,8 @@ from collections.abc import Iterator
 
 from ..layout import Layout
 from ..model_spec import ModelSpec
-from ..train_spec import TrainSpec
 from ..moe import mean_layer_params_tp
+from ..train_spec import TrainSpec
 from .base import Strategy
 from .gradients import reduced_gradients
 from .terms import CommOp
