@@ -158,3 +158,14 @@ def test_an_unknown_deepseek_routing_is_refused_with_the_known_ones():
     config["topk_method"] = "expert_choice"
     with pytest.raises(CostModelError, match="topk_method 'expert_choice' is not modelled; use greedy"):
         model_from_hf_dict(config)
+
+
+def test_a_real_config_json_and_its_preset_estimate_the_same_through_the_console_script():
+    def estimate(model):
+        out = subprocess.run([str(SP_PLAN), "estimate", "--model", model, "--seq-len", "32K", "--gpus", "8",
+                              "--ulysses", "8", "--json"], check=False, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    from_file, from_preset = estimate(str(FIXTURES / "mixtral-8x7b.json")), estimate("mixtral-8x7b")
+    assert from_file["memory"] == from_preset["memory"] and from_file["time"] == from_preset["time"]
