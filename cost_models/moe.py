@@ -16,9 +16,11 @@ Conventions the cost terms rely on:
   over the mean (default 1.15; auxiliary-loss-balanced models such as Mixtral, Qwen3-MoE and DeepSeek-V3
   report max/mean expert loads of roughly 1.1-1.3 over a batch). Dropless grouped GEMMs then run at
   uneven shapes: :meth:`MoESpec.expert_row_groups` splits the experts into a busy half at
-  ``load_imbalance`` x the mean and a light half at ``2 - load_imbalance`` x the mean (same total rows).
-  An expert-parallel degree, when the layout gains one, makes the busiest rank the critical path:
-  :meth:`MoESpec.expert_row_groups` takes ``ep`` already, and the expert weights divide by it.
+  ``load_imbalance`` x the mean and a light half at ``2 - load_imbalance`` x the mean (same total rows):
+  with every expert on the GPU that only reshapes one grouped GEMM (tile padding), it adds no work. An
+  expert-parallel degree, when the layout gains one, makes the busiest rank the critical path (its rows
+  are ``load_imbalance`` x the mean): :meth:`MoESpec.expert_row_groups` takes ``ep`` already, and the
+  expert weights (:meth:`MoESpec.layer_params_tp`) and dispatch bytes divide by it.
 - **MLA** (DeepSeek-V2/V3): queries through a low-rank latent (``q_lora_rank``; none for V2-Lite), keys
   and values from one shared latent of ``kv_lora_rank`` plus a decoupled RoPE key of ``qk_rope_head_dim``
   shared by all heads. In training the latent is up-projected to ``num_heads`` full keys and values

@@ -106,36 +106,67 @@ def test_mla_attention_flops_use_the_qk_and_v_head_dims():
 
 
 def test_expert_gemms_run_at_their_per_expert_shapes():
-    """A recording GEMM timer shows what the MoE FFN asks the kernel model for: the router GEMM, each expert's
-    three GEMMs at its own row count (uneven: the load imbalance), the shared expert on every token."""
+    """Recording timers show what the MoE FFN asks the kernel model for: the router GEMM and the shared
+    expert on every token, and one grouped GEMM per expert matrix with each expert at its own row count
+    (uneven: the load imbalance)."""
     m = tiny_moe()
-    calls = []
+    plain, grouped = [], []
 
     def gemm_time(gemms, fp8=False, count=1.0):
-        calls.append(list(gemms))
+        plain.extend(gemms)
         return count * sum(2 * a * b * c for a, b, c in gemms)  # FLOPs as "seconds"
 
-    fwd, bwd = _moe_ffn_seconds(m, 100, 1, gemm_time, False, 0.0, None)
-    shapes = [tuple(round(v, 9) for v in g) for call in calls for g in call]
-    assert (57.5, FE, H) in shapes and (42.5, FE, H) in shapes  # busy and light experts' gate/up
-    assert (100, E, H) in shapes  # router
-    assert (100, FS, H) in shapes  # shared expert
+    def grouped_time(shapes, fp8=False):
+        grouped.append([tuple(round(v, 9) for v in shape) for shape in shapes])
+        return sum(2 * a * b * c * n for a, b, c, n in shapes)
+
+    fwd, bwd = _moe_ffn_seconds(m, 100, 1, gemm_time, grouped_time, False, None)
+    assert grouped[0] == [(57.5, FE, H, 2.0), (42.5, FE, H, 2.0)]  # gate: busy and light halves of the experts
+    assert grouped[2] == [(57.5, H, FE, 2.0), (42.5, H, FE, 2.0)]  # down
+    assert (57.5, H, FE, 2.0) in grouped[3] and (H, FE, 57.5, 2.0) in grouped[4]  # gate's dX and dW (h x f, over the rows)
+    assert (100, E, H) in plain and (100, FS, H) in plain  # router, shared expert
     routed = 2 * 200 * 3 * H * FE  # 200 rows in all, whatever the split
     assert fwd == pytest.approx(routed + 2 * 100 * E * H + 2 * 100 * 3 * H * FS)
     assert bwd == pytest.approx(2 * fwd)
 
 
-def test_load_imbalance_slows_the_grouped_gemm_on_the_kernel_model():
+def test_grouped_gemm_extends_the_kernel_model():
+    from sp_plan.cost_models.compute_time import _grouped_gemm_timer, fractions
+    from sp_plan.cost_models.kernels import gemm_seconds
+    from sp_plan.cost_models.profile import default_profile
+
     topology = default_topology("h100-80gb", 8, 8)
-    train = TrainSpec(seq_len=8192)
+    profile = default_profile(topology.gpu.name)
+    fr, k = fractions(topology, profile), profile.kernels
+    peak = topology.peak_flops("bf16") * fr.clock
+    grouped = _grouped_gemm_timer(topology, fr, k.gemm, k.sms, peak)
+    for shape in [(4096, 4096, 4096), (1000, 768, 2048), (37, 5000, 300)]:  # a group of one is one GEMM
+        assert grouped([(*shape, 1)]) == pytest.approx(gemm_seconds(*shape, peak, fr.matmul, k.gemm, k.sms))
+    # DeepSeek-V3's gate projection at 4,096 tokens: 256 experts x 128 rows x (2048 x 7168).
+    experts = grouped([(128, 2048, 7168, 256)])
+    one_big = gemm_seconds(128 * 256, 2048, 7168, peak, fr.matmul, k.gemm, k.sms)
+    separate = 256 * gemm_seconds(128, 2048, 7168, peak, fr.matmul, k.gemm, k.sms)
+    assert one_big <= experts < separate  # small experts cost their tile padding, not a wave each
+
+
+def test_load_imbalance_reshapes_but_does_not_add_work_without_expert_parallelism():
+    """With every expert on the GPU (no ep degree yet) the imbalance moves rows between experts of one
+    grouped GEMM: the same FLOPs, a time that changes only through tile padding. The busiest rank's extra
+    rows arrive with expert parallelism (``expert_row_groups(ep > 1)``, tested above)."""
     from sp_plan.cost_models.estimate import estimate
 
-    def compute(imbalance):
-        m = get_model_preset("qwen3-30b-a3b")
-        m = m.model_copy(update={"moe": m.moe.model_copy(update={"load_imbalance": imbalance})})
-        return estimate(m, train, Layout(dp_shard=8), topology).time.compute_s
+    topology = default_topology("h100-80gb", 8, 8)
+    train = TrainSpec(seq_len=8192)
+    base = get_model_preset("qwen3-30b-a3b")
 
-    assert compute(1.0) < compute(1.15) < compute(1.5)
+    def run(imbalance):
+        m = base.model_copy(update={"moe": base.moe.model_copy(update={"load_imbalance": imbalance})})
+        return microbatch_work(m, train, Layout(dp_shard=8)).model_flops, estimate(
+            m, train, Layout(dp_shard=8), topology).time.compute_s
+
+    (flops_even, even), (flops_skewed, skewed) = run(1.0), run(1.5)
+    assert flops_even == flops_skewed
+    assert abs(skewed / even - 1) < 0.05
 
 
 # ----- memory ---------------------------------------------------------------------------------------------
