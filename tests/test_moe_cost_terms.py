@@ -7,7 +7,7 @@ import pathlib
 import subprocess
 
 import pytest
-from sp_plan.cost_models import Layout, ModelSpec, TrainSpec, get_model_preset
+from sp_plan.cost_models import Layout, ModelSpec, TrainSpec, get_gpu_preset, get_model_preset
 from sp_plan.cost_models.compute_time import _moe_ffn_seconds
 from sp_plan.cost_models.flops import microbatch_work
 from sp_plan.cost_models.memory import MemoryAssumptions
@@ -288,3 +288,15 @@ def test_dense_and_moe_layers_save_their_mean_and_peak_with_the_larger_block():
     assert saved(mixed) == -(-(saved(all_moe) + saved(all_dense)) // 2)
     peaks = [memory_core(m, train, Layout()).block.backward_peak.total for m in (all_moe, all_dense)]
     assert memory_core(mixed, train, Layout()).block.backward_peak.total == max(peaks)
+
+
+def test_mla_prefill_kv_cache_holds_k_at_the_qk_head_dim_and_v_unpadded():
+    from sp_plan.cost_models.memory import memory_report
+
+    m = get_model_preset("deepseek-v3")
+    train = TrainSpec(seq_len=32768, mode="prefill")
+    layout = Layout(ulysses=8)
+    report = memory_report(m, train, layout, get_gpu_preset("h100-80gb"))
+    # 128 heads / 8 per GPU, every token: K at 192 and V at 128 dims, bf16.
+    assert report.detail.kv_cache_per_layer == 32768 * 16 * (192 + 128) * 2
+    assert report.memory.kv_cache == 61 * 32768 * 16 * (192 + 128) * 2

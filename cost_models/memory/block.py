@@ -312,8 +312,11 @@ def _mlp_ops(b: BlockBuilder, x: str, saved_in: str, regather: int, tokens: int,
     return b.linear(f"{prefix}down_proj", prod, out_bytes, holds=holds)
 
 
-def kv_cache_bytes_per_layer(d: LocalDims) -> int:
-    """K and V of one layer for the whole ring-local sequence, KV heads after the Ulysses split."""
+def kv_cache_bytes_per_layer(d: LocalDims, v_head_dim: int | None = None) -> int:
+    """K and V of one layer for the whole ring-local sequence, KV heads after the Ulysses split. MLA
+    (``v_head_dim``): HF's cache holds the up-projected K at the qk head dim and V at its own, unpadded."""
+    if v_head_dim is not None:
+        return d.batch * d.attn_seq * d.kv_heads_attn * (d.head_dim + v_head_dim) * d.compute_bytes
     return 2 * d.batch * d.attn_seq * d.kv_heads_attn * d.head_dim * d.compute_bytes
 
 

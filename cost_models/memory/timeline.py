@@ -210,7 +210,7 @@ def memory_core(model: ModelSpec, train: TrainSpec, layout: Layout,
     if training:
         phases = _train_phases(model, train, a, states, block, head, inputs, offloaded)
     else:
-        phases = _prefill_phases(model, a, states, block, head, inputs, kv_cache_bytes_per_layer(d))
+        phases = _prefill_phases(model, a, states, block, head, inputs, kv_cache_bytes_per_layer(d, _v_head_dim(model)))
     peak = max(phases, key=lambda p: p.allocated)
     reserve = cached = None
     if a.allocator != "fraction":
@@ -333,7 +333,7 @@ def memory_report(model: ModelSpec, train: TrainSpec, layout: Layout, gpu: GPUSp
             peak_at=_larger(head.forward_peak, head.backward_peak).at,
         ),
         inputs_bytes=inputs,
-        kv_cache_per_layer=0 if training else kv_cache_bytes_per_layer(d),
+        kv_cache_per_layer=0 if training else kv_cache_bytes_per_layer(d, _v_head_dim(model)),
         ulysses=_ulysses_shapes(d),
         buffers=BufferDetail(comm_staging=peak.comm_staging, zero3_gathered_params=peak.zero3_gathered_params,
                              unsharded_grads=peak.unsharded_grads, kernel_workspaces=peak.kernel_workspaces),
@@ -362,6 +362,11 @@ def memory_report(model: ModelSpec, train: TrainSpec, layout: Layout, gpu: GPUSp
     )
     fits = memory.total <= memory.capacity and core.within_kernel_limits
     return MemoryReport(memory=memory, host_memory=host, fits=fits, detail=detail)
+
+
+def _v_head_dim(model: ModelSpec) -> int | None:
+    """MLA's value head dim (its KV cache holds V unpadded); None for ordinary attention."""
+    return model.mla.v_head_dim if model.mla is not None else None
 
 
 def _layers_block(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, training: bool, attention_kernel: str,
