@@ -41,7 +41,13 @@ from dataclasses import dataclass
 
 from .errors import CostModelError
 from .fitted import fitted_parameters
-from .flops import MATERIALIZED_FORWARD_PASSES, mean_over_layers, microbatch_work, windowed_attention_seconds
+from .flops import (
+    MATERIALIZED_FORWARD_PASSES,
+    mean_over_layers,
+    microbatch_work,
+    sparse_matmul_weights,
+    windowed_attention_seconds,
+)
 from .kernels import AttentionParams, GemmParams, gemm_seconds, kernel_family
 from .layout import Layout
 from .memo import Memo
@@ -239,6 +245,10 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
     mlp_f = gemm_time(mlp_g, fp8, tiles)
     proj_b = gemm_time(_backward(attn_g), fp8)
     mlp_b = gemm_time(_backward(mlp_g), fp8, tiles)
+    if model.moe is not None or model.mla is not None:  # MLA projections, grouped expert GEMMs, router
+        grouped_time = _grouped_gemm_timer(topology, fr, k.gemm, k.sms, peak)
+        proj_f, proj_b, mlp_f, mlp_b = _sparse_layer_gemms(model, tokens, tp, mlp_tile, gemm_time, grouped_time,
+                                                           fp8, (mlp_f, mlp_b))
     cast_f = cast_b = 0.0
     if fp8:  # amax + cast passes over each GEMM's activation and weight (forward), and the output grad
         elems_f = sum(m * kk + kk * n for m, n, kk in attn_g) + tiles * sum(m * kk + kk * n for m, n, kk in mlp_g)
@@ -361,6 +371,110 @@ def _attention_pass(cc: ComputeContext, gemm_time: Callable[..., float], seq_rin
     return mean_over_layers(cc.model, s, one_call)  # sliding-window layers run shorter calls
 
 
+#: A grouped GEMM's per-expert shapes: ``(m, n, k, experts)``, one entry per group of equally loaded experts.
+GroupedGemm = list[tuple[float, float, float, float]]
+
+
+def _grouped_gemm_timer(topology: Topology, fr: Fractions, gemm: GemmParams, sms: int,
+                        peak: float) -> Callable[[GroupedGemm, bool], float]:
+    """``grouped_time(shapes, fp8=False)``: seconds of one grouped-GEMM launch (CUTLASS/cuBLAS grouped,
+    torch._grouped_mm, DeepGEMM) over the experts' GEMMs, on the kernel model's terms
+    (:mod:`sp_plan.cost_models.kernels`) extended to a group: every expert's ``m`` and ``n`` are cut into
+    the tile configuration's tiles, all experts' tiles share the waves over the SMs (so one expert's small
+    ``m`` costs its padding to the tile height, not a wave of its own), each expert's ``k`` pays the
+    per-tile prologue/epilogue, and the launch is paid once. The tile configuration is the fastest one for
+    the whole group. One GEMM is the group of one: ``grouped_time([(m, n, k, 1)])`` equals
+    :func:`~sp_plan.cost_models.kernels.gemm_seconds` (a test checks it)."""
+
+    def grouped_time(shapes: GroupedGemm, fp8: bool = False) -> float:
+        if fp8:
+            if "fp8" not in topology.gpu.peak_flops:
+                raise CostModelError(f"fp8_linears needs fp8 tensor cores; {topology.gpu.name} lists none")
+            p, f = topology.peak_flops("fp8") * fr.clock, fr.fp8_matmul
+        else:
+            p, f = peak, fr.matmul
+        shapes = [(max(1, round(m)), max(1, round(n)), max(1, round(k)), c, 2.0 * m * n * k)
+                  for m, n, k, c in shapes if m > 0 and n > 0 and k > 0 and c > 0]
+        if not shapes:
+            return 0.0
+        best = math.inf
+        for tile in gemm.tiles:
+            tiles = sum(c * math.ceil(m / tile.m) * math.ceil(n / tile.n) for m, n, _, c, _ in shapes)
+            waves = math.ceil(tiles / sms)
+            fill = sum(c * m * n for m, n, _, c, _ in shapes) / (waves * sms * tile.m * tile.n)
+            work = sum(c * flops * (k + gemm.k_half) / k for _, _, k, c, flops in shapes)
+            best = min(best, work / (p * f * tile.efficiency * fill))
+        return best + gemm.launch_s
+
+    return grouped_time
+
+
+def _moe_ffn_seconds(model: ModelSpec, tokens: float, tp: int, gemm_time: Callable[..., float],
+                     grouped_time: Callable[[GroupedGemm, bool], float], fp8: bool,
+                     tile: float | None) -> tuple[float, float]:
+    """(forward, backward) seconds of one MoE FFN on ``tokens`` local tokens (in ``tile``-token tiles when a
+    tiled MLP runs it): the router GEMM (tokens x experts x hidden, replicated over tp), the routed experts'
+    gate, up and down projections as grouped GEMMs at their per-expert shapes
+    (``MoESpec.expert_row_groups``: capacity padding, or dropless rows with the load imbalance), and the
+    shared experts' GEMMs on every token. Backward: each grouped GEMM's input gradient (rows x k x n) and
+    weight gradient (k x n, reduced over each expert's rows) as grouped GEMMs too."""
+    moe, h = model.moe, model.hidden_size
+    rows = min(tile, tokens) if tile else tokens
+    tiles = math.ceil(tokens / rows) if tile else 1.0
+    f = moe.expert_ffn_hidden_size / tp
+    groups = moe.expert_row_groups(rows)
+    # gate and up (hidden -> f) share one shape, down (f -> hidden) the other: one grouped launch per matrix.
+    matrices = [(f, h), (f, h), (h, f)]
+    fwd = sum(grouped_time([(r, n, k, c) for r, c in groups], fp8) for n, k in matrices)
+    bwd = sum(grouped_time([(r, k, n, c) for r, c in groups], fp8)  # dX = dY W^T
+              + grouped_time([(k, n, r, c) for r, c in groups], fp8)  # dW = X^T dY, per expert
+              for n, k in matrices)
+    plain = [(rows, moe.num_experts, h)]  # router
+    if moe.shared_width:
+        fs = moe.shared_width / tp
+        plain += [(rows, fs, h), (rows, fs, h), (rows, h, fs)]
+    fwd += gemm_time(plain, fp8)
+    bwd += gemm_time(_backward(plain), fp8)
+    return tiles * fwd, tiles * bwd
+
+
+def _mla_gemm_on_tp_rank(model: ModelSpec, tokens: float, out: int, inp: int, tp: int) -> Gemm:
+    """One MLA projection on a TP rank: the latent down-projections (hidden -> q_lora_rank, hidden ->
+    kv_lora_rank + rope) replicated, the up-projections column-parallel (out / tp), o_proj row-parallel."""
+    h, mla = model.hidden_size, model.mla
+    if inp == h and out in (mla.q_lora_rank, mla.kv_latent_width):
+        return (tokens, out, inp)
+    if out == h and inp == model.num_heads * mla.v_head_dim:
+        return (tokens, out, inp / tp)
+    return (tokens, out / tp, inp)
+
+
+def _sparse_layer_gemms(model: ModelSpec, tokens: float, tp: int, mlp_tile: float | None,
+                        gemm_time: Callable[..., float], grouped_time: Callable[[GroupedGemm, bool], float],
+                        fp8: bool, dense_mlp: tuple[float, float]) -> tuple[float, float, float, float]:
+    """(projections forward, backward, FFN forward, backward) of the mean layer of a MoE and/or MLA model.
+
+    MLA's projections run as their own GEMMs (the latent down-projections replicated over tp, see
+    :meth:`~sp_plan.cost_models.moe.MLASpec.projection_gemms`); dense and MoE layers' FFN seconds are
+    averaged over the layers (DeepSeek-V3: 3 dense, 58 MoE), so ``layers x`` the mean is the model's sum.
+    """
+    h = model.hidden_size
+    if model.mla is not None:
+        proj = [_mla_gemm_on_tp_rank(model, tokens, out, inp, tp) for out, inp in model.mla.projection_gemms(
+            h, model.num_heads)]
+        proj_f, proj_b = gemm_time(proj, fp8), gemm_time(_backward(proj), fp8)
+    else:
+        attn, _, _ = _linear_gemms(model, tokens, tp, None)
+        proj_f, proj_b = gemm_time(attn, fp8), gemm_time(_backward(attn), fp8)
+    mlp_f, mlp_b = dense_mlp
+    if model.moe is not None:
+        moe_f, moe_b = _moe_ffn_seconds(model, tokens, tp, gemm_time, grouped_time, fp8, mlp_tile)
+        sparse, layers = model.moe_layer_count, model.num_layers
+        mlp_f = ((layers - sparse) * mlp_f + sparse * moe_f) / layers
+        mlp_b = ((layers - sparse) * mlp_b + sparse * moe_b) / layers
+    return proj_f, proj_b, mlp_f, mlp_b
+
+
 def _recompute_seconds(train: TrainSpec, profile: CostProfile, layer_f: float, attn_f: float, gemms_f: float,
                        scores_s: float) -> float:
     """Seconds backward spends re-running one layer's forward for the checkpointing mode (``gemms_f``:
@@ -415,7 +529,10 @@ def _eager_extra_bytes(model: ModelSpec, train: TrainSpec, layout: Layout, a) ->
     if a.norm_implementation == "eager" and model.norm == "rmsnorm":
         extra += 2 * norm_tokens * model.hidden_size * max(0.0, EAGER_RMSNORM_BYTES_PER_ELEMENT * d / 2 - 2 * d)
     if a.mlp_implementation == "eager" and model.activation == "swiglu":
-        extra += 2 * tokens * model.ffn_hidden_size / tp * d  # silu writes its output, the multiply reads it
+        width = model.ffn_hidden_size / tp
+        if model.moe is not None:  # the mean layer's SwiGLU rows: routed rows x expert width + shared experts
+            width = sparse_matmul_weights(model, tp, tokens).activation_width / 3
+        extra += 2 * tokens * width * d  # silu writes its output, the multiply reads it
     return extra
 
 

@@ -192,15 +192,24 @@ def _work(model: ModelSpec, tp: int, u: int, r: int, train: TrainSpec) -> Microb
     kv_local = model.num_kv_heads * model.kv_replication(tp) / tp * hd
     weights = 2 * h * model.q_size / tp + 2 * h * kv_local + mlp_weights
     unique = (2 * h * model.q_size + 2 * h * model.kv_size) / tp + mlp_weights
+    if model.moe is not None or model.mla is not None:
+        sparse = sparse_matmul_weights(model, tp, b * s / (u * r))
+        mlp_weights = sparse.ffn_executed
+        weights, unique = sparse.executed, sparse.active
     matmul_fwd = 2 * tokens * weights
     matmul_model = 2 * tokens * unique
     mlp_fwd = 2 * tokens * mlp_weights
 
     attn_core = 4 * b * hd * model.num_heads / ranks  # per pair, per GPU
+    model_core = attn_core
+    if model.mla is not None:
+        # Model FLOPs: QK^T over qk_nope + qk_rope, PV over v_head_dim. The kernel runs PV at the qk head dim
+        # (flash_attention_2 needs one head dim: HF pads V, memory/mla_block.py), so executed FLOPs keep 4 hd.
+        model_core = 2 * b * (model.mla.qk_head_dim + model.mla.v_head_dim) * model.num_heads / ranks
     # Sliding-window layers count only the pairs inside their window (the mean over the layers' kinds).
     doc = train.document_length
     attn_fwd = attn_core * mean_over_layers(model, s, lambda w: attention_pairs(s, flash, doc, w))
-    attn_model = attn_core * mean_over_layers(model, s, lambda w: attention_pairs(s, True, doc, w))
+    attn_model = model_core * mean_over_layers(model, s, lambda w: attention_pairs(s, True, doc, w))
 
     # Streaming kernels, bytes per forward: two norms (read + write h), two residual adds (2 reads +
     # 1 write of h), rotary embedding on the local Q and K (read + write), and the activation
@@ -211,6 +220,8 @@ def _work(model: ModelSpec, tp: int, u: int, r: int, train: TrainSpec) -> Microb
     q_local = model.num_heads / tp * hd
     k_local = model.num_kv_heads * rep / tp * hd
     act = (3 if model.activation == "swiglu" else 2) * f / tp
+    if model.moe is not None:
+        act = sparse.activation_width + sparse.permute_width
     norms = model.norms_per_layer
     stream_fwd = d * (norm_tokens * (norms * 2 * h + 2 * 3 * h) + tokens * (2 * (q_local + k_local) + act))
     if not flash:
@@ -251,6 +262,63 @@ def _work(model: ModelSpec, tp: int, u: int, r: int, train: TrainSpec) -> Microb
         head_matmul_bwd=head_bwd,
         model_flops=model_flops,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class SparseWeights:
+    """Per-token matmul weights of the mean layer on one TP rank for MoE and/or MLA models.
+
+    ``executed``: what the GPU multiplies each local token by (routed rows padded to capacity, replicated
+    MLA down-projections and router included); ``active``: the useful part for model FLOPs (the top-k
+    experts, each matrix once over the TP group); ``ffn_executed``: the FFN share of ``executed`` (what a
+    tiled MLP recomputes). ``activation_width`` and ``permute_width``: elements per token the SwiGLU of the
+    FFN and the token permutation (dispatch gather + combine scatter, read and write) stream.
+    """
+
+    executed: float
+    active: float
+    ffn_executed: float
+    activation_width: float
+    permute_width: float
+
+
+def sparse_matmul_weights(model: ModelSpec, tp: int, tokens: float) -> SparseWeights:
+    """Per-token weights of the mean layer (dense and MoE layers averaged) for ``tokens`` local tokens.
+
+    MoE FFN: rows per token = ``routed_rows(tokens) / tokens`` (top_k dropless; experts x capacity / tokens
+    with a capacity factor) through one expert's SwiGLU (3 h f_e / tp), the shared experts' SwiGLU on
+    every token, and the router (h x experts, replicated over tp). Model FLOPs count top_k experts only
+    (Megatron's and torchtitan's MoE MFU: the active parameters). MLA: its projection matrices
+    (:meth:`~sp_plan.cost_models.moe.MLASpec.projection_gemms`), the latent ones replicated over tp.
+    """
+    h, layers = model.hidden_size, model.num_layers
+    if model.mla is not None:
+        gemms = model.mla.projection_gemms(h, model.num_heads)
+        replicated = {model.mla.q_lora_rank, model.mla.kv_latent_width}  # down-projection widths
+        attn_exec = sum(o * i / (1 if o in replicated and i == h else tp) for o, i in gemms)
+        attn_unique = sum(o * i for o, i in gemms) / tp
+    else:
+        kv_local = model.num_kv_heads * model.kv_replication(tp) / tp * model.head_dim
+        attn_exec = 2 * h * model.q_size / tp + 2 * h * kv_local
+        attn_unique = (2 * h * model.q_size + 2 * h * model.kv_size) / tp
+    mats = 3 if model.activation == "swiglu" else 2
+    dense_ffn = mats * h * model.ffn_hidden_size / tp
+    moe = model.moe
+    if moe is None:
+        return SparseWeights(attn_exec + dense_ffn, attn_unique + dense_ffn, dense_ffn, mats * model.ffn_hidden_size / tp, 0.0)
+    sparse, dense = model.moe_layer_count, layers - model.moe_layer_count
+    rows = moe.routed_rows(tokens) / tokens if tokens else moe.top_k
+    expert = 3 * h * moe.expert_ffn_hidden_size / tp
+    shared = 3 * h * moe.shared_width / tp
+    router = h * moe.num_experts
+    moe_exec = rows * expert + shared + router
+    moe_active = moe.top_k * expert + shared + router / tp
+    ffn_exec = (dense * dense_ffn + sparse * moe_exec) / layers
+    ffn_active = (dense * dense_ffn + sparse * moe_active) / layers
+    act = (dense * mats * model.ffn_hidden_size / tp
+           + sparse * 3 * (rows * moe.expert_ffn_hidden_size + moe.shared_width) / tp) / layers
+    permute = sparse * 4 * rows * h / layers
+    return SparseWeights(attn_exec + ffn_exec, attn_unique + ffn_active, ffn_exec, act, permute)
 
 
 def model_flops_per_step(model: ModelSpec, train: TrainSpec, layout: Layout) -> float:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CostModelError
+from .moe import hf_moe_fields
 
 #: ``bounds(spec_field) -> (lowest, highest)``: the ModelSpec limits, supplied by the caller.
 Bounds = Callable[[str], tuple[int, int]]
@@ -110,7 +111,15 @@ HF_FAMILIES: dict[str, HFFamily] = {
                             window_layers=_every_but_each_nth("sliding_window_pattern", 6)),
     "gemma3": HFFamily(text_config="gemma3_text"),
     "phi3": HFFamily(fused=("qkv_proj", "gate_up_proj"), window_layers=_every_layer),
+    # mixture-of-experts / MLA families: their expert and latent fields are read by moe.hf_moe_fields
+    "qwen3_moe": HFFamily(out_bias_follows_attention_bias=True, qk_norm=True, defaults={"max_window_layers": 28},
+                          window_layers=_above_max_window_layers, window_switch="use_sliding_window"),
+    "mixtral": HFFamily(window_layers=_every_layer),
+    "deepseek_v2": HFFamily(),
+    "deepseek_v3": HFFamily(),
 }
+#: Families whose experts :func:`~sp_plan.cost_models.moe.hf_moe_fields` reads.
+MOE_FAMILIES = frozenset({"qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3"})
 
 #: Deepest JSON nesting a config.json may have (real ones nest two or three levels: rope_scaling,
 #: quantization_config, a wrapper's text_config). Checked before parsing: Python's json recurses and a
@@ -215,8 +224,9 @@ def spec_fields(config: Mapping[str, Any], name: str, bounds: Bounds) -> dict[st
     """The ModelSpec fields of a parsed config.json, every size checked (positive, finite, bounded, heads
     consistent)."""
     model_type, family, config = family_of(config, name)
-    if config.get("num_experts") or config.get("num_local_experts"):
-        raise CostModelError(f"{name}: mixture-of-experts configs are not modelled yet; use a dense model")
+    if (config.get("num_experts") or config.get("num_local_experts")) and model_type not in MOE_FAMILIES:
+        raise CostModelError(f"{name}: {model_type} with experts is not modelled; mixture-of-experts families are "
+                             f"{', '.join(sorted(MOE_FAMILIES))}")
 
     def size(key: str, default: int | None = None) -> int:
         return _whole(config, key, name, *bounds(SIZE_FIELDS[key]), default=default)
@@ -254,7 +264,7 @@ def spec_fields(config: Mapping[str, Any], name: str, bounds: Bounds) -> dict[st
         extra_norms_per_layer=family.extra_norms,
         sliding_window=window,
         sliding_window_layers=None if windowed is None or windowed == layers else windowed,
-    )
+    ) | hf_moe_fields(config, model_type, name, layers)  # experts and MLA (cost_models/moe.py)
 
 
 __all__ = ["HF_FAMILIES", "HFFamily", "MAX_CONFIG_DEPTH", "parse_config_text", "spec_fields"]

@@ -10,11 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, ValidationError, model_serializer, model_validator
 
 from . import data
 from .errors import CostModelError, explain_validation_error
 from .hf_config import parse_config_text, spec_fields
+from .moe import MLASpec, MoESpec, hf_moe_fields
 
 #: ``swiglu``: a gated MLP (gate, up and down matrices), whatever its gate's nonlinearity: SiLU (Llama) or
 #: GELU-tanh (Gemma's GeGLU) have the same three matrices, FLOPs and saved tensors. ``gelu``: two matrices.
@@ -23,6 +24,10 @@ Norm = Literal["rmsnorm", "layernorm"]
 #: ``alibi``: linear attention biases computed inside the attention kernel (MPT, BLOOM): no parameters and
 #: no rotary tables.
 PositionEmbedding = Literal["rope", "learned", "alibi"]
+
+
+#: ModelSpec fields left out of its serialization when unset (see ``ModelSpec._omit_absent_sparse_parts``).
+_OPTIONAL_SPARSE_FIELDS = ("published_active_params", "moe", "mla")
 
 
 class ModelSpec(BaseModel):
@@ -66,6 +71,37 @@ class ModelSpec(BaseModel):
     #: The total reported by the model's authors, for cross-checking the derived count (not used
     #: in any computation).
     published_params: int | None = Field(default=None, ge=1)
+    #: The authors' active-parameter count (MoE), for cross-checking :attr:`active_params` only.
+    published_active_params: int | None = Field(default=None, ge=1)
+    #: Mixture-of-experts FFN of the sparse layers (``None``: every FFN is dense); see :mod:`.moe`.
+    moe: MoESpec | None = None
+    #: Multi-head latent attention (``None``: ordinary grouped-query attention); see :mod:`.moe`.
+    mla: MLASpec | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_sparse_parts(self, handler, info: SerializationInfo) -> dict:
+        """A dense model serializes exactly as before MoE/MLA existed (plans, exports and recorded presets
+        keep their keys): the optional sparse parts appear only when set."""
+        out = handler(self)
+        for key in _OPTIONAL_SPARSE_FIELDS:
+            if out.get(key, 0) is None:
+                del out[key]
+        return out
+
+    @model_validator(mode="after")
+    def _sparse_parts_consistent(self) -> ModelSpec:
+        if self.moe is not None:
+            outside = [i for i in self.moe.dense_layers if i >= self.num_layers]
+            if outside:
+                raise ValueError(f"moe.dense_layers {outside} are beyond num_layers={self.num_layers}")
+            if self.moe.moe_layer_count(self.num_layers) < 1:
+                raise ValueError("moe.dense_layers lists every layer; drop the moe section for a dense model")
+        if self.mla is not None and (self.num_kv_heads != self.num_heads or self.head_dim != self.mla.qk_head_dim):
+            raise ValueError(
+                f"an MLA model attends with num_kv_heads = num_heads ({self.num_heads}) and head_dim = qk_nope + "
+                f"qk_rope = {self.mla.qk_head_dim} (the latent is up-projected per head); "
+                f"got num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}")
+        return self
 
     @model_validator(mode="after")
     def _heads_consistent(self) -> "ModelSpec":
@@ -102,6 +138,8 @@ class ModelSpec(BaseModel):
 
     def attention_params_per_layer(self) -> int:
         h = self.hidden_size
+        if self.mla is not None:
+            return self.mla.params(h, self.num_heads)
         weights = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
         biases = (self.q_size + 2 * self.kv_size) * self.qkv_bias + h * self.attn_out_bias
         return weights + biases + 2 * self.head_dim * self.qk_norm
@@ -122,8 +160,23 @@ class ModelSpec(BaseModel):
         return 2 + self.extra_norms_per_layer
 
     def params_per_layer(self) -> int:
+        """Parameters of one dense layer (a MoE model's dense layers; see :meth:`layer_params_total`)."""
         return (self.attention_params_per_layer() + self.mlp_params_per_layer()
                 + self.norms_per_layer * self.norm_params())
+
+    @property
+    def moe_layer_count(self) -> int:
+        """Layers whose FFN is a mixture of experts (0 for a dense model)."""
+        return 0 if self.moe is None else self.moe.moe_layer_count(self.num_layers)
+
+    def layer_params_total(self, active: bool = False) -> int:
+        """Parameters of all transformer layers together (``active``: those one token multiplies by)."""
+        if self.moe is None:
+            return self.num_layers * self.params_per_layer()
+        sparse = self.moe_layer_count
+        ffn = self.moe.active_layer_params(self.hidden_size) if active else self.moe.layer_params(self.hidden_size)
+        return (self.num_layers - sparse) * self.params_per_layer() + sparse * (
+            self.attention_params_per_layer() + ffn + 2 * self.norm_params())
 
     def embedding_params(self) -> int:
         """Token embedding plus learned positions (the output head is counted separately)."""
@@ -137,11 +190,17 @@ class ModelSpec(BaseModel):
     def num_params(self) -> int:
         """Total trainable parameters, derived from the architecture."""
         return (
-            self.num_layers * self.params_per_layer()
+            self.layer_params_total()
             + self.embedding_params()
             + self.lm_head_params()
             + self.norm_params()  # final norm
         )
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: ``num_params`` less the experts it is not routed to (embedding and
+        head included, the Mixtral/Qwen convention; DeepSeek's 36.6B also leaves out the input embedding)."""
+        return self.num_params - self.layer_params_total() + self.layer_params_total(active=True)
 
     # ----- attention span -------------------------------------------------------------------------
     @property

@@ -25,6 +25,8 @@ from .assumptions import MemoryAssumptions
 from .dims import LocalDims
 from .graph import ATTENTION, CORE_ATTENTION, MATMUL, SDPA, Graph, GraphBuilder, TensorSpec, Workspace
 from .liveness import simulate
+from .mla_block import mla_projections
+from .moe_block import moe_ffn_ops
 
 FP32 = 4
 #: Bytes per element of a dropout mask (torch's native_dropout saves a bool mask).
@@ -144,14 +146,17 @@ class BlockBuilder:
         n1 = self.norm("norm1", x, d.norm_tokens, h)
         n1g = self.tp_gather("norm1", n1, d.tokens * h * B)
         saved_in, regather = self._linear_input(n1, n1g)
-        q = self.linear("q_proj", n1g, d.q_bytes(), saved_in, regather)
-        k = self.linear("k_proj", n1g, d.k_proj_bytes(), saved_in, regather)
-        v = self.linear("v_proj", n1g, d.k_proj_bytes(), saved_in, regather)
-        if m.qk_norm:
-            q = self.norm("q_norm", q, d.tokens * d.q_heads, hd)
-            k = self.norm("k_norm", k, d.tokens * d.kv_heads_proj, hd)
-        q = self.rope("q_rope", q, d.q_bytes())
-        k = self.rope("k_rope", k, d.k_proj_bytes())
+        if m.mla is not None:  # latent projections (mla_block.py)
+            q, k, v = mla_projections(self, n1g, saved_in, regather)
+        else:
+            q = self.linear("q_proj", n1g, d.q_bytes(), saved_in, regather)
+            k = self.linear("k_proj", n1g, d.k_proj_bytes(), saved_in, regather)
+            v = self.linear("v_proj", n1g, d.k_proj_bytes(), saved_in, regather)
+            if m.qk_norm:
+                q = self.norm("q_norm", q, d.tokens * d.q_heads, hd)
+                k = self.norm("k_norm", k, d.tokens * d.kv_heads_proj, hd)
+            q = self.rope("q_rope", q, d.q_bytes())
+            k = self.rope("k_rope", k, d.k_proj_bytes())
         if d.kv_heads > d.kv_heads_proj:  # Ulysses KV replication, before the all-to-all (DESIGN.md)
             k = self.simple("k_repeat", [k], d.k_bytes())
             v = self.simple("v_repeat", [v], d.k_bytes())
@@ -282,29 +287,36 @@ class BlockBuilder:
         return fwd, max(bwd, 0)
 
 
-def _mlp_ops(b: BlockBuilder, x: str, saved_in: str, regather: int, tokens: int, holds: tuple[str, ...] = ()) -> str:
-    """The MLP's ops on ``tokens`` tokens: eager/fused SwiGLU or GELU. ``holds``: the MLP module's input,
-    referenced until the module returns."""
+def _mlp_ops(b: BlockBuilder, x: str, saved_in: str, regather: int, tokens: int, holds: tuple[str, ...] = (),
+             width: int | None = None, prefix: str = "") -> str:
+    """The MLP's ops on ``tokens`` tokens: eager/fused SwiGLU or GELU, or a MoE model's mixture of experts
+    (:mod:`.moe_block`, which calls back here for the experts' SwiGLU: ``width`` and a name ``prefix``).
+    ``holds``: the MLP module's input, referenced until the module returns."""
+    if b.m.moe is not None and width is None:
+        return moe_ffn_ops(b, x, saved_in, regather, tokens, holds, _mlp_ops)
     d, B = b.d, b.B
-    f_bytes = tokens * d.ffn * B
+    f_bytes = tokens * (width or d.ffn) * B
     out_bytes = tokens * d.hidden * B
-    if b.m.activation == "gelu":
+    if b.m.activation == "gelu" and width is None:
         f1 = b.linear("fc1", x, f_bytes, saved_in, regather)
         act = b.simple("gelu", [f1], f_bytes, saves=[f1])
         return b.linear("fc2", act, out_bytes, holds=holds)
-    gate = b.linear("gate_proj", x, f_bytes, saved_in, regather)
+    gate = b.linear(f"{prefix}gate_proj", x, f_bytes, saved_in, regather)
     if b.a.mlp_implementation == "fused_swiglu":
-        up = b.linear("up_proj", x, f_bytes, saved_in, regather)
-        prod = b.simple("silu_mul", [gate, up], f_bytes, saves=[gate, up])
+        up = b.linear(f"{prefix}up_proj", x, f_bytes, saved_in, regather)
+        prod = b.simple(f"{prefix}silu_mul", [gate, up], f_bytes, saves=[gate, up])
     else:
-        act = b.simple("silu", [gate], f_bytes, saves=[gate])
-        up = b.linear("up_proj", x, f_bytes, saved_in, regather)
-        prod = b.simple("mul", [act, up], f_bytes, saves=[act, up])
-    return b.linear("down_proj", prod, out_bytes, holds=holds)
+        act = b.simple(f"{prefix}silu", [gate], f_bytes, saves=[gate])
+        up = b.linear(f"{prefix}up_proj", x, f_bytes, saved_in, regather)
+        prod = b.simple(f"{prefix}mul", [act, up], f_bytes, saves=[act, up])
+    return b.linear(f"{prefix}down_proj", prod, out_bytes, holds=holds)
 
 
-def kv_cache_bytes_per_layer(d: LocalDims) -> int:
-    """K and V of one layer for the whole ring-local sequence, KV heads after the Ulysses split."""
+def kv_cache_bytes_per_layer(d: LocalDims, v_head_dim: int | None = None) -> int:
+    """K and V of one layer for the whole ring-local sequence, KV heads after the Ulysses split. MLA
+    (``v_head_dim``): HF's cache holds the up-projected K at the qk head dim and V at its own, unpadded."""
+    if v_head_dim is not None:
+        return d.batch * d.attn_seq * d.kv_heads_attn * (d.head_dim + v_head_dim) * d.compute_bytes
     return 2 * d.batch * d.attn_seq * d.kv_heads_attn * d.head_dim * d.compute_bytes
 
 

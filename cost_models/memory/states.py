@@ -14,11 +14,13 @@ no master copy.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..layout import Layout
 from ..memo import Memo
 from ..model_spec import ModelSpec
+from ..moe import layers_params_tp
 from ..train_spec import TrainSpec
 from .assumptions import MemoryAssumptions
 from .dims import ceil_div
@@ -39,6 +41,9 @@ class TPParams:
     """lm_head rows of this rank (vocab-parallel); 0 when tied to the embedding."""
     final_norm: int
     layers: int
+    layers_total: int = 0
+    """All layers' parameters when they differ by layer (MoE, MLA); ``per_layer`` is then their mean,
+    rounded up. 0: every layer holds ``per_layer``."""
 
     @property
     def embedding(self) -> int:
@@ -51,7 +56,7 @@ class TPParams:
 
     @property
     def total(self) -> int:
-        return self.layers * self.per_layer + self.embedding + self.head
+        return (self.layers_total or self.layers * self.per_layer) + self.embedding + self.head
 
     @property
     def output_matrix(self) -> int:
@@ -74,7 +79,12 @@ def tp_params(model: ModelSpec, tp: int) -> TPParams:
     vocab_rows = ceil_div(model.vocab_size, tp)
     positions = model.max_position_embeddings * h if model.position_embedding == "learned" else 0
     lm_head = 0 if model.tied_embeddings else vocab_rows * h
-    return TPParams(per_layer, vocab_rows * h, positions, lm_head, model.norm_params(), model.num_layers)
+    layers_total = 0
+    if model.moe is not None or model.mla is not None:  # MLA attention, dense and MoE layers mixed
+        norms = 2 * model.norm_params()
+        layers_total = math.ceil(layers_params_tp(model, tp, attention, mlp)) + model.num_layers * norms
+        per_layer = math.ceil(layers_total / model.num_layers)
+    return TPParams(per_layer, vocab_rows * h, positions, lm_head, model.norm_params(), model.num_layers, layers_total)
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,12 @@ def block_matrices(model: ModelSpec, tp: int) -> BlockMatrices:
     q = model.q_size // tp
     kv = model.num_kv_heads * model.kv_replication(tp) // tp * model.head_dim
     mlp = h * ceil_div(model.ffn_hidden_size, tp)
+    if model.moe is not None:
+        # The MoE block's FFN: per-expert matrices (HF's nn.Linear experts; ZeRO gathers them one by one) and
+        # as many of them as the routed and shared experts and the router hold together.
+        mlp = h * ceil_div(model.moe.expert_ffn_hidden_size, tp)
+        count = ceil_div(int(model.moe.layer_params_tp(h, tp)), mlp)
+        return BlockMatrices(max(h * q, h * kv, mlp), mlp, count)
     return BlockMatrices(max(h * q, h * kv, mlp), mlp, 3 if model.activation == "swiglu" else 2)
 
 

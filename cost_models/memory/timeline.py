@@ -21,7 +21,7 @@ the liveness simulation of its graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..errors import CostModelError
@@ -202,7 +202,7 @@ def memory_core(model: ModelSpec, train: TrainSpec, layout: Layout,
     training = train.is_training
     mode = train.checkpointing if training else "inference"
     mlp_grads = _tiled_mlp_param_grad_bytes(model, train, layout.tp, a, states)
-    block = _block_memory(model, d, a, training, train.attention_kernel, train.tiled_mlp, mode, mlp_grads)
+    block = _layers_block(model, d, a, training, train.attention_kernel, train.tiled_mlp, mode, mlp_grads)
     head = _head_memory(model, d, a, training, train.tiled_loss)
     inputs = _inputs_bytes(model, d, training)
     offloaded = _offloaded_checkpoint_bytes(d, train)
@@ -210,7 +210,7 @@ def memory_core(model: ModelSpec, train: TrainSpec, layout: Layout,
     if training:
         phases = _train_phases(model, train, a, states, block, head, inputs, offloaded)
     else:
-        phases = _prefill_phases(model, a, states, block, head, inputs, kv_cache_bytes_per_layer(d))
+        phases = _prefill_phases(model, a, states, block, head, inputs, kv_cache_bytes_per_layer(d, _v_head_dim(model)))
     peak = max(phases, key=lambda p: p.allocated)
     reserve = cached = None
     if a.allocator != "fraction":
@@ -307,7 +307,7 @@ def memory_report(model: ModelSpec, train: TrainSpec, layout: Layout, gpu: GPUSp
     by_mode = {}
     if training:
         for m in ("none", "selective", "full"):
-            by_mode[m] = _block_memory(model, d, a, True, train.attention_kernel, train.tiled_mlp, m).saved[
+            by_mode[m] = _layers_block(model, d, a, True, train.attention_kernel, train.tiled_mlp, m).saved[
                 "activation"]
     detail = MemoryDetail(
         mode=train.mode,
@@ -333,7 +333,7 @@ def memory_report(model: ModelSpec, train: TrainSpec, layout: Layout, gpu: GPUSp
             peak_at=_larger(head.forward_peak, head.backward_peak).at,
         ),
         inputs_bytes=inputs,
-        kv_cache_per_layer=0 if training else kv_cache_bytes_per_layer(d),
+        kv_cache_per_layer=0 if training else kv_cache_bytes_per_layer(d, _v_head_dim(model)),
         ulysses=_ulysses_shapes(d),
         buffers=BufferDetail(comm_staging=peak.comm_staging, zero3_gathered_params=peak.zero3_gathered_params,
                              unsharded_grads=peak.unsharded_grads, kernel_workspaces=peak.kernel_workspaces),
@@ -362,6 +362,40 @@ def memory_report(model: ModelSpec, train: TrainSpec, layout: Layout, gpu: GPUSp
     )
     fits = memory.total <= memory.capacity and core.within_kernel_limits
     return MemoryReport(memory=memory, host_memory=host, fits=fits, detail=detail)
+
+
+def _v_head_dim(model: ModelSpec) -> int | None:
+    """MLA's value head dim (its KV cache holds V unpadded); None for ordinary attention."""
+    return model.mla.v_head_dim if model.mla is not None else None
+
+
+def _layers_block(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, training: bool, attention_kernel: str,
+                  tiled_mlp: bool, mode: str, mlp_param_grads: int = 0) -> GraphMemory:
+    """The simulated block all layers are costed with: the model's block, or for a MoE model with dense
+    layers too (DeepSeek's first ``first_k_dense_replace``) the MoE and dense blocks combined."""
+    block = _block_memory(model, d, a, training, attention_kernel, tiled_mlp, mode, mlp_param_grads)
+    if model.moe is None or not model.moe.dense_layers:
+        return block
+    dense = _block_memory(model.model_copy(update={"moe": None}), d, a, training, attention_kernel, tiled_mlp, mode,
+                          mlp_param_grads)
+    return mixed_layers_block(block, dense, model.moe_layer_count, len(model.moe.dense_layers))
+
+
+def mixed_layers_block(moe: GraphMemory, dense: GraphMemory, moe_layers: int, dense_layers: int) -> GraphMemory:
+    """One block standing for a model whose layers differ in their FFN (MoE and dense): saved bytes are the
+    layers' mean (``layers x`` it is what all blocks save together), the working-set peaks are the larger
+    block's (any layer may be the one running when the step peaks)."""
+    layers = moe_layers + dense_layers
+    saved = {k: -(-(moe_layers * moe.saved.get(k, 0) + dense_layers * dense.saved.get(k, 0)) // layers)
+             for k in moe.saved.keys() | dense.saved.keys()}
+
+    def larger(a: Peak | None, b: Peak | None) -> Peak | None:
+        if a is None or b is None:
+            return a or b
+        return a if a.total >= b.total else b
+
+    return replace(moe, saved=saved, forward_peak=larger(moe.forward_peak, dense.forward_peak),
+                   backward_peak=larger(moe.backward_peak, dense.backward_peak))
 
 
 @lru_cache(maxsize=8192)

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..flops import sparse_matmul_weights
 from ..layout import Layout
 from ..memory.states import host_optimizer_bytes_per_param
 from ..model_spec import ModelSpec
@@ -79,6 +80,9 @@ def saved_activation_bytes(model: ModelSpec, train: TrainSpec, layout: Layout) -
     q = model.q_size / tp
     kv = model.num_kv_heads * model.kv_replication(tp) / tp * model.head_dim
     f = model.ffn_hidden_size / tp * (4 if model.activation == "swiglu" else 2)
+    if model.moe is not None:  # the mean layer's SwiGLU rows, plus the routed rows' input and output copies
+        sparse = sparse_matmul_weights(model, tp, tokens)
+        f = sparse.activation_width * 4 / 3 + sparse.permute_width / 2
     h = model.hidden_size / (tp if (tp > 1 and train.tp_sequence_parallel) else 1)
     return model.num_layers * tokens * (4 * h + 2 * q + 2 * kv + f) * train.dtype_bytes
 

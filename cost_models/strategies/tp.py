@@ -25,6 +25,7 @@ from collections.abc import Iterator
 
 from ..layout import Layout
 from ..model_spec import ModelSpec
+from ..moe import mean_layer_params_tp
 from ..train_spec import TrainSpec
 from .base import Strategy
 from .gradients import reduced_gradients
@@ -45,6 +46,8 @@ def tp_local_layer_params(model: ModelSpec, tp: int) -> float:
     attn += (q / tp + 2 * kv_local) * model.qkv_bias
     mlp = (3 if model.activation == "swiglu" else 2) * h * f / tp
     mlp += ((2 * f if model.activation == "swiglu" else f) / tp) * model.mlp_bias
+    if model.moe is not None or model.mla is not None:  # MLA attention, MoE FFNs: the mean layer (moe.py)
+        return mean_layer_params_tp(model, tp, attn, mlp) + tp_replicated_layer_params(model)
     return attn + mlp + tp_replicated_layer_params(model)
 
 
