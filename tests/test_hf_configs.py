@@ -109,7 +109,7 @@ def test_window_rules_and_layer_types():
     ({"layer_types": ["chunked_attention"] * 32}, "chunked_attention are not modelled"),
     ({"model_type": "gemma3"}, "'text_config' object"),
     ({"num_local_experts": 8}, "mixture-of-experts"),
-    ({"model_type": "gpt_neox"}, "supported families are gemma, gemma2, gemma3, gemma3_text, llama, mistral, phi3"),
+    ({"model_type": "gpt_neox"}, "supported families are deepseek_v2, deepseek_v3, gemma, gemma2, gemma3, gemma3_text, llama, mistral, mixtral, phi3"),
 ])
 def test_hostile_window_fields_are_one_line_errors(change, message, tmp_path):
     path = tmp_path / "config.json"

@@ -66,3 +66,21 @@ def test_sp_plan_train_refuses_a_planned_model_it_would_build_differently(update
     refuse_unbuildable(spec.model_copy(update={"sliding_window": SEQ}), SEQ)  # a window as long as the sequence
     with pytest.raises(RuntimeConfigError, match=message):
         refuse_unbuildable(spec.model_copy(update=update), SEQ)
+
+
+@pytest.mark.parametrize("preset, message", [
+    ("qwen3-30b-a3b", "mixture-of-experts layers"),
+    ("deepseek-v3", "MLA attention"),
+])
+def test_the_runtime_builders_refuse_moe_and_mla_specs_instead_of_building_a_dense_model(preset, message):
+    from sp_plan.cost_models.model_spec import get_model_preset
+    from sp_plan.runtime.errors import RuntimeConfigError
+    from sp_plan.runtime.models import LlamaModel
+    from sp_plan.runtime.models.base import refuse_unbuildable
+
+    spec = get_model_preset(preset)
+    with pytest.raises(RuntimeConfigError, match="are not built by the runtime's models"):
+        refuse_unbuildable(spec, SEQ)
+    tiny = spec.model_copy(update={"num_layers": 1, "vocab_size": 16})
+    with pytest.raises(RuntimeConfigError, match=message):
+        LlamaModel(tiny)

@@ -52,6 +52,11 @@ def refuse_unbuildable(spec: ModelSpec, seq_len: int) -> None:
     if spec.extra_norms_per_layer:
         raise RuntimeConfigError(f"{spec.name}: post-attention and post-MLP norms (Gemma 2/3) are not built by the "
                                  "runtime's models; plan a Llama/Mistral/Qwen-style model")
+    if spec.moe is not None or spec.mla is not None:
+        kind = "mixture-of-experts layers" if spec.moe is not None else "MLA attention"
+        raise RuntimeConfigError(
+            f"{spec.name}: {kind} are not built by the runtime's models (they would train a dense Llama of the same "
+            "width); train the Hugging Face model itself with auto_configure, or plan a dense model")
 
 
 class ModelAdapter(ABC):

@@ -385,6 +385,9 @@ def check_llama_spec(spec: ModelSpec) -> None:
         for field, need in (("activation", "swiglu"), ("norm", "rmsnorm"), ("position_embedding", "rope"))
         if getattr(spec, field) != need
     ]
+    wrong += ["mixture-of-experts layers (need dense MLPs)"] * (spec.moe is not None)
+    wrong += ["MLA attention (need grouped-query attention)"] * (spec.mla is not None)
+    wrong += ["extra norms per layer (need two)"] * bool(spec.extra_norms_per_layer)
     if wrong:
         raise RuntimeConfigError(
             f"{spec.name}: the runtime Llama model supports SwiGLU + RMSNorm + RoPE decoders; "
