@@ -149,6 +149,7 @@ def command(ctx: click.Context, **params: Any) -> None:
     download); --dataset and --tokenizer train on a Hugging Face text dataset. Checkpoints, resume and
     telemetry: docs/training.md."""
     options = options_from_params(ctx, params)
+    check_data_sources(options)
     from sp_plan.runtime.distributed import finish_worker  # torch: only when the command runs
     from sp_plan.runtime.train_run import run_training
 
@@ -162,6 +163,30 @@ def options_from_params(ctx: click.Context, params: dict[str, Any]) -> TrainRunO
     if problems:
         fail_once(click.UsageError("; ".join(problems), ctx))
     return options
+
+
+class SourceError(click.ClickException):
+    """A data source (dataset or tokenizer) that cannot be loaded: exit 2, as other project errors."""
+
+    exit_code = 2
+
+
+def check_data_sources(options: TrainRunOptions) -> None:
+    """Refuse, before any rank imports a model or plans, a --dataset path that does not exist or a
+    --tokenizer that is neither local, cached nor on the hub. Every rank checks (locally, then at most one
+    bounded hub query); local rank 0 says why, once per node."""
+    if options.tokenizer is None:
+        return
+    from sp_plan.runtime.errors import RuntimeConfigError
+    from sp_plan.runtime.text_data import check_dataset_source, tokenizer_source_problem
+
+    try:
+        check_dataset_source(options.dataset)
+    except RuntimeConfigError as exc:
+        fail_once(SourceError(str(exc)))
+    problem = tokenizer_source_problem(options.tokenizer)
+    if problem:
+        fail_once(SourceError(problem))
 
 
 def parse_options(argv: list[str], prog_name: str = "sp-plan train") -> TrainRunOptions:
