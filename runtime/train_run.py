@@ -12,6 +12,7 @@ length) and hands everything to :class:`~sp_plan.runtime.trainer.Trainer`.
 from __future__ import annotations
 
 import os
+import signal
 import sysconfig
 from pathlib import Path
 
@@ -34,12 +35,13 @@ from sp_plan.runtime.train_options import (
     LAYOUT_PINS,
     PAD,
     PREDICTED_HOURS_LIMIT,
+    SIGNAL_EXIT_BASE,
     TECHNIQUE_PINS,
     VOCAB,
     WARMUP_STEPS,
     TrainRunOptions,
 )
-from sp_plan.runtime.trainer import Trainer
+from sp_plan.runtime.trainer import FitResult, Trainer
 
 
 def read_corpus(root: Path | None, limit: int) -> torch.Tensor:
@@ -259,6 +261,21 @@ def run_training(options: TrainRunOptions) -> int:
                       run_config={"warmup_steps": WARMUP_STEPS, "seed": options.seed}, log_every=options.log_every,
                       tensorboard_dir=options.tensorboard, metrics_file=options.metrics_file,
                       progress=options.progress, live_bytes_every=options.live_bytes_every,
-                      async_save=options.async_save)
+                      async_save=options.async_save, handle_signals=True)
     result = trainer.fit()
-    return DIVERGED_EXIT_CODE if result.stopped_by == "non-finite" else 0
+    if result.stopped_by == "non-finite":
+        return DIVERGED_EXIT_CODE
+    if result.stopped_by in ("SIGTERM", "SIGINT"):
+        if rank0:
+            print(stopped_line(result, options), flush=True)
+        return SIGNAL_EXIT_BASE + signal.Signals[result.stopped_by].value
+    return 0
+
+
+def stopped_line(result: FitResult, options: TrainRunOptions) -> str:
+    """The one line a run stopped by a signal ends with: where it stopped and how it continues."""
+    if result.checkpoint is None:
+        return (f"stopped by {result.stopped_by} after step {result.step}; nothing saved (no --checkpoint-dir): "
+                "pass --checkpoint-dir to make a run resumable")
+    return (f"stopped by {result.stopped_by} after step {result.step}; checkpoint {result.checkpoint} saved: "
+            f"continue with --resume --checkpoint-dir {options.checkpoint_dir}")

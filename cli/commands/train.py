@@ -5,6 +5,11 @@ prints it::
 
     torchrun --standalone --nproc-per-node 4 -m sp_plan.cli train --plan plan.yaml
 
+or launching its ranks itself, ``sp-plan train --nproc-per-node 4 --plan plan.yaml`` (torchrun's launcher
+in-process): then a SIGTERM (preemption) or SIGINT to the launcher stops every rank after its current
+step, saves a checkpoint (with ``--checkpoint-dir``) and exits 143 (130) with the ranks' one line and no
+launcher traceback (torchrun itself ends such a run in a ``SignalException`` traceback).
+
 Without ``--plan``, rank 0 plans for the probed machine (or ``--topology``) under the layout and option
 pins, and every rank checks it holds the same plan. The run itself is
 :func:`sp_plan.runtime.train_run.run_training`; torch and the runtime are imported only when the command
@@ -16,6 +21,7 @@ once per rank.
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -44,15 +50,76 @@ def fail_once(exc: click.ClickException) -> NoReturn:
     raise click.exceptions.Exit(exc.exit_code)
 
 
+#: Where the command keeps its raw arguments (``--nproc-per-node`` passes them on to the ranks it launches).
+ARGV_KEY = "sp_plan.train.argv"
+#: Launcher environment variables: set inside a torchrun (or ``--nproc-per-node``) worker.
+LAUNCHED_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
+
+
 class TrainCommand(click.Command):
     """A command whose parsing errors (unknown option, bad value) are printed by one rank per node."""
 
     def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
                      **extra: Any) -> click.Context:
+        argv = list(args)
         try:
-            return super().make_context(info_name, args, parent=parent, **extra)
+            ctx = super().make_context(info_name, args, parent=parent, **extra)
         except click.ClickException as exc:
             fail_once(exc)
+        ctx.meta[ARGV_KEY] = argv
+        return ctx
+
+
+def worker_argv(argv: list[str]) -> list[str]:
+    """The command line the launched ranks run: ``argv`` without ``--nproc-per-node N``."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc-per-node":
+            skip = True
+        elif not arg.startswith("--nproc-per-node="):
+            out.append(arg)
+    return out
+
+
+def launch_ranks(nproc: int, argv: list[str]) -> int:
+    """Run ``sp-plan train argv`` on ``nproc`` local ranks under torchrun's launcher (``--standalone``), in
+    this process, and return the exit code: 0; 128 + the signal when a SIGTERM/SIGINT stopped the run (the
+    ranks stop after their step, save and say where; the launcher adds no traceback); else the first
+    failed rank's code, named in one line (the rank printed its reason above it)."""
+    if any(os.environ.get(k) for k in LAUNCHED_ENV):
+        fail_once(click.UsageError("--nproc-per-node launches the ranks itself: drop it under torchrun (or run "
+                                   "without torchrun)"))
+    import logging
+
+    quiet = "LOGLEVEL" not in os.environ  # torchrun's own warnings (signals sent, OMP threads): not for users
+    os.environ.setdefault("LOGLEVEL", "ERROR")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    if quiet:
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+
+    args = parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "sp_plan.cli", "train",
+                       *worker_argv(argv)])
+    try:
+        run(args)
+    except SignalException as exc:  # the ranks got the signal from the launcher, stopped and said so
+        return 128 + int(exc.sigval)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        code = failure.exitcode
+        if code < 0:  # killed by a signal
+            name = signal.Signals(-code).name
+            click.echo(f"error: rank {rank} was killed by {name}", err=True)
+            return 128 - code
+        if code >= 128 and code - 128 in {s.value for s in signal.Signals}:
+            return code  # stopped by a signal it received directly, and said so
+        click.echo(f"error: rank {rank} exited with code {code} (its message is above)", err=True)
+        return code
+    return 0
 
 
 def _pin_options(func):
@@ -142,14 +209,21 @@ def _pin_options(func):
               help="Refuse to start when the plan's predicted step time x --steps exceeds this (default: 1 hour "
                    "on CPU, 7 days on GPUs); --yes starts anyway.")
 @click.option("--yes", is_flag=True, help="Start even when the predicted run time exceeds the bound.")
+@click.option("--nproc-per-node", type=click.IntRange(1, 1024), default=None, metavar="N",
+              help="Launch N ranks on this machine (torchrun --standalone, in this process) instead of running "
+                   "under torchrun: a SIGTERM or SIGINT then stops every rank after its step, saves a checkpoint "
+                   "(with --checkpoint-dir) and exits 143 (130) in one line, without a launcher traceback.")
 @click.pass_context
 def command(ctx: click.Context, **params: Any) -> None:
     """Train with sp-plan's runtime (under torchrun: one process per GPU), from --plan FILE or planning in
     place. By default a small Llama-style model learns this Python's standard library, byte-level (no
     download); --dataset and --tokenizer train on a Hugging Face text dataset. Checkpoints, resume and
     telemetry: docs/training.md."""
+    nproc = params.pop("nproc_per_node")
     options = options_from_params(ctx, params)
     check_data_sources(options)
+    if nproc is not None:
+        raise click.exceptions.Exit(launch_ranks(nproc, ctx.meta[ARGV_KEY]))
     from sp_plan.runtime.distributed import finish_worker  # torch: only when the command runs
     from sp_plan.runtime.train_run import run_training
 
@@ -158,6 +232,7 @@ def command(ctx: click.Context, **params: Any) -> None:
 
 def options_from_params(ctx: click.Context, params: dict[str, Any]) -> TrainRunOptions:
     """The run's options from the parsed command line; a combination that cannot run is a usage error."""
+    params = {k: v for k, v in params.items() if k != "nproc_per_node"}
     options = TrainRunOptions(**params)
     problems = options.conflicts()
     if problems:
