@@ -87,6 +87,7 @@ class TrainRunOptions:
     tensorboard: Path | None = None
     metrics_file: Path | None = None
     log_every: int = 10
+    wandb_project: str | None = None
     live_bytes_every: int = 0
     progress: bool = True
     # how long a run may be predicted to take before it needs ``yes`` (see train_run.check_predicted_duration)

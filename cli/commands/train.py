@@ -209,6 +209,11 @@ def _pin_options(func):
               help="Refuse to start when the plan's predicted step time x --steps exceeds this (default: 1 hour "
                    "on CPU, 7 days on GPUs); --yes starts anyway.")
 @click.option("--yes", is_flag=True, help="Start even when the predicted run time exceeds the bound.")
+@click.option("--log-level", type=click.Choice(("debug", "info", "warning", "error"), case_sensitive=False),
+              default=None, help="Messages shown (as sp-plan --log-level): debug, info (default), warning, error.")
+@click.option("--wandb-project", default=None, metavar="NAME",
+              help="Also report every step (loss, tokens/s, step time and the plan's prediction, memory) to this "
+                   "Weights & Biases project, from rank 0 (WANDB_MODE=offline works; needs the [wandb] extra).")
 @click.option("--nproc-per-node", type=click.IntRange(1, 1024), default=None, metavar="N",
               help="Launch N ranks on this machine (torchrun --standalone, in this process) instead of running "
                    "under torchrun: a SIGTERM or SIGINT then stops every rank after its step, saves a checkpoint "
@@ -220,6 +225,11 @@ def command(ctx: click.Context, **params: Any) -> None:
     download); --dataset and --tokenizer train on a Hugging Face text dataset. Checkpoints, resume and
     telemetry: docs/training.md."""
     nproc = params.pop("nproc_per_node")
+    level = params.pop("log_level")
+    if level is not None:
+        from sp_plan.cli.main import set_log_level
+
+        set_log_level(level)
     options = options_from_params(ctx, params)
     check_data_sources(options)
     if nproc is not None:
@@ -232,11 +242,17 @@ def command(ctx: click.Context, **params: Any) -> None:
 
 def options_from_params(ctx: click.Context, params: dict[str, Any]) -> TrainRunOptions:
     """The run's options from the parsed command line; a combination that cannot run is a usage error."""
-    params = {k: v for k, v in params.items() if k != "nproc_per_node"}
+    params = {k: v for k, v in params.items() if k not in ("nproc_per_node", "log_level")}
     options = TrainRunOptions(**params)
     problems = options.conflicts()
     if problems:
         fail_once(click.UsageError("; ".join(problems), ctx))
+    if options.wandb_project is not None:
+        try:
+            import wandb  # noqa: F401  (only when asked for: a second of import)
+        except ImportError:
+            fail_once(click.UsageError("--wandb-project needs the wandb package: pip install 'sp-plan[wandb]' (or "
+                                       "drop --wandb-project)", ctx))
     return options
 
 
