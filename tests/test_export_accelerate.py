@@ -5,7 +5,8 @@ processes (accelerate's own argument validation and env preparation), then accel
 ``ParallelismConfig`` and sequence-parallel handler are built from that environment and validated the
 way ``Accelerator`` does. The Ulysses export (DeepSpeed ALST backend) and the plain FSDP export
 (dp_shard 2) are also launched for real on 2 CPU ranks with a tiny script (Accelerate gives FSDP only to
-GPU-type process groups: the script reports its gloo ranks as one, see tests/accelerate_tiny_train.py). What each test pins down is a way the export used to fail: a TP-only plan that
+GPU-type process groups: the script reports its gloo ranks as one, see tests/accelerate_tiny_train.py).
+What each test pins down is a way the export used to fail: a TP-only plan that
 accelerate refuses ('FSDP is enabled but the parallelism config has no dimension for FSDP to shard
 across'), ``sp_seq_length`` ignored (``sp_seq_length_is_variable: true``), ``flash_attention_2``
 hard-coded (needs flash-attn), gradient accumulation and micro-batch missing.
