@@ -9,9 +9,12 @@ printed as one line on stderr with exit code 2, without a traceback; "nothing fi
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import click
+
+from sp_plan.runtime.log import LEVEL_ENV, LEVELS, configure_logging
 
 #: subcommand -> (module under sp_plan.cli.commands, one-line help shown by --help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -46,10 +49,26 @@ class LazyGroup(click.Group):
             formatter.write_dl(rows)
 
 
+#: ``--log-level``, on the group and on the commands that log (train).
+LOG_LEVEL = click.Choice(LEVELS, case_sensitive=False)
+
+
+def set_log_level(level: str | None) -> None:
+    """Install the console handler of the ``sp_plan`` loggers (rank 0's lines on stdout); a level given here
+    is also exported (``SP_PLAN_LOG_LEVEL``) so the ranks a command launches log alike."""
+    if level is not None:
+        os.environ[LEVEL_ENV] = level.lower()
+    configure_logging(level)
+
+
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="sp-plan")
-def cli() -> None:
+@click.option("--log-level", type=LOG_LEVEL, default=None,
+              help="Messages shown: debug, info (default; or SP_PLAN_LOG_LEVEL), warning, error. Rank 0 only "
+                   "(SP_PLAN_LOG_ALL_RANKS=1: every rank, prefixed).")
+def cli(log_level: str | None) -> None:
     """Plan and run long-context LLM training with sequence parallelism."""
+    set_log_level(log_level)
 
 
 def main(argv: list[str] | None = None) -> None:

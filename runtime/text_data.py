@@ -141,20 +141,96 @@ def _load_source(datasets, source: str, split: str, cache_dir) -> Any:
         raise RuntimeConfigError(f"cannot load dataset {source!r}{hint}: {_first_line(exc)}") from None
 
 
+#: Seconds the one hub query of :func:`tokenizer_source_problem` may take (no retries: a name that is not
+#: there must fail in seconds, not after transformers' minute of offline back-off on every rank).
+HUB_QUERY_TIMEOUT_S = 5.0
+#: Files whose presence in the local hub cache means a tokenizer was downloaded before.
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def hub_offline() -> bool:
+    """Whether the Hugging Face hub must not be contacted (``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE``)."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("TRANSFORMERS_OFFLINE", "").upper() in ("1", "ON", "YES",
+                                                                                                    "TRUE")
+
+
+def cached_on_hub(repo_id: str) -> bool:
+    """Whether the local hub cache holds a tokenizer file of ``repo_id`` (no network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return any(isinstance(try_to_load_from_cache(repo_id, name), str) for name in TOKENIZER_FILES)
+
+
+def tokenizer_source_problem(name_or_path: str, *, hub_timeout_s: float = HUB_QUERY_TIMEOUT_S) -> str | None:
+    """Why ``name_or_path`` cannot be a tokenizer, in one actionable sentence, or None when it can be loaded.
+
+    Local first: an existing path, else (for a hub name) the local hub cache; only then, unless offline,
+    one hub query bounded by ``hub_timeout_s`` and without retries. ``sp-plan train`` runs this before any
+    rank starts work, so a misspelt name costs seconds (transformers' own loader retries for about a minute
+    offline, on every rank). Needs ``huggingface_hub`` (a transformers dependency), imported lazily."""
+    text = str(name_or_path)
+    if Path(text).expanduser().exists():
+        return None
+    if _looks_like_path(text):
+        return (f"tokenizer path {text} does not exist: pass a directory saved with save_pretrained (or a hub "
+                "name)")
+    try:
+        from huggingface_hub import HfApi, constants
+        from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+        from huggingface_hub.utils import validate_repo_id
+    except ImportError:
+        return "--tokenizer needs transformers: pip install 'sp-plan[hf]'"
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return (f"tokenizer {text!r} is neither an existing local path nor a valid Hugging Face hub name "
+                "(org/name): check the spelling, or pass a directory saved with save_pretrained")
+    if cached_on_hub(text):
+        return None
+    where = f"not a local directory and not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
+    if hub_offline():
+        return (f"tokenizer {text!r} is {where}, and the hub is offline (HF_HUB_OFFLINE): check the spelling, "
+                "pass a directory saved with save_pretrained, or download it once with the hub reachable")
+    try:
+        HfApi().model_info(text, timeout=hub_timeout_s)
+    except GatedRepoError:
+        return (f"tokenizer {text!r} is a gated hub repository: accept its terms on huggingface.co and log in "
+                "(hf auth login), or pass a local directory")
+    except RepositoryNotFoundError:
+        return (f"tokenizer {text!r} is {where}, and the Hugging Face hub has no such repository (or it is "
+                "private): check the spelling, log in for a private one, or pass a local directory")
+    except Exception as exc:  # connection refused, DNS failure, timeout, proxy error: one line, no retries
+        return (f"tokenizer {text!r} is {where}, and the Hugging Face hub ({constants.ENDPOINT}) cannot be "
+                f"reached ({type(exc).__name__}: {_first_line(exc)}): pass a local directory, or set "
+                "HF_HUB_OFFLINE=1 when working offline")
+    return None
+
+
+def check_tokenizer_source(name_or_path: str) -> None:
+    """Raise :class:`RuntimeConfigError` with :func:`tokenizer_source_problem`'s reason, if any."""
+    problem = tokenizer_source_problem(name_or_path)
+    if problem:
+        raise RuntimeConfigError(problem)
+
+
 def load_tokenizer(name_or_path: Any):
     """``AutoTokenizer.from_pretrained(name_or_path)`` (a tokenizer object is passed through), checked to
-    have an EOS token (packed documents are separated by it)."""
+    have an EOS token (packed documents are separated by it). A name or path is checked first
+    (:func:`tokenizer_source_problem`: local path, local hub cache, one bounded hub query), and a hub name
+    found in the cache is loaded from it without contacting the hub."""
     if isinstance(name_or_path, (str, os.PathLike)):
         try:
             from transformers import AutoTokenizer
         except ImportError:
             raise RuntimeConfigError("--tokenizer needs transformers: pip install 'sp-plan[hf]'") from None
+        check_tokenizer_source(str(name_or_path))
         path = Path(name_or_path).expanduser()
-        if _looks_like_path(str(name_or_path)) and not path.exists():
-            raise RuntimeConfigError(f"tokenizer path {name_or_path} does not exist: pass a directory saved with "
-                                     "save_pretrained (or a hub name)")
+        local_only = not path.exists() and cached_on_hub(str(name_or_path))
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(path) if path.exists() else str(name_or_path))
+            tokenizer = AutoTokenizer.from_pretrained(str(path) if path.exists() else str(name_or_path),
+                                                      local_files_only=local_only)
         except Exception as exc:
             raise RuntimeConfigError(f"cannot load tokenizer {str(name_or_path)!r}: {_first_line(exc)}") from None
     else:

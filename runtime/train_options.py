@@ -25,6 +25,9 @@ TECHNIQUE_PINS = ("tiled_mlp", "tiled_loss", "offload_checkpoints", "offload_opt
 #: runs are demos and tests, a week on GPUs. ``--max-predicted-hours`` replaces the bound.
 PREDICTED_HOURS_LIMIT = {"cpu": 1.0, "gpu": 7 * 24.0}
 
+#: Exit code of a run stopped by a signal: the shell's convention, 128 + the signal number (SIGTERM: 143,
+#: SIGINT: 130), so a scheduler does not take a preempted run for a finished one.
+SIGNAL_EXIT_BASE = 128
 #: Exit code of a run that stopped on a non-finite loss: a diverged job must not look successful.
 DIVERGED_EXIT_CODE = 3
 
@@ -84,6 +87,7 @@ class TrainRunOptions:
     tensorboard: Path | None = None
     metrics_file: Path | None = None
     log_every: int = 10
+    wandb_project: str | None = None
     live_bytes_every: int = 0
     progress: bool = True
     # how long a run may be predicted to take before it needs ``yes`` (see train_run.check_predicted_duration)

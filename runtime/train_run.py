@@ -12,6 +12,7 @@ length) and hands everything to :class:`~sp_plan.runtime.trainer.Trainer`.
 from __future__ import annotations
 
 import os
+import signal
 import sysconfig
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from sp_plan.runtime.auto import AutoConfigured, auto_configure
 from sp_plan.runtime.checkpoint import list_checkpoints, read_verified_state
 from sp_plan.runtime.data import TokenWindows
 from sp_plan.runtime.errors import RuntimeConfigError
+from sp_plan.runtime.log import ensure_logging, get_logger
 from sp_plan.runtime.models import LlamaModel
 from sp_plan.runtime.models.base import refuse_unbuildable
 from sp_plan.runtime.text_data import GlobalBatches
@@ -35,12 +37,15 @@ from sp_plan.runtime.train_options import (
     LAYOUT_PINS,
     PAD,
     PREDICTED_HOURS_LIMIT,
+    SIGNAL_EXIT_BASE,
     TECHNIQUE_PINS,
     VOCAB,
     WARMUP_STEPS,
     TrainRunOptions,
 )
-from sp_plan.runtime.trainer import Trainer
+from sp_plan.runtime.trainer import FitResult, Trainer
+
+LOG = get_logger(__name__)
 
 
 def read_corpus(root: Path | None, limit: int) -> torch.Tensor:
@@ -136,7 +141,7 @@ def make_data(options: TrainRunOptions, setup: AutoConfigured) -> tuple[GlobalBa
     else:
         from sp_plan.runtime.text_data import PackedTextDataset, check_vocabulary  # datasets: lazy
 
-        log = print if dist.get_rank() == 0 else None
+        log = LOG.info if dist.get_rank() == 0 else None
         dataset = PackedTextDataset.build(options.dataset, options.tokenizer, train.seq_len,
                                           text_column=options.text_column, split=options.split,
                                           positions=options.positions.replace("-", "_"),
@@ -234,6 +239,7 @@ def run_training(options: TrainRunOptions) -> int:
     Raises :class:`~sp_plan.runtime.errors.RuntimeConfigError` (and the planner's errors) for runs that
     cannot start; the caller ends the torchrun worker (:func:`~sp_plan.runtime.distributed.finish_worker`).
     """
+    ensure_logging()  # the example script reaches here without the CLI's set-up
     problems = options.conflicts()
     if problems:
         raise RuntimeConfigError("; ".join(problems))
@@ -244,13 +250,13 @@ def run_training(options: TrainRunOptions) -> int:
     setup = configure(options, model, plan or reused, pad)
     rank0 = dist.get_rank() == 0
     if rank0:
-        print("\n".join(setup.describe()))
+        LOG.info("\n".join(setup.describe()))
         if reused is not None:
-            print("  (the plan of the checkpoint being resumed)")
+            LOG.info("  (the plan of the checkpoint being resumed)")
     check_predicted_duration(options, setup, planned_here=plan is None and reused is None)
     data, data_line = make_data(options, setup)
     if rank0:
-        print(data_line, flush=True)
+        LOG.info(data_line)
     optimizer = setup.make_optimizer(lr=options.lr, betas=(0.9, 0.95), weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS))
     trainer = Trainer(setup, optimizer, data, max_steps=options.steps, scheduler=schedule, max_grad_norm=1.0,
@@ -261,6 +267,21 @@ def run_training(options: TrainRunOptions) -> int:
                       run_config={"warmup_steps": WARMUP_STEPS, "seed": options.seed}, log_every=options.log_every,
                       tensorboard_dir=options.tensorboard, metrics_file=options.metrics_file,
                       progress=options.progress, live_bytes_every=options.live_bytes_every,
-                      async_save=options.async_save)
+                      async_save=options.async_save, handle_signals=True, wandb_project=options.wandb_project)
     result = trainer.fit()
-    return DIVERGED_EXIT_CODE if result.stopped_by == "non-finite" else 0
+    if result.stopped_by == "non-finite":
+        return DIVERGED_EXIT_CODE
+    if result.stopped_by in ("SIGTERM", "SIGINT"):
+        if rank0:
+            LOG.info(stopped_line(result, options))
+        return SIGNAL_EXIT_BASE + signal.Signals[result.stopped_by].value
+    return 0
+
+
+def stopped_line(result: FitResult, options: TrainRunOptions) -> str:
+    """The one line a run stopped by a signal ends with: where it stopped and how it continues."""
+    if result.checkpoint is None:
+        return (f"stopped by {result.stopped_by} after step {result.step}; nothing saved (no --checkpoint-dir): "
+                "pass --checkpoint-dir to make a run resumable")
+    return (f"stopped by {result.stopped_by} after step {result.step}; checkpoint {result.checkpoint} saved: "
+            f"continue with --resume --checkpoint-dir {options.checkpoint_dir}")

@@ -54,8 +54,16 @@ the learning rate, the gradient norm, and memory, maximised over ranks: CUDA
 (current and peak RSS: it includes the Python runtime, not just tensors), plus, every
 ``live_bytes_every`` steps, the peak of live tensor bytes over the step measured by
 :func:`sp_plan.runtime.memory_meter.live_peak` (the profiler's allocation timeline: that step runs slower).
-Lines every ``log_every`` steps, a tqdm progress bar, a JSON-lines ``metrics_file`` and TensorBoard
-scalars (``tensorboard_dir``; needs the ``tensorboard`` package).
+Lines every ``log_every`` steps, a tqdm progress bar, a JSON-lines ``metrics_file``, TensorBoard
+scalars (``tensorboard_dir``; needs the ``tensorboard`` package) and Weights & Biases metrics
+(``wandb_project``; needs the ``[wandb]`` extra; :mod:`sp_plan.runtime.wandb_report`: also the predicted
+step time, and the plan as the run's config).
+
+**Logging**: lines go to the ``sp_plan.runtime.trainer`` logger at INFO (rank 0 only; the application
+installs the handler: :mod:`sp_plan.runtime.log`, which ``sp-plan`` sets up with ``--log-level``; ``fit``
+installs the default one only when neither the ``sp_plan`` nor the root logger has a handler, so a script
+that configured nothing still sees its telemetry), around the progress bar; ``print_fn`` replaces the
+logger (tests collect the lines with it).
 """
 
 from __future__ import annotations
@@ -76,10 +84,13 @@ import torch
 import torch.distributed as dist
 
 from sp_plan.runtime.errors import RuntimeConfigError
+from sp_plan.runtime.log import ensure_logging, get_logger
 from sp_plan.runtime.step import StepResult, train_step
 
 if TYPE_CHECKING:
     from sp_plan.runtime.checkpoint import Piece
+
+LOG = get_logger(__name__)
 
 #: ``Trainer(resume=AUTO)``: resume from the newest verified checkpoint, or start a new run if there is none.
 AUTO = "auto"
@@ -192,12 +203,13 @@ class Telemetry:
 
     def __init__(self, setup, *, total_steps: int, start_step: int = 0, log_every: int = 10,
                  tensorboard_dir: str | os.PathLike | None = None, metrics_file: str | os.PathLike | None = None,
-                 progress: bool = True, live_bytes_every: int = 0, print_fn: Callable[[str], None] = print) -> None:
+                 progress: bool = True, live_bytes_every: int = 0, print_fn: Callable[[str], None] | None = None,
+                 wandb_project: str | None = None, run_id: str | None = None) -> None:
         self.setup = setup
         self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
         self.world = setup.plan.layout.world  # the ranks the plan's FLOPs are spread over
         self.cuda = setup.device.type == "cuda"
-        self.log_every, self.live_bytes_every, self.print_fn = log_every, live_bytes_every, print_fn
+        self.log_every, self.live_bytes_every, self.print_fn = log_every, live_bytes_every, print_fn or LOG.info
         self.flops_per_step, self.peak, self.mfu_note = mfu_basis(setup)
         self.writer = None
         if tensorboard_dir is not None:
@@ -208,6 +220,13 @@ class Telemetry:
                                          "(or drop --tensorboard)") from None
             if self.rank0:
                 self.writer = SummaryWriter(log_dir=str(tensorboard_dir))
+        self.wandb = None
+        if wandb_project is not None:
+            from sp_plan.runtime.wandb_report import WandbReporter, import_wandb
+
+            import_wandb()  # every rank: a missing package is the same error everywhere
+            if self.rank0:
+                self.wandb = WandbReporter(wandb_project, setup.plan, run_id=run_id)
         self.metrics = None
         if metrics_file is not None and self.rank0:
             Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
@@ -274,6 +293,8 @@ class Telemetry:
             self.metrics.flush()
         if self.writer is not None:
             self._tensorboard(rec)
+        if self.wandb is not None:
+            self.wandb.log(rec)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{rec.loss:.3f}", tok_s=f"{rec.tokens_per_s:,.0f}", refresh=False)
             self.bar.update(1)
@@ -320,7 +341,8 @@ class Telemetry:
         if not self.rank0:
             return
         if self.bar is not None:
-            self.bar.write(text)
+            with self.bar.external_write_mode():  # the bar is cleared, the line written, the bar redrawn
+                self.print_fn(text)
         else:
             self.print_fn(text)
 
@@ -335,6 +357,9 @@ class Telemetry:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None
 
 
 # ----- exit signals ----------------------------------------------------------------------------------------
@@ -393,6 +418,8 @@ class Trainer:
     saved with every checkpoint and compared at resume. ``on_step(trainer, record)`` runs after every
     step (all ranks). ``checkpoint_pieces``: more named state to checkpoint and restore beside the model,
     optimizer, scheduler, data, RNG and step (:class:`sp_plan.runtime.checkpoint.Piece` objects).
+    ``wandb_project``: also report every step to this Weights & Biases project (rank 0; ``WANDB_MODE`` and
+    ``WANDB_DIR`` apply; needs the ``[wandb]`` extra, else a :class:`RuntimeConfigError` at construction).
     """
 
     def __init__(self, setup, optimizer, data, *, max_steps: int, scheduler=None, max_grad_norm: float | None = None,
@@ -402,9 +429,13 @@ class Trainer:
                  tensorboard_dir: str | os.PathLike | None = None, metrics_file: str | os.PathLike | None = None,
                  progress: bool = True, handle_signals: bool | None = None, live_bytes_every: int = 0,
                  async_save: bool = False, skip_nonfinite: bool = True, max_nonfinite_steps: int = 3,
-                 print_fn: Callable[[str], None] = print,
+                 print_fn: Callable[[str], None] | None = None, wandb_project: str | None = None,
                  on_step: Callable[[Trainer, StepRecord], None] | None = None,
                  checkpoint_pieces: Sequence[Piece] = ()) -> None:
+        if wandb_project is not None:
+            from sp_plan.runtime.wandb_report import import_wandb
+
+            import_wandb()  # refuse before any step runs
         if max_steps < 0 or save_every < 0:
             raise RuntimeConfigError(f"max_steps ({max_steps}) and save_every ({save_every}) must be >= 0")
         if max_nonfinite_steps < 1:
@@ -435,8 +466,9 @@ class Trainer:
         self.run_id: str | None = None
         self.handle_signals = self.checkpoint_dir is not None if handle_signals is None else handle_signals
         self.telemetry_kwargs = dict(log_every=log_every, tensorboard_dir=tensorboard_dir, metrics_file=metrics_file,
-                                     progress=progress, live_bytes_every=live_bytes_every, print_fn=print_fn)
-        self.print_fn, self.on_step = print_fn, on_step
+                                     progress=progress, live_bytes_every=live_bytes_every, print_fn=print_fn,
+                                     wandb_project=wandb_project)
+        self.print_fn, self.on_step = print_fn or LOG.info, on_step
         self.checkpoint_pieces = tuple(checkpoint_pieces)
         self.step = 0
         self.tokens_seen = 0
@@ -597,11 +629,14 @@ class Trainer:
         from sp_plan.runtime.memory_meter import live_peak
 
         started = time.perf_counter()
+        if self.print_fn == LOG.info:
+            ensure_logging()  # a script that configured no logging still sees the telemetry (as with print)
         if self.run_id is None:
             self.run_id = _broadcast_from_rank0(secrets.token_hex(6))
         resumed_from = self._resume()
         start_step = self.step
-        telemetry = Telemetry(self.setup, total_steps=self.max_steps, start_step=start_step, **self.telemetry_kwargs)
+        telemetry = Telemetry(self.setup, total_steps=self.max_steps, start_step=start_step, run_id=self.run_id,
+                              **self.telemetry_kwargs)
         if self.rank0 and start_step < self.max_steps:
             telemetry.write(telemetry.mfu_note)
         records: list[StepRecord] = []

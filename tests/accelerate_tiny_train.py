@@ -4,6 +4,13 @@ Trains a 2-layer Llama for two optimizer steps with the Accelerator the launcher
 writes one JSON file per rank (TINY_OUT/rank<N>.json; ranks share stdout, so their lines can
 interleave) with what Accelerate set up (distributed type, parallelism sizes, gradient accumulation)
 so the test can compare it with the plan.
+
+FSDP exports on CPU ranks: Accelerate (1.15) gives the FSDP distributed type only to accelerator devices
+(``AcceleratorState`` lists MULTI_GPU, MULTI_NPU, ... and never MULTI_CPU), so an FSDP config launched on
+CPU ends as one process ("ParallelismConfig total_size (2) does not match num_processes (1)"). With
+TINY_FSDP_ON_CPU=1 the script reports the launcher's gloo ranks as a GPU-type group on the cpu device
+(:func:`_fsdp_on_cpu`: the device detection only); the YAML, the launcher, the FSDP2 plugin built from
+its environment, ``accelerator.prepare`` (fully_shard) and the mixed precision are Accelerate's own.
 """
 
 import json
@@ -28,8 +35,27 @@ def _no_shm_kernel() -> None:
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
+def _fsdp_on_cpu() -> None:
+    """Let Accelerate's FSDP path run on CPU gloo ranks: its backend detection answers (gloo, a GPU-type
+    group) and its device is the cpu (see the module doc)."""
+    if os.environ.get("TINY_FSDP_ON_CPU") != "1":
+        return
+    import accelerate.state as state
+    from accelerate.utils import DistributedType
+
+    def prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+        return "gloo", DistributedType.MULTI_GPU
+
+    def set_device(self):
+        self.device = torch.device("cpu")
+
+    state.PartialState._prepare_backend = prepare_backend
+    state.PartialState.set_device = set_device
+
+
 def main() -> None:
     _no_shm_kernel()
+    _fsdp_on_cpu()
     # What the export's notes tell the script to set: the DataLoader's batch size and the accumulation.
     accelerator = Accelerator(gradient_accumulation_steps=GRAD_ACCUM)
     torch.manual_seed(0)
@@ -42,6 +68,10 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(rows, batch_size=MICRO_BATCH)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
     losses = []
     for step, batch in enumerate(loader):
         with accelerator.accumulate(model):
@@ -55,6 +85,7 @@ def main() -> None:
         losses.append(loss.item())
         if step + 1 >= 2 * GRAD_ACCUM:
             break
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
     pc = accelerator.parallelism_config
     handler = pc.sp_handler if pc is not None and pc.sp_size > 1 else None
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -67,6 +98,10 @@ def main() -> None:
         "sp_seq_length_is_variable": handler.sp_seq_length_is_variable if handler else None,
         "sp_attn_implementation": handler.sp_attn_implementation if handler else None,
         "attn_implementation": getattr(config, "_attn_implementation", None),
+        "params": len(params), "sharded_params": sum(isinstance(p, DTensor) for p in params),
+        "local_numel": sum(t.numel() for t in local), "full_numel": sum(p.numel() for p in params),
+        "updated": sum(not torch.equal(a.detach(), b) for a, b in zip(params, before)),
+        "mixed_precision": accelerator.mixed_precision, "is_fsdp2": getattr(accelerator, "is_fsdp2", False),
     })
     with open(os.path.join(os.environ.get("TINY_OUT", "."), f"rank{rank}.json"), "w") as f:
         f.write(result)

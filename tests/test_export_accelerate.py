@@ -3,9 +3,10 @@
 ``accelerate launch --config_file <export>`` is simulated up to the environment it hands the training
 processes (accelerate's own argument validation and env preparation), then accelerate's
 ``ParallelismConfig`` and sequence-parallel handler are built from that environment and validated the
-way ``Accelerator`` does. The Ulysses export (DeepSpeed ALST backend) is also launched for real on 2
-CPU ranks with a tiny script (Accelerate runs FSDP only on GPUs, so the FSDP exports stop at the
-validation). What each test pins down is a way the export used to fail: a TP-only plan that
+way ``Accelerator`` does. The Ulysses export (DeepSpeed ALST backend) and the plain FSDP export
+(dp_shard 2) are also launched for real on 2 CPU ranks with a tiny script (Accelerate gives FSDP only to
+GPU-type process groups: the script reports its gloo ranks as one, see tests/accelerate_tiny_train.py).
+What each test pins down is a way the export used to fail: a TP-only plan that
 accelerate refuses ('FSDP is enabled but the parallelism config has no dimension for FSDP to shard
 across'), ``sp_seq_length`` ignored (``sp_seq_length_is_variable: true``), ``flash_attention_2``
 hard-coded (needs flash-attn), gradient accumulation and micro-batch missing.
@@ -156,3 +157,27 @@ def test_accelerate_launch_runs_the_exported_ulysses_yaml(tmp_path):
         assert r["grad_accum"] == 2
         assert all(loss == loss and loss > 0 for loss in r["losses"])
     assert results[0]["losses"] == results[1]["losses"]  # one sequence shared by the sp group: one loss
+
+
+@pytest.mark.multiproc
+def test_accelerate_launch_runs_the_exported_fsdp_yaml(tmp_path):
+    """`accelerate launch --config_file <export>` of a dp_shard 2 plan on 2 CPU ranks: Accelerate's FSDP2
+    shards every parameter over the 2 ranks (half the elements each), and two optimizer steps run in bf16
+    mixed precision, each rank on its own rows."""
+    config = write_yaml(make_plan(dp_shard=2, zero_stage=3), tmp_path / "acc.yaml")
+    env = dict(os.environ, TINY_FSDP_ON_CPU="1", TINY_SEQ=str(SEQ), TINY_OUT=str(tmp_path), OMP_NUM_THREADS="1",
+               PYTHONWARNINGS="ignore")
+    env.pop("TINY_GRAD_ACCUM", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+         "--main_process_port", str(free_port()), str(SCRIPT)],
+        capture_output=True, text=True, timeout=150, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for r in results:
+        assert r["distributed_type"] == "DistributedType.FSDP" and r["is_fsdp2"] and r["world"] == 2, r
+        assert (r["dp_shard"], r["sp"], r["grad_accum"], r["mixed_precision"]) == (2, 1, 1, "bf16"), r
+        assert r["sharded_params"] == r["params"] > 0 and r["local_numel"] * 2 == r["full_numel"], r
+        assert r["updated"] == r["params"], r  # a step changed every parameter shard
+        assert len(r["losses"]) == 2 and all(loss == loss and loss > 0 for loss in r["losses"])
+    assert results[0]["losses"] != results[1]["losses"]  # data parallel: each rank trains on its own rows

@@ -5,6 +5,11 @@ prints it::
 
     torchrun --standalone --nproc-per-node 4 -m sp_plan.cli train --plan plan.yaml
 
+or launching its ranks itself, ``sp-plan train --nproc-per-node 4 --plan plan.yaml`` (torchrun's launcher
+in-process): then a SIGTERM (preemption) or SIGINT to the launcher stops every rank after its current
+step, saves a checkpoint (with ``--checkpoint-dir``) and exits 143 (130) with the ranks' one line and no
+launcher traceback (torchrun itself ends such a run in a ``SignalException`` traceback).
+
 Without ``--plan``, rank 0 plans for the probed machine (or ``--topology``) under the layout and option
 pins, and every rank checks it holds the same plan. The run itself is
 :func:`sp_plan.runtime.train_run.run_training`; torch and the runtime are imported only when the command
@@ -16,6 +21,7 @@ once per rank.
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -44,15 +50,76 @@ def fail_once(exc: click.ClickException) -> NoReturn:
     raise click.exceptions.Exit(exc.exit_code)
 
 
+#: Where the command keeps its raw arguments (``--nproc-per-node`` passes them on to the ranks it launches).
+ARGV_KEY = "sp_plan.train.argv"
+#: Launcher environment variables: set inside a torchrun (or ``--nproc-per-node``) worker.
+LAUNCHED_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
+
+
 class TrainCommand(click.Command):
     """A command whose parsing errors (unknown option, bad value) are printed by one rank per node."""
 
     def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
                      **extra: Any) -> click.Context:
+        argv = list(args)
         try:
-            return super().make_context(info_name, args, parent=parent, **extra)
+            ctx = super().make_context(info_name, args, parent=parent, **extra)
         except click.ClickException as exc:
             fail_once(exc)
+        ctx.meta[ARGV_KEY] = argv
+        return ctx
+
+
+def worker_argv(argv: list[str]) -> list[str]:
+    """The command line the launched ranks run: ``argv`` without ``--nproc-per-node N``."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc-per-node":
+            skip = True
+        elif not arg.startswith("--nproc-per-node="):
+            out.append(arg)
+    return out
+
+
+def launch_ranks(nproc: int, argv: list[str]) -> int:
+    """Run ``sp-plan train argv`` on ``nproc`` local ranks under torchrun's launcher (``--standalone``), in
+    this process, and return the exit code: 0; 128 + the signal when a SIGTERM/SIGINT stopped the run (the
+    ranks stop after their step, save and say where; the launcher adds no traceback); else the first
+    failed rank's code, named in one line (the rank printed its reason above it)."""
+    if any(os.environ.get(k) for k in LAUNCHED_ENV):
+        fail_once(click.UsageError("--nproc-per-node launches the ranks itself: drop it under torchrun (or run "
+                                   "without torchrun)"))
+    import logging
+
+    quiet = "LOGLEVEL" not in os.environ  # torchrun's own warnings (signals sent, OMP threads): not for users
+    os.environ.setdefault("LOGLEVEL", "ERROR")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    if quiet:
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+
+    args = parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "sp_plan.cli", "train",
+                       *worker_argv(argv)])
+    try:
+        run(args)
+    except SignalException as exc:  # the ranks got the signal from the launcher, stopped and said so
+        return 128 + int(exc.sigval)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        code = failure.exitcode
+        if code < 0:  # killed by a signal
+            name = signal.Signals(-code).name
+            click.echo(f"error: rank {rank} was killed by {name}", err=True)
+            return 128 - code
+        if code >= 128 and code - 128 in {s.value for s in signal.Signals}:
+            return code  # stopped by a signal it received directly, and said so
+        click.echo(f"error: rank {rank} exited with code {code} (its message is above)", err=True)
+        return code
+    return 0
 
 
 def _pin_options(func):
@@ -142,13 +209,31 @@ def _pin_options(func):
               help="Refuse to start when the plan's predicted step time x --steps exceeds this (default: 1 hour "
                    "on CPU, 7 days on GPUs); --yes starts anyway.")
 @click.option("--yes", is_flag=True, help="Start even when the predicted run time exceeds the bound.")
+@click.option("--log-level", type=click.Choice(("debug", "info", "warning", "error"), case_sensitive=False),
+              default=None, help="Messages shown (as sp-plan --log-level): debug, info (default), warning, error.")
+@click.option("--wandb-project", default=None, metavar="NAME",
+              help="Also report every step (loss, tokens/s, step time and the plan's prediction, memory) to this "
+                   "Weights & Biases project, from rank 0 (WANDB_MODE=offline works; needs the [wandb] extra).")
+@click.option("--nproc-per-node", type=click.IntRange(1, 1024), default=None, metavar="N",
+              help="Launch N ranks on this machine (torchrun --standalone, in this process) instead of running "
+                   "under torchrun: a SIGTERM or SIGINT then stops every rank after its step, saves a checkpoint "
+                   "(with --checkpoint-dir) and exits 143 (130) in one line, without a launcher traceback.")
 @click.pass_context
 def command(ctx: click.Context, **params: Any) -> None:
     """Train with sp-plan's runtime (under torchrun: one process per GPU), from --plan FILE or planning in
     place. By default a small Llama-style model learns this Python's standard library, byte-level (no
     download); --dataset and --tokenizer train on a Hugging Face text dataset. Checkpoints, resume and
     telemetry: docs/training.md."""
+    nproc = params.pop("nproc_per_node")
+    level = params.pop("log_level")
+    if level is not None:
+        from sp_plan.cli.main import set_log_level
+
+        set_log_level(level)
     options = options_from_params(ctx, params)
+    check_data_sources(options)
+    if nproc is not None:
+        raise click.exceptions.Exit(launch_ranks(nproc, ctx.meta[ARGV_KEY]))
     from sp_plan.runtime.distributed import finish_worker  # torch: only when the command runs
     from sp_plan.runtime.train_run import run_training
 
@@ -157,11 +242,42 @@ def command(ctx: click.Context, **params: Any) -> None:
 
 def options_from_params(ctx: click.Context, params: dict[str, Any]) -> TrainRunOptions:
     """The run's options from the parsed command line; a combination that cannot run is a usage error."""
+    params = {k: v for k, v in params.items() if k not in ("nproc_per_node", "log_level")}
     options = TrainRunOptions(**params)
     problems = options.conflicts()
     if problems:
         fail_once(click.UsageError("; ".join(problems), ctx))
+    if options.wandb_project is not None:
+        try:
+            import wandb  # noqa: F401  (only when asked for: a second of import)
+        except ImportError:
+            fail_once(click.UsageError("--wandb-project needs the wandb package: pip install 'sp-plan[wandb]' (or "
+                                       "drop --wandb-project)", ctx))
     return options
+
+
+class SourceError(click.ClickException):
+    """A data source (dataset or tokenizer) that cannot be loaded: exit 2, as other project errors."""
+
+    exit_code = 2
+
+
+def check_data_sources(options: TrainRunOptions) -> None:
+    """Refuse, before any rank imports a model or plans, a --dataset path that does not exist or a
+    --tokenizer that is neither local, cached nor on the hub. Every rank checks (locally, then at most one
+    bounded hub query); local rank 0 says why, once per node."""
+    if options.tokenizer is None:
+        return
+    from sp_plan.runtime.errors import RuntimeConfigError
+    from sp_plan.runtime.text_data import check_dataset_source, tokenizer_source_problem
+
+    try:
+        check_dataset_source(options.dataset)
+    except RuntimeConfigError as exc:
+        fail_once(SourceError(str(exc)))
+    problem = tokenizer_source_problem(options.tokenizer)
+    if problem:
+        fail_once(SourceError(problem))
 
 
 def parse_options(argv: list[str], prog_name: str = "sp-plan train") -> TrainRunOptions:

@@ -18,6 +18,9 @@ also fits Trainer subclasses: :mod:`sp_plan.runtime.integrations.trl` puts it on
 2. **the data**: one sample stream per data-parallel rank (:meth:`AutoConfigured.sampler`: the ranks of one
    sequence-parallel group read the same rows), and each step's micro-batches pre-shifted, padded and
    sharded by the runtime's :class:`~sp_plan.runtime.data.BatchSharder` (:meth:`get_batch_samples`);
+   packed, padding-free rows (TRL's ``packing=True``) are trained as documents: their ``position_ids``
+   restarts become document boundaries (no label crosses one, attention is document-masked), and the
+   flash-attention varlen keys that restate them are checked against them and dropped (:func:`runtime_batch`);
 3. **the loss**: the step's token-weighted loss (:mod:`sp_plan.runtime.loss`, through
    :meth:`AutoConfigured.compute_loss`, so the plan's tiled loss too), normalised by the step's global
    valid-token count, with the plan's ZeRO-stage gradient sync per micro-batch, as
@@ -129,6 +132,38 @@ def check_trainer_supported(setup: AutoConfigured, args) -> None:
 
 # ----- the data loader ---------------------------------------------------------------------------------
 
+#: Keys padding-free collators (TRL's ``padding_free``/``packing=True``, transformers'
+#: ``DataCollatorWithFlattening``) add for flash-attention's varlen kernel. They restate the document
+#: boundaries the ``position_ids`` restarts already mark, which the runtime shards and attends by.
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def runtime_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """``batch`` without the varlen keys of a padding-free collator, after checking they say what its
+    ``position_ids`` say (a row of documents, each restarting at position 0). A batch whose boundaries
+    are only in those keys (no ``position_ids``), or that disagree, is refused: the runtime would
+    attend across documents."""
+    present = [k for k in VARLEN_KEYS if k in batch]
+    if not present:
+        return batch
+    positions = batch.get("position_ids")
+    if positions is None:
+        raise RuntimeConfigError(
+            f"the batch marks documents with {', '.join(present)} but has no position_ids: the sequence-parallel "
+            "path finds document boundaries from position_ids restarting at 0; use a collator that returns them "
+            "(TRL's padding_free/packing does)")
+    cu = batch.get("cu_seq_lens_q", batch.get("cu_seq_lens_k"))
+    if cu is not None:
+        flat = positions.reshape(-1)
+        starts = torch.nonzero(flat == 0).reshape(-1).to(torch.int64)
+        implied = torch.cat([starts, torch.tensor([flat.numel()])])
+        if not torch.equal(implied.cpu(), cu.reshape(-1).to(torch.int64).cpu()):
+            raise RuntimeConfigError(
+                f"the batch's cu_seq_lens ({cu.reshape(-1).tolist()}) disagree with the document starts its "
+                f"position_ids imply ({implied.tolist()}): the runtime attends by position_ids; fix the collator")
+    return {k: v for k, v in batch.items() if k not in VARLEN_KEYS}
+
+
 
 class DataParallelLoader(DataLoader):
     """A DataLoader over a data-parallel sampler whose ``set_epoch`` (called by the Trainer each epoch)
@@ -212,7 +247,7 @@ class SequenceParallelMixin:
         shards = []
         for _ in range(num_batches):
             try:
-                shards.append(self.setup.shard(next(epoch_iterator)))
+                shards.append(self.setup.shard(runtime_batch(next(epoch_iterator))))
             except StopIteration:
                 break
         tokens = global_token_count((s["labels"] for s in shards), self.setup.data_group, self.setup.device)
