@@ -7,8 +7,11 @@ from its flags, and code can build one directly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from sp_plan.cost_models import degrees
 
 #: Byte-level tokenizer: 256 byte values plus these special tokens.
 PAD, BOS, EOS = 256, 257, 258
@@ -17,8 +20,8 @@ VOCAB = 259
 DEFAULT_CORPUS_BYTES = 8 << 20
 WARMUP_STEPS = 5
 
-#: Layout degrees and memory techniques the command line can pin.
-LAYOUT_PINS = ("ulysses", "ring", "tp", "dp_shard", "dp_replicate")
+#: Memory techniques the command line can pin (the layout degrees come from the registry,
+#: :mod:`sp_plan.cost_models.degrees`).
 TECHNIQUE_PINS = ("tiled_mlp", "tiled_loss", "offload_checkpoints", "offload_optimizer", "offload_params")
 
 #: Predicted run time (hours) above which a run starts only when told to (``--yes``): an hour on CPU, where
@@ -55,11 +58,8 @@ class TrainRunOptions:
     hf: bool = False
     # layout and options the planner must use (ignored with a plan)
     sp_only: bool = True
-    ulysses: int | None = None
-    ring: int | None = None
-    tp: int | None = None
-    dp_shard: int | None = None
-    dp_replicate: int | None = None
+    #: Pinned layout degrees (every registered degree has a flag); the rest the planner decides.
+    layout_pins: Mapping[str, int] = field(default_factory=dict)
     checkpointing: str | None = None
     zero_stage: int | None = None
     tiled_mlp: bool | None = None
@@ -111,5 +111,11 @@ class TrainRunOptions:
 
     def pins_given(self) -> bool:
         """Whether any layout degree or option is pinned (then a resumed checkpoint's plan is not reused)."""
-        names = (*LAYOUT_PINS, "checkpointing", "zero_stage", *TECHNIQUE_PINS)
-        return any(getattr(self, k) is not None for k in names)
+        names = ("checkpointing", "zero_stage", *TECHNIQUE_PINS)
+        return bool(self.layout_pins) or any(getattr(self, k) is not None for k in names)
+
+    def __getattr__(self, name: str) -> int | None:
+        # ``options.ulysses`` and the like: a registered degree's pin, None when the planner decides
+        if name in degrees.registered():
+            return self.layout_pins.get(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sp_plan.cost_models import degrees
 from sp_plan.cost_models.model_spec import ModelSpec
 from sp_plan.planner.plan import Plan, load_plan, plan_from_dict
 from sp_plan.runtime.auto import AutoConfigured, auto_configure
@@ -34,7 +35,6 @@ from sp_plan.runtime.train_options import (
     BOS,
     DIVERGED_EXIT_CODE,
     EOS,
-    LAYOUT_PINS,
     PAD,
     PREDICTED_HOURS_LIMIT,
     SIGNAL_EXIT_BASE,
@@ -222,9 +222,9 @@ def configure(options: TrainRunOptions, model: nn.Module, plan: Plan | None, pad
     """Set the model up for the plan, or (no plan) plan for this machine under the options' pins."""
     if plan is not None:
         return auto_configure(model, plan=plan, pad_token_id=pad)
-    pins = {k: getattr(options, k) for k in LAYOUT_PINS if getattr(options, k)}
-    if options.sp_only:
-        for dim in ("dp_shard", "dp_replicate", "tp"):
+    pins = dict(options.layout_pins)
+    if options.sp_only:  # every rank splits the sequence: all other degrees at 1
+        for dim in degrees.without_role("sequence"):
             pins.setdefault(dim, 1)
     fixed = {k: getattr(options, k) for k in ("checkpointing", "zero_stage", *TECHNIQUE_PINS)
              if getattr(options, k) is not None}

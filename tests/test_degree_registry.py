@@ -174,6 +174,9 @@ def test_the_command_line_gets_a_flag_for_the_new_degree(tmp_path):
     show = subprocess.run([sys.executable, "-c", code, "estimate", "--help"], capture_output=True, text=True, env=env,
                           timeout=120)
     assert "--dp-outer" in show.stdout
+    train = subprocess.run([sys.executable, "-c", code, "train", "--help"], capture_output=True, text=True, env=env,
+                           timeout=120)
+    assert "--dp-outer" in train.stdout
     # a plan file with the degree loads back (the runtime reads the same mapping)
     toy_degree.register()
     try:

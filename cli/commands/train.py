@@ -27,8 +27,9 @@ from typing import Any, NoReturn
 
 import click
 
+from sp_plan.cost_models import degrees
 from sp_plan.cost_models.layout import MAX_DEGREE
-from sp_plan.runtime.train_options import DEFAULT_CORPUS_BYTES, LAYOUT_PINS, TECHNIQUE_PINS, TrainRunOptions
+from sp_plan.runtime.train_options import DEFAULT_CORPUS_BYTES, TECHNIQUE_PINS, TrainRunOptions
 
 from .common import SEQ_LEN, FiniteFloatRange
 
@@ -123,9 +124,10 @@ def launch_ranks(nproc: int, argv: list[str]) -> int:
 
 
 def _pin_options(func):
-    """--ulysses .. --dp-replicate, --checkpointing, --zero and the --x/--no-x technique pins (all optional)."""
-    for dim in reversed(LAYOUT_PINS):
-        func = click.option(f"--{dim.replace('_', '-')}", dim, type=click.IntRange(1, MAX_DEGREE), default=None,
+    """A pin per layout degree (--tp .. --dp-replicate), --checkpointing, --zero and the --x/--no-x technique pins
+    (all optional)."""
+    for dim in reversed(degrees.innermost_first()):
+        func = click.option(degrees.degree(dim).flag, dim, type=click.IntRange(1, MAX_DEGREE), default=None,
                             help=f"Pin the {dim} degree (default: the planner decides).")(func)
     for option in reversed(TECHNIQUE_PINS):
         flag = option.replace("_", "-")
@@ -243,7 +245,8 @@ def command(ctx: click.Context, **params: Any) -> None:
 def options_from_params(ctx: click.Context, params: dict[str, Any]) -> TrainRunOptions:
     """The run's options from the parsed command line; a combination that cannot run is a usage error."""
     params = {k: v for k, v in params.items() if k not in ("nproc_per_node", "log_level")}
-    options = TrainRunOptions(**params)
+    pins = {dim: params.pop(dim) for dim in degrees.registered() if dim in params}
+    options = TrainRunOptions(**params, layout_pins={k: v for k, v in pins.items() if v is not None})
     problems = options.conflicts()
     if problems:
         fail_once(click.UsageError("; ".join(problems), ctx))
