@@ -203,10 +203,10 @@ class StackSearch(BaseModel):
     kv_head_replication: bool = Field(
         default=True,
         description=(
-            "Whether the stack runs head splits (tp x ulysses) larger than the KV heads by replicating KV "
-            "heads. False (Megatron-Core: num_query_groups % tp == 0, and Transformer Engine's a2a context "
-            "parallelism asserts num_heads % cp_size == 0 for Q, K and V): the KV heads each TP rank holds "
-            "must divide by the Ulysses degree."
+            "Whether the stack's Ulysses all-to-all runs degrees larger than the KV heads a TP rank holds by "
+            "replicating KV heads. False (Megatron-Core with Transformer Engine: its a2a context parallelism "
+            "asserts num_heads % cp_size == 0 for Q, K and V): the KV heads per TP rank (one when TP itself "
+            "replicates them, tp > KV heads) must divide by the Ulysses degree."
         ),
     )
 
@@ -226,12 +226,11 @@ class StackSearch(BaseModel):
         """Why the stack cannot split ``model``'s heads ``tp`` x ``ulysses`` ways, or None when it can."""
         if self.kv_head_replication:
             return None
-        kv = model.num_kv_heads
-        if kv % tp:
-            return f"tp={tp} does not divide the {kv} KV heads, and this stack does not replicate KV heads"
-        if (kv // tp) % ulysses:
-            return (f"ulysses={ulysses} does not divide the {kv // tp} KV heads per TP rank (an all-to-all over "
-                    "heads needs Q, K and V heads divisible by its degree); move the extra degree to ring")
+        kv_per_rank = max(1, model.num_kv_heads // tp)
+        if kv_per_rank % ulysses:
+            return (f"ulysses={ulysses} does not divide the {kv_per_rank} KV heads per TP rank (this stack's "
+                    "all-to-all over heads needs Q, K and V heads divisible by its degree); move the extra degree "
+                    "to ring")
         return None
 
 

@@ -69,8 +69,7 @@ def test_search_under_megatron_proposes_only_what_megatron_runs():
         opts = plan.options
         assert opts["zero_stage"] == 1
         assert not (opts["tiled_mlp"] or opts["tiled_loss"] or opts["offload_params"] or opts["offload_checkpoints"])
-        kv_per_tp = model.num_kv_heads // plan.layout.tp
-        assert model.num_kv_heads % plan.layout.tp == 0 and kv_per_tp % plan.layout.ulysses == 0
+        assert max(1, model.num_kv_heads // plan.layout.tp) % plan.layout.ulysses == 0
     refused = [r for r in result.rejected if r.kind == "structure" and "KV heads per TP rank" in r.reason]
     assert any(r.layout.get("ulysses") == 16 for r in refused)  # 8 KV heads cannot split 16 ways in an a2a
     # the default stack runs that layout (replicating KV heads): the restriction is the stack's
