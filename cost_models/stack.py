@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from . import data
 from .errors import explain_validation_error
 from .fitted import fitted_parameters
+from .layout import Layout
 from .memory.assumptions import MemoryAssumptions
 from .model_spec import ModelSpec
 from .yaml_io import parse_mapping, validated
@@ -222,13 +223,29 @@ class StackSearch(BaseModel):
                 raise ValueError(f"option {name} takes distinct values among {list(allowed)}, got {list(values)}")
         return options
 
-    def refusal(self, model: ModelSpec, tp: int, ulysses: int) -> str | None:
-        """Why the stack cannot split ``model``'s heads ``tp`` x ``ulysses`` ways, or None when it can."""
+    cp_chunks_per_rank: int = Field(
+        default=1,
+        ge=1,
+        le=8,
+        description=(
+            "Chunks each context-parallel (ulysses x ring) rank's share of a sequence is cut into, whatever "
+            "the CP kind: Megatron-Core load-balances causal attention by cutting every sequence into 2 x CP "
+            "chunks for p2p, a2a and a2a+p2p alike (get_batch_on_this_cp_rank), so the sequence must divide "
+            "by 2 x CP even without ring."
+        ),
+    )
+
+    def refusal(self, model: ModelSpec, layout: Layout, seq_len: int) -> str | None:
+        """Why the stack cannot run ``layout`` for ``model`` at ``seq_len`` tokens, or None when it can."""
+        cp = layout.ulysses * layout.ring
+        if cp > 1 and seq_len % (self.cp_chunks_per_rank * cp):
+            return (f"sequence {seq_len} does not divide into {self.cp_chunks_per_rank} x {cp} chunks (this "
+                    "stack's load-balanced context parallelism); pad the sequence")
         if self.kv_head_replication:
             return None
-        kv_per_rank = max(1, model.num_kv_heads // tp)
-        if kv_per_rank % ulysses:
-            return (f"ulysses={ulysses} does not divide the {kv_per_rank} KV heads per TP rank (this stack's "
+        kv_per_rank = max(1, model.num_kv_heads // layout.tp)
+        if kv_per_rank % layout.ulysses:
+            return (f"ulysses={layout.ulysses} does not divide the {kv_per_rank} KV heads per TP rank (this stack's "
                     "all-to-all over heads needs Q, K and V heads divisible by its degree); move the extra degree "
                     "to ring")
         return None

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.model_spec import ModelSpec
+from sp_plan.cost_models.stack import prior_stack
 from sp_plan.cost_models.train_spec import TrainSpec
 
 from .errors import PlannerError
@@ -150,14 +151,12 @@ def _layout_refusal(model: ModelSpec, train: TrainSpec, layout: Layout) -> str |
     if model.num_kv_heads % tp and tp % model.num_kv_heads:
         return (f"tp={tp} neither divides nor is a multiple of the {model.num_kv_heads} KV heads "
                 f"(Megatron's num_query_groups rule); {REPLAN}")
-    kv_per_rank = max(1, model.num_kv_heads // tp)  # tp > KV heads: each TP rank holds one (replicated) KV head
-    if kv_per_rank % ulysses or (model.num_heads // tp) % ulysses:
-        return (f"ulysses={ulysses} does not divide the {model.num_heads // tp} query and {kv_per_rank} KV heads "
-                f"per TP rank: Transformer Engine's a2a context parallelism needs num_heads % cp_size == 0 for "
-                f"Q, K and V; {REPLAN}")
-    if cp > 1 and train.seq_len % (2 * cp):
-        return (f"seq_len={train.seq_len} is not a multiple of 2 x context-parallel size = {2 * cp}: Megatron "
-                "splits each sequence into 2 x CP load-balanced chunks; pad the sequence length")
+    if (model.num_heads // tp) % ulysses:
+        return f"ulysses={ulysses} does not divide the {model.num_heads // tp} query heads per TP rank; {REPLAN}"
+    # The head and chunk rules the megatron-core stack's search applies (its file's `search` section).
+    stack_rule = prior_stack(MEGATRON_STACK).search.refusal(model, layout, train.seq_len)
+    if stack_rule:
+        return f"{stack_rule}; {REPLAN}"
     if tp > 1 and train.tp_sequence_parallel and (train.seq_len // cp) % tp:
         return (f"seq_len / cp = {train.seq_len // cp} tokens per context-parallel rank do not divide by tp={tp} "
                 "(Megatron sequence parallelism); pad the sequence length")

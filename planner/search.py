@@ -304,8 +304,8 @@ class _Searcher:
                     "or plan for another --stack")
 
     def stack_refusal(self, layout: Layout) -> str | None:
-        """Why the stack cannot run ``layout`` for this model (its head split), or None."""
-        reason = self.stack_search.refusal(self.model, layout.tp, layout.ulysses)
+        """Why the stack cannot run ``layout`` for this model and sequence, or None."""
+        reason = self.stack_search.refusal(self.model, layout, self.base.seq_len)
         return f"{reason} (the {self.profile.name} stack)" if reason else None
 
     # ----- evaluation ---------------------------------------------------------------------------

@@ -129,10 +129,10 @@ def test_model_shape_batch_and_techniques_come_from_the_plan():
     (lambda: make_plan(ulysses=8, tiled_mlp=True), "no a tiled MLP"),
     (lambda: make_plan(ulysses=8, zero_stage=3, offload_params=True, offload_optimizer=True), "ZeRO-1"),
     (lambda: make_plan(ulysses=8, checkpointing="full", offload_checkpoints=True), "checkpoint offload"),
-    (lambda: make_plan(gpus=16, ulysses=16), "ulysses=16 does not divide the 32 query and 8 KV heads"),
-    (lambda: make_plan(gpus=32, tp=16, ulysses=2), "ulysses=2 does not divide the 2 query and 1 KV heads"),
+    (lambda: make_plan(gpus=16, ulysses=16), "ulysses=16 does not divide the 8 KV heads per TP rank"),
+    (lambda: make_plan(gpus=32, tp=16, ulysses=2), "ulysses=2 does not divide the 1 KV heads per TP rank"),
     (lambda: make_plan(dp_replicate=2, dp_shard=4, zero_stage=0), "no replicate/shard split"),
-    (lambda: make_plan(ring=8, seq_len=131064), "not a multiple of 2 x context-parallel size = 16"),
+    (lambda: make_plan(ring=8, seq_len=131064), "sequence 131064 does not divide into 2 x 8 chunks"),
     (lambda: make_plan(ring=8, mode="prefill", zero_stage=0), "pretrain_gpt.py trains"),
 ])
 def test_plans_megatron_cannot_run_are_refused_with_the_reason(plan, reason):

@@ -118,3 +118,16 @@ def test_a_stack_files_search_section_is_validated():
         StackSearch(options={"tiled_mlp": (0,)})  # an int is not a bool here
     profile = parse_stack("name: x\nsearch: {options: {checkpointing: [full]}}\n", "x.yaml")
     assert profile.search.options == {"checkpointing": ("full",)}
+
+
+def test_search_under_megatron_needs_two_chunks_per_context_parallel_rank_even_without_ring():
+    """Megatron cuts every sequence into 2 x CP chunks for a2a too; sp-plan's own Ulysses needs only ulysses."""
+    model = get_model_preset("llama3-8b")
+    topology = default_topology(GPU, 8, 8)
+    odd = 8 * 1023  # 8,184 tokens: ulysses=8 leaves 1,023 per rank, which does not split into 2 chunks
+    free = search(model, TrainSpec(seq_len=odd), topology,
+                  PlanSettings(top_k=1, stack="sp-plan", fixed_layout={"ulysses": 8}))
+    assert free.plans
+    with pytest.raises(PlannerError, match="does not divide into 2 x 8 chunks"):
+        search(model, TrainSpec(seq_len=odd), topology, PlanSettings(top_k=1, stack="megatron",
+                                                                     fixed_layout={"ulysses": 8}))
