@@ -51,6 +51,17 @@ _DTYPE_FLAG = {"bf16": ("--bf16",), "fp16": ("--fp16",), "fp32": ()}
 _NORM = {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}
 _POSITION = {"rope": "rope", "learned": "learned_absolute"}
 REPLAN = "re-plan with --stack megatron (it searches only what Megatron runs)"
+#: ModelSpec fields the arguments express (name and published_params describe, they configure nothing). A
+#: field outside this set with a non-default value (a later kind of model: experts, latent attention,
+#: sliding windows) is refused rather than exported as the dense model it is not.
+MAPPED_MODEL_FIELDS = frozenset({
+    "name", "published_params", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+    "ffn_hidden_size", "vocab_size", "tied_embeddings", "activation", "norm", "position_embedding",
+    "max_position_embeddings", "qkv_bias", "attn_out_bias", "mlp_bias", "qk_norm", "attention_dropout",
+    "hidden_dropout",
+})
+#: Layout degrees the arguments express; any other degree above 1 is refused.
+MAPPED_DEGREES = frozenset({"dp_replicate", "dp_shard", "tp", "ulysses", "ring"})
 
 
 @dataclass(frozen=True)
@@ -137,6 +148,10 @@ def _training_refusal(train: TrainSpec) -> str | None:
 
 
 def _model_refusal(model: ModelSpec) -> str | None:
+    for name, spec in type(model).model_fields.items():
+        if name not in MAPPED_MODEL_FIELDS and getattr(model, name) != spec.get_default(call_default_factory=True):
+            return (f"{model.name}: model field {name}={getattr(model, name)!r} has no mapping in this export "
+                    "(it writes dense decoder-only GPT arguments); export --to torchrun")
     if model.position_embedding not in _POSITION:
         return f"{model.name}: Megatron's GPT has no {model.position_embedding} position embedding (rope or learned)"
     biases = (model.qkv_bias, model.attn_out_bias, model.mlp_bias)
@@ -147,6 +162,9 @@ def _model_refusal(model: ModelSpec) -> str | None:
 
 
 def _layout_refusal(model: ModelSpec, train: TrainSpec, layout: Layout) -> str | None:
+    unmapped = {dim: d for dim, d in layout.degrees().items() if dim not in MAPPED_DEGREES and d > 1}
+    if unmapped:
+        return f"degrees {unmapped} have no mapping in this export (pipeline and expert parallelism are 1)"
     tp, ulysses, cp = layout.tp, layout.ulysses, layout.ulysses * layout.ring
     if model.num_kv_heads % tp and tp % model.num_kv_heads:
         return (f"tp={tp} neither divides nor is a multiple of the {model.num_kv_heads} KV heads "

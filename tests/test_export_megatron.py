@@ -142,6 +142,24 @@ def test_plans_megatron_cannot_run_are_refused_with_the_reason(plan, reason):
         to_megatron(p)
 
 
+def test_a_model_field_the_export_does_not_map_is_refused_not_dropped():
+    """A model with a field the arguments do not express (a sliding window, experts, latent attention: here a
+    ModelSpec subclass with one such field) must not export as the dense model it is not; at its default the
+    field changes nothing and the plan exports."""
+    from sp_plan.cost_models.model_spec import ModelSpec
+    from sp_plan.planner import export_megatron
+
+    class Windowed(ModelSpec):
+        sliding_window: int | None = None
+
+    base = PLANS["ring"]()
+    windowed = Windowed(**{**base.model.model_dump(), "sliding_window": 4096})
+    plan = base.model_copy(update={"model": windowed})
+    assert "model field sliding_window=4096 has no mapping" in export_megatron.megatron_refusal(plan)
+    plain = base.model_copy(update={"model": Windowed(**base.model.model_dump())})
+    assert export_megatron.megatron_refusal(plain) is None
+
+
 def test_the_script_is_bash_whose_arrays_are_the_argv(tmp_path):
     exported = to_megatron(PLANS["usp-tp"]())
     script = tmp_path / "megatron.sh"
