@@ -23,12 +23,14 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from . import data
 from .errors import explain_validation_error
 from .fitted import fitted_parameters
+from .layout import Layout
 from .memory.assumptions import MemoryAssumptions
+from .model_spec import ModelSpec
 from .yaml_io import parse_mapping, validated
 
 #: The stack every command uses unless told otherwise: this project's runtime.
@@ -169,6 +171,86 @@ class StackTime(BaseModel):
     )
 
 
+#: TrainSpec options the planner searches over (:mod:`sp_plan.planner.options`) and the values each may take;
+#: a stack's ``search.options`` narrows these to what the stack can run.
+SEARCHABLE_OPTIONS: dict[str, tuple[Any, ...]] = {
+    "zero_stage": (0, 1, 2, 3),
+    "checkpointing": ("none", "selective", "full"),
+    "offload_checkpoints": (False, True),
+    "tiled_loss": (False, True),
+    "tiled_mlp": (False, True),
+    "offload_optimizer": (False, True),
+    "offload_params": (False, True),
+}
+
+
+class StackSearch(BaseModel):
+    """What a stack can run, so that the planner proposes only plans the stack can launch.
+
+    A plan that needs a technique the stack does not have (DeepSpeed-style tiling under Megatron-Core,
+    parameter offload where the stack has none) is not a plan for that stack, however fast it would be.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    options: dict[str, tuple[Any, ...]] = Field(
+        default_factory=dict,
+        description=(
+            "Training options the stack can run: option -> its values, fastest first (the planner's lattice "
+            "order); options not listed keep every value. E.g. Megatron-Core's distributed optimizer is "
+            "ZeRO-1 only: zero_stage: [1]."
+        ),
+    )
+    kv_head_replication: bool = Field(
+        default=True,
+        description=(
+            "Whether the stack's Ulysses all-to-all runs degrees larger than the KV heads a TP rank holds by "
+            "replicating KV heads. False (Megatron-Core with Transformer Engine: its a2a context parallelism "
+            "asserts num_heads % cp_size == 0 for Q, K and V): the KV heads per TP rank (one when TP itself "
+            "replicates them, tp > KV heads) must divide by the Ulysses degree."
+        ),
+    )
+
+    @field_validator("options")
+    @classmethod
+    def _known_values(cls, options: dict[str, tuple[Any, ...]]) -> dict[str, tuple[Any, ...]]:
+        for name, values in options.items():
+            if name not in SEARCHABLE_OPTIONS:
+                raise ValueError(f"unknown option {name!r}: one of {', '.join(SEARCHABLE_OPTIONS)}")
+            allowed = SEARCHABLE_OPTIONS[name]
+            bad = [v for v in values if v not in allowed or type(v) is not type(allowed[0])]
+            if not values or bad or len(set(values)) != len(values):
+                raise ValueError(f"option {name} takes distinct values among {list(allowed)}, got {list(values)}")
+        return options
+
+    cp_chunks_per_rank: int = Field(
+        default=1,
+        ge=1,
+        le=8,
+        description=(
+            "Chunks each context-parallel (ulysses x ring) rank's share of a sequence is cut into, whatever "
+            "the CP kind: Megatron-Core load-balances causal attention by cutting every sequence into 2 x CP "
+            "chunks for p2p, a2a and a2a+p2p alike (get_batch_on_this_cp_rank), so the sequence must divide "
+            "by 2 x CP even without ring."
+        ),
+    )
+
+    def refusal(self, model: ModelSpec, layout: Layout, seq_len: int) -> str | None:
+        """Why the stack cannot run ``layout`` for ``model`` at ``seq_len`` tokens, or None when it can."""
+        cp = layout.ulysses * layout.ring
+        if cp > 1 and seq_len % (self.cp_chunks_per_rank * cp):
+            return (f"sequence {seq_len} does not divide into {self.cp_chunks_per_rank} x {cp} chunks (this "
+                    "stack's load-balanced context parallelism); pad the sequence")
+        if self.kv_head_replication:
+            return None
+        kv_per_rank = max(1, model.num_kv_heads // layout.tp)
+        if kv_per_rank % layout.ulysses:
+            return (f"ulysses={layout.ulysses} does not divide the {kv_per_rank} KV heads per TP rank (this stack's "
+                    "all-to-all over heads needs Q, K and V heads divisible by its degree); move the extra degree "
+                    "to ring")
+        return None
+
+
 def attention_kernel_for(time: StackTime, gpu: str, family: str) -> str:
     """The attention kernel family a stack runs on a GPU variant of a kernel family."""
     by_gpu = time.attention_kernel_by_gpu
@@ -181,10 +263,14 @@ class StackProfile(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = Field(min_length=1, max_length=100)
+    #: Other names of a shipped stack (``--stack megatron`` for ``megatron-core``): see
+    #: :func:`sp_plan.cost_models.data.resolve`.
+    aliases: tuple[str, ...] = Field(default=(), max_length=20)
     description: str = Field(default="", max_length=4000)
     references: tuple[str, ...] = Field(default=(), max_length=50)
     memory: MemoryAssumptions = MemoryAssumptions()
     time: StackTime = StackTime()
+    search: StackSearch = StackSearch()
 
     def with_overrides(self, memory: dict[str, Any] | None = None, time: dict[str, Any] | None = None,
                        name: str | None = None) -> "StackProfile":
@@ -200,6 +286,12 @@ class StackProfile(BaseModel):
 def stack_names() -> tuple[str, ...]:
     """Shipped stack profiles (``cost_models/data/stacks/<name>.yaml``), by name."""
     return data.names("stacks")
+
+
+def shipped_stack_name(ref: str) -> str | None:
+    """The shipped stack a name or alias means (``megatron`` -> ``megatron-core``), or None for a file or an
+    unknown name."""
+    return data.canonical("stacks", ref)
 
 
 def parse_stack(text: str, origin: str) -> StackProfile:
@@ -234,4 +326,5 @@ def load_stack(ref: str | Path | None = None) -> StackProfile:
     return parse_stack(data.read_user_text("stacks", found.path), str(found.path))
 
 
-__all__ = ["DEFAULT_STACK", "StackProfile", "StackTime", "attention_kernel_for", "load_stack", "parse_stack", "prior_stack", "stack_names"]
+__all__ = ["DEFAULT_STACK", "SEARCHABLE_OPTIONS", "StackProfile", "StackSearch", "StackTime", "attention_kernel_for", "load_stack",
+           "parse_stack", "prior_stack", "shipped_stack_name", "stack_names"]

@@ -1,4 +1,4 @@
-"""Turn a plan into the configs other launchers read: Accelerate, DeepSpeed, torchrun.
+"""Turn a plan into the configs other launchers read: Accelerate, DeepSpeed, Megatron-LM, torchrun.
 
 The DeepSpeed JSON and the Accelerate YAML are meant to run unmodified in their consumers
 (``deepspeed.initialize``, transformers' Trainer, ``accelerate launch``; tests/test_export_deepspeed.py
@@ -16,6 +16,8 @@ fit there. The stack each target runs (:func:`target_stack`; ``--stack`` overrid
 
 - ``deepspeed``: ``hf-deepspeed`` (transformers + DeepSpeed ZeRO, Ulysses as in ALST);
 - ``accelerate`` with ``sp`` (Ulysses; Accelerate's DeepSpeed ALST backend): ``hf-deepspeed``;
+- ``megatron``: ``megatron-core`` (Megatron-LM's pretrain_gpt.py with Transformer Engine; the exporter is
+  :mod:`sp_plan.planner.export_megatron`);
 - ``accelerate`` otherwise (FSDP2, with ``cp`` = torch context parallel for ring plans): ``hf-fsdp2``,
   a transformers model (eager norms, logits kept) under FSDP2 + torch context parallel;
 - ``torchrun``: sp-plan's own runtime, so the plan's own stack (no re-estimate unless ``--stack`` or
@@ -25,12 +27,13 @@ fit there. The stack each target runs (:func:`target_stack`; ``--stack`` overrid
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field
 from typing import Any
 
 from sp_plan.cost_models.train_spec import TrainSpec
 
 from .errors import PlannerError
+from .export_megatron import MEGATRON_STACK, to_megatron
+from .export_result import Export
 from .plan import Plan
 
 #: Port used in the generated rendezvous endpoint; any free port on the master node works.
@@ -43,14 +46,6 @@ _MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
 
 #: HF decoder-layer class to wrap per model family (FSDP's transformer-based auto wrap).
 _DECODER_LAYER = {"qwen3": "Qwen3DecoderLayer", "qwen2": "Qwen2DecoderLayer", "mistral": "MistralDecoderLayer"}
-
-
-@dataclass
-class Export:
-    """An exported config plus the caveats the user should read before launching it."""
-
-    content: dict[str, Any] | str
-    notes: list[str] = field(default_factory=list)
 
 
 def _decoder_layer_class(plan: Plan) -> str:
@@ -399,7 +394,7 @@ def to_torchrun(plan: Plan, plan_path: str = "plan.yaml", script: str | None = N
     return Export(command, notes)
 
 
-EXPORTERS = {"accelerate": to_accelerate, "deepspeed": to_deepspeed, "torchrun": to_torchrun}
+EXPORTERS = {"accelerate": to_accelerate, "deepspeed": to_deepspeed, "megatron": to_megatron, "torchrun": to_torchrun}
 
 
 # ----- the stack that runs the export ----------------------------------------------------------------
@@ -409,6 +404,8 @@ def target_stack(plan: Plan, target: str) -> str:
     """The stack a launcher runs the plan with (see the module docstring)."""
     if target == "deepspeed":
         return "hf-deepspeed"
+    if target == "megatron":
+        return MEGATRON_STACK
     if target == "accelerate":
         return "hf-deepspeed" if plan.layout.ulysses > 1 else "hf-fsdp2"
     return plan.stack

@@ -184,9 +184,15 @@ def micro_batch_values(sequences_per_rank: int, seq_len: int) -> tuple[int, ...]
 
 
 def build_lattice(base: TrainSpec, fixed: dict[str, Any], sequences_per_rank: int,
-                  micro_batch_fixed: bool) -> OptionLattice:
-    """The lattice for one layout: searchable axes, with the user's fixed choices as one-value axes."""
+                  micro_batch_fixed: bool, stack_options: dict[str, tuple[Any, ...]] | None = None) -> OptionLattice:
+    """The lattice for one layout: searchable axes, with the user's fixed choices as one-value axes.
+
+    ``stack_options`` (training only): the values the stack can run per option
+    (:class:`sp_plan.cost_models.stack.StackSearch`), which replace the axis' default values; a pin wins,
+    and is checked against them by the search before it gets here."""
     table = TRAIN_AXES if base.is_training else PREFILL_AXES
+    if base.is_training and stack_options:
+        table = {name: stack_options.get(name, values) for name, values in table.items()}
     axes = [Axis(name, (fixed[name],) if name in fixed else values) for name, values in table.items()]
     if micro_batch_fixed:
         axes.append(Axis("micro_batch", (base.micro_batch,)))

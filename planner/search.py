@@ -33,7 +33,7 @@ from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.memory import MemoryAssumptions, MemoryCore, host_memory, memory_core
 from sp_plan.cost_models.model_spec import ModelSpec
 from sp_plan.cost_models.profile import CostProfile, load_calibration, resolve_profile
-from sp_plan.cost_models.stack import DEFAULT_STACK, stack_names
+from sp_plan.cost_models.stack import DEFAULT_STACK, shipped_stack_name
 from sp_plan.cost_models.time_model import OffloadTraffic, StepTime, step_time
 from sp_plan.cost_models.topology import Topology
 from sp_plan.cost_models.train_spec import TrainSpec
@@ -130,7 +130,7 @@ def resolve_settings(settings: PlanSettings, gpu: str, assumptions: MemoryAssump
 
 def _stamp(ref: str | None) -> tuple | None:
     """A file reference's identity for the memo: its resolved path, size and modification time."""
-    if ref is None or ref.strip().lower() in stack_names():
+    if ref is None or shipped_stack_name(ref) is not None:
         return None
     try:
         path = Path(ref).expanduser()
@@ -148,8 +148,8 @@ def _resolve(stack: str | None, calibration: str | None, gpu: str, assume: tuple
     profile = resolve_profile(gpu, ref, cal, dict(assume) or None).with_assumptions(override)
     if ref is None:
         recorded = DEFAULT_STACK
-    elif ref.strip().lower() in stack_names():
-        recorded = ref.strip().lower()
+    elif shipped_stack_name(ref) is not None:
+        recorded = shipped_stack_name(ref)
     else:
         recorded = str(Path(ref).expanduser().resolve())
     cal_path = str(Path(calibration).expanduser().resolve()) if calibration is not None else None
@@ -278,6 +278,11 @@ class _Searcher:
                 "is pinned on; drop one of them")
         if limit == 0:  # nothing may be offloaded: the offload axes are pinned off (pins on were refused)
             self.fixed_options.update({k: False for k in _OFFLOAD_OPTIONS})
+        #: What the stack can run (its profile's ``search`` section): the option values and head splits
+        #: plans under it may use.
+        self.stack_search = self.profile.stack.search
+        if base.is_training:
+            self._check_pins_against_stack()
         self.memory_evals = 0
         self._trains: dict[tuple, TrainSpec] = {}
         self.time_evals = 0
@@ -285,6 +290,24 @@ class _Searcher:
             self.batch_sequences = max(1, settings.global_batch_tokens // base.seq_len)
         else:
             self.batch_sequences = base.micro_batch
+
+    def _check_pins_against_stack(self) -> None:
+        """A pinned option value the stack cannot run is refused (a plan with it would not launch there)."""
+        for name, allowed in self.stack_search.options.items():
+            value = self.fixed_options.get(name)
+            if name in self.fixed_options and value not in allowed:
+                option = "--" + ("zero" if name == "zero_stage" else name.replace("_", "-"))
+                pin = (option if value else option.replace("--", "--no-", 1)) if isinstance(value, bool) \
+                    else f"{option} {value}"
+                values = ", ".join(str(v) for v in allowed)
+                raise PlannerError(
+                    f"{pin} is not something the {self.profile.name} stack runs ({name}: {values}); drop the pin "
+                    "or plan for another --stack")
+
+    def stack_refusal(self, layout: Layout) -> str | None:
+        """Why the stack cannot run ``layout`` for this model and sequence, or None."""
+        reason = self.stack_search.refusal(self.model, layout, self.base.seq_len)
+        return f"{reason} (the {self.profile.name} stack)" if reason else None
 
     # ----- evaluation ---------------------------------------------------------------------------
     def sequences_per_rank(self, layout: Layout) -> int:
@@ -294,7 +317,7 @@ class _Searcher:
 
     def lattice(self, layout: Layout) -> OptionLattice:
         return build_lattice(self.base, self.fixed_options, self.sequences_per_rank(layout),
-                             self.settings.micro_batch_fixed)
+                             self.settings.micro_batch_fixed, self.stack_search.options)
 
     def lattices(self, layout: Layout) -> list[OptionLattice]:
         """One lattice per ZeRO stage to try (the stage is a branch, not a lattice axis).
@@ -508,6 +531,13 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
     layouts = [layout for layout in space.layouts if _matches(layout, settings.fixed_layout)]
     if not layouts:
         raise PlannerError(_no_layout_message(world, settings.fixed_layout, space, model, base))
+    refused = {layout: s.stack_refusal(layout) for layout in layouts}
+    rejected += [Rejection(layout=layout.degrees(), kind="structure", reason=reason)
+                 for layout, reason in refused.items() if reason]
+    layouts = [layout for layout in layouts if not refused[layout]]
+    if not layouts:
+        raise PlannerError(f"no layout of {world} GPUs runs under the {s.profile.name} stack: "
+                           f"{sorted({r for r in refused.values() if r})[0]}; change the pinned degrees or --stack")
 
     # Branch and bound over the (layout, ZeRO stage) branches, visited best-first by a lower bound on
     # what each can do. A branch enters with the cheapest bound there is, its lattice bottom timed
@@ -693,7 +723,7 @@ def brute_force_best(model: ModelSpec, base: TrainSpec, topology: Topology, sett
     space = layout_space(topology.num_gpus, model, base, topology.gpus_per_node)
     best: tuple[float, Layout | None, dict[str, Any]] = (math.inf, None, {})
     for layout in space.layouts:
-        if not _matches(layout, settings.fixed_layout):
+        if not _matches(layout, settings.fixed_layout) or s.stack_refusal(layout):
             continue
         lattice = s.lattice(layout)
         for combo in itertools.product(*(range(len(a.values)) for a in lattice.axes)):

@@ -1,4 +1,4 @@
-"""``sp-plan export PLAN --to accelerate|deepspeed|torchrun``."""
+"""``sp-plan export PLAN --to accelerate|deepspeed|megatron|torchrun``."""
 
 from __future__ import annotations
 
@@ -17,7 +17,11 @@ from .common import check_output_path
 
 @click.command("export")
 @click.argument("plan_file", type=click.Path(dir_okay=False))
-@click.option("--to", "target", type=click.Choice(sorted(EXPORTERS)), required=True, help="Launcher to export for.")
+@click.option("--to", "target", type=click.Choice(sorted(EXPORTERS)), required=True,
+              help="Launcher to export for: accelerate (YAML), deepspeed (JSON), megatron (Megatron-LM pretrain_gpt.py "
+                   "arguments and launch line, as a bash script), torchrun (sp-plan's runtime).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Write the export as JSON (megatron: the argument lists, environment and command).")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), default=None, help="Write here instead of stdout (- is stdout).")
 @click.option("--script", default=None,
               help="Training script to launch instead of the installed `-m sp_plan.cli train` (torchrun only; it "
@@ -25,10 +29,11 @@ from .common import check_output_path
 @click.option("--stack", default=None, metavar="NAME|FILE",
               help="Stack to check the plan under. Default: hf-deepspeed for deepspeed and for accelerate with "
                    "Ulysses (DeepSpeed ALST), hf-fsdp2 for accelerate otherwise (FSDP2 + torch context "
-                   "parallel); torchrun runs the plan's own stack and is not re-checked unless asked.")
+                   "parallel), megatron-core for megatron; torchrun runs the plan's own stack and is not re-checked "
+                   "unless asked.")
 @click.option("--calibration", default=None, metavar="FILE",
               help="Calibration file for the check (default: the plan's own, when checked under its own stack).")
-def command(plan_file: str, target: str, out_file: str | None, script: str | None, stack: str | None,
+def command(plan_file: str, target: str, as_json: bool, out_file: str | None, script: str | None, stack: str | None,
             calibration: str | None) -> None:
     """Write PLAN_FILE (from `sp-plan plan --out`; - reads it from standard input) as a launcher config, after checking that the plan
     still fits under the stack that launcher runs (refused, with the re-plan command, when not). What the
@@ -44,7 +49,10 @@ def command(plan_file: str, target: str, out_file: str | None, script: str | Non
         exported = EXPORTERS[target](plan)
     if target != "torchrun" or stack is not None or calibration is not None:
         exported.notes += check_under_stack(plan, target, stack, calibration)
-    if isinstance(exported.content, str):
+    if as_json:
+        data = exported.data if exported.data is not None else exported.content
+        text = json.dumps(data if isinstance(data, dict) else {"command": data}, indent=2) + "\n"
+    elif isinstance(exported.content, str):
         text = exported.content + "\n"
     elif target == "deepspeed":
         text = json.dumps(exported.content, indent=2) + "\n"

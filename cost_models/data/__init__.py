@@ -9,7 +9,7 @@ Every YAML file the package ships lives in a folder of this package, one file pe
 - ``topologies/<name>.yaml``: node presets, plus ``_fabrics.yaml`` (:mod:`sp_plan.cost_models.topology`);
 - ``calibration/<name>.yaml``: published measurements and the values fitted to them.
 
-A new model, GPU, stack or topology is one new file: nothing else lists them. A model or GPU file may
+A new model, GPU, stack or topology is one new file: nothing else lists them. A model, GPU or stack file may
 declare other names of the same entity (``aliases: [...]``); they resolve to the file's name, which is
 what plans print. Files whose name starts with ``_`` are helpers, not entities.
 
@@ -69,7 +69,7 @@ KINDS: dict[str, Kind] = {
                    aliased=True),
     "gpus": Kind("GPU", aliased=True),
     "kernels": Kind("kernel file"),
-    "stacks": Kind("stack", "stack file", (".yaml", ".yml"), "a stack YAML file"),
+    "stacks": Kind("stack", "stack file", (".yaml", ".yml"), "a stack YAML file", aliased=True),
     "topologies": Kind("topology", "topology file", (".yaml", ".yml"), "a path to a topology YAML file"),
     "calibration": Kind("calibration data file"),
 }

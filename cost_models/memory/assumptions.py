@@ -328,6 +328,17 @@ class MemoryAssumptions(BaseModel):
             "during the forward of the first micro-batch. With grad_accum > 1 gradients persist."
         ),
     )
+    main_grad_bytes_per_param: int | None = Field(
+        default=None,
+        ge=1,
+        le=8,
+        description=(
+            "Training: bytes per element of the gradients the stack keeps on the device. None: the compute "
+            "dtype (PyTorch's .grad, FSDP2, DeepSpeed). 4: Megatron-Core's fp32 main-gradient buffer "
+            "(accumulate_allreduce_grads_in_fp32, which validate_args turns on for bf16; the weight-gradient "
+            "GEMM accumulates into it directly, so no compute-dtype copy exists beside it)."
+        ),
+    )
     optimizer_step_temp_bytes_per_param: float = Field(
         default=4.0,
         ge=0,

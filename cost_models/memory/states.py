@@ -209,6 +209,8 @@ def model_states(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAs
 def _model_states(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions) -> ModelStates:
     params = tp_params(model, layout.tp)
     per = bytes_per_param(train)
+    if train.is_training and a.main_grad_bytes_per_param is not None:
+        per = BytesPerParam(per.weights, a.main_grad_bytes_per_param, per.optimizer)
     group = layout.shard_group
     stage = train.zero_stage
     total = params.total

@@ -1,0 +1,320 @@
+"""``sp-plan export --to megatron``: a plan as the arguments of Megatron-LM's ``pretrain_gpt.py``.
+
+The flag names are Megatron-LM's own (``megatron/training/arguments.py`` at core_v0.16.1, whose model and
+parallelism flags are generated from megatron-core's ``TransformerConfig`` / ``ModelParallelConfig`` /
+``DistributedDataParallelConfig`` fields); tests/test_export_megatron.py builds those megatron-core configs
+from the exported arguments, and runs Megatron-LM's own ``parse_args`` + ``validate_args`` where a Megatron-LM
+checkout is importable. How sp-plan's plan maps onto Megatron:
+
+- layout: ``tp`` -> ``--tensor-model-parallel-size`` (with ``--sequence-parallel``, Megatron SP);
+  ``ulysses x ring`` -> ``--context-parallel-size`` with ``--cp-comm-type`` ``p2p`` (ring only: Megatron's
+  load-balanced P2P ring), ``a2a`` (Ulysses only) or ``a2a+p2p`` with ``--hierarchical-context-parallel-sizes
+  ulysses ring`` (USP: the a2a level is the inner, adjacent ranks, as in sp-plan's mesh); data parallel is
+  what is left (Megatron's rank order tp-cp-dp matches sp-plan's mesh, tp innermost); ``dp_replicate`` ->
+  ``--num-distributed-optimizer-instances`` (the optimizer sharded within each instance, replicated across);
+  pipeline and expert parallelism are 1.
+- ZeRO-1 -> ``--use-distributed-optimizer`` (optimizer state and fp32 master weights sharded over the data x
+  context parallel ranks); ZeRO-0 -> Megatron's DDP. ZeRO-2/3 are refused (Megatron-FSDP is another engine).
+- checkpointing ``full`` -> ``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``
+  (every layer's input kept, the layer recomputed); ``selective`` -> ``--recompute-granularity selective``
+  (Megatron's core-attention recompute, the stack's ``selective_policy``); ``none`` -> no flag.
+- optimizer offload -> ``--optimizer-cpu-offload --optimizer-offload-fraction 1.0`` (Megatron's hybrid device
+  optimizer, which needs ``--use-precision-aware-optimizer``).
+
+Plans Megatron cannot run are refused with the reason and what to do (:func:`megatron_refusal`).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+from sp_plan.cost_models.layout import Layout
+from sp_plan.cost_models.model_spec import ModelSpec
+from sp_plan.cost_models.stack import prior_stack
+from sp_plan.cost_models.train_spec import TrainSpec
+
+from .errors import PlannerError
+from .export_result import Export
+from .plan import Plan
+
+#: The stack profile Megatron-LM runs (``--stack megatron``): the plan is re-checked under it.
+MEGATRON_STACK = "megatron-core"
+#: The training script the arguments are for (in the Megatron-LM repository root).
+PRETRAIN_SCRIPT = "pretrain_gpt.py"
+#: Rendezvous port of the generated multi-node launch line.
+MASTER_PORT = 29500
+#: Transformer Engine attention backends by the plan's attention kernel: the stack runs TE's cuDNN fused
+#: attention ('fused'); a materialized-attention plan runs Megatron's unfused (softmax-saving) core attention.
+ATTENTION_BACKEND = {"flash": "fused", "materialized": "unfused"}
+_DTYPE_FLAG = {"bf16": ("--bf16",), "fp16": ("--fp16",), "fp32": ()}
+_NORM = {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}
+_POSITION = {"rope": "rope", "learned": "learned_absolute"}
+REPLAN = "re-plan with --stack megatron (it searches only what Megatron runs)"
+#: ModelSpec fields the arguments express (name and published_params describe, they configure nothing). A
+#: field outside this set with a non-default value (a later kind of model: experts, latent attention,
+#: sliding windows) is refused rather than exported as the dense model it is not.
+MAPPED_MODEL_FIELDS = frozenset({
+    "name", "published_params", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+    "ffn_hidden_size", "vocab_size", "tied_embeddings", "activation", "norm", "position_embedding",
+    "max_position_embeddings", "qkv_bias", "attn_out_bias", "mlp_bias", "qk_norm", "attention_dropout",
+    "hidden_dropout",
+})
+#: Layout degrees the arguments express; any other degree above 1 is refused.
+MAPPED_DEGREES = frozenset({"dp_replicate", "dp_shard", "tp", "ulysses", "ring"})
+
+
+@dataclass(frozen=True)
+class MegatronArguments:
+    """The argument set of one plan: ``model_args`` and ``parallel_args`` come from the plan; ``data_args``
+    are a stand-in (synthetic data and a tokenizer of the planned vocabulary) for the user's own."""
+
+    model_args: tuple[str, ...]
+    parallel_args: tuple[str, ...]
+    data_args: tuple[str, ...]
+    launcher: tuple[str, ...]
+    #: Environment the launch needs (name, value).
+    env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        """Everything ``pretrain_gpt.py`` is given, in order."""
+        return self.model_args + self.parallel_args + self.data_args
+
+    @property
+    def command(self) -> str:
+        """The launch line, shell-quoted (``$NODE_RANK``/``$MASTER_ADDR`` stay for the shell to expand)."""
+        env = [f"{name}={shlex.quote(value)}" for name, value in self.env]
+        return " ".join([*env, *(_quote(a) for a in (*self.launcher, PRETRAIN_SCRIPT, *self.argv))])
+
+    def script(self, header: list[str]) -> str:
+        """A bash script: one ``--flag value`` per line in arrays, then the launch line that expands them."""
+        lines = ["#!/usr/bin/env bash", *(f"# {h}" for h in header), "set -euo pipefail", ""]
+        lines += [f"export {name}={shlex.quote(value)}" for name, value in self.env]
+        lines += [""] if self.env else []
+        for name, args in (("MODEL_ARGS", self.model_args), ("PARALLEL_ARGS", self.parallel_args),
+                           ("DATA_ARGS", self.data_args)):
+            lines.append(f"{name}=(")
+            lines += [f"  {line}" for line in _flag_lines(args)]
+            lines += [")", ""]
+        launch = " ".join(_quote(a) for a in self.launcher)
+        lines.append(f'{launch} {PRETRAIN_SCRIPT} "${{MODEL_ARGS[@]}}" "${{PARALLEL_ARGS[@]}}" "${{DATA_ARGS[@]}}"')
+        return "\n".join(lines)
+
+
+def _quote(arg: str) -> str:
+    return arg if arg.startswith(("--node-rank=$", "--master-addr=$")) else shlex.quote(arg)
+
+
+def _flag_lines(args: tuple[str, ...]) -> list[str]:
+    """``--flag value ...`` grouped one flag per line, shell-quoted."""
+    lines: list[list[str]] = []
+    for arg in args:
+        if arg.startswith("--") or not lines:
+            lines.append([arg])
+        else:
+            lines[-1].append(arg)
+    return [" ".join(shlex.quote(a) for a in line) for line in lines]
+
+
+# ----- what Megatron cannot run ---------------------------------------------------------------------
+
+
+def megatron_refusal(plan: Plan) -> str | None:
+    """Why Megatron-LM cannot run ``plan`` as planned (with what to do instead), or None."""
+    return (_training_refusal(plan.train) or _model_refusal(plan.model)
+            or _layout_refusal(plan.model, plan.train, plan.layout))
+
+
+def _training_refusal(train: TrainSpec) -> str | None:
+    if train.mode != "train":
+        return f"train.mode={train.mode}: pretrain_gpt.py trains; export --to torchrun for a prefill run"
+    if train.zero_stage >= 2:
+        return (f"train.zero_stage={train.zero_stage}: Megatron's distributed optimizer is ZeRO-1 (optimizer state "
+                f"and master weights sharded; gradients and parameters are not); ZeRO-2/3 is Megatron-FSDP, not "
+                f"exported; {REPLAN}")
+    if train.optimizer != "adamw":
+        return (f"train.optimizer={train.optimizer}: Megatron keeps fp32 master weights and moments (adamw); "
+                f"re-plan with --optimizer adamw --stack megatron")
+    for option, what in (("offload_params", "parameter offload"), ("tiled_mlp", "a tiled MLP"),
+                         ("tiled_loss", "a tiled loss"),
+                         ("offload_checkpoints", "checkpoint offload (its --cpu-offloading refuses recompute)")):
+        if getattr(train, option):
+            return f"train.{option}: Megatron-Core has no {what}; {REPLAN}"
+    if train.document_length is not None:
+        return ("train.document_length: packed documents need Megatron's packed-sequence (THD) data path, which "
+                "pretrain_gpt.py's arguments do not set up; plan without --document-length")
+    return None
+
+
+def _model_refusal(model: ModelSpec) -> str | None:
+    for name, spec in type(model).model_fields.items():
+        if name not in MAPPED_MODEL_FIELDS and getattr(model, name) != spec.get_default(call_default_factory=True):
+            return (f"{model.name}: model field {name}={getattr(model, name)!r} has no mapping in this export "
+                    "(it writes dense decoder-only GPT arguments); export --to torchrun")
+    if model.position_embedding not in _POSITION:
+        return f"{model.name}: Megatron's GPT has no {model.position_embedding} position embedding (rope or learned)"
+    biases = (model.qkv_bias, model.attn_out_bias, model.mlp_bias)
+    if any(biases) and not all(biases) and biases != (True, False, False):
+        return (f"{model.name}: Megatron adds biases to every linear or (with --disable-bias-linear) to none but "
+                "optionally Q/K/V (--add-qkv-bias); this model's bias pattern is neither")
+    return None
+
+
+def _layout_refusal(model: ModelSpec, train: TrainSpec, layout: Layout) -> str | None:
+    unmapped = {dim: d for dim, d in layout.degrees().items() if dim not in MAPPED_DEGREES and d > 1}
+    if unmapped:
+        return f"degrees {unmapped} have no mapping in this export (pipeline and expert parallelism are 1)"
+    tp, ulysses, cp = layout.tp, layout.ulysses, layout.ulysses * layout.ring
+    if model.num_kv_heads % tp and tp % model.num_kv_heads:
+        return (f"tp={tp} neither divides nor is a multiple of the {model.num_kv_heads} KV heads "
+                f"(Megatron's num_query_groups rule); {REPLAN}")
+    if (model.num_heads // tp) % ulysses:
+        return f"ulysses={ulysses} does not divide the {model.num_heads // tp} query heads per TP rank; {REPLAN}"
+    # The head and chunk rules the megatron-core stack's search applies (its file's `search` section).
+    stack_rule = prior_stack(MEGATRON_STACK).search.refusal(model, layout, train.seq_len)
+    if stack_rule:
+        return f"{stack_rule}; {REPLAN}"
+    if tp > 1 and train.tp_sequence_parallel and (train.seq_len // cp) % tp:
+        return (f"seq_len / cp = {train.seq_len // cp} tokens per context-parallel rank do not divide by tp={tp} "
+                "(Megatron sequence parallelism); pad the sequence length")
+    if layout.dp_replicate > 1 and train.zero_stage == 0:
+        return (f"dp_replicate={layout.dp_replicate} without ZeRO: Megatron's DDP has no replicate/shard split "
+                f"(it is --num-distributed-optimizer-instances of the distributed optimizer); {REPLAN}")
+    return None
+
+
+# ----- the arguments -----------------------------------------------------------------------------------
+
+
+def _model_args(model: ModelSpec, train: TrainSpec) -> list[str]:
+    args = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
+            "--ffn-hidden-size", str(model.ffn_hidden_size), "--num-attention-heads", str(model.num_heads)]
+    if model.num_kv_heads != model.num_heads:
+        args += ["--group-query-attention", "--num-query-groups", str(model.num_kv_heads)]
+    args += ["--kv-channels", str(model.head_dim), "--seq-length", str(train.seq_len),
+             "--max-position-embeddings", str(max(train.seq_len, model.max_position_embeddings)),
+             "--position-embedding-type", _POSITION[model.position_embedding],
+             "--normalization", _NORM[model.norm]]
+    if model.activation == "swiglu":
+        args.append("--swiglu")  # Megatron's default MLP activation is GeLU
+    if not model.tied_embeddings:
+        args.append("--untie-embeddings-and-output-weights")
+    if not model.mlp_bias:
+        args.append("--disable-bias-linear")
+        if model.qkv_bias:
+            args.append("--add-qkv-bias")
+    if model.qk_norm:
+        args.append("--qk-layernorm")
+    # Megatron's defaults are 0.1; the plan's model says what it trains with.
+    args += ["--attention-dropout", str(model.attention_dropout), "--hidden-dropout", str(model.hidden_dropout)]
+    return args
+
+
+def _recompute_args(train: TrainSpec) -> list[str]:
+    if train.checkpointing == "full":
+        return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    if train.checkpointing == "selective":
+        return ["--recompute-granularity", "selective"]
+    return []
+
+
+def _context_parallel_args(layout: Layout) -> list[str]:
+    cp = layout.ulysses * layout.ring
+    if cp == 1:
+        return []
+    args = ["--context-parallel-size", str(cp)]
+    if layout.ulysses > 1 and layout.ring > 1:
+        return args + ["--cp-comm-type", "a2a+p2p",
+                       "--hierarchical-context-parallel-sizes", str(layout.ulysses), str(layout.ring)]
+    return args + ["--cp-comm-type", "a2a" if layout.ulysses > 1 else "p2p"]
+
+
+def _parallel_args(plan: Plan) -> list[str]:
+    layout, train = plan.layout, plan.train
+    args = ["--tensor-model-parallel-size", str(layout.tp), "--pipeline-model-parallel-size", "1",
+            *_context_parallel_args(layout), "--expert-model-parallel-size", "1"]
+    if layout.tp > 1 and train.tp_sequence_parallel:
+        args.append("--sequence-parallel")
+    if train.zero_stage == 1:
+        args += ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+        if layout.dp_replicate > 1:
+            args += ["--num-distributed-optimizer-instances", str(layout.dp_replicate)]
+    if train.offload_optimizer:
+        args += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0", "--use-precision-aware-optimizer"]
+    args += _recompute_args(train)
+    args += ["--micro-batch-size", str(train.micro_batch),
+             "--global-batch-size", str(train.micro_batch * train.grad_accum * layout.dp)]
+    args += [*_DTYPE_FLAG[train.dtype], "--attention-backend", ATTENTION_BACKEND[train.attention_kernel]]
+    if train.fp8_linears:
+        args += ["--fp8-format", "hybrid"]
+    return args
+
+
+def _data_args(model: ModelSpec) -> list[str]:
+    """Synthetic data and a tokenizer whose vocabulary is the plan's: Megatron's NullTokenizer adds one
+    end-of-document token to ``--vocab-size``; ``--make-vocab-size-divisible-by 1`` pads only to a multiple
+    of tp, as the planner's vocab-parallel split assumes (Megatron's default pads to 128 x tp)."""
+    return ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(model.vocab_size - 1),
+            "--make-vocab-size-divisible-by", "1"]
+
+
+def _environment(layout: Layout) -> list[tuple[str, str]]:
+    """validate_args requires CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor or context parallelism before
+    Blackwell (so that communication kernels are scheduled ahead of the GEMMs they overlap)."""
+    return [("CUDA_DEVICE_MAX_CONNECTIONS", "1")] if layout.tp > 1 or layout.ulysses * layout.ring > 1 else []
+
+
+def _launcher(plan: Plan) -> list[str]:
+    hw = plan.hardware
+    procs = min(hw.gpus_per_node, hw.num_gpus)
+    if hw.num_nodes == 1:
+        return ["torchrun", "--standalone", f"--nproc-per-node={procs}"]
+    return ["torchrun", f"--nnodes={hw.num_nodes}", f"--nproc-per-node={procs}", "--node-rank=$NODE_RANK",
+            "--master-addr=$MASTER_ADDR", f"--master-port={MASTER_PORT}"]
+
+
+def megatron_arguments(plan: Plan) -> MegatronArguments:
+    """The argument set of a plan Megatron can run (refused with the reason otherwise)."""
+    reason = megatron_refusal(plan)
+    if reason:
+        raise PlannerError(f"Megatron-LM cannot run this plan ({plan.layout.describe()}): {reason}")
+    return MegatronArguments(tuple(_model_args(plan.model, plan.train)), tuple(_parallel_args(plan)),
+                             tuple(_data_args(plan.model)), tuple(_launcher(plan)), tuple(_environment(plan.layout)))
+
+
+def _notes(plan: Plan) -> list[str]:
+    notes = [
+        "DATA_ARGS train on synthetic tokens (--mock-data) with a tokenizer of the planned vocabulary; for real "
+        "data give --data-path and your tokenizer (e.g. --tokenizer-type HuggingFaceTokenizer --tokenizer-model "
+        "PATH), and add --train-iters, --lr and the schedule",
+        "--rotary-base: the plan's model does not record its RoPE base (Megatron's default is 10000; Llama 3 uses "
+        "500000): add it for your model",
+        "run from the Megatron-LM repository root (pretrain_gpt.py) with Transformer Engine installed",
+    ]
+    if plan.hardware.num_nodes > 1:
+        notes.append("run the same command on every node with NODE_RANK=0..N-1 and MASTER_ADDR=<first node>")
+    if plan.train.compiled:
+        notes.append("train.compiled: Megatron does not torch.compile its layers (it runs fused TE/JIT kernels)")
+    if plan.layout.tp > 1 and not plan.train.tp_sequence_parallel:
+        notes.append("the plan has TP without sequence parallelism: --sequence-parallel is left off as planned")
+    return notes
+
+
+def to_megatron(plan: Plan) -> Export:
+    """The plan as a bash script of Megatron-LM ``pretrain_gpt.py`` arguments plus its torchrun launch line
+    (``content``), and the same as data (``data``, for ``--json``)."""
+    args = megatron_arguments(plan)
+    header = [f"Megatron-LM {PRETRAIN_SCRIPT} arguments for {plan.model.name} at {plan.train.seq_len} tokens on "
+              f"{plan.hardware.num_gpus} x {plan.hardware.gpu} ({plan.layout.describe()}); written by "
+              "`sp-plan export --to megatron`"]
+    notes = _notes(plan)
+    data = {"target": "megatron", "script": PRETRAIN_SCRIPT, "stack": MEGATRON_STACK,
+            "model_args": list(args.model_args), "parallel_args": list(args.parallel_args),
+            "data_args": list(args.data_args), "argv": list(args.argv), "env": dict(args.env),
+            "command": args.command, "notes": notes}
+    return Export(args.script(header), notes, data)
+
+
+__all__ = ["ATTENTION_BACKEND", "MEGATRON_STACK", "MegatronArguments", "megatron_arguments", "megatron_refusal",
+           "to_megatron"]

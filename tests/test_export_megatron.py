@@ -1,0 +1,382 @@
+"""``sp-plan export --to megatron`` (issue 19, item 4): the argument set of Megatron-LM's pretrain_gpt.py.
+
+The consumer checks:
+
+- megatron-core (the registry's ``megatron-core`` wheel, the [test] extra) defines the model and parallelism
+  flags as fields of its config dataclasses (Megatron-LM's arguments.py generates those flags from the fields,
+  ``--`` + the field name with dashes unless the field's ``argparse_meta`` names another). The exported
+  arguments are parsed by a parser built from those fields plus the few flags pretrain_gpt.py's own argument
+  groups add (:data:`SCRIPT_FLAGS`); an unknown flag fails, and megatron-core's ``TransformerConfig``,
+  ``DistributedDataParallelConfig`` and ``OptimizerConfig`` are then built from the values, so their own
+  validation (heads vs. TP, query groups, recompute settings, CP sizes) runs on them.
+- Megatron-LM itself (``megatron/training/arguments.py``, not shipped by any registry package): where a checkout
+  is given (``MEGATRON_LM_ROOT``), its ``parse_args`` and ``validate_args`` run on the exported argv with the
+  plan's world size, skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import json
+import os
+import shlex
+import subprocess
+import sys
+import types
+import typing
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from sp_plan.cost_models import Layout, TrainSpec, get_model_preset
+from sp_plan.planner.errors import PlannerError
+from sp_plan.planner.export import EXPORTERS, target_stack
+from sp_plan.planner.export_megatron import megatron_arguments, megatron_refusal, to_megatron
+from sp_plan.planner.plan import Hardware, Plan
+
+SP_PLAN = str(Path(sys.executable).with_name("sp-plan"))
+MEGATRON_TRAIN = dict(zero_stage=1, tiled_loss=False, tiled_mlp=False)
+
+
+def make_plan(gpus: int = 8, per_node: int = 8, model: str = "llama3-8b", seq_len: int = 131072,
+              **degrees_and_options) -> Plan:
+    degrees = {k: v for k, v in degrees_and_options.items() if k in Layout.model_fields}
+    options = {k: v for k, v in degrees_and_options.items() if k not in degrees}
+    return Plan(model=get_model_preset(model), train=TrainSpec(seq_len=seq_len, **{**MEGATRON_TRAIN, **options}),
+                layout=Layout.for_world(gpus, **degrees),
+                hardware=Hardware(num_gpus=gpus, gpus_per_node=per_node, gpu="h100-80gb", topology="dgx-h100"))
+
+
+#: Plans that cover each mapping: ring only (p2p), Ulysses only (a2a), both (a2a+p2p), TP with sequence
+#: parallelism, replicated optimizer instances, every recompute granularity, optimizer offload, micro-batches,
+#: plain DDP (ZeRO-0), TP beyond the KV heads.
+PLANS = {
+    "ring": lambda: make_plan(ring=8, checkpointing="full"),
+    "ulysses": lambda: make_plan(ulysses=8, checkpointing="selective"),
+    "usp-tp": lambda: make_plan(gpus=16, ring=2, ulysses=2, tp=2, checkpointing="none"),
+    "replicas": lambda: make_plan(gpus=16, dp_replicate=2, tp=2, ulysses=2, seq_len=32768, micro_batch=2,
+                                  grad_accum=4),
+    "offload": lambda: make_plan(model="llama3-70b", gpus=16, tp=8, ring=2, offload_optimizer=True),
+    "dp": lambda: make_plan(gpus=8, seq_len=8192, zero_stage=0, checkpointing="none"),
+    # TP beyond the 8 KV heads: megatron-core >= 0.16 gives each TP rank one replicated query group
+    "tp-over-kv": lambda: make_plan(gpus=16, tp=16, checkpointing="full"),
+}
+
+
+def flags_of(argv: list[str]) -> list[str]:
+    return [a for a in argv if a.startswith("--")]
+
+
+# ----- the argument set ------------------------------------------------------------------------------
+
+
+def test_megatron_is_a_registered_export_target_that_runs_the_megatron_core_stack():
+    assert "megatron" in EXPORTERS and target_stack(make_plan(ring=8), "megatron") == "megatron-core"
+
+
+@pytest.mark.parametrize("layout, cp_args", [
+    (dict(ring=8), ["--context-parallel-size", "8", "--cp-comm-type", "p2p"]),
+    (dict(ulysses=8), ["--context-parallel-size", "8", "--cp-comm-type", "a2a"]),
+    (dict(ring=4, ulysses=2), ["--context-parallel-size", "8", "--cp-comm-type", "a2a+p2p",
+                               "--hierarchical-context-parallel-sizes", "2", "4"]),
+    (dict(dp_shard=8), []),
+])
+def test_context_parallel_is_ring_ulysses_or_both(layout, cp_args):
+    argv = list(megatron_arguments(make_plan(**layout)).argv)
+    if cp_args:
+        start = argv.index("--context-parallel-size")
+        assert argv[start:start + len(cp_args)] == cp_args
+    else:
+        assert "--context-parallel-size" not in argv and "--cp-comm-type" not in argv
+
+
+def test_model_shape_batch_and_techniques_come_from_the_plan():
+    plan = PLANS["replicas"]()
+    args = megatron_arguments(plan)
+    argv = list(args.argv)
+
+    def value(flag: str) -> str:
+        return argv[argv.index(flag) + 1]
+
+    model = plan.model
+    assert (value("--num-layers"), value("--hidden-size"), value("--ffn-hidden-size")) == \
+        (str(model.num_layers), str(model.hidden_size), str(model.ffn_hidden_size))
+    assert value("--num-query-groups") == str(model.num_kv_heads) and "--group-query-attention" in argv
+    assert value("--kv-channels") == str(model.head_dim) and value("--seq-length") == "32768"
+    assert value("--tensor-model-parallel-size") == "2" and "--sequence-parallel" in argv
+    assert value("--num-distributed-optimizer-instances") == "2" and "--use-distributed-optimizer" in argv
+    # global batch = micro-batch x accumulation x data-parallel ranks (dp_replicate x dp_shard = 16/4)
+    assert value("--micro-batch-size") == "2" and value("--global-batch-size") == str(2 * 4 * 4)
+    # NullTokenizer adds the end-of-document token; padding only to a multiple of tp, as planned
+    assert value("--vocab-size") == str(model.vocab_size - 1) and value("--make-vocab-size-divisible-by") == "1"
+    assert dict(args.env) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    full = list(megatron_arguments(PLANS["ring"]()).argv)
+    assert full[full.index("--recompute-granularity"):][:6] == [
+        "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    none = list(megatron_arguments(PLANS["usp-tp"]()).argv)
+    assert "--recompute-granularity" not in none
+    offload = list(megatron_arguments(PLANS["offload"]()).argv)
+    assert {"--optimizer-cpu-offload", "--use-precision-aware-optimizer"} <= set(offload)
+    ddp = list(megatron_arguments(PLANS["dp"]()).argv)
+    assert "--use-distributed-optimizer" not in ddp and "--sequence-parallel" not in ddp
+
+
+@pytest.mark.parametrize("plan, reason", [
+    (lambda: make_plan(ulysses=8, zero_stage=3), "Megatron's distributed optimizer is ZeRO-1"),
+    (lambda: make_plan(ulysses=8, tiled_mlp=True), "no a tiled MLP"),
+    (lambda: make_plan(ulysses=8, zero_stage=3, offload_params=True, offload_optimizer=True), "ZeRO-1"),
+    (lambda: make_plan(ulysses=8, checkpointing="full", offload_checkpoints=True), "checkpoint offload"),
+    (lambda: make_plan(gpus=16, ulysses=16), "ulysses=16 does not divide the 8 KV heads per TP rank"),
+    (lambda: make_plan(gpus=32, tp=16, ulysses=2), "ulysses=2 does not divide the 1 KV heads per TP rank"),
+    (lambda: make_plan(dp_replicate=2, dp_shard=4, zero_stage=0), "no replicate/shard split"),
+    (lambda: make_plan(ring=8, seq_len=131064), "sequence 131064 does not divide into 2 x 8 chunks"),
+    (lambda: make_plan(ring=8, mode="prefill", zero_stage=0), "pretrain_gpt.py trains"),
+])
+def test_plans_megatron_cannot_run_are_refused_with_the_reason(plan, reason):
+    p = plan()
+    assert reason in (megatron_refusal(p) or "")
+    with pytest.raises(PlannerError, match="Megatron-LM cannot run this plan"):
+        to_megatron(p)
+
+
+def test_a_model_field_the_export_does_not_map_is_refused_not_dropped():
+    """A model with a field the arguments do not express (a sliding window, experts, latent attention: here a
+    ModelSpec subclass with one such field) must not export as the dense model it is not; at its default the
+    field changes nothing and the plan exports."""
+    from sp_plan.cost_models.model_spec import ModelSpec
+    from sp_plan.planner import export_megatron
+
+    class Windowed(ModelSpec):
+        sliding_window: int | None = None
+
+    base = PLANS["ring"]()
+    windowed = Windowed(**{**base.model.model_dump(), "sliding_window": 4096})
+    plan = base.model_copy(update={"model": windowed})
+    assert "model field sliding_window=4096 has no mapping" in export_megatron.megatron_refusal(plan)
+    plain = base.model_copy(update={"model": Windowed(**base.model.model_dump())})
+    assert export_megatron.megatron_refusal(plain) is None
+
+
+def test_the_script_is_bash_whose_arrays_are_the_argv(tmp_path):
+    exported = to_megatron(PLANS["usp-tp"]())
+    script = tmp_path / "megatron.sh"
+    script.write_text(exported.content)
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    # the arrays, as bash expands them, are exactly the argv (bash prints each element on its own line)
+    body = exported.content.rsplit("\n", 1)[0]
+    probe = body + '\nprintf "%s\\n" "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}"\n'
+    out = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == exported.data["argv"]
+    assert exported.content.splitlines()[-1].startswith("torchrun --nnodes=2 --nproc-per-node=8 --node-rank=$NODE_RANK")
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in exported.content
+    assert shlex.split(exported.data["command"])[0] == "CUDA_DEVICE_MAX_CONNECTIONS=1"
+
+
+def test_the_console_script_exports_a_megatron_plan_as_script_and_json(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    made = subprocess.run([SP_PLAN, "plan", "--model", "llama3-8b", "--seq-len", "64K", "--gpus", "8", "--stack",
+                           "megatron", "--out", str(plan)], capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    as_json = subprocess.run([SP_PLAN, "export", str(plan), "--to", "megatron", "--json"], capture_output=True,
+                             text=True, timeout=120)
+    assert as_json.returncode == 0, as_json.stderr
+    data = json.loads(as_json.stdout)
+    assert data["stack"] == "megatron-core" and data["argv"] == data["model_args"] + data["parallel_args"] + \
+        data["data_args"]
+    assert any("under the megatron-core stack" in n for n in data["notes"])  # re-checked under the stack
+    out = tmp_path / "megatron.sh"
+    text = subprocess.run([SP_PLAN, "export", str(plan), "--to", "megatron", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert text.returncode == 0, text.stderr
+    assert out.read_text().startswith("#!/usr/bin/env bash") and "pretrain_gpt.py" in out.read_text()
+    helped = subprocess.run([SP_PLAN, "export", "--help"], capture_output=True, text=True, timeout=60).stdout
+    assert "megatron" in helped
+
+
+def test_the_console_script_refuses_a_zero3_plan_in_one_line(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    make_plan(ulysses=8, zero_stage=3).save(plan)
+    result = subprocess.run([SP_PLAN, "export", str(plan), "--to", "megatron"], capture_output=True, text=True,
+                            timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "re-plan with --stack megatron" in lines[0], result.stderr
+
+
+# ----- consumer 1: megatron-core's own config classes (registry package) ----------------------------------
+
+#: Flags pretrain_gpt.py's argument groups define outside megatron-core's config dataclasses (Megatron-LM
+#: core_v0.16.1 arguments.py: _add_network_size_args, _add_training_args, _add_distributed_args,
+#: _add_data_args, _add_tokenizer_args), and what each becomes in megatron-core's configs (None: a model-,
+#: data- or schedule-level value that is no config field).
+SCRIPT_FLAGS: dict[str, tuple[dict, dict | None]] = {
+    "--seq-length": ({"type": int}, None),
+    "--max-position-embeddings": ({"type": int}, None),
+    "--position-embedding-type": ({"choices": ["learned_absolute", "rope", "mrope", "yarn", "none"]}, None),
+    "--group-query-attention": ({"action": "store_true"}, None),
+    "--swiglu": ({"action": "store_true"}, {"gated_linear_unit": True}),
+    "--untie-embeddings-and-output-weights": ({"action": "store_true"}, None),
+    "--micro-batch-size": ({"type": int}, None),
+    "--global-batch-size": ({"type": int}, None),
+    "--mock-data": ({"action": "store_true"}, None),
+    "--tokenizer-type": ({"choices": ["NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"]}, None),
+    "--vocab-size": ({"type": int}, None),
+    "--make-vocab-size-divisible-by": ({"type": int}, None),
+}
+
+
+def _config_classes():
+    core = pytest.importorskip("megatron.core", reason="megatron-core (the [test] extra) is not installed")
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return core, (TransformerConfig, DistributedDataParallelConfig, OptimizerConfig)
+
+
+def _argparse_kwargs(field: dataclasses.Field, hints: dict) -> tuple[list[str], dict]:
+    """The flag(s) and argparse settings Megatron-LM derives from a megatron-core config field (its
+    ArgumentGroupFactory's rule: ``--name-with-dashes``; booleans are switches; a field's ``argparse_meta``
+    overrides)."""
+    kind = hints[field.name]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        kind = typing.get_args(kind)[0]
+    names = ["--" + field.name.replace("_", "-")]
+    if kind is bool:
+        kwargs = {"action": "store_false" if field.default is True else "store_true"}
+        if field.default is True:
+            names = ["--no-" + field.name.replace("_", "-"), "--disable-" + field.name.replace("_", "-")]
+    elif isinstance(kind, type) and issubclass(kind, enum.Enum):
+        kwargs = {"type": kind.__getitem__}
+    elif typing.get_origin(kind) is list:
+        kwargs = {"type": typing.get_args(kind)[0], "nargs": "+"}
+    elif typing.get_origin(kind) is typing.Literal:
+        kwargs = {"choices": list(typing.get_args(kind))}
+    elif kind in (int, float, str):
+        kwargs = {"type": kind}
+    else:
+        kwargs = {}
+    meta = dict(field.metadata.get("argparse_meta", {}))
+    names = meta.pop("arg_names", names)
+    meta.pop("default", None)
+    return names, {**kwargs, **{k: v for k, v in meta.items() if k in ("type", "nargs", "choices", "action")}}
+
+
+def parse_with_megatron_core(argv: list[str]):
+    """The exported argv through a parser of megatron-core's config fields and the script flags; returns the
+    megatron-core configs built from it."""
+    _, classes = _config_classes()
+    parser = argparse.ArgumentParser(allow_abbrev=False, exit_on_error=False)
+    dests: dict[str, set[str]] = {}
+    seen: set[str] = set()
+    for cls in classes:
+        hints = typing.get_type_hints(cls)
+        dests[cls.__name__] = set()
+        for field in dataclasses.fields(cls):
+            if not field.init:
+                continue
+            names, kwargs = _argparse_kwargs(field, hints)
+            dests[cls.__name__].add(field.name)
+            if field.name in seen:
+                continue
+            seen.add(field.name)
+            parser.add_argument(*names, dest=field.name, default=argparse.SUPPRESS, **kwargs)
+    for flag, (kwargs, _) in SCRIPT_FLAGS.items():
+        parser.add_argument(flag, dest="script:" + flag, default=argparse.SUPPRESS, **kwargs)
+    parsed, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise ValueError(f"flags Megatron does not define: {unknown}")
+    values = vars(parsed)
+    script = {k: v for k, v in values.items() if k.startswith("script:")}
+    fields = {k: v for k, v in values.items() if not k.startswith("script:")}
+    for flag in script:
+        fields.update(SCRIPT_FLAGS[flag.split(":", 1)[1]][1] or {})
+    # OptimizerConfig asks Transformer Engine (a CUDA package, absent here) for its version when the precision-
+    # aware optimizer is on; the stack runs TE 2.x, so the probe answers as that.
+    with mock.patch("megatron.core.optimizer.optimizer_config.is_te_min_version", lambda *a, **k: True):
+        configs = {cls.__name__: cls(**{k: v for k, v in fields.items() if k in dests[cls.__name__]})
+                   for cls in classes}
+    return configs, script
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_megatron_core_parses_and_validates_the_exported_arguments(name):
+    plan = PLANS[name]()
+    args = megatron_arguments(plan)
+    configs, script = parse_with_megatron_core(list(args.argv))
+    tc = configs["TransformerConfig"]
+    layout = plan.layout
+    assert (tc.num_layers, tc.hidden_size, tc.num_attention_heads) == \
+        (plan.model.num_layers, plan.model.hidden_size, plan.model.num_heads)
+    assert tc.num_query_groups == plan.model.num_kv_heads and tc.kv_channels == plan.model.head_dim
+    assert tc.gated_linear_unit and not tc.add_bias_linear and tc.normalization == "RMSNorm"
+    assert tc.tensor_model_parallel_size == layout.tp and tc.pipeline_model_parallel_size == 1
+    assert tc.context_parallel_size == layout.ulysses * layout.ring
+    assert tc.sequence_parallel == (layout.tp > 1) and tc.bf16
+    assert tc.recompute_granularity == {"full": "full", "selective": "selective", "none": None}[plan.train.checkpointing]
+    if layout.ulysses > 1 and layout.ring > 1:
+        assert tc.cp_comm_type == "a2a+p2p" and tc.hierarchical_context_parallel_sizes == [layout.ulysses, layout.ring]
+    ddp = configs["DistributedDataParallelConfig"]
+    assert ddp.use_distributed_optimizer == (plan.train.zero_stage == 1)
+    assert ddp.num_distributed_optimizer_instances == layout.dp_replicate
+    assert configs["OptimizerConfig"].optimizer_cpu_offload == plan.train.offload_optimizer
+    assert script["script:--seq-length"] == plan.train.seq_len
+
+
+def test_a_flag_megatron_core_does_not_know_fails_the_parse():
+    argv = list(megatron_arguments(PLANS["ring"]()).argv)
+    with pytest.raises(ValueError, match=r"flags Megatron does not define: \['--ulysses-degree', '8'\]"):
+        parse_with_megatron_core(argv + ["--ulysses-degree", "8"])
+    tp2 = list(megatron_arguments(PLANS["usp-tp"]()).argv)  # tp=2: megatron-core's own validation runs
+    with pytest.raises(ValueError, match="num_query_groups"):
+        parse_with_megatron_core([*tp2, "--num-query-groups", "3"])
+
+
+# ----- consumer 2: Megatron-LM's own parse_args + validate_args (a checkout, when given) ---------------------
+
+
+def _megatron_lm_arguments():
+    """megatron.training.arguments from the checkout in MEGATRON_LM_ROOT (skip without one). Its package
+    __init__ imports the whole trainer (Triton, TE); the argument module needs only global_vars, so the
+    package is entered without running __init__."""
+    root = os.environ.get("MEGATRON_LM_ROOT")
+    if not root:
+        pytest.skip("Megatron-LM's arguments.py ships in no registry package: set MEGATRON_LM_ROOT to a checkout "
+                    "(tag core_v0.16.1 matches the megatron-core wheel) to run its own parser")
+    import megatron
+
+    extra = str(Path(root) / "megatron")
+    if extra not in megatron.__path__:
+        megatron.__path__.append(extra)
+    if "megatron.training" not in sys.modules:
+        package = types.ModuleType("megatron.training")
+        package.__path__ = [str(Path(extra) / "training")]
+        sys.modules["megatron.training"] = package
+        import megatron.training.global_vars as global_vars
+
+        for name in dir(global_vars):
+            if name.startswith(("get_", "set_")):
+                setattr(package, name, getattr(global_vars, name))
+    import megatron.training.arguments as arguments
+
+    return arguments
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_megatron_lms_own_parser_accepts_the_exported_arguments(name, monkeypatch):
+    arguments = _megatron_lm_arguments()
+    plan = PLANS[name]()
+    args = megatron_arguments(plan)
+    for key, value in args.env:
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("WORLD_SIZE", str(plan.hardware.num_gpus))
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *args.argv])
+    # validate_args asks the first CUDA device for its architecture: the plan's GPU is a Hopper (9.0).
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
+    parsed = arguments.parse_args()
+    arguments.validate_args(parsed)
+    assert parsed.data_parallel_size == plan.layout.dp
+    assert parsed.context_parallel_size == plan.layout.ulysses * plan.layout.ring
+    assert parsed.accumulate_allreduce_grads_in_fp32  # the stack's fp32 main gradients
