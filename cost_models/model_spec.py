@@ -176,7 +176,7 @@ class ModelSpec(BaseModel):
         sparse = self.moe_layer_count
         ffn = self.moe.active_layer_params(self.hidden_size) if active else self.moe.layer_params(self.hidden_size)
         return (self.num_layers - sparse) * self.params_per_layer() + sparse * (
-            self.attention_params_per_layer() + ffn + 2 * self.norm_params())
+            self.attention_params_per_layer() + ffn + self.norms_per_layer * self.norm_params())
 
     def embedding_params(self) -> int:
         """Token embedding plus learned positions (the output head is counted separately)."""

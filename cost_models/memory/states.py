@@ -75,13 +75,13 @@ def tp_params(model: ModelSpec, tp: int) -> TPParams:
         mlp = 3 * h * f + (2 * f + h) * model.mlp_bias
     else:
         mlp = 2 * h * f + (f + h) * model.mlp_bias
-    per_layer = attention + mlp + 2 * model.norm_params()
+    per_layer = attention + mlp + model.norms_per_layer * model.norm_params()
     vocab_rows = ceil_div(model.vocab_size, tp)
     positions = model.max_position_embeddings * h if model.position_embedding == "learned" else 0
     lm_head = 0 if model.tied_embeddings else vocab_rows * h
     layers_total = 0
     if model.moe is not None or model.mla is not None:  # MLA attention, dense and MoE layers mixed
-        norms = 2 * model.norm_params()
+        norms = model.norms_per_layer * model.norm_params()
         layers_total = math.ceil(layers_params_tp(model, tp, attention, mlp)) + model.num_layers * norms
         per_layer = math.ceil(layers_total / model.num_layers)
     return TPParams(per_layer, vocab_rows * h, positions, lm_head, model.norm_params(), model.num_layers, layers_total)

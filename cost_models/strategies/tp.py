@@ -54,7 +54,7 @@ def tp_local_layer_params(model: ModelSpec, tp: int) -> float:
 def tp_replicated_layer_params(model: ModelSpec) -> float:
     """Layer parameters every TP rank holds in full: norms, qk-norms, row-parallel biases."""
     h = model.hidden_size
-    return 2 * model.norm_params() + 2 * model.head_dim * model.qk_norm + h * model.attn_out_bias + h * model.mlp_bias
+    return model.norms_per_layer * model.norm_params() + 2 * model.head_dim * model.qk_norm + h * model.attn_out_bias + h * model.mlp_bias
 
 
 def tp_local_other_params(model: ModelSpec, tp: int) -> float:
