@@ -197,6 +197,9 @@ class TensorParallel:
     head_replicated: list[tuple[nn.Module, str, int, int]] = field(default_factory=list)
     #: This rank's [start, stop) along the split dim of each kind of sharded tensor (set by apply).
     bounds: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: ``(module name, tensor name) -> (dim, bounds key)`` of every sharded tensor kind: built from the
+    #: model's projection table (:func:`slice_rules`); the runtime Llama's names unless told otherwise.
+    rules: dict[tuple[str, str], tuple[int, str]] = field(default_factory=lambda: dict(LLAMA_SLICE_RULES))
 
     def local_slice(self, name: str) -> tuple[int, int, int] | None:
         """``(dim, start, stop)`` this rank keeps of the full model's tensor ``name`` (None: all of it).
@@ -206,19 +209,7 @@ class TensorParallel:
         """
         if self.size == 1:
             return None
-        parts = name.split(".")
-        module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
-        rules = {
-            ("q_proj", "weight"): (0, "q"), ("q_proj", "bias"): (0, "q"),
-            ("k_proj", "weight"): (0, "kv"), ("k_proj", "bias"): (0, "kv"),
-            ("v_proj", "weight"): (0, "kv"), ("v_proj", "bias"): (0, "kv"),
-            ("o_proj", "weight"): (1, "q"),
-            ("gate_proj", "weight"): (0, "ffn"), ("gate_proj", "bias"): (0, "ffn"),
-            ("up_proj", "weight"): (0, "ffn"), ("up_proj", "bias"): (0, "ffn"),
-            ("down_proj", "weight"): (1, "ffn"),
-            ("embed_tokens", "weight"): (0, "vocab"), ("lm_head", "weight"): (0, "vocab"),
-        }
-        rule = rules.get((module, kind))
+        rule = self.rules.get(_module_and_tensor(name))
         if rule is None:
             return None
         dim, key = rule
@@ -315,7 +306,7 @@ class TensorParallel:
         cut = self.local_slice(name)
         if cut is None:
             return 1.0 / self.size
-        if self.head_replicated and name.split(".")[-2] in ("k_proj", "v_proj"):
+        if self.head_replicated and self.rules.get(_module_and_tensor(name), (0, ""))[1] == "kv":
             return 1.0 / (self.size // self.head_replicated[0][3])
         return 1.0
 
@@ -356,6 +347,12 @@ class TensorParallel:
             # step's token count).
             dist.all_reduce(squared, group=self.group)
         return squared.sqrt()
+
+
+def _module_and_tensor(name: str) -> tuple[str, str]:
+    """``("q_proj", "weight")`` of ``"layers.0.attn.q_proj.weight"``: the key of a slicing rule."""
+    parts = name.split(".")
+    return (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
 
 
 def _local_grad(p: nn.Parameter) -> torch.Tensor | None:
@@ -543,8 +540,25 @@ def llama_projections(attention: str, mlp: str) -> tuple[Projection, ...]:
     )
 
 
+def slice_rules(projections: Sequence[Projection], vocabulary: Sequence[str]) -> dict[tuple[str, str], tuple[int, str]]:
+    """The state-dict slicing rules of a model cut by ``projections``, whose vocab-parallel modules
+    (embedding, lm_head) are named ``vocabulary``: column projections split weight and bias along dim 0,
+    row projections their weight along dim 1 (the bias stays whole), vocabulary weights along dim 0."""
+    rules: dict[tuple[str, str], tuple[int, str]] = {}
+    for p in projections:
+        if p.style == "column":
+            rules[(p.name, "weight")] = rules[(p.name, "bias")] = (0, p.split)
+        else:
+            rules[(p.name, "weight")] = (1, p.split)
+    for module in vocabulary:
+        rules[(module, "weight")] = (0, "vocab")
+    return rules
+
+
 #: The runtime Llama's blocks (``LlamaBlock.attn`` / ``LlamaBlock.mlp``).
 LLAMA_PROJECTIONS = llama_projections("attn", "mlp")
+#: The runtime Llama's slicing rules (its projections, ``embed_tokens`` and ``lm_head``).
+LLAMA_SLICE_RULES = slice_rules(LLAMA_PROJECTIONS, ("embed_tokens", "lm_head"))
 #: q/k norms of the runtime Llama's attention (replicated on every TP rank when the model has them).
 LLAMA_HEAD_NORMS: tuple[tuple[str, str], ...] = (("attn", "q_norm"), ("attn", "k_norm"))
 

@@ -43,10 +43,11 @@ from torch import nn
 
 from sp_plan.cost_models.model_spec import ModelSpec, model_from_hf_dict
 from sp_plan.runtime.errors import RuntimeConfigError
+from sp_plan.runtime.models.hf.architectures import HF_ARCHITECTURES, HFArchitecture
 from sp_plan.runtime.models.hf.names import HIDDEN_STATES_METHOD
 
-#: The HF ``model_type``s the runtime drives (decoder layers at ``model.model.layers``).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+#: The HF ``model_type``s the runtime drives: those with an :data:`HF_ARCHITECTURES` entry.
+SUPPORTED_MODEL_TYPES = tuple(HF_ARCHITECTURES)
 
 
 def transformers_module():
@@ -59,26 +60,44 @@ def transformers_module():
     return transformers
 
 
-def hf_model_spec(model: nn.Module) -> ModelSpec:
-    """The ModelSpec of an HF causal LM (from its config; the name is its model_type and size)."""
-    config = model.config.to_dict()
-    model_type = str(config.get("model_type", "")).lower()
-    if model_type not in SUPPORTED_MODEL_TYPES:
+def hf_architecture(model: nn.Module) -> HFArchitecture:
+    """Where ``model``'s family keeps its modules (its ``config.model_type``'s table entry)."""
+    model_type = str(getattr(model.config, "model_type", "")).lower()
+    try:
+        return HF_ARCHITECTURES[model_type]
+    except KeyError:
         raise RuntimeConfigError(
             f"HF model_type {model_type!r} is not supported by the runtime: use one of "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (a new family with the usual decoder layer is one entry in "
+            "sp_plan.runtime.models.hf.architectures.HF_ARCHITECTURES)"
+        ) from None
+
+
+def module_at(root: nn.Module, path: str) -> nn.Module | None:
+    """The submodule at dotted ``path`` (None when a step is missing)."""
+    for part in path.split("."):
+        root = getattr(root, part, None)
+        if root is None:
+            return None
+    return root
+
+
+def hf_model_spec(model: nn.Module) -> ModelSpec:
+    """The ModelSpec of an HF causal LM (from its config; the name is its model_type and size)."""
+    hf_architecture(model)  # refuses the families the runtime does not drive
+    config = model.config.to_dict()
+    model_type = str(config.get("model_type", "")).lower()
     name = f"{model_type}-{config.get('num_hidden_layers')}l-{config.get('hidden_size')}h"
     return model_from_hf_dict(config, name=name)
 
 
 def hf_decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks (``model.model.layers`` for the supported families)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
+    """The transformer blocks (at the family's :attr:`HFArchitecture.layers` path, ``model.layers``)."""
+    path = hf_architecture(model).layers
+    layers = module_at(model, path)
     if layers is None:
         raise RuntimeConfigError(
-            f"{type(model).__name__} has no model.layers: pass a *ForCausalLM of a supported family "
+            f"{type(model).__name__} has no {path}: pass a *ForCausalLM of a supported family "
             f"({', '.join(SUPPORTED_MODEL_TYPES)})"
         )
     return list(layers)
