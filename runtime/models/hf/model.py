@@ -107,17 +107,24 @@ def _documents(cu_seqlens: torch.Tensor | None) -> dict[str, torch.Tensor]:
     return {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
 
 
+def _inputs(tokens_or_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Token ids, or (a later model part's input) the previous part's hidden states as ``inputs_embeds``."""
+    if tokens_or_hidden.is_floating_point():
+        return {"inputs_embeds": tokens_or_hidden}
+    return {"input_ids": tokens_or_hidden}
+
+
 def hf_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
               cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Logits of the local tokens: global ``position_ids`` for RoPE, no mask, no cache; ``cu_seqlens``
     (packed documents, boundaries over the whole batch) reaches the attention as a keyword."""
-    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **_documents(cu_seqlens))
+    out = model(**_inputs(input_ids), position_ids=position_ids, use_cache=False, **_documents(cu_seqlens))
     return out.logits
 
 
 def _hidden_states(self: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                    cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    hidden = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+    hidden = self.model(**_inputs(input_ids), position_ids=position_ids, use_cache=False,
                         **_documents(cu_seqlens)).last_hidden_state
     tp = getattr(self, "tensor_parallel", None)
     return tp.enter(hidden) if tp is not None else hidden  # the vocab-parallel head's TP region

@@ -28,7 +28,7 @@ from sp_plan.runtime.tp import (
     Projection,
     TensorParallel,
     shard_projections,
-    shard_vocabulary,
+    shard_vocabulary_modules,
     slice_rules,
     tensor_parallel_state,
 )
@@ -100,11 +100,12 @@ def apply_hf_tensor_parallel(model: nn.Module, mesh_or_group, *, sequence_parall
     if tp.sequence_parallel:
         final_norm = module_at(model, plan.final_norm)
         tp.replicated += [(final_norm, name) for name, _ in final_norm.named_parameters()]
-    head = None if spec.tied_embeddings else module_at(model, plan.lm_head).weight
-    embedding, lm_head = shard_vocabulary(tp, module_at(model, plan.embedding).weight, head)
+    embedding, lm_head = shard_vocabulary_modules(tp, module_at(model, plan.embedding),
+                                                  module_at(model, plan.lm_head), spec.tied_embeddings)
     _set(model, plan.embedding, embedding)
     _set(model, plan.lm_head, lm_head)
-    lm_head.register_forward_pre_hook(_enter_region(tp), with_kwargs=True)
+    if not isinstance(lm_head, nn.Identity):  # a model part before the last keeps its hidden states
+        lm_head.register_forward_pre_hook(_enter_region(tp), with_kwargs=True)
     return tp
 
 
