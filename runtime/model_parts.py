@@ -16,6 +16,7 @@ MLP, FSDP2) and runs forward, loss, gradient sync and clipping over the list.
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Sequence
 
 from torch import nn
@@ -86,7 +87,7 @@ def split_model(model: nn.Module, adapter: ModelAdapter, bounds: Sequence[int]) 
         )
     edges = [0, *cuts, len(blocks)]
     parts = []
-    for i, (start, stop) in enumerate(zip(edges, edges[1:])):
+    for i, (start, stop) in enumerate(itertools.pairwise(edges)):
         part = _shallow_copy(model)
         _replace(part, paths.layers, lambda old, a=start, b=stop: BlockSubset(
             {n: m for n, m in list(old._modules.items())[a:b]}))
