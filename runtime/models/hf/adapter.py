@@ -1,4 +1,4 @@
-"""The adapter of Hugging Face transformers causal LMs (Llama, Mistral, Qwen2, Qwen3).
+"""The adapter of Hugging Face transformers causal LMs (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral).
 
 Attention goes through transformers' attention registry (:mod:`.attention`), checkpointing through
 each decoder layer's hook and the MLP runs tiled (:mod:`.techniques`), tensor parallelism follows the

@@ -17,6 +17,7 @@ from torch import nn
 
 from sp_plan.runtime.errors import RuntimeConfigError
 from sp_plan.runtime.models.hf.model import hf_architecture, hf_decoder_layers, transformers_module
+from sp_plan.runtime.models.hf.moe import check_moe_training
 
 #: The attention implementation name registered with transformers.
 ATTENTION_NAME = "sp_plan"
@@ -88,6 +89,7 @@ def use_sequence_parallel_attention(model: nn.Module, sp, seq_len: int) -> None:
         )
     if getattr(config, "attention_dropout", 0.0):
         raise RuntimeConfigError(f"attention_dropout={config.attention_dropout} is not supported: set it to 0")
+    check_moe_training(model)  # router settings that are not per token
     register_attention()
     for module in _attention_modules(model):
         object.__setattr__(module, CONTEXT_ATTRIBUTE, sp)  # a plain attribute, not a submodule

@@ -1,4 +1,4 @@
-"""Hugging Face transformers models (Llama, Qwen2, Qwen3, Mistral) on the sequence-parallel runtime.
+"""Hugging Face transformers models (Llama, Qwen2, Qwen3, Mistral; MoE: Qwen3-MoE, Mixtral) on the SP runtime.
 
 Optional: ``transformers`` is imported lazily (``pip install 'sp-plan[hf]'``). Pieces:
 
