@@ -64,8 +64,7 @@ def _full_grads(setup) -> dict[str, torch.Tensor]:
     return out
 
 
-def _step(rank: int, world: int, family: str, layout: Layout, bounds: list[int] | None,
-          max_grad_norm: float | None) -> dict:
+def _step(family: str, layout: Layout, bounds: list[int] | None, max_grad_norm: float | None) -> dict:
     from sp_plan.runtime.auto import configure_parts
     from sp_plan.runtime.model_parts import split_model
     from sp_plan.runtime.models.base import adapter_for
@@ -81,12 +80,17 @@ def _step(rank: int, world: int, family: str, layout: Layout, bounds: list[int] 
             "grads": _full_grads(setup)}
 
 
+def _one_and_two_parts(rank: int, world: int, family: str, layout: Layout, max_grad_norm: float | None
+                       ) -> tuple[dict, dict]:
+    """The step on the whole model, then on the same model split in two halves (same ranks, fresh setups)."""
+    return (_step(family, layout, None, max_grad_norm), _step(family, layout, [2], max_grad_norm))
+
+
 @pytest.mark.parametrize("family", ["llama", "hf"])
 def test_two_parts_step_equals_one_part_exactly(family: str) -> None:
     if family == "hf":
         pytest.importorskip("transformers")
-    one = run_ranks(1, _step, family, Layout(), None, None)[0]
-    two = run_ranks(1, _step, family, Layout(), [2], None)[0]
+    one, two = run_ranks(1, _one_and_two_parts, family, Layout(), None)[0]
     assert (one["parts"], two["parts"]) == (1, 2)
     assert two["loss"] == one["loss"]
     assert sorted(two["grads"]) == sorted(one["grads"])  # the parts keep the whole model's names
@@ -95,14 +99,12 @@ def test_two_parts_step_equals_one_part_exactly(family: str) -> None:
 
 
 def test_tp_clipping_over_two_parts_equals_one_part() -> None:
-    one = run_ranks(2, _step, "llama", Layout(tp=2), None, 0.05)
-    two = run_ranks(2, _step, "llama", Layout(tp=2), [2], 0.05)
-    assert one[0]["grad_norm"] > 0.05  # the clip is active
-    for a, b in zip(one, two):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
-        for name, grad in a["grads"].items():
-            torch.testing.assert_close(torch.from_numpy(b["grads"][name]), torch.from_numpy(grad), rtol=1e-5,
+    for one, two in run_ranks(2, _one_and_two_parts, "llama", Layout(tp=2), 0.05):
+        assert one["grad_norm"] > 0.05  # the clip is active
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-6)
+        assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-6)
+        for name, grad in one["grads"].items():
+            torch.testing.assert_close(torch.from_numpy(two["grads"][name]), torch.from_numpy(grad), rtol=1e-5,
                                        atol=1e-7, msg=name)
 
 
