@@ -149,3 +149,22 @@ def test_moe_refusals() -> None:
         assert "set config.output_router_logits = False" in error_of(lambda m=routed: check_moe_training(m))
     jittery = _model("mixtral", router_jitter_noise=0.1)
     assert "set config.router_jitter_noise = 0" in error_of(lambda: check_moe_training(jittery))
+
+
+def test_moe_plans_are_held_to_what_the_runtime_runs() -> None:
+    """Once the planner describes MoE models (``ModelSpec.moe``), it is asked for tp 1 and no tiled MLP, and
+    a plan with either is refused with the reason; a dense spec keeps both."""
+    from types import SimpleNamespace
+
+    from sp_plan.runtime.capabilities import merge_constraints, planner_constraints, unsupported_reasons
+
+    moe_spec = SimpleNamespace(moe=object())  # what the runtime reads of a MoE ModelSpec: its sparse FFN is set
+    layout, options = planner_constraints("hf", moe_spec)
+    assert layout.get("tp") == 1 and options.get("tiled_mlp") is False
+    dense_layout, dense_options = planner_constraints("hf", _dense_stand_in("mixtral"))
+    assert "tp" not in dense_layout and "tiled_mlp" not in dense_options
+    plan = SimpleNamespace(model=moe_spec, train=TrainSpec(seq_len=SEQ, tiled_mlp=True), layout=Layout(tp=2))
+    reasons = unsupported_reasons(plan, "hf")
+    assert any(r.startswith("tp=2: tensor parallelism does not split mixture-of-experts") for r in reasons)
+    assert any(r.startswith("tiled_mlp: the tiled MLP does not run mixture-of-experts") for r in reasons)
+    assert "re-plan with --tp 1" in error_of(lambda: merge_constraints({"tp": 2}, {}, "hf", moe_spec))
