@@ -168,3 +168,14 @@ def test_moe_plans_are_held_to_what_the_runtime_runs() -> None:
     assert any(r.startswith("tp=2: tensor parallelism does not split mixture-of-experts") for r in reasons)
     assert any(r.startswith("tiled_mlp: the tiled MLP does not run mixture-of-experts") for r in reasons)
     assert "re-plan with --tp 1" in error_of(lambda: merge_constraints({"tp": 2}, {}, "hf", moe_spec))
+
+
+def test_config_dict_carries_the_config_json_names() -> None:
+    """transformers stores Qwen3-MoE's expert count as ``num_local_experts`` and writes only that name, while
+    Qwen3-MoE's config.json (what the cost models read) says ``num_experts``: the runtime hands both."""
+    from sp_plan.runtime.models.hf.model import hf_config_dict
+
+    config = _config("qwen3_moe")
+    assert "num_experts" not in config.to_dict()
+    assert hf_config_dict(config)["num_experts"] == hf_config_dict(config)["num_local_experts"] == 4
+    assert hf_config_dict(_config("mixtral"))["num_local_experts"] == 4
