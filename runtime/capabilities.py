@@ -13,7 +13,8 @@ checkpoint/optimizer/parameter offload, ZeRO-1/2/3, every checkpointing mode); a
 transformers model (``"hf"``) is driven through transformers' attention registry,
 checkpointing hooks, its own MLP forward (run tiled) and the runtime's TP shards of its projections
 (the families name them like the runtime's Llama; forward pre-hooks open the TP regions), so it runs
-every option too.
+every option too, except on mixture-of-experts models (a ModelSpec with ``moe``): no tensor parallelism
+and no tiled MLP there.
 Plans the runtime never executes: ``prefill`` (for inference engines), the materialised-attention
 kernel, and ZeRO-0 (plain DDP), which the planner does not recommend for training.
 """

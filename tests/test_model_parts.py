@@ -4,7 +4,7 @@ HF one) into embedding + first half of the blocks and second half + norm + head,
 :func:`sp_plan.runtime.auto.configure_parts` parallelises each part.
 
 - One process: ``train_step`` over the two parts gives exactly the one-part loss and gradients.
-- Two gloo ranks with TP 2: the TP gradient clipping over the two parts clips by the one-part norm, and
+- Two gloo ranks with TP 2 (both families): the TP gradient clipping over the two parts clips by the one-part norm, and
   the loss and the clipped gradients match the one-part run.
 - Bad boundaries and tied embeddings are refused with the reason.
 """
@@ -98,8 +98,11 @@ def test_two_parts_step_equals_one_part_exactly(family: str) -> None:
         assert (two["grads"][name] == grad).all(), name
 
 
-def test_tp_clipping_over_two_parts_equals_one_part() -> None:
-    for one, two in run_ranks(2, _one_and_two_parts, "llama", Layout(tp=2), 0.05):
+@pytest.mark.parametrize("family", ["llama", "hf"])
+def test_tp_clipping_over_two_parts_equals_one_part(family: str) -> None:
+    if family == "hf":
+        pytest.importorskip("transformers")
+    for one, two in run_ranks(2, _one_and_two_parts, family, Layout(tp=2), 0.05):
         assert one["grad_norm"] > 0.05  # the clip is active
         assert two["loss"] == pytest.approx(one["loss"], rel=1e-6)
         assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-6)
