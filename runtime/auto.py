@@ -64,7 +64,7 @@ A training loop written by hand (rather than :func:`sp_plan.runtime.step.train_s
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +97,7 @@ from sp_plan.runtime.planning import (
     refuse_unsupported,
 )
 from sp_plan.runtime.tiled_loss import tiled_cross_entropy
+from sp_plan.runtime.tp import clip_parts_grad_norm_, parts_grad_norm
 
 COMPUTE_DTYPES = DTYPES
 
@@ -107,6 +108,7 @@ __all__ = [
     "SequenceParallelAttention",
     "agree_on_plan",
     "auto_configure",
+    "configure_parts",
     "check_plan_matches",
     "check_same_plan",
     "describe_plan",
@@ -134,10 +136,13 @@ class AutoConfigured:
     adapter: ModelAdapter
     compute_dtype: torch.dtype
     notes: list[str] = field(default_factory=list)
-    #: The TP state (sp_plan.runtime.tp.TensorParallel) when the plan has tp > 1, else None.
+    #: The TP state (sp_plan.runtime.tp.TensorParallel) when the plan has tp > 1, else None: the last
+    #: part's (the vocab-parallel loss's); every part shards by the same rules (checkpoint geometry).
     tensor_parallel: Any = None
     #: The checkpoint offload (sp_plan.runtime.offload.CheckpointOffload) when the plan offloads checkpoints.
     checkpoint_offload: Any = None
+    #: Each model part's TP state (its replicated parameters), in part order; empty without TP.
+    part_tensor_parallel: list[Any] = field(default_factory=list)
     #: Set when TP-replicated gradients were all-reduced; cleared by every forward (new gradients).
     _grads_synced: bool = field(default=False, repr=False)
 
@@ -180,10 +185,14 @@ class AutoConfigured:
         """Every model part's named parameters (each part keeps the whole model's names)."""
         return itertools.chain.from_iterable(part.named_parameters() for part in self.model_parts)
 
-    def _single_part(self, what: str) -> nn.Module:
-        if len(self.model_parts) != 1:
-            raise RuntimeConfigError(f"{what} over {len(self.model_parts)} model parts is not implemented")
-        return self.model_parts[0]
+    def _through_parts(self, shard: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Run every model part but the last on the shard's tokens: what the last part takes (the token
+        ids with one part, else the hidden states the previous parts computed)."""
+        self._grads_synced = False
+        x = shard["input_ids"]
+        for part in self.model_parts[:-1]:
+            x = self.adapter.logits(part, x, shard["position_ids"], shard.get("cu_seqlens"))
+        return x
 
     def shard(self, batch: Any) -> dict[str, torch.Tensor]:
         """This rank's shard of a full-sequence batch (see :class:`sp_plan.runtime.data.BatchSharder`)."""
@@ -193,9 +202,8 @@ class AutoConfigured:
         """Logits of this rank's tokens for a sharded batch (global position ids, no mask); under tensor
         parallelism this rank's vocabulary slice (:meth:`loss` knows). Materialises the logits even when
         the plan has ``tiled_loss``: train with :meth:`compute_loss`."""
-        self._grads_synced = False
-        model = self._single_part("a forward")
-        return self.adapter.logits(model, shard["input_ids"], shard["position_ids"], shard.get("cu_seqlens"))
+        x = self._through_parts(shard)
+        return self.adapter.logits(self.model_parts[-1], x, shard["position_ids"], shard.get("cu_seqlens"))
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items: int | None = None) -> LossOutput:
         """Token-weighted loss of :meth:`forward`'s logits (see :class:`sp_plan.runtime.loss.TokenLoss`)."""
@@ -208,9 +216,9 @@ class AutoConfigured:
         under gradient accumulation (:func:`sp_plan.runtime.loss.global_token_count`)."""
         if not self.train.tiled_loss:
             return self.loss(self.forward(shard), shard["labels"], num_items)
-        self._grads_synced = False
-        model = self._single_part("a forward")
-        hidden = self.adapter.hidden_states(model, shard["input_ids"], shard["position_ids"], shard.get("cu_seqlens"))
+        x = self._through_parts(shard)
+        model = self.model_parts[-1]
+        hidden = self.adapter.hidden_states(model, x, shard["position_ids"], shard.get("cu_seqlens"))
         tp = self.tensor_parallel
         local_sum, count = tiled_cross_entropy(
             hidden, self.adapter.lm_head_weight(model), shard["labels"],
@@ -221,23 +229,28 @@ class AutoConfigured:
     def sync_gradients(self) -> None:
         """All-reduce the gradients of TP-replicated parameters (norms, replicated K/V) over TP, once per
         optimizer step after the last backward (a no-op without TP or when already done)."""
-        if self.tensor_parallel is not None and not self._grads_synced:
-            self.tensor_parallel.sync_replicated_grads()
+        if not self._grads_synced:
+            for tp in self.part_tensor_parallel:
+                tp.sync_replicated_grads()
         self._grads_synced = True
 
+    def _tp_parts(self) -> list[tuple[Any, nn.Module]]:
+        return list(zip(self.part_tensor_parallel, self.model_parts))
+
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Clip gradients to a global 2-norm (over FSDP shards and TP shards alike); returns the norm."""
+        """Clip gradients of every model part to one global 2-norm (over FSDP shards and TP shards alike);
+        returns the norm."""
         self.sync_gradients()
-        if self.tensor_parallel is not None:
-            return float(self.tensor_parallel.clip_grad_norm_(self._single_part("TP gradient clipping"), max_norm))
+        if self.part_tensor_parallel:
+            return float(clip_parts_grad_norm_(self._tp_parts(), max_norm))
         return float(torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm))
 
     def grad_norm(self) -> float:
         """The global gradient 2-norm :meth:`clip_grad_norm_` clips by, without clipping: the same value on
         every rank (a NaN or inf on any rank's gradients makes it non-finite everywhere)."""
         self.sync_gradients()
-        if self.tensor_parallel is not None:
-            return float(self.tensor_parallel.grad_norm(self._single_part("the TP gradient norm")))
+        if self.part_tensor_parallel:
+            return float(parts_grad_norm(self._tp_parts()))
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if not grads:
             return 0.0
@@ -361,20 +374,51 @@ def auto_configure(
     check_plan_matches(the_plan, spec, seq_len)
     refuse_unsupported(the_plan, adapter)
 
-    mesh = build_mesh(the_plan.layout, device_type=device_type)
+    return configure_parts([model], adapter, the_plan, device_type=device_type, pad_token_id=pad_token_id,
+                           labels_shifted=labels_shifted, cross_document_attention=cross_document_attention,
+                           sync_weights=sync_weights)
+
+
+def configure_parts(
+    model_parts: Sequence[nn.Module],
+    adapter: ModelAdapter,
+    plan: Any,
+    *,
+    device_type: str | None = None,
+    pad_token_id: int = 0,
+    labels_shifted: bool = False,
+    cross_document_attention: bool = False,
+    sync_weights: bool = True,
+) -> AutoConfigured:
+    """The setup of a plan over model parts (:func:`auto_configure`'s second half): the mesh, then each part
+    parallelised in turn (:func:`sp_plan.runtime.parallelize.parallelize`: TP, SP attention, checkpointing,
+    tiled MLP, FSDP2), the batch sharder and the loss. ``model_parts``: the whole model, or the parts of
+    :func:`sp_plan.runtime.model_parts.split_model` (run in order by :meth:`AutoConfigured.forward`, as
+    pipeline stages will be); ``plan`` must already be agreed on by every rank and checked against the
+    model (:func:`auto_configure` does both). The other arguments are :func:`auto_configure`'s."""
+    device_type = init_distributed(device_type)
+    refuse_unsupported(plan, adapter)
+    mesh = build_mesh(plan.layout, device_type=device_type)
     sp = SequenceParallel.from_mesh(mesh)
-    model_parts = [model.to(mesh.device)]
+    parts_on_device = [part.to(mesh.device) for part in model_parts]
     if sync_weights:
-        broadcast_parameters(model_parts, mesh.device)
-    parts = [parallelize(part, adapter, the_plan, mesh, sp) for part in model_parts]
-    tp, offload = parts[0].tensor_parallel, parts[0].checkpoint_offload  # one part: the whole model
+        broadcast_parameters(parts_on_device, mesh.device)
+    parts = [parallelize(part, adapter, plan, mesh, sp) for part in parts_on_device]
+    part_tp = [p.tensor_parallel for p in parts if p.tensor_parallel is not None]
+    tp = part_tp[-1] if part_tp else None  # the vocab-parallel loss's: the last part's
+    offloads = [p.checkpoint_offload for p in parts if p.checkpoint_offload is not None]
+    if len(offloads) > 1:
+        raise RuntimeConfigError(
+            "offload_checkpoints over more than one model part is not implemented (each part would keep its own "
+            "host buffers, which the memory model does not price): plan without offload_checkpoints"
+        )
     group = data_group(mesh)
     tp_splits_sequence = tp is not None and tp.sequence_parallel
     sharder = BatchSharder(sp, pad_token_id=pad_token_id, labels_shifted=labels_shifted,
                            cross_document_attention=cross_document_attention, device=mesh.device,
-                           tp_multiple=the_plan.layout.tp if tp_splits_sequence else 1)
+                           tp_multiple=plan.layout.tp if tp_splits_sequence else 1)
     cross_entropy = tp.cross_entropy if tp is not None else None  # vocab-parallel logits under TP
-    return AutoConfigured(model_parts=[p.module for p in parts], plan=the_plan, mesh=mesh, sp=sp, sharder=sharder,
+    return AutoConfigured(model_parts=[p.module for p in parts], plan=plan, mesh=mesh, sp=sp, sharder=sharder,
                           loss_fn=TokenLoss(group, cross_entropy), data_group=group, adapter=adapter,
-                          compute_dtype=COMPUTE_DTYPES[the_plan.train.dtype], tensor_parallel=tp,
-                          checkpoint_offload=offload)
+                          compute_dtype=COMPUTE_DTYPES[plan.train.dtype], tensor_parallel=tp,
+                          checkpoint_offload=offloads[0] if offloads else None, part_tensor_parallel=part_tp)

@@ -13,7 +13,8 @@ checkpoint/optimizer/parameter offload, ZeRO-1/2/3, every checkpointing mode); a
 transformers model (``"hf"``) is driven through transformers' attention registry,
 checkpointing hooks, its own MLP forward (run tiled) and the runtime's TP shards of its projections
 (the families name them like the runtime's Llama; forward pre-hooks open the TP regions), so it runs
-every option too.
+every option too, except on mixture-of-experts models (a ModelSpec with ``moe``): no tensor parallelism
+and no tiled MLP there.
 Plans the runtime never executes: ``prefill`` (for inference engines), the materialised-attention
 kernel, and ZeRO-0 (plain DDP), which the planner does not recommend for training.
 """
@@ -77,11 +78,30 @@ def runtime_unexecuted_degrees() -> dict[str, str]:
             if name not in EXECUTED_MODEL_DEGREES and not d.roles <= _DATA_ROLES}
 
 
+_MOE_TP = ("tensor parallelism does not split mixture-of-experts blocks (the experts would be replicated and the "
+           "MoE output summed tp times); re-plan with --tp 1")
+_MOE_TILED_MLP = "the tiled MLP does not run mixture-of-experts blocks (a router picks experts per token)"
+
+
+def _is_moe(model: Any) -> bool:
+    return getattr(model, "moe", None) is not None  # ModelSpec.moe: the sparse FFN, None when dense
+
+
 def _degrees_blocked(adapter: ModelAdapter, model: Any) -> dict[str, str]:
     """Degrees held at 1 for this family (and, with the model's spec, for its architecture)."""
     blocked = {**runtime_unexecuted_degrees(), **adapter.unsupported_degrees}
     if model is not None and (getattr(model, "hidden_dropout", 0) or getattr(model, "attention_dropout", 0)):
         blocked.setdefault("tp", _TP_DROPOUT)
+    if _is_moe(model):
+        blocked.setdefault("tp", _MOE_TP)
+    return blocked
+
+
+def _options_blocked(adapter: ModelAdapter, model: Any) -> dict[str, str]:
+    """Options held off for this family (and, with the model's spec, for its architecture)."""
+    blocked = dict(adapter.unsupported_options)
+    if _is_moe(model):
+        blocked.setdefault("tiled_mlp", _MOE_TILED_MLP)
     return blocked
 
 
@@ -100,7 +120,7 @@ def unsupported_reasons(plan: Any, family: Family = "llama") -> list[str]:
         degree = getattr(layout, dim)
         if degree > 1:
             reasons.append(f"{dim}={degree}: {why}")
-    for option, why in adapter.unsupported_options.items():
+    for option, why in _options_blocked(adapter, getattr(plan, "model", None)).items():
         if getattr(train, option):
             reasons.append(f"{option}: {why}")
     for option, allowed in SUPPORTED_VALUES.items():
@@ -120,7 +140,7 @@ def planner_constraints(family: Family = "llama", model: Any = None) -> tuple[di
     ModelSpec, when given)."""
     adapter = adapter_named(family)
     fixed_layout = {dim: 1 for dim in _degrees_blocked(adapter, model)}
-    fixed_options: dict[str, Any] = {option: False for option in adapter.unsupported_options}
+    fixed_options: dict[str, Any] = {option: False for option in _options_blocked(adapter, model)}
     return fixed_layout, fixed_options
 
 
@@ -136,7 +156,7 @@ def merge_constraints(user_layout: Mapping[str, int], user_options: Mapping[str,
             raise RuntimeConfigError(f"{dim}={value}: {blocked[dim]}")
     for option, value in user_options.items():
         if option in fixed_options and value != fixed_options[option]:
-            raise RuntimeConfigError(f"{option}: {adapter.unsupported_options[option]}")
+            raise RuntimeConfigError(f"{option}: {_options_blocked(adapter, model)[option]}")
         if option == "zero_stage" and value not in SUPPORTED_ZERO_STAGES:
             raise RuntimeConfigError(
                 f"zero_stage={value}: plain DDP is not wired (FSDP2 runs ZeRO-1/2/3); pin zero_stage 1, 2 or 3"

@@ -197,6 +197,9 @@ class TensorParallel:
     head_replicated: list[tuple[nn.Module, str, int, int]] = field(default_factory=list)
     #: This rank's [start, stop) along the split dim of each kind of sharded tensor (set by apply).
     bounds: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: ``(module name, tensor name) -> (dim, bounds key)`` of every sharded tensor kind: built from the
+    #: model's projection table (:func:`slice_rules`); the runtime Llama's names unless told otherwise.
+    rules: dict[tuple[str, str], tuple[int, str]] = field(default_factory=lambda: dict(LLAMA_SLICE_RULES))
 
     def local_slice(self, name: str) -> tuple[int, int, int] | None:
         """``(dim, start, stop)`` this rank keeps of the full model's tensor ``name`` (None: all of it).
@@ -206,19 +209,7 @@ class TensorParallel:
         """
         if self.size == 1:
             return None
-        parts = name.split(".")
-        module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
-        rules = {
-            ("q_proj", "weight"): (0, "q"), ("q_proj", "bias"): (0, "q"),
-            ("k_proj", "weight"): (0, "kv"), ("k_proj", "bias"): (0, "kv"),
-            ("v_proj", "weight"): (0, "kv"), ("v_proj", "bias"): (0, "kv"),
-            ("o_proj", "weight"): (1, "q"),
-            ("gate_proj", "weight"): (0, "ffn"), ("gate_proj", "bias"): (0, "ffn"),
-            ("up_proj", "weight"): (0, "ffn"), ("up_proj", "bias"): (0, "ffn"),
-            ("down_proj", "weight"): (1, "ffn"),
-            ("embed_tokens", "weight"): (0, "vocab"), ("lm_head", "weight"): (0, "vocab"),
-        }
-        rule = rules.get((module, kind))
+        rule = self.rules.get(_module_and_tensor(name))
         if rule is None:
             return None
         dim, key = rule
@@ -315,18 +306,14 @@ class TensorParallel:
         cut = self.local_slice(name)
         if cut is None:
             return 1.0 / self.size
-        if self.head_replicated and name.split(".")[-2] in ("k_proj", "v_proj"):
+        if self.head_replicated and self.rules.get(_module_and_tensor(name), (0, ""))[1] == "kv":
             return 1.0 / (self.size // self.head_replicated[0][3])
         return 1.0
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip ``model``'s gradients to a global 2-norm of ``max_norm``; returns the norm before clipping
         (:meth:`grad_norm`). Call after :meth:`sync_replicated_grads`."""
-        params = [p for p in model.parameters() if p.grad is not None]
-        total = self.grad_norm(model)
-        if params:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        return total
+        return clip_parts_grad_norm_([(self, model)], max_norm)
 
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
         """The unparallelised model's gradient 2-norm, the same on every rank.
@@ -336,12 +323,15 @@ class TensorParallel:
         different norms and drift apart. Here each parameter's squared norm is weighted by
         :meth:`norm_weight` and summed over the TP group. Call after :meth:`sync_replicated_grads`.
         """
+        return parts_grad_norm([(self, model)])
+
+    def weighted_squared_grad_norm(self, model: nn.Module) -> torch.Tensor | None:
+        """This TP rank's share of ``model``'s squared gradient norm (each parameter weighted by
+        :meth:`norm_weight`, FSDP shards reduced, not yet summed over TP); None without gradients."""
         by_weight: dict[float, list[torch.Tensor]] = {}
         for name, p in model.named_parameters():
             if p.grad is not None:
                 by_weight.setdefault(self.norm_weight(name), []).append(p.grad)
-        if not by_weight:
-            return torch.zeros(())
         squared = None
         for weight, grads in by_weight.items():
             norm = torch.nn.utils.get_total_norm(grads, 2.0)
@@ -349,13 +339,42 @@ class TensorParallel:
                 norm = norm.full_tensor()
             term = norm.square() * weight
             squared = term if squared is None else squared + term
-        if self.size > 1:
-            if dist.get_backend(self.group) == "nccl":
-                squared = squared.to(torch.device("cuda", torch.cuda.current_device()))
-            # One scalar, not model traffic: not priced by the comm model, so not counted (like the
-            # step's token count).
-            dist.all_reduce(squared, group=self.group)
-        return squared.sqrt()
+        return squared
+
+
+def parts_grad_norm(parts: Sequence[tuple[TensorParallel, nn.Module]]) -> torch.Tensor:
+    """The unparallelised model's gradient 2-norm over model parts, each ``(its TP state, the part)``, the
+    same on every rank (one scalar all-reduce over TP for all parts; see :meth:`TensorParallel.grad_norm`)."""
+    terms = [t for t in (tp.weighted_squared_grad_norm(part) for tp, part in parts) if t is not None]
+    if not terms:
+        return torch.zeros(())
+    squared = terms[0]
+    for term in terms[1:]:
+        squared = squared + term
+    tp = parts[0][0]
+    if tp.size > 1:
+        if dist.get_backend(tp.group) == "nccl":
+            squared = squared.to(torch.device("cuda", torch.cuda.current_device()))
+        # One scalar, not model traffic: not priced by the comm model, so not counted (like the
+        # step's token count).
+        dist.all_reduce(squared, group=tp.group)
+    return squared.sqrt()
+
+
+def clip_parts_grad_norm_(parts: Sequence[tuple[TensorParallel, nn.Module]], max_norm: float) -> torch.Tensor:
+    """Clip the gradients of every model part to one global 2-norm of ``max_norm`` (:func:`parts_grad_norm`);
+    returns the norm before clipping. Call after each part's :meth:`TensorParallel.sync_replicated_grads`."""
+    params = [p for _, part in parts for p in part.parameters() if p.grad is not None]
+    total = parts_grad_norm(parts)
+    if params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def _module_and_tensor(name: str) -> tuple[str, str]:
+    """``("q_proj", "weight")`` of ``"layers.0.attn.q_proj.weight"``: the key of a slicing rule."""
+    parts = name.split(".")
+    return (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
 
 
 def _local_grad(p: nn.Parameter) -> torch.Tensor | None:
@@ -543,8 +562,25 @@ def llama_projections(attention: str, mlp: str) -> tuple[Projection, ...]:
     )
 
 
+def slice_rules(projections: Sequence[Projection], vocabulary: Sequence[str]) -> dict[tuple[str, str], tuple[int, str]]:
+    """The state-dict slicing rules of a model cut by ``projections``, whose vocab-parallel modules
+    (embedding, lm_head) are named ``vocabulary``: column projections split weight and bias along dim 0,
+    row projections their weight along dim 1 (the bias stays whole), vocabulary weights along dim 0."""
+    rules: dict[tuple[str, str], tuple[int, str]] = {}
+    for p in projections:
+        if p.style == "column":
+            rules[(p.name, "weight")] = rules[(p.name, "bias")] = (0, p.split)
+        else:
+            rules[(p.name, "weight")] = (1, p.split)
+    for module in vocabulary:
+        rules[(module, "weight")] = (0, "vocab")
+    return rules
+
+
 #: The runtime Llama's blocks (``LlamaBlock.attn`` / ``LlamaBlock.mlp``).
 LLAMA_PROJECTIONS = llama_projections("attn", "mlp")
+#: The runtime Llama's slicing rules (its projections, ``embed_tokens`` and ``lm_head``).
+LLAMA_SLICE_RULES = slice_rules(LLAMA_PROJECTIONS, ("embed_tokens", "lm_head"))
 #: q/k norms of the runtime Llama's attention (replicated on every TP rank when the model has them).
 LLAMA_HEAD_NORMS: tuple[tuple[str, str], ...] = (("attn", "q_norm"), ("attn", "k_norm"))
 
@@ -599,6 +635,21 @@ def shard_vocabulary(tp: TensorParallel, embedding: torch.Tensor, head: torch.Te
     return embed, lm_head
 
 
+def shard_vocabulary_modules(tp: TensorParallel, embedding: nn.Module, lm_head: nn.Module, tied: bool
+                             ) -> tuple[nn.Module, nn.Module]:
+    """:func:`shard_vocabulary` on a model or a model part: the embedding and lm_head it holds become
+    vocab-parallel; those a part does not hold (``nn.Identity``, :mod:`sp_plan.runtime.model_parts`) stay."""
+    has_embedding, has_head = (not isinstance(m, nn.Identity) for m in (embedding, lm_head))
+    if has_embedding and has_head:
+        return shard_vocabulary(tp, embedding.weight, None if tied else lm_head.weight)
+    with torch.no_grad():
+        if has_embedding:
+            return VocabParallelEmbedding(embedding.weight[tp.vocab_start:tp.vocab_end].clone(), tp), lm_head
+        if has_head:
+            return embedding, _new_linear(lm_head.weight[tp.vocab_start:tp.vocab_end].clone(), None)
+    return embedding, lm_head
+
+
 def apply_tensor_parallel(model: nn.Module, mesh_or_group, *, sequence_parallel: bool = True) -> TensorParallel:
     """Shard ``model`` (a :class:`sp_plan.runtime.models.LlamaModel`) for this rank of the ``tp`` group, in place.
 
@@ -620,9 +671,10 @@ def apply_tensor_parallel(model: nn.Module, mesh_or_group, *, sequence_parallel:
         layer.mlp.tp_enter = tp.enter
     if tp.sequence_parallel:
         tp.replicated += [(model.norm, name) for name, _ in model.norm.named_parameters()]
-    model.embed_tokens, model.lm_head = shard_vocabulary(
-        tp, model.embed_tokens.weight, None if spec.tied_embeddings else model.lm_head.weight)
-    model.head_tp_enter = tp.enter
+    model.embed_tokens, model.lm_head = shard_vocabulary_modules(tp, model.embed_tokens, model.lm_head,
+                                                                 spec.tied_embeddings)
+    if not isinstance(model.lm_head, nn.Identity):  # a model part before the last keeps its hidden states
+        model.head_tp_enter = tp.enter
     return tp
 
 

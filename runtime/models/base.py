@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -57,6 +58,18 @@ def refuse_unbuildable(spec: ModelSpec, seq_len: int) -> None:
         raise RuntimeConfigError(
             f"{spec.name}: {kind} are not built by the runtime's models (they would train a dense Llama of the same "
             "width); train the Hugging Face model itself with auto_configure, or plan a dense model")
+
+
+@dataclass(frozen=True)
+class PartPaths:
+    """Where a model keeps what :func:`sp_plan.runtime.model_parts.split_model` distributes over parts
+    (dotted attribute paths from the model): the block list, the input embedding, the final norm and
+    the lm_head."""
+
+    layers: str
+    embedding: str
+    final_norm: str
+    lm_head: str
 
 
 class ModelAdapter(ABC):
@@ -146,6 +159,13 @@ class ModelAdapter(ABC):
         """Run every block's MLP over sequence tiles. Families that cannot say so in
         ``unsupported_options = {"tiled_mlp": why}``."""
         raise RuntimeConfigError(f"the {self.name} model family has no tiled MLP")
+
+    def part_paths(self, model: nn.Module) -> PartPaths:
+        """Where ``model`` keeps its blocks, embedding, final norm and lm_head, so that it can be split
+        into model parts (:func:`sp_plan.runtime.model_parts.split_model`). A model part's forward takes
+        the previous part's hidden states in place of token ids (its embedding is an identity) and returns
+        hidden states until the last part (whose norm and lm_head are real)."""
+        raise RuntimeConfigError(f"the {self.name} model family cannot be split into model parts")
 
     # -- building one ---------------------------------------------------------------------------------
     def model_from_spec(self, spec: ModelSpec, seq_len: int, seed: int) -> nn.Module:

@@ -1,4 +1,4 @@
-"""The adapter of Hugging Face transformers causal LMs (Llama, Mistral, Qwen2, Qwen3).
+"""The adapter of Hugging Face transformers causal LMs (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral).
 
 Attention goes through transformers' attention registry (:mod:`.attention`), checkpointing through
 each decoder layer's hook and the MLP runs tiled (:mod:`.techniques`), tensor parallelism follows the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from sp_plan.runtime.models.base import ModelAdapter, register_adapter
+from sp_plan.runtime.models.base import ModelAdapter, PartPaths, register_adapter
 from sp_plan.runtime.models.hf.names import HIDDEN_STATES_METHOD
 
 if TYPE_CHECKING:
@@ -60,6 +60,13 @@ class HFAdapter(ModelAdapter):
         from sp_plan.runtime.models.hf.model import add_hidden_states_method
 
         add_hidden_states_method(model)
+
+    def part_paths(self, model: nn.Module) -> PartPaths:
+        from sp_plan.runtime.models.hf.model import hf_architecture
+
+        arch = hf_architecture(model)
+        return PartPaths(layers=arch.layers, embedding=arch.embedding, final_norm=arch.final_norm,
+                         lm_head=arch.lm_head)
 
     def swap_attention(self, model: nn.Module, sp: SequenceParallel, seq_len: int) -> None:
         from sp_plan.runtime.models.hf.attention import use_sequence_parallel_attention

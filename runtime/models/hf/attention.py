@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from sp_plan.runtime.errors import RuntimeConfigError
-from sp_plan.runtime.models.hf.model import hf_decoder_layers, transformers_module
+from sp_plan.runtime.models.hf.model import hf_architecture, hf_decoder_layers, transformers_module
+from sp_plan.runtime.models.hf.moe import check_moe_training
 
 #: The attention implementation name registered with transformers.
 ATTENTION_NAME = "sp_plan"
@@ -25,9 +26,11 @@ CONTEXT_ATTRIBUTE = "_sp_plan_context"
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    modules = [getattr(layer, "self_attn", None) for layer in hf_decoder_layers(model)]
+    """Every decoder layer's attention child, named by the family's table entry."""
+    name = hf_architecture(model).attention
+    modules = [getattr(layer, name, None) for layer in hf_decoder_layers(model)]
     if any(m is None for m in modules):
-        raise RuntimeConfigError(f"{type(model).__name__}: a decoder layer has no self_attn module")
+        raise RuntimeConfigError(f"{type(model).__name__}: a decoder layer has no {name} module")
     return modules
 
 
@@ -86,6 +89,7 @@ def use_sequence_parallel_attention(model: nn.Module, sp, seq_len: int) -> None:
         )
     if getattr(config, "attention_dropout", 0.0):
         raise RuntimeConfigError(f"attention_dropout={config.attention_dropout} is not supported: set it to 0")
+    check_moe_training(model)  # router settings that are not per token
     register_attention()
     for module in _attention_modules(model):
         object.__setattr__(module, CONTEXT_ATTRIBUTE, sp)  # a plain attribute, not a submodule

@@ -1,4 +1,4 @@
-"""Hugging Face transformers models (Llama, Qwen2, Qwen3, Mistral) on the sequence-parallel runtime.
+"""Hugging Face transformers models (Llama, Qwen2, Qwen3, Mistral; MoE: Qwen3-MoE, Mixtral) on the SP runtime.
 
 Optional: ``transformers`` is imported lazily (``pip install 'sp-plan[hf]'``). Pieces:
 
@@ -43,10 +43,11 @@ from torch import nn
 
 from sp_plan.cost_models.model_spec import ModelSpec, model_from_hf_dict
 from sp_plan.runtime.errors import RuntimeConfigError
+from sp_plan.runtime.models.hf.architectures import HF_ARCHITECTURES, HFArchitecture
 from sp_plan.runtime.models.hf.names import HIDDEN_STATES_METHOD
 
-#: The HF ``model_type``s the runtime drives (decoder layers at ``model.model.layers``).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+#: The HF ``model_type``s the runtime drives: those with an :data:`HF_ARCHITECTURES` entry.
+SUPPORTED_MODEL_TYPES = tuple(HF_ARCHITECTURES)
 
 
 def transformers_module():
@@ -59,26 +60,55 @@ def transformers_module():
     return transformers
 
 
-def hf_model_spec(model: nn.Module) -> ModelSpec:
-    """The ModelSpec of an HF causal LM (from its config; the name is its model_type and size)."""
-    config = model.config.to_dict()
-    model_type = str(config.get("model_type", "")).lower()
-    if model_type not in SUPPORTED_MODEL_TYPES:
+def hf_architecture(model: nn.Module) -> HFArchitecture:
+    """Where ``model``'s family keeps its modules (its ``config.model_type``'s table entry)."""
+    model_type = str(getattr(model.config, "model_type", "")).lower()
+    try:
+        return HF_ARCHITECTURES[model_type]
+    except KeyError:
         raise RuntimeConfigError(
             f"HF model_type {model_type!r} is not supported by the runtime: use one of "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (a new family with the usual decoder layer is one entry in "
+            "sp_plan.runtime.models.hf.architectures.HF_ARCHITECTURES)"
+        ) from None
+
+
+def module_at(root: nn.Module, path: str) -> nn.Module | None:
+    """The submodule at dotted ``path`` (None when a step is missing)."""
+    for part in path.split("."):
+        root = getattr(root, part, None)
+        if root is None:
+            return None
+    return root
+
+
+def hf_config_dict(config) -> dict:
+    """``config.to_dict()`` plus the names of its ``attribute_map`` aliases: a config.json names a field
+    as the family's authors do (Qwen3-MoE's ``num_experts``), while transformers may store it under
+    another name (``num_local_experts``) and write only that one; the cost models read either."""
+    out = config.to_dict()
+    for alias, attribute in getattr(config, "attribute_map", {}).items():
+        if alias not in out and hasattr(config, attribute):
+            out[alias] = getattr(config, attribute)
+    return out
+
+
+def hf_model_spec(model: nn.Module) -> ModelSpec:
+    """The ModelSpec of an HF causal LM (from its config; the name is its model_type and size)."""
+    hf_architecture(model)  # refuses the families the runtime does not drive
+    config = hf_config_dict(model.config)
+    model_type = str(config.get("model_type", "")).lower()
     name = f"{model_type}-{config.get('num_hidden_layers')}l-{config.get('hidden_size')}h"
     return model_from_hf_dict(config, name=name)
 
 
 def hf_decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks (``model.model.layers`` for the supported families)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
+    """The transformer blocks (at the family's :attr:`HFArchitecture.layers` path, ``model.layers``)."""
+    path = hf_architecture(model).layers
+    layers = module_at(model, path)
     if layers is None:
         raise RuntimeConfigError(
-            f"{type(model).__name__} has no model.layers: pass a *ForCausalLM of a supported family "
+            f"{type(model).__name__} has no {path}: pass a *ForCausalLM of a supported family "
             f"({', '.join(SUPPORTED_MODEL_TYPES)})"
         )
     return list(layers)
@@ -88,17 +118,24 @@ def _documents(cu_seqlens: torch.Tensor | None) -> dict[str, torch.Tensor]:
     return {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
 
 
+def _inputs(tokens_or_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Token ids, or (a later model part's input) the previous part's hidden states as ``inputs_embeds``."""
+    if tokens_or_hidden.is_floating_point():
+        return {"inputs_embeds": tokens_or_hidden}
+    return {"input_ids": tokens_or_hidden}
+
+
 def hf_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
               cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Logits of the local tokens: global ``position_ids`` for RoPE, no mask, no cache; ``cu_seqlens``
     (packed documents, boundaries over the whole batch) reaches the attention as a keyword."""
-    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **_documents(cu_seqlens))
+    out = model(**_inputs(input_ids), position_ids=position_ids, use_cache=False, **_documents(cu_seqlens))
     return out.logits
 
 
 def _hidden_states(self: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                    cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    hidden = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+    hidden = self.model(**_inputs(input_ids), position_ids=position_ids, use_cache=False,
                         **_documents(cu_seqlens)).last_hidden_state
     tp = getattr(self, "tensor_parallel", None)
     return tp.enter(hidden) if tp is not None else hidden  # the vocab-parallel head's TP region

@@ -1,17 +1,18 @@
-"""Tensor parallelism on HF models, read from one table per ``model_type`` (picotron's habit).
+"""Tensor parallelism on HF models, read from the family's table entry (picotron's habit).
 
-An entry of :data:`TP_PLANS` says, for one HF architecture, which decoder-layer submodule holds each
-projection and how it splits (:class:`sp_plan.runtime.tp.Projection`: column / row, along the q heads,
-the kv heads or the FFN), which submodules open a TP region, which norms are replicated, and where the
-final norm, the embedding and the lm_head live. :func:`apply_hf_tensor_parallel` applies an entry with
-the runtime's own sharding (:mod:`sp_plan.runtime.tp`); HF's code is not changed: forward pre-hooks open
-each TP region (all-gather along the sequence before the attention and the MLP, and before the
-lm_head), the row-parallel projections close it. Attention reshapes with ``-1`` heads, so it runs on the
-local heads. A new architecture whose layers look like these is one more table entry.
+The ``model_type``'s :class:`~sp_plan.runtime.models.hf.architectures.HFArchitecture` says which
+decoder-layer child holds each projection and how it splits (column / row, along the q heads, the kv
+heads or the FFN), which norms are replicated, and where the final norm, the embedding and the lm_head
+live. :func:`apply_hf_tensor_parallel` applies it with the runtime's own sharding
+(:mod:`sp_plan.runtime.tp`); HF's code is not changed: forward pre-hooks open each TP region (all-gather
+along the sequence before the attention and the MLP, and before the lm_head), the row-parallel
+projections close it. Attention reshapes with ``-1`` heads, so it runs on the local heads. The
+state-dict rules of :meth:`sp_plan.runtime.tp.TensorParallel.local_slice` (checkpoints, full state
+dicts) come from the same entry (:func:`sp_plan.runtime.tp.slice_rules`), so a new architecture whose
+layers look like these is one table entry.
 
-The state-dict rules of :meth:`sp_plan.runtime.tp.TensorParallel.local_slice` (checkpoints, full state
-dicts) are keyed by the projection names the runtime's Llama uses (``q_proj`` ... ``down_proj``,
-``embed_tokens``, ``lm_head``); an entry with other names needs rules there too.
+Mixture-of-experts families are refused: their experts are not split, so a TP region around the MoE
+block would sum ``tp`` identical copies of its output.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from dataclasses import dataclass
 from torch import nn
 
 from sp_plan.runtime.errors import RuntimeConfigError
-from sp_plan.runtime.models.hf.model import SUPPORTED_MODEL_TYPES, hf_decoder_layers, hf_model_spec
+from sp_plan.runtime.models.hf.architectures import HFArchitecture
+from sp_plan.runtime.models.hf.model import hf_architecture, hf_decoder_layers, hf_model_spec, module_at
 from sp_plan.runtime.tp import (
     Projection,
     TensorParallel,
-    llama_projections,
     shard_projections,
-    shard_vocabulary,
+    shard_vocabulary_modules,
+    slice_rules,
     tensor_parallel_state,
 )
 
@@ -49,65 +51,61 @@ class HFTensorParallelPlan:
     embedding: str = "model.embed_tokens"
     lm_head: str = "lm_head"
 
+    @classmethod
+    def of(cls, arch: HFArchitecture) -> HFTensorParallelPlan:
+        """The plan a table entry implies (Megatron's column/row split of its projections)."""
+        return cls(projections=tuple(Projection(*p) for p in arch.tensor_parallel_projections()),
+                   regions=(arch.attention, arch.mlp), block_norms=arch.block_norms,
+                   head_norms=tuple((arch.attention, name) for name in arch.head_norms),
+                   final_norm=arch.final_norm, embedding=arch.embedding, lm_head=arch.lm_head)
 
-#: Llama and the families that copy its layer (Mistral, Qwen2, Qwen3 with its q/k norms).
-LLAMA_LAYOUT = HFTensorParallelPlan(
-    projections=llama_projections("self_attn", "mlp"),
-    regions=("self_attn", "mlp"),
-    block_norms=("input_layernorm", "post_attention_layernorm"),
-    head_norms=(("self_attn", "q_norm"), ("self_attn", "k_norm")),
-)
-
-#: The table: HF ``model_type`` -> how TP cuts it.
-TP_PLANS: dict[str, HFTensorParallelPlan] = {model_type: LLAMA_LAYOUT for model_type in SUPPORTED_MODEL_TYPES}
+    def slice_rules(self) -> dict[tuple[str, str], tuple[int, str]]:
+        """The state-dict rules of :meth:`TensorParallel.local_slice` for models cut by this plan."""
+        vocabulary = (self.embedding.rpartition(".")[2], self.lm_head.rpartition(".")[2])
+        return slice_rules(self.projections, vocabulary)
 
 
 def tp_plan_for(model: nn.Module) -> HFTensorParallelPlan:
-    """The table entry of ``model``'s ``config.model_type``."""
-    model_type = str(getattr(model.config, "model_type", "")).lower()
-    try:
-        return TP_PLANS[model_type]
-    except KeyError:
+    """The TP plan of ``model``'s ``config.model_type`` table entry; refuses mixture-of-experts families."""
+    arch = hf_architecture(model)
+    if arch.is_moe:
         raise RuntimeConfigError(
-            f"HF model_type {model_type!r} has no tensor-parallel plan: add one to "
-            f"sp_plan.runtime.models.hf.tp_plan.TP_PLANS (known: {', '.join(TP_PLANS)})"
-        ) from None
-
-
-def _get(root: nn.Module, path: str) -> nn.Module:
-    for part in path.split("."):
-        root = getattr(root, part)
-    return root
+            f"{model.config.model_type}: tensor parallelism does not split mixture-of-experts blocks (the experts "
+            "would be replicated and the MoE output summed tp times); use tp=1 (Ulysses/Ring and FSDP2 train it)"
+        )
+    return HFTensorParallelPlan.of(arch)
 
 
 def _set(root: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
-    setattr(_get(root, parent) if parent else root, name, module)
+    setattr(module_at(root, parent) if parent else root, name, module)
 
 
 def apply_hf_tensor_parallel(model: nn.Module, mesh_or_group, *, sequence_parallel: bool = True) -> TensorParallel:
     """Megatron tensor parallelism (with sequence parallelism) on an HF causal LM, in place, as its
-    ``model_type``'s :data:`TP_PLANS` entry says. Call before FSDP2, like
+    ``model_type``'s table entry says. Call before FSDP2, like
     :func:`sp_plan.runtime.tp.apply_tensor_parallel`; returns the state, also ``model.tensor_parallel``."""
     plan = tp_plan_for(model)
     spec = hf_model_spec(model)
     tp, split = tensor_parallel_state(spec, mesh_or_group, sequence_parallel)
+    tp.rules = plan.slice_rules()
     if tp.size == 1:
         return tp
     object.__setattr__(model, "tensor_parallel", tp)  # state, not a submodule
     for layer in hf_decoder_layers(model):
         shard_projections(tp, split, spec, layer, plan.projections, plan.head_norms,
-                          [_get(layer, name) for name in plan.block_norms])
+                          [module_at(layer, name) for name in plan.block_norms])
         for region in plan.regions:
-            _get(layer, region).register_forward_pre_hook(_enter_region(tp), with_kwargs=True)
+            module_at(layer, region).register_forward_pre_hook(_enter_region(tp), with_kwargs=True)
     if tp.sequence_parallel:
-        final_norm = _get(model, plan.final_norm)
+        final_norm = module_at(model, plan.final_norm)
         tp.replicated += [(final_norm, name) for name, _ in final_norm.named_parameters()]
-    head = None if spec.tied_embeddings else _get(model, plan.lm_head).weight
-    embedding, lm_head = shard_vocabulary(tp, _get(model, plan.embedding).weight, head)
+    embedding, lm_head = shard_vocabulary_modules(tp, module_at(model, plan.embedding),
+                                                  module_at(model, plan.lm_head), spec.tied_embeddings)
     _set(model, plan.embedding, embedding)
     _set(model, plan.lm_head, lm_head)
-    lm_head.register_forward_pre_hook(_enter_region(tp), with_kwargs=True)
+    if not isinstance(lm_head, nn.Identity):  # a model part before the last keeps its hidden states
+        lm_head.register_forward_pre_hook(_enter_region(tp), with_kwargs=True)
     return tp
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from sp_plan.runtime.models.base import ModelAdapter, register_adapter
+from sp_plan.runtime.models.base import ModelAdapter, PartPaths, register_adapter
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +46,9 @@ class LlamaAdapter(ModelAdapter):
     def logits(self, model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         return model(input_ids, position_ids, cu_seqlens)
+
+    def part_paths(self, model: nn.Module) -> PartPaths:
+        return PartPaths(layers="layers", embedding="embed_tokens", final_norm="norm", lm_head="lm_head")
 
     def swap_attention(self, model: nn.Module, sp: SequenceParallel, seq_len: int) -> None:
         from sp_plan.runtime.models.llama.attention import SequenceParallelAttention
