@@ -6,10 +6,9 @@ routing decision; FSDP2 shards the expert weights like any other parameter. Two 
 ranks match a single process running the same model with transformers' own SDPA attention on the full
 sequences: each step's loss and every gradient within 1e-5.
 
-The planner does not model MoE configs yet (``model_from_hf_dict`` refuses them), so these runs take
-the runtime's lower-level entry point, :func:`sp_plan.runtime.auto.configure_parts`, with an explicit
-plan whose ModelSpec is the dense model of the same attention shape (the runtime reads the layout and
-the options from it; the experts come from the HF model itself).
+The runs go through :func:`sp_plan.runtime.auto.auto_configure`: the planner reads the model's config (its
+MoE ModelSpec), is held to what the runtime executes for MoE blocks (tp 1, no tiled MLP), and plans with
+the test's layout and options pinned.
 
 What is not per token is refused with the reason: ``output_router_logits`` (the load-balancing loss
 averages over all tokens, and a rank sees its shard) and Mixtral's ``router_jitter_noise``; so are
@@ -24,7 +23,6 @@ import torch
 pytest.importorskip("transformers")
 
 from sp_plan.cost_models import Layout, ModelSpec, TrainSpec  # noqa: E402
-from sp_plan.planner.plan import Hardware, Plan  # noqa: E402
 from tests.distributed import error_of, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
@@ -72,12 +70,6 @@ def _dense_stand_in(family: str) -> ModelSpec:
                      qk_norm=family == "qwen3_moe")
 
 
-def _plan(family: str, layout: Layout, options: dict) -> Plan:
-    return Plan(model=_dense_stand_in(family), train=TrainSpec(seq_len=SEQ, dtype="fp32", **options), layout=layout,
-                hardware=Hardware(num_gpus=layout.world, gpus_per_node=layout.world, gpu="h100-80gb",
-                                  topology="dgx-h100"))
-
-
 def _data() -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(3)
     return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
@@ -101,14 +93,15 @@ def _reference(family: str) -> tuple[list[float], list[dict]]:
 
 
 def _train(rank: int, world: int, family: str, layout: Layout, options: dict) -> tuple[list[float], list[dict]]:
-    from sp_plan.runtime.auto import configure_parts
-    from sp_plan.runtime.models.base import adapter_for
+    from sp_plan.runtime.auto import auto_configure
     from sp_plan.runtime.step import train_step
 
     model = _model(family, attn="eager")
-    adapter = adapter_for(model)
-    setup = configure_parts([model], adapter, _plan(family, layout, options))
+    setup = auto_configure(model, seq_len=SEQ, micro_batch=BATCH, global_batch=BATCH, dtype="fp32",
+                           topology="dgx-h100", fixed_layout=layout.degrees(), fixed_options=options)
     assert setup.model.config._attn_implementation == "sp_plan"
+    assert setup.plan.model.moe is not None and setup.plan.model.moe.num_experts == 4
+    assert setup.plan.layout == layout
     optimizer = setup.make_optimizer(lr=LR)
     losses, grads = [], []
     for ids in _data():
