@@ -53,7 +53,7 @@ REDUCE_DTYPE = torch.float32
 
 def data_parallel_mesh(mesh) -> Any:
     """The mesh FSDP2 shards over: ``fsdp`` (1-D), or (dp_replicate, fsdp) for HSDP."""
-    replicas = [dim for dim in degrees.replicate_dims() if mesh.size(dim) > 1]
+    replicas = [dim for dim in degrees.replicate_dims() if getattr(mesh.layout, dim) > 1]
     if len(replicas) > 1:
         raise RuntimeConfigError(f"FSDP2 replicates over one mesh dim, but this plan replicates over "
                                  f"{' x '.join(replicas)}: keep all but one of them at 1")
