@@ -47,7 +47,7 @@ MAX_DEGREE = 1 << 20
 class SpaceContext:
     """What a degree's structural check may look at: the model, the sequence and the hardware."""
 
-    model: "ModelSpec"
+    model: ModelSpec
     seq_len: int
     gpus_per_node: int
     tp_splits_sequence: bool = True
@@ -89,7 +89,6 @@ _version = 0
 def register_degree(degree: Degree) -> Degree:
     """Add a layout degree. Names, positions and roles are checked so a mistake fails here, at import,
     rather than as a wrong rank order or a silently ignored role."""
-    global _version
     if not degree.name.isidentifier() or degree.name != degree.name.lower():
         raise CostModelError(f"degree name {degree.name!r} must be a lower-case identifier")
     if degree.name in _REGISTRY:
@@ -133,7 +132,7 @@ class _Tables:
     replicate: tuple[str, ...]
 
     @classmethod
-    def build(cls, reg: Mapping[str, Degree]) -> "_Tables":
+    def build(cls, reg: Mapping[str, Degree]) -> _Tables:
         mesh = tuple(d.name for d in sorted(reg.values(), key=lambda d: d.mesh_position))
         inner = tuple(reversed(mesh))
         return cls(

@@ -15,11 +15,11 @@ Every size is checked here (whole, finite, within the spec's bounds): a config.j
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config_fields import whole_number
 from .errors import CostModelError
 from .moe import hf_moe_fields
 
@@ -157,24 +157,7 @@ def parse_config_text(text: str, where: str) -> dict[str, Any]:
 
 
 def _whole(config: Mapping[str, Any], key: str, name: str, lo: int, hi: int, default: int | None = None) -> int:
-    """A config.json number as a whole int in ``[lo, hi]``, or one clear error.
-
-    JSON (as Python reads it) allows Infinity, NaN, 1e400, booleans, strings and fractions where a size is
-    expected; int() would raise OverflowError on some, truncate others and a zero would reach a division.
-    """
-    value = config.get(key)
-    if value is None:
-        if default is not None:
-            return default
-        raise CostModelError(f"{name}: config.json lacks required field {key!r}")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise CostModelError(f"{name}: config.json field {key!r} must be a whole number, not {value!r}")
-    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
-        raise CostModelError(f"{name}: config.json field {key!r} must be a finite whole number, not {value!r}")
-    number = int(value)
-    if not lo <= number <= hi:
-        raise CostModelError(f"{name}: config.json field {key!r} is {number}; it must be between {lo} and {hi:,}")
-    return number
+    return whole_number(config, key, name, lo, hi, default)
 
 
 def family_of(config: Mapping[str, Any], name: str) -> tuple[str, HFFamily, Mapping[str, Any]]:
@@ -267,4 +250,4 @@ def spec_fields(config: Mapping[str, Any], name: str, bounds: Bounds) -> dict[st
     ) | hf_moe_fields(config, model_type, name, layers)  # experts and MLA (cost_models/moe.py)
 
 
-__all__ = ["HF_FAMILIES", "HFFamily", "MAX_CONFIG_DEPTH", "parse_config_text", "spec_fields"]
+__all__ = ["HF_FAMILIES", "MAX_CONFIG_DEPTH", "HFFamily", "parse_config_text", "spec_fields"]

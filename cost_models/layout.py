@@ -141,7 +141,7 @@ class _LayoutBase(BaseModel):
         return " x ".join(parts) or "single GPU"
 
     @classmethod
-    def for_world(cls, world: int, **degrees: int | None) -> "Layout":
+    def for_world(cls, world: int, **degrees: int | None) -> Layout:
         """Fill ``dp_shard`` so the product equals ``world`` when it was not given.
 
         The CLI lets users name only the interesting degrees; the rest of the GPUs become data-parallel

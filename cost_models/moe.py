@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .config_fields import whole_number
 from .errors import CostModelError, explain_validation_error
 
 if TYPE_CHECKING:  # the spec holds these parts; only the type is needed here
@@ -228,19 +229,7 @@ def mean_layer_params_tp(model: ModelSpec, tp: int, gqa_attention: float, dense_
 # ----- Hugging Face config.json --------------------------------------------------------------------
 
 def _int(config: Mapping, key: str, name: str, default: int | None = None, lo: int = 1, hi: int = 1 << 22) -> int:
-    """A config.json integer within ``[lo, hi]``, or one clear error (JSON allows NaN, 1e400, strings...)."""
-    value = config.get(key)
-    if value is None:
-        if default is not None:
-            return default
-        raise CostModelError(f"{name}: config.json lacks required field {key!r}")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise CostModelError(f"{name}: config.json field {key!r} must be a whole number, not {value!r}")
-    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
-        raise CostModelError(f"{name}: config.json field {key!r} must be a finite whole number, not {value!r}")
-    if not lo <= int(value) <= hi:
-        raise CostModelError(f"{name}: config.json field {key!r} is {int(value)}; it must be between {lo} and {hi:,}")
-    return int(value)
+    return whole_number(config, key, name, lo, hi, default)
 
 
 def _layer_list(config: Mapping, key: str, name: str, num_layers: int) -> tuple[int, ...]:
