@@ -20,10 +20,11 @@ from functools import lru_cache
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import CostModelError
 from . import degrees
+from .errors import CostModelError
 from .layout import Layout
 from .topology.topology import GroupSpan, Topology
+
 
 def group_dims() -> dict[str, tuple[str, ...]]:
     """Process groups the cost model uses: name -> the mesh dims it spans (adjacent, outermost first).

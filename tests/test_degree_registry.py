@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-
 from sp_plan.cost_models import TrainSpec, get_model_preset
 from sp_plan.cost_models import degrees as registry
 from sp_plan.cost_models.degrees import Degree, register_degree, unregister_degree
@@ -24,6 +23,7 @@ from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.placement import group_shapes, place
 from sp_plan.cost_models.topology import default_topology
 from sp_plan.planner.space import divisors, enumerate_layouts
+
 from tests import toy_degree
 from tests.distributed import run_ranks
 
@@ -190,11 +190,11 @@ def test_the_command_line_gets_a_flag_for_the_new_degree(tmp_path):
 
 def _hsdp_over_dp_outer(rank: int, world: int) -> tuple:
     import torch
-    from torch.distributed.fsdp import fully_shard
-
     from sp_plan.runtime.data import data_parallel_coordinates
     from sp_plan.runtime.fsdp import data_parallel_mesh
     from sp_plan.runtime.mesh import build_mesh
+    from torch.distributed.fsdp import fully_shard
+
     from tests import toy_degree as toy
 
     toy.register()
