@@ -19,10 +19,10 @@ import re
 import threading
 from pathlib import Path
 
+from sp_plan.cli.autoconfig import load_config_file
 from sp_plan.cost_models import data
 from sp_plan.cost_models.errors import CostModelError
-from sp_plan.cost_models.hf_config import parse_config_text
-from sp_plan.cost_models.model_spec import ModelSpec, model_from_hf_dict
+from sp_plan.cost_models.model_spec import ModelSpec
 
 #: ``org/name`` as the hub spells repository ids (letters, digits, ``-``, ``_``, ``.``; at most 96 each).
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
@@ -43,9 +43,7 @@ def is_hub_id(reference: str) -> bool:
 def load_hub_model(repo_id: str, timeout_s: float = HUB_TIMEOUT_S) -> ModelSpec:
     """The ModelSpec of hub repository ``repo_id`` from its ``config.json`` (downloaded into the HF cache,
     or read from it when cached or offline)."""
-    path = _config_path(repo_id, timeout_s)
-    config = parse_config_text(data.read_user_text("models", path), f"{repo_id}'s config.json")
-    return model_from_hf_dict(config, name=repo_id)
+    return load_config_file(_config_path(repo_id, timeout_s), name=repo_id)
 
 
 def _config_path(repo_id: str, timeout_s: float) -> Path:

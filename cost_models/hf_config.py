@@ -250,4 +250,16 @@ def spec_fields(config: Mapping[str, Any], name: str, bounds: Bounds) -> dict[st
     ) | hf_moe_fields(config, model_type, name, layers)  # experts and MLA (cost_models/moe.py)
 
 
-__all__ = ["HF_FAMILIES", "MAX_CONFIG_DEPTH", "HFFamily", "parse_config_text", "spec_fields"]
+def config_object_dict(config: Any) -> dict[str, Any]:
+    """A transformers ``PretrainedConfig`` as a config.json dict: ``config.to_dict()`` plus the names of its
+    ``attribute_map`` aliases. A config.json names a field as the family's authors do (Qwen3-MoE's
+    ``num_experts``), while transformers may store it under another name (``num_local_experts``) and write
+    only that one; the table above reads either. Duck-typed: nothing here imports transformers."""
+    out = config.to_dict()
+    for alias, attribute in getattr(config, "attribute_map", {}).items():
+        if alias not in out and hasattr(config, attribute):
+            out[alias] = getattr(config, attribute)
+    return out
+
+
+__all__ = ["HF_FAMILIES", "MAX_CONFIG_DEPTH", "HFFamily", "config_object_dict", "parse_config_text", "spec_fields"]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from pydantic import ValidationError
 
-from sp_plan.cost_models import degrees
+from sp_plan.cost_models import data, degrees
 from sp_plan.cost_models.errors import CostModelError, explain_validation_error
 from sp_plan.cost_models.gpu_spec import GPUSpec, get_gpu_preset
 from sp_plan.cost_models.layout import Layout
@@ -22,6 +22,7 @@ from sp_plan.cost_models.model_spec import ModelSpec, load_model
 from sp_plan.cost_models.train_spec import TrainSpec
 from sp_plan.cost_models.units import MAX_SEQ_LEN, parse_token_count
 
+from sp_plan.cli.autoconfig import load_config_file
 from sp_plan.cli.hub import is_hub_id, load_hub_model
 
 if TYPE_CHECKING:
@@ -254,9 +255,13 @@ def check_output_path(path: str | Path | None, option: str) -> None:
 
 def build_model(model_name: str) -> ModelSpec:
     """A preset, a local config.json (or its folder), or a Hugging Face hub id ``org/name`` whose
-    config.json is fetched into the HF cache (:mod:`sp_plan.cli.hub`)."""
+    config.json is fetched into the HF cache (:mod:`sp_plan.cli.hub`); config files are read as transformers
+    reads them when it is installed (:mod:`sp_plan.cli.autoconfig`)."""
     if is_hub_id(model_name):
         return load_hub_model(model_name.strip())
+    found = data.resolve("models", model_name)
+    if found.path is not None:
+        return load_config_file(found.path)
     return load_model(model_name)
 
 

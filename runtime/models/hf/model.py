@@ -41,6 +41,7 @@ import types
 import torch
 from torch import nn
 
+from sp_plan.cost_models.hf_config import config_object_dict
 from sp_plan.cost_models.model_spec import ModelSpec, model_from_hf_dict
 from sp_plan.runtime.errors import RuntimeConfigError
 from sp_plan.runtime.models.hf.architectures import HF_ARCHITECTURES, HFArchitecture
@@ -82,21 +83,14 @@ def module_at(root: nn.Module, path: str) -> nn.Module | None:
     return root
 
 
-def hf_config_dict(config) -> dict:
-    """``config.to_dict()`` plus the names of its ``attribute_map`` aliases: a config.json names a field
-    as the family's authors do (Qwen3-MoE's ``num_experts``), while transformers may store it under
-    another name (``num_local_experts``) and write only that one; the cost models read either."""
-    out = config.to_dict()
-    for alias, attribute in getattr(config, "attribute_map", {}).items():
-        if alias not in out and hasattr(config, attribute):
-            out[alias] = getattr(config, attribute)
-    return out
+#: The name the runtime used before the dict moved to the cost models (a torch-free home the CLI shares).
+hf_config_dict = config_object_dict
 
 
 def hf_model_spec(model: nn.Module) -> ModelSpec:
     """The ModelSpec of an HF causal LM (from its config; the name is its model_type and size)."""
     hf_architecture(model)  # refuses the families the runtime does not drive
-    config = hf_config_dict(model.config)
+    config = config_object_dict(model.config)
     model_type = str(config.get("model_type", "")).lower()
     name = f"{model_type}-{config.get('num_hidden_layers')}l-{config.get('hidden_size')}h"
     return model_from_hf_dict(config, name=name)
