@@ -235,6 +235,12 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
             exposed[k] += v
         _split(exposed, fwd_overlap * accum, cp.prefetch_f_by)
         _split(exposed, bwd_overlap_mb * (accum - 1) + bwd_overlap_last, cp.overlapped_b_by)
+        if pipe is not None:  # the pipelined step's exposed time, attributed in the same proportions
+            total = sum(exposed.values())
+            for k in exposed:
+                exposed[k] = exposed[k] * step_comm_exposed / total if total > 0 else 0.0
+            if total <= 0:
+                exposed["pipeline"] = step_comm_exposed
         # Every rank runs its share of one replica's work: pp stages share the model's FLOPs.
         model_flops = w.model_flops * layout.world * accum / layout.pp
         denominator = step_s * layout.world * peak
@@ -281,8 +287,9 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
 
 def _components(ct: ComputeTime, accum: int, exposed: dict[str, float], interference_s: float, offload_s: float,
                 optimizer_s: float, overhead_s: float, pipe: "_PipelineStep | None", step_s: float) -> dict[str, float]:
-    """The step by component (they add up to ``step_s``). With pipeline stages the slowest stage's compute
-    parts, the bubble, and the exposed communication as the rest of the step."""
+    """The step by component (they add up to ``step_s``). With pipeline stages: the slowest stage's compute
+    parts, the bubble, and the exposed communication (the rest of the step, by strategy in proportion to
+    the stage's exposed traffic)."""
     if pipe is None:
         return {
             **{name: accum * seconds for name, seconds in ct.parts.items()},
@@ -294,9 +301,9 @@ def _components(ct: ComputeTime, accum: int, exposed: dict[str, float], interfer
         }
     parts = {name: accum * seconds * pipe.compute_mb / max(pipe.compute_mb_parts, 1e-300)
              for name, seconds in ct.parts.items()}
-    fixed = sum(parts.values()) + pipe.bubble + interference_s + offload_s + optimizer_s + overhead_s
-    return {**parts, "pipeline_bubble": pipe.bubble, "exposed_comm": step_s - fixed, "interference": interference_s,
-            "offload": offload_s, "optimizer": optimizer_s, "step_overhead": overhead_s}
+    return {**parts, **{f"exposed_comm_{k}": v for k, v in exposed.items()}, "pipeline_bubble": pipe.bubble,
+            "interference": interference_s, "offload": offload_s, "optimizer": optimizer_s,
+            "step_overhead": overhead_s}
 
 
 class _PipelineStep(NamedTuple):

@@ -49,6 +49,7 @@ from .options import (
     invalid_reason,
     moving_parts,
 )
+from .pipeline_options import PIPELINE_AXES, pipeline_axes, pipeline_branches, pipeline_invalid
 from .space import LayoutSpace, StructuralRejection, layout_space
 
 #: Default tokens per optimizer step (Llama 3 pre-training used 4M-16M tokens per batch).
@@ -293,8 +294,18 @@ class _Searcher:
         return max(1, math.ceil(self.batch_sequences / layout.dp))
 
     def lattice(self, layout: Layout) -> OptionLattice:
-        return build_lattice(self.base, self.fixed_options, self.sequences_per_rank(layout),
+        full = build_lattice(self.base, self.fixed_options, self.sequences_per_rank(layout),
                              self.settings.micro_batch_fixed)
+        if self.base.is_training:
+            full = OptionLattice(full.axes + pipeline_axes(self.model, layout, self.fixed_options))
+        return full
+
+    def pipeline_invalid(self, layout: Layout, options: dict[str, Any]) -> str | None:
+        """Why the options' schedule cannot run on ``layout`` (see :mod:`.pipeline_options`)."""
+        if layout.pp == 1:
+            return None
+        accum = max(1, self.sequences_per_rank(layout) // options["micro_batch"])
+        return pipeline_invalid(self.model, layout, options, accum)
 
     def lattices(self, layout: Layout) -> list[OptionLattice]:
         """One lattice per ZeRO stage to try (the stage is a branch, not a lattice axis).
@@ -317,6 +328,9 @@ class _Searcher:
             lowest, rest = branches[0], branches[1:]
             branches = [lowest] + [b for b in rest if b.axes[k].values == (3,) and _can_offload_params(b)
                                    and not _can_offload_params(lowest)]
+        if layout.pp > 1:  # --- pipeline: a branch per schedule, chunks and micro-batch (pipeline_options)
+            branches = [p for b in branches
+                        for p in pipeline_branches(b, lambda o: self.pipeline_invalid(layout, o) is None)]
         return branches
 
     def train_for(self, layout: Layout, options: dict[str, Any]) -> TrainSpec:
@@ -353,7 +367,7 @@ class _Searcher:
 
     def timed(self, layout: Layout, combo: Combo, lattice: OptionLattice) -> _Scored | None:
         options = lattice.values(combo)
-        if invalid_reason(options):
+        if invalid_reason(options) or self.pipeline_invalid(layout, options):
             return None
         train = self.train_for(layout, options)
         self.time_evals += 1
@@ -578,7 +592,8 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
 
     plans = []
     for rank, (score, layout, best) in enumerate(found[: settings.top_k], start=1):
-        options = {k: v for k, v in best.train.model_dump().items() if k in _OPTION_KEYS}
+        options = {k: v for k, v in best.train.model_dump().items()
+                   if k in _OPTION_KEYS or (layout.pp > 1 and k in PIPELINE_AXES)}
         full = estimate(model, best.train, layout, topology, with_placement=True, profile=s.profile)
         plans.append(RankedPlan(rank=rank, layout=layout, options=options, train=best.train, estimate=full,
                                 score=score, moving_parts=layout_moving_parts(layout) + moving_parts(options)))
@@ -587,7 +602,7 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
     for score, layout, best in found[settings.top_k:]:
         rate = best.time.tokens_per_step / best.time.step_s
         rejected.append(Rejection(
-            layout=layout.degrees(), options={k: getattr(best.train, k) for k in _OPTION_KEYS}, kind="slower",
+            layout=layout.degrees(), options={k: getattr(best.train, k) for k in _option_keys(layout)}, kind="slower",
             score=score, reason=f"fits, but {rate:,.0f} tokens/s vs {best_rate:,.0f} tokens/s for the best plan "
                                 f"({rate / best_rate - 1:+.1%}; ranked {score / best_score - 1:+.1%} behind it with "
                                 "the near-tie discount for moving parts)"))
@@ -605,6 +620,11 @@ _NO_OFFLOAD = OffloadTraffic()
 
 _OPTION_KEYS = ("zero_stage", "checkpointing", "offload_checkpoints", "tiled_loss", "tiled_mlp",
                 "offload_optimizer", "offload_params", "micro_batch", "grad_accum")
+
+
+def _option_keys(layout: Layout) -> tuple[str, ...]:
+    """The options a plan reports: the schedule too when the layout is pipelined."""
+    return _OPTION_KEYS + PIPELINE_AXES if layout.pp > 1 else _OPTION_KEYS
 
 
 def _per_token(score: float | None) -> str:
