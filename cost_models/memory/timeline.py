@@ -202,8 +202,18 @@ def memory_core(model: ModelSpec, train: TrainSpec, layout: Layout,
     a = assumptions or MemoryAssumptions()
     if layout.pp == 1:
         return _memory_core(model, train, layout, a, None)
-    return max((_memory_core(model, train, layout, a, st) for st in candidate_stages(pipeline_stages(model, train, layout))),
-               key=lambda core: core.total)
+    candidates = candidate_stages(pipeline_stages(model, train, layout))
+    if a.allocator == "fraction":
+        # The overheads grow with the allocated peak alone (context, NCCL, a fraction of the peak), so the
+        # stage with the largest peak has the largest total: only its report is built.
+        worst = max(candidates, key=lambda st: _stage_peak(model, train, layout, a, st))
+        return _memory_core(model, train, layout, a, worst)
+    return max((_memory_core(model, train, layout, a, st) for st in candidates), key=lambda core: core.total)
+
+
+def _stage_peak(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions, stage: StageView) -> int:
+    """The allocated peak of one pipeline stage (the phases of :func:`_memory_core`, without the report)."""
+    return max(p.allocated for p in _phases(model, train, layout, a, stage)[-1])
 
 
 def pipeline_stages(model: ModelSpec, train: TrainSpec, layout: Layout) -> tuple[StageView, ...]:
@@ -221,8 +231,9 @@ def stage_totals(model: ModelSpec, train: TrainSpec, layout: Layout,
     return [_memory_core(model, train, layout, a, st).total for st in pipeline_stages(model, train, layout)]
 
 
-def _memory_core(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions,
-                 stage: StageView | None) -> MemoryCore:
+def _phases(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions, stage: StageView | None):
+    """The step's phases and what they are built from: (dims, states, block, head, inputs, offloaded bytes
+    per layer, checkpointing mode, tiled-MLP gradient bytes, phases)."""
     validate_options(train, layout)
     d = local_dims(model, train, layout)
     states = model_states(model, train, layout, a, None if stage is None else (stage.layers, stage.first, stage.last))
@@ -233,11 +244,18 @@ def _memory_core(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAs
     head = _head_memory(model, d, a, training, train.tiled_loss)
     inputs = _inputs_bytes(model, d, training)
     offloaded = _offloaded_checkpoint_bytes(d, train)
-    row_offset = row_kernel_last_offset(model, d, a)
     if training:
         phases = _train_phases(model, train, a, states, block, head, inputs, offloaded, stage)
     else:
         phases = _prefill_phases(model, a, states, block, head, inputs, kv_cache_bytes_per_layer(d))
+    return d, states, block, head, inputs, offloaded, mode, mlp_grads, phases
+
+
+def _memory_core(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions,
+                 stage: StageView | None) -> MemoryCore:
+    d, states, block, head, inputs, offloaded, mode, mlp_grads, phases = _phases(model, train, layout, a, stage)
+    training = train.is_training
+    row_offset = row_kernel_last_offset(model, d, a)
     peak = max(phases, key=lambda p: p.allocated)
     reserve = cached = None
     if a.allocator != "fraction":
