@@ -76,7 +76,10 @@ class TimeEstimate(BaseModel):
     interference_s: float = Field(
         default=0.0, description="compute slowed by overlapped collectives (NCCL kernels sharing SMs and HBM)")
     overhead_s: float = Field(default=0.0, description="the stack's fixed host-side time per step")
-    step_s: float = Field(description="compute + exposed comm + optimizer + offload + interference + overhead")
+    pipeline_bubble_s: float = Field(
+        default=0.0, description="pipeline parallelism: the slowest stage's idle fill and drain (0 without PP)")
+    step_s: float = Field(description=("compute + exposed comm + optimizer + offload + interference + overhead "
+                                       "(+ pipeline bubble)"))
     tokens_per_step: float
     tokens_per_s: float
     mfu: float = Field(description="model FLOPs (no recompute) / (step time x GPUs x peak)")
@@ -253,6 +256,7 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
             offload_s=offload_s,
             interference_s=interference_s,
             overhead_s=overhead_s,
+            pipeline_bubble_s=pipe.bubble if pipe is not None else 0.0,
             step_s=step_s,
             tokens_per_step=tokens_per_step,
             tokens_per_s=tokens_per_step / step_s,

@@ -134,7 +134,9 @@ def explain_winner(result: SearchResult, model: ModelSpec) -> list[str]:
     lines = [f"Recommended: {best.layout.describe()} with {describe_options(best.options, best.train.mode)}."]
     lines.append(
         f"  step {t.step_s:.3f} s = compute {t.compute_s:.3f} s + exposed communication {t.exposed_comm_s:.3f} s"
-        f" + optimizer {t.optimizer_s:.3f} s + offload {t.offload_s:.3f} s; {t.tokens_per_s:,.0f} tokens/s, "
+        f" + optimizer {t.optimizer_s:.3f} s + offload {t.offload_s:.3f} s"
+        + (f" + pipeline bubble {t.pipeline_bubble_s:.3f} s" if t.pipeline_bubble_s > 0 else "")
+        + f"; {t.tokens_per_s:,.0f} tokens/s, "
         f"MFU {t.mfu:.1%}")
     lines.append(
         f"  memory {m.total / GB:.1f} GB per GPU of {m.capacity / GB:.1f} GB (usable {result.usable_bytes / GB:.1f} GB "

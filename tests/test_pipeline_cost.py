@@ -288,3 +288,12 @@ def test_meta_405b_layout_is_estimated():
     e = estimate(model, train, layout, default_topology("h100-80gb", 16384, 8), with_placement=False)
     assert e.fits and e.detail.pipeline.stage_layers[0] == 7 and e.detail.pipeline.stage_layers[-1] == 7
     assert 0 < e.time.mfu < 1 and math.isfinite(e.time.step_s)
+
+
+def test_the_step_adds_up_with_the_bubble():
+    e = _estimate(Layout(pp=4, dp_shard=2), grad_accum=8, pipeline_schedule="zero_bubble")
+    t = e.time
+    assert t.pipeline_bubble_s == t.breakdown["pipeline_bubble_s"] > 0
+    assert t.step_s == pytest.approx(t.compute_s + t.exposed_comm_s + t.optimizer_s + t.offload_s + t.interference_s
+                                     + t.overhead_s + t.pipeline_bubble_s, rel=1e-9)
+    assert _estimate(Layout(dp_shard=8)).time.pipeline_bubble_s == 0.0
