@@ -153,6 +153,8 @@ class StepTime:
     step_s: float
     tokens_per_step: float
     _build: Callable[[], TimeEstimate]
+    #: The pipeline bubble inside ``step_s`` (0 without PP): the planner bounds other schedules by the rest.
+    bubble_s: float = 0.0
 
     def estimate(self) -> TimeEstimate:
         return self._build()
@@ -286,7 +288,7 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
             efficiency_sources=efficiency_sources(topology, profile),
         )
 
-    return StepTime(step_s, tokens_per_step, build)
+    return StepTime(step_s, tokens_per_step, build, pipe.bubble if pipe is not None else 0.0)
 
 
 def _components(ct: ComputeTime, accum: int, exposed: dict[str, float], interference_s: float, offload_s: float,

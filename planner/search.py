@@ -393,6 +393,32 @@ class _Searcher:
         return self.score(layout, options, step_time(self.model, train, layout, self.topology, _NO_OFFLOAD,
                                                      self.profile))
 
+    def pipeline_bounds(self, layout: Layout, branches: list[OptionLattice]) -> list[float]:
+        """:meth:`bottom_bound` of each pipelined branch, one step time per (options but the schedule): the
+        zero-bubble branch is timed and bounds the others by its step without the bubble (every schedule
+        runs the same stage work, interleaving adds transfers and a bubble, never less), so a layout's
+        schedule branches cost one time evaluation, not one each."""
+        shared: dict[tuple, float] = {}
+        bounds = []
+        for lattice in branches:
+            combo = lattice.repair_up(lattice.bottom)
+            options = lattice.values(combo)
+            key = tuple((k, v) for k, v in options.items() if k not in PIPELINE_AXES)
+            if key not in shared and not invalid_reason(options):
+                bottom = {**options, "pipeline_schedule": "zero_bubble", "virtual_stages": 1}
+                self.time_evals += 1
+                t = step_time(self.model, self.train_for(layout, bottom), layout, self.topology, _NO_OFFLOAD,
+                              self.profile)
+                no_bubble = StepTime(t.step_s - t.bubble_s, t.tokens_per_step, t.estimate)
+                shared[key] = (self.score(layout, bottom, t), self.score(layout, bottom, no_bubble))
+            if key not in shared:
+                bounds.append(0.0)
+            elif options["pipeline_schedule"] == "zero_bubble":
+                bounds.append(shared[key][0])
+            else:
+                bounds.append(shared[key][1])
+        return bounds
+
     # ----- per layout ---------------------------------------------------------------------------
     def most_saving_valid(self, lattice: OptionLattice) -> Combo:
         """The top of the lattice, stepped down on axes that would make it invalid."""
@@ -538,6 +564,13 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
         if not branches:  # invalid plans are explained, never silently dropped
             rejected.append(Rejection(layout=layout.degrees(), kind="structure",
                                       reason="no valid combination of the pinned memory options on this layout"))
+        if layout.pp > 1:
+            # --- pipelined branches (several per layout: schedules, chunks, micro-batches) enter on their
+            # time bound alone; whether their most saving options fit is asked when they are popped, so
+            # the many a better plan's bound prunes never cost a memory evaluation.
+            for lattice, bound in zip(branches, s.pipeline_bounds(layout, branches)):
+                queue.append((bound, i, next(order), layout, lattice, _UNCHECKED))
+            continue
         for lattice in branches:
             top = s.most_saving_valid(lattice)
             top_core = s.memory(layout, s.train_for(layout, lattice.values(top)))
@@ -554,16 +587,26 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
     best_of: dict[Layout, tuple[float, _Scored]] = {}
     kth_best = math.inf
     pruned_reason: dict[Layout, Rejection] = {}
+    late_miss: dict[Layout, Rejection] = {}  # pipelined branches found not to fit when popped
     while queue:
         bound, i, _, layout, lattice, start = heapq.heappop(queue)
         if len(best_of) >= settings.top_k and bound > kth_best:
-            what = ("even its fastest fitting options" if start is not None
+            what = ("even its fastest fitting options" if isinstance(start, _Scored)
                     else "even with no memory-saving option at all it")
             pruned_reason.setdefault(layout, Rejection(
                 layout=layout.degrees(), kind="bound", score=bound,
                 reason=f"not evaluated: {what} could reach only {_per_token(bound)}, below the top "
                        f"{settings.top_k} plans' cut-off of {_per_token(kth_best)}"))
             continue
+        if start is _UNCHECKED:  # a pipelined branch: does anything fit? (as the loop above asks the others)
+            top = s.most_saving_valid(lattice)
+            top_core = s.memory(layout, s.train_for(layout, lattice.values(top)))
+            if not s.device_fits(top_core):
+                miss = _memory_rejection(layout, lattice.values(top), top_core, s)
+                if layout not in late_miss or _shortfall_order(miss) < _shortfall_order(late_miss[layout]):
+                    late_miss[layout] = miss
+                continue
+            start = None
         if start is None:
             top = s.most_saving_valid(lattice)
             start = s.timed(layout, s.floor(layout, lattice, top), lattice)
@@ -585,6 +628,9 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
             best_of[layout] = (best.score, best)
         if len(best_of) >= settings.top_k:
             kth_best = sorted(score for score, _ in best_of.values())[settings.top_k - 1]
+    for layout, miss in late_miss.items():  # a pipelined layout none of whose branches fits: say so
+        if layout not in best_of and layout not in pruned_reason:
+            pruned_reason[layout] = miss
     pruned = sum(1 for layout, r in pruned_reason.items() if layout not in best_of and r.kind == "bound")
     rejected += [r for layout, r in pruned_reason.items() if layout not in best_of]
     found = sorted(((score, layout, best) for layout, (score, best) in best_of.items()),
@@ -613,6 +659,9 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
                         usable_bytes=s.usable, stack=s.resolved.stack, calibration=s.resolved.calibration,
                         profile_name=s.profile.name)
 
+
+#: Queue marker of a pipelined branch whose most saving options have not been memory-checked yet.
+_UNCHECKED = object()
 
 #: Options that put bytes in host memory (and traffic on PCIe).
 _OFFLOAD_OPTIONS = ("offload_checkpoints", "offload_optimizer", "offload_params")
