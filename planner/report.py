@@ -40,6 +40,10 @@ def describe_options(options: dict[str, Any], mode: str) -> str:
             parts.append(label)
     if mode == "train":
         parts.append(f"mb {options.get('micro_batch', 1)} x GA {options.get('grad_accum', 1)}")
+    schedule = options.get("pipeline_schedule")  # pipelined plans only
+    if schedule is not None:
+        parts.append({"1f1b": "1F1B", "zero_bubble": "ZB-H1"}.get(
+            schedule, f"interleaved 1F1B x{options.get('virtual_stages', 1)}"))
     return ", ".join(parts)
 
 

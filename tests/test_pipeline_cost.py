@@ -297,3 +297,10 @@ def test_the_step_adds_up_with_the_bubble():
     assert t.step_s == pytest.approx(t.compute_s + t.exposed_comm_s + t.optimizer_s + t.offload_s + t.interference_s
                                      + t.overhead_s + t.pipeline_bubble_s, rel=1e-9)
     assert _estimate(Layout(dp_shard=8)).time.pipeline_bubble_s == 0.0
+
+
+def test_the_runtime_holds_pp_at_one_and_refuses_pipelined_plans():
+    """Runtime PP is issue 19 item 3 (not built here): the runtime's own planning keeps pp at 1."""
+    from sp_plan.runtime.capabilities import runtime_unexecuted_degrees
+
+    assert "--pp 1" in runtime_unexecuted_degrees()["pp"]

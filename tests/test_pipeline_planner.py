@@ -142,4 +142,10 @@ def test_plan_and_capacity_pin_the_pipeline():
     assert bad.returncode != 0 and "--pp 2" in bad.stderr and "Traceback" not in bad.stderr
     cap = _cli("capacity", "--model", "llama3-8b", "--gpus", "8", "--pp", "2", "--json")
     assert cap.returncode == 0, cap.stderr
-    assert "pp" in cap.stdout
+    data = json.loads(cap.stdout)
+    assert data["plan"]["layout"]["pp"] == 2 and data["plan"]["options"]["pipeline_schedule"] in SCHEDULES
+    assert data["max_seq_len"] > 0 and "pp=2" in data["bound_by"]
+    sweep = _cli("capacity", "--model", "llama3-8b", "--seq-len", "32K", "--sweep", "gpus=8,16", "--pp", "2")
+    assert sweep.returncode == 0, sweep.stderr
+    rows = [line for line in sweep.stdout.splitlines() if line.strip().startswith(("8 ", "16 "))]
+    assert len(rows) == 2 and all("pp=2" in r and ("ZB-H1" in r or "interleaved 1F1B" in r) for r in rows)
