@@ -132,9 +132,17 @@ def comm_and_time(
         )
     if offload is None:
         offload = OffloadTraffic.estimate(model, train, layout)
-    comm = comm_estimate(model, train, layout)
+    comm = comm_estimate(_comm_model(model, train, layout), train, layout)
     time = _time(model, train, layout, topology, offload, profile).estimate()
     return CommTime.model_construct(comm=comm, time=time, placement=place(layout, topology) if with_placement else None)
+
+
+def _comm_model(model: ModelSpec, train: TrainSpec, layout: Layout) -> ModelSpec:
+    """The model one GPU's traffic is counted for: with pipeline stages, the largest stage's layers."""
+    if layout.pp == 1:
+        return model
+    check_pipeline(model, train, layout)
+    return model.model_copy(update={"num_layers": max(stage_layers(model, train, layout))})
 
 
 def time_estimate(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
@@ -172,9 +180,8 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
     training = train.is_training
     whole_model, split = model, None
     if layout.pp > 1:  # --- pipeline: price one stage (its layers), compose the schedule in _pipelined_step
-        check_pipeline(model, train, layout)
         split = stage_layers(model, train, layout)
-        model = model.model_copy(update={"num_layers": max(split)})
+        model = _comm_model(model, train, layout)
     layers = model.num_layers
     accum = train.grad_accum
     eff = topology.efficiency
@@ -365,7 +372,10 @@ def _pipelined_step(train: TrainSpec, layout: Layout, split: tuple[int, ...], ct
     def hidden(comm: float, compute_s: float) -> float:
         return n * max(0.0, comm - compute_s) + min(comm, compute_s) if comm > 0 else 0.0
 
-    fsdp = hidden(cp.prefetch_f, ct.layer_forward) + hidden(cp.grad_mb + cp.grad_step, ct.layer_backward)
+    # Under PP the layer gathers and reductions are once per step (strategies.fsdp): the forward gathers hide
+    # behind the first micro-batch's forward, the reductions behind the last one's backward.
+    fsdp = hidden(cp.prefetch_f, ct.layer_forward) + hidden(cp.prefetch_b + cp.grad_mb + cp.grad_step,
+                                                           ct.layer_backward)
     parts_mb = sum(ct.parts.values())
     return _PipelineStep(work=m * (t_f + t_b), bubble=bubble, fsdp=fsdp, compute_mb=compute,
                          compute_mb_parts=parts_mb, slow_mb=n * (st.slow_f + st.slow_b) + st.slow_mb,

@@ -304,3 +304,13 @@ def test_the_runtime_holds_pp_at_one_and_refuses_pipelined_plans():
     from sp_plan.runtime.capabilities import runtime_unexecuted_degrees
 
     assert "--pp 1" in runtime_unexecuted_degrees()["pp"]
+
+
+def test_fsdp_under_pp_gathers_and_reduces_once_per_step_for_the_stage():
+    layout = Layout(pp=4, dp_shard=2)
+    few, many = _estimate(layout, grad_accum=4, zero_stage=3), _estimate(layout, grad_accum=16, zero_stage=3)
+    assert few.comm.per_step_by_strategy["fsdp"] == pytest.approx(many.comm.per_step_by_strategy["fsdp"])
+    assert few.comm.per_layer_by_collective["all_gather"].backward == 0  # no re-gather between micro-batches
+    flat = _estimate(Layout(pp=1, dp_shard=8), grad_accum=4, zero_stage=3)  # without PP: per micro-batch
+    assert flat.comm.per_layer_by_collective["all_gather"].backward > 0
+    assert few.time.breakdown["pipeline_fsdp_once_s"] > 0
