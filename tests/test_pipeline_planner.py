@@ -149,3 +149,23 @@ def test_plan_and_capacity_pin_the_pipeline():
     assert sweep.returncode == 0, sweep.stderr
     rows = [line for line in sweep.stdout.splitlines() if line.strip().startswith(("8 ", "16 "))]
     assert len(rows) == 2 and all("pp=2" in r and ("ZB-H1" in r or "interleaved 1F1B" in r) for r in rows)
+
+
+def test_a_plan_file_written_before_pp_loads_with_pp_1(tmp_path):
+    import yaml
+
+    from sp_plan.planner.plan import load_plan
+
+    path = tmp_path / "plan.yaml"
+    out = _cli("plan", "--model", "llama3-8b", "--seq-len", "8K", "--gpus", "8", "--pp", "1", "--out", str(path))
+    assert out.returncode == 0, out.stderr
+    data = yaml.safe_load(path.read_text())
+    assert data["layout"]["pp"] == 1
+    for key in ("pipeline_schedule", "virtual_stages", "stage_layers"):  # as an older sp-plan wrote it
+        data["train"].pop(key, None)
+    del data["layout"]["pp"]
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump(data))
+    plan = load_plan(old)
+    assert plan.layout.pp == 1 and plan.layout == load_plan(path).layout
+    assert plan.train.pipeline_schedule == "1f1b" and plan.train.virtual_stages == 1
