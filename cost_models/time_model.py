@@ -161,8 +161,11 @@ class StepTime:
     step_s: float
     tokens_per_step: float
     _build: Callable[[], TimeEstimate]
-    #: The pipeline bubble inside ``step_s`` (0 without PP): the planner bounds other schedules by the rest.
+    #: The pipeline bubble inside ``step_s`` (0 without PP).
     bubble_s: float = 0.0
+    #: With PP: the slowest stage's forward, backward and weight-gradient seconds per micro-batch (what the
+    #: schedules' bubbles are computed from; the planner bounds every schedule of a layout with them).
+    stage_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def estimate(self) -> TimeEstimate:
         return self._build()
@@ -295,7 +298,9 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
             efficiency_sources=efficiency_sources(topology, profile),
         )
 
-    return StepTime(step_s, tokens_per_step, build, pipe.bubble if pipe is not None else 0.0)
+    if pipe is None:
+        return StepTime(step_s, tokens_per_step, build)
+    return StepTime(step_s, tokens_per_step, build, pipe.bubble, (pipe.forward_s, pipe.backward_s, pipe.weight_grad_s))
 
 
 def _components(ct: ComputeTime, accum: int, exposed: dict[str, float], interference_s: float, offload_s: float,

@@ -32,6 +32,7 @@ from sp_plan.cost_models.estimate import Estimate, estimate, offload_capacity, o
 from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.memory import MemoryAssumptions, MemoryCore, host_memory, memory_core
 from sp_plan.cost_models.model_spec import ModelSpec
+from sp_plan.cost_models.pipeline import bubble_seconds
 from sp_plan.cost_models.profile import CostProfile, load_calibration, resolve_profile
 from sp_plan.cost_models.stack import DEFAULT_STACK, stack_names
 from sp_plan.cost_models.time_model import OffloadTraffic, StepTime, step_time
@@ -394,29 +395,34 @@ class _Searcher:
                                                      self.profile))
 
     def pipeline_bounds(self, layout: Layout, branches: list[OptionLattice]) -> list[float]:
-        """:meth:`bottom_bound` of each pipelined branch, one step time per (options but the schedule): the
-        zero-bubble branch is timed and bounds the others by its step without the bubble (every schedule
-        runs the same stage work, interleaving adds transfers and a bubble, never less), so a layout's
-        schedule branches cost one time evaluation, not one each."""
-        shared: dict[tuple, float] = {}
+        """A lower bound on every combination of each pipelined branch, one step time per layout and
+        micro-batch: the slowest stage's forward, backward and weight-gradient times at the bottom of the
+        lattice (zero-bubble, the fewest transfers) bound every ZeRO stage's and schedule's stage work
+        (ZeRO moves only once-per-step traffic under PP; interleaving adds transfers), and the bound is that
+        work times the micro-batches plus the branch's own bubble on those times (each bubble grows with
+        them). So a layout's (ZeRO, schedule, chunks) branches cost one time evaluation, not one each."""
+        timed: dict[tuple, tuple[float, tuple[float, float, float], float] | None] = {}
         bounds = []
         for lattice in branches:
-            combo = lattice.repair_up(lattice.bottom)
-            options = lattice.values(combo)
-            key = tuple((k, v) for k, v in options.items() if k not in PIPELINE_AXES)
-            if key not in shared and not invalid_reason(options):
+            options = lattice.values(lattice.repair_up(lattice.bottom))
+            key = tuple((k, v) for k, v in options.items() if k not in PIPELINE_AXES and k != "zero_stage")
+            if key not in timed:
                 bottom = {**options, "pipeline_schedule": "zero_bubble", "virtual_stages": 1}
-                self.time_evals += 1
-                t = step_time(self.model, self.train_for(layout, bottom), layout, self.topology, _NO_OFFLOAD,
-                              self.profile)
-                no_bubble = StepTime(t.step_s - t.bubble_s, t.tokens_per_step, t.estimate)
-                shared[key] = (self.score(layout, bottom, t), self.score(layout, bottom, no_bubble))
-            if key not in shared:
-                bounds.append(0.0)
-            elif options["pipeline_schedule"] == "zero_bubble":
-                bounds.append(shared[key][0])
-            else:
-                bounds.append(shared[key][1])
+                if invalid_reason(bottom):
+                    timed[key] = None
+                else:
+                    train = self.train_for(layout, bottom)
+                    self.time_evals += 1
+                    t = step_time(self.model, train, layout, self.topology, _NO_OFFLOAD, self.profile)
+                    timed[key] = (t.tokens_per_step, t.stage_s, train.grad_accum)
+            if timed[key] is None:
+                bounds.append(0.0)  # no cheap bound: the floor decides
+                continue
+            tokens, (t_f, t_b, t_w), m = timed[key]
+            bubble = bubble_seconds(options["pipeline_schedule"], layout.pp, options["virtual_stages"], t_f, t_b - t_w,
+                                    t_w)
+            parts = layout_moving_parts(layout) + moving_parts(options)
+            bounds.append((m * (t_f + t_b) + bubble) / tokens * (1.0 + self.settings.tie_penalty * parts))
         return bounds
 
     # ----- per layout ---------------------------------------------------------------------------
