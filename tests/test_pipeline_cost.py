@@ -4,7 +4,6 @@ the pipelined step, the point-to-point traffic, and layouts written before the p
 import math
 
 import pytest
-
 from sp_plan.cost_models import TrainSpec, get_model_preset
 from sp_plan.cost_models import degrees as registry
 from sp_plan.cost_models.errors import CostModelError
