@@ -1,4 +1,4 @@
-"""Planner speed: full plan time at 8, 64, 512 and 4096 GPUs, and `sp-plan --help` startup.
+"""Planner speed: full plan time at 8, 64, 512, 4096 and 16,384 GPUs, and `sp-plan --help` startup.
 
 Targets (issue 4): a full plan for 8 GPUs under 0.1 s, for 4096 GPUs under 2 s, `--help` under 0.5 s
 without importing torch. Baseline, measured in the same run: a brute-force planner that evaluates
@@ -35,6 +35,9 @@ WORKLOADS = [
     (512, "llama3-70b", 1 << 20, "train", None),
     (4096, "llama3-70b", 1 << 20, "train", 2.0),
     (4096, "llama3-405b", 1 << 20, "train", 2.0),
+    # Llama 3 405B's own scale (TP8 x CP16 x PP16 x DP8 on 16,384 H100s at 128K): the pipeline degree and its
+    # schedules multiply the layouts; the plan must stay interactive.
+    (16384, "llama3-405b", 128 * 1024, "train", None),
 ]
 #: Brute force is run for real only up to this many combinations; beyond, it is extrapolated.
 BRUTE_FORCE_LIMIT = 4000

@@ -7,8 +7,10 @@ than by naming the degree in every module:
 - its **roles**, from which the layout's derived sizes follow: ``data`` degrees see different samples
   (:attr:`Layout.dp`), ``sequence`` degrees split one sequence (:attr:`Layout.sp`), ``heads`` degrees
   split the attention heads (:attr:`Layout.head_split`), ``shards_state`` degrees are the ranks ZeRO/FSDP
-  shards parameters, gradients and optimizer state over (:attr:`Layout.shard_group`), and ``weights``
-  degrees hold different pieces of the weights (they stay out of the gradient-reducing data group);
+  shards parameters, gradients and optimizer state over (:attr:`Layout.shard_group`), ``weights``
+  degrees hold different pieces of the weights (they stay out of the gradient-reducing data group), and
+  ``stages`` degrees split the layer stack into pipeline stages (:attr:`Layout.pp`: each rank holds and
+  runs only its stage's layers, micro-batches flow between stages; :mod:`sp_plan.cost_models.pipeline`);
 - its **mesh position** (outermost first), which fixes the rank order, hence the links its groups use;
 - how the planner **searches** it: ``model`` degrees are enumerated innermost first with the degree's own
   structural ``check``; ``split`` degrees take divisors of what the model degrees leave; the one
@@ -35,8 +37,12 @@ from .errors import CostModelError
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from .model_spec import ModelSpec
 
-Role = Literal["data", "sequence", "heads", "shards_state", "weights"]
-ROLES: tuple[str, ...] = ("data", "sequence", "heads", "shards_state", "weights")
+Role = Literal["data", "sequence", "heads", "shards_state", "weights", "stages"]
+#: ``stages``: the degree splits the layer stack (pipeline parallelism). Its ranks hold different layers, so
+#: it also plays ``weights``; what it adds beyond that (layers per stage, the schedule's bubble, the
+#: micro-batches a stage holds in flight) the cost model reads from :attr:`Layout.pp`, the product of the
+#: ``stages`` degrees.
+ROLES: tuple[str, ...] = ("data", "sequence", "heads", "shards_state", "weights", "stages")
 SearchKind = Literal["model", "split", "fill"]
 
 #: Bound on any one degree and on the world size: far above any cluster, low enough to stay sane.
@@ -52,6 +58,10 @@ class SpaceContext:
     gpus_per_node: int
     tp_splits_sequence: bool = True
     ring_allowed: bool = True
+    #: Model chunks per pipeline stage (interleaved 1F1B); every chunk needs at least one layer.
+    virtual_stages: int = 1
+    #: Pipeline stages are modelled for training (prefill plans keep pp=1).
+    training: bool = True
 
 
 #: A structural check: the degrees chosen so far (this one included, the rest of the model degrees at 1)
@@ -201,8 +211,12 @@ def fill_degree() -> str:
 
 
 def adjacent(dims: tuple[str, ...]) -> bool:
-    """Whether ``dims`` are consecutive in mesh order (a group over them is ``size`` ranks ``stride`` apart)."""
-    order = mesh_dims()
+    """Whether ``dims`` are consecutive in mesh order (a group over them is ``size`` ranks ``stride`` apart).
+
+    Pipeline (``stages``) degrees between them do not count: the built-in ``pp`` is outermost, so only a
+    degree registered outside it (a data degree across pods) puts it inside a group's dims; the group is then
+    priced as if contiguous, exact while that stage degree is 1."""
+    order = [d for d in mesh_dims() if d in dims or "stages" not in _REGISTRY[d].roles]
     idx = [order.index(d) for d in dims]
     return idx == list(range(idx[0], idx[0] + len(idx))) if idx else True
 
@@ -241,7 +255,23 @@ def _check_ring(chosen: Mapping[str, int], ctx: SpaceContext) -> str | None:
     return None
 
 
+def _check_pp(chosen: Mapping[str, int], ctx: SpaceContext) -> str | None:
+    pp, v, layers = chosen["pp"], ctx.virtual_stages, ctx.model.num_layers
+    if pp > 1 and not ctx.training:
+        return f"pp={pp}: pipeline stages are modelled for training only (prefill keeps pp=1)"
+    if pp > 1 and layers < pp * v:
+        chunks = f"pp x virtual stages = {pp} x {v} = {pp * v}" if v > 1 else f"pp={pp}"
+        return (f"{chunks} needs at least one layer per stage but the model has {layers} layers; "
+                f"use pp <= {layers // v}")
+    return None
+
+
 BUILTIN: tuple[Degree, ...] = (
+    # Outermost of the built-in degrees, as torchtitan (ParallelDims: pp, dp_replicate, dp_shard, cp, tp) and Megatron place it: a
+    # stage boundary sends one activation per micro-batch, the least traffic of any degree, so stages span
+    # nodes and TP/Ulysses stay inside.
+    Degree("pp", -5, frozenset({"stages", "weights"}), "Pipeline-parallel degree (stages of the layer stack).",
+           check=_check_pp),
     Degree("dp_replicate", 0, frozenset({"data"}), "Replicated data-parallel degree.", search="split"),
     Degree("dp_shard", 10, frozenset({"data", "shards_state"}), "FSDP/ZeRO shard degree (default: the rest).",
            search="fill"),

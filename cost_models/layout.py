@@ -75,6 +75,7 @@ class _LayoutBase(BaseModel):
             product(registry.mesh_dims()), product(registry.with_role("sequence")), product(registry.with_role("data")),
             product(registry.with_role("shards_state")), product(registry.with_role("heads")),
             product(registry.without_role("weights")), tuple(values[n] for n in registry.without_role("data")),
+            product(registry.with_role("stages")),
         )
         object.__setattr__(self, "_sizes", sizes)
         return sizes
@@ -91,6 +92,11 @@ class _LayoutBase(BaseModel):
     @property
     def world(self) -> int:
         return self._derived()[0]
+
+    @property
+    def pipeline_stages(self) -> int:
+        """Pipeline stages: the product of the degrees that split the layer stack (``pp``; 1 without PP)."""
+        return self._derived()[7]
 
     @property
     def sp(self) -> int:

@@ -52,6 +52,7 @@ from .flops import microbatch_work
 from .layout import Layout
 from .memo import Memo
 from .model_spec import ModelSpec
+from .pipeline import bubble_seconds, check_pipeline, stage_layers
 from .placement import Placement, group_spans, place
 from .profile import CostProfile, default_profile
 from .strategies import implementing, on_change, registered, report_buckets
@@ -75,7 +76,10 @@ class TimeEstimate(BaseModel):
     interference_s: float = Field(
         default=0.0, description="compute slowed by overlapped collectives (NCCL kernels sharing SMs and HBM)")
     overhead_s: float = Field(default=0.0, description="the stack's fixed host-side time per step")
-    step_s: float = Field(description="compute + exposed comm + optimizer + offload + interference + overhead")
+    pipeline_bubble_s: float = Field(
+        default=0.0, description="pipeline parallelism: the slowest stage's idle fill and drain (0 without PP)")
+    step_s: float = Field(description=("compute + exposed comm + optimizer + offload + interference + overhead "
+                                       "(+ pipeline bubble)"))
     tokens_per_step: float
     tokens_per_s: float
     mfu: float = Field(description="model FLOPs (no recompute) / (step time x GPUs x peak)")
@@ -128,9 +132,17 @@ def comm_and_time(
         )
     if offload is None:
         offload = OffloadTraffic.estimate(model, train, layout)
-    comm = comm_estimate(model, train, layout)
+    comm = comm_estimate(_comm_model(model, train, layout), train, layout)
     time = _time(model, train, layout, topology, offload, profile).estimate()
     return CommTime.model_construct(comm=comm, time=time, placement=place(layout, topology) if with_placement else None)
+
+
+def _comm_model(model: ModelSpec, train: TrainSpec, layout: Layout) -> ModelSpec:
+    """The model one GPU's traffic is counted for: with pipeline stages, the largest stage's layers."""
+    if layout.pp == 1:
+        return model
+    check_pipeline(model, train, layout)
+    return model.model_copy(update={"num_layers": max(stage_layers(model, train, layout))})
 
 
 def time_estimate(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
@@ -149,6 +161,11 @@ class StepTime:
     step_s: float
     tokens_per_step: float
     _build: Callable[[], TimeEstimate]
+    #: The pipeline bubble inside ``step_s`` (0 without PP).
+    bubble_s: float = 0.0
+    #: With PP: the slowest stage's forward, backward and weight-gradient seconds per micro-batch (what the
+    #: schedules' bubbles are computed from; the planner bounds every schedule of a layout with them).
+    stage_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def estimate(self) -> TimeEstimate:
         return self._build()
@@ -164,6 +181,10 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
           offload: OffloadTraffic, profile: CostProfile | None = None) -> StepTime:
     profile = profile or default_profile(topology.gpu.name)
     training = train.is_training
+    whole_model, split = model, None
+    if layout.pp > 1:  # --- pipeline: price one stage (its layers), compose the schedule in _pipelined_step
+        split = stage_layers(model, train, layout)
+        model = _comm_model(model, train, layout)
     layers = model.num_layers
     accum = train.grad_accum
     eff = topology.efficiency
@@ -206,6 +227,15 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
     step_s = (accum * microbatch_s + (bwd_overlap_last - bwd_overlap_mb) + slow_last
               + model_step + optimizer_s + offload_s + overhead_s + st.exposed_step + st.slow_step)
     tokens_per_step = float(train.micro_batch * train.seq_len * accum * layout.dp)
+    pipe = None
+    if split is not None:
+        pipe = _pipelined_step(train, layout, split, ct, cp, st, layer_f, layer_b, head_f, head_b, slow)
+        step_s = pipe.work + pipe.bubble + pipe.fsdp + model_step + st.exposed_step + st.slow_step + optimizer_s \
+            + offload_s + overhead_s
+        compute_s = accum * pipe.compute_mb
+        interference_s = accum * pipe.slow_mb + st.slow_step
+        step_comm_exposed = step_s - compute_s - pipe.bubble - optimizer_s - offload_s - overhead_s - interference_s
+        w = microbatch_work(whole_model, train, layout)
 
     def build() -> TimeEstimate:
         buckets = report_buckets()
@@ -220,8 +250,16 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
             exposed[k] += v
         _split(exposed, fwd_overlap * accum, cp.prefetch_f_by)
         _split(exposed, bwd_overlap_mb * (accum - 1) + bwd_overlap_last, cp.overlapped_b_by)
-        model_flops = w.model_flops * layout.world * accum
+        if pipe is not None:  # the pipelined step's exposed time, attributed in the same proportions
+            total = sum(exposed.values())
+            for k in exposed:
+                exposed[k] = exposed[k] * step_comm_exposed / total if total > 0 else 0.0
+            if total <= 0:
+                exposed["pipeline"] = step_comm_exposed
+        # Every rank runs its share of one replica's work: pp stages share the model's FLOPs.
+        model_flops = w.model_flops * layout.world * accum / layout.pp
         denominator = step_s * layout.world * peak
+        executed = w.executed_flops(whole_model.num_layers) * layout.world * accum / layout.pp
         return TimeEstimate.model_construct(  # computed values; skip re-validation
             compute_s=compute_s,
             comm_s=sum(comm_by.values()),
@@ -230,11 +268,12 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
             offload_s=offload_s,
             interference_s=interference_s,
             overhead_s=overhead_s,
+            pipeline_bubble_s=pipe.bubble if pipe is not None else 0.0,
             step_s=step_s,
             tokens_per_step=tokens_per_step,
             tokens_per_s=tokens_per_step / step_s,
             mfu=model_flops / denominator,
-            hfu=w.executed_flops(layers) * layout.world * accum / denominator,
+            hfu=executed / denominator,
             model_flops_per_step=model_flops,
             peak_flops=peak,
             comm_s_by_strategy=comm_by,
@@ -250,21 +289,102 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
                 "layer_backward_exposed_comm_s": lb_exposed + st.exposed_b if training else 0.0,
                 "head_compute_s": head_f + head_b,
                 "microbatch_s": microbatch_s,
+                **(pipe.breakdown() if pipe is not None else {}),
             },
             efficiencies={**ct.fractions, "pcie": eff.pcie, "host_memory": eff.host_memory,
                           "compute_overhead_fraction": profile.stack.time.compute_overhead_fraction},
-            components={
-                **{name: accum * seconds for name, seconds in ct.parts.items()},
-                **{f"exposed_comm_{k}": v for k, v in exposed.items()},
-                "interference": interference_s,
-                "offload": offload_s,
-                "optimizer": optimizer_s,
-                "step_overhead": overhead_s,
-            },
+            components=_components(ct, accum, exposed, interference_s, offload_s, optimizer_s, overhead_s, pipe,
+                                   step_s),
             efficiency_sources=efficiency_sources(topology, profile),
         )
 
-    return StepTime(step_s, tokens_per_step, build)
+    if pipe is None:
+        return StepTime(step_s, tokens_per_step, build)
+    return StepTime(step_s, tokens_per_step, build, pipe.bubble, (pipe.forward_s, pipe.backward_s, pipe.weight_grad_s))
+
+
+def _components(ct: ComputeTime, accum: int, exposed: dict[str, float], interference_s: float, offload_s: float,
+                optimizer_s: float, overhead_s: float, pipe: "_PipelineStep | None", step_s: float) -> dict[str, float]:
+    """The step by component (they add up to ``step_s``). With pipeline stages: the slowest stage's compute
+    parts, the bubble, and the exposed communication (the rest of the step, by strategy in proportion to
+    the stage's exposed traffic)."""
+    if pipe is None:
+        return {
+            **{name: accum * seconds for name, seconds in ct.parts.items()},
+            **{f"exposed_comm_{k}": v for k, v in exposed.items()},
+            "interference": interference_s,
+            "offload": offload_s,
+            "optimizer": optimizer_s,
+            "step_overhead": overhead_s,
+        }
+    parts = {name: accum * seconds * pipe.compute_mb / max(pipe.compute_mb_parts, 1e-300)
+             for name, seconds in ct.parts.items()}
+    return {**parts, **{f"exposed_comm_{k}": v for k, v in exposed.items()}, "pipeline_bubble": pipe.bubble,
+            "interference": interference_s, "offload": offload_s, "optimizer": optimizer_s,
+            "step_overhead": overhead_s}
+
+
+class _PipelineStep(NamedTuple):
+    """The schedule applied to the slowest stage (:mod:`sp_plan.cost_models.pipeline`): ``work`` is every
+    micro-batch's forward and backward on it, ``bubble`` its idle fill and drain, ``fsdp`` the ZeRO traffic
+    that PP leaves once per step (gathered in the first forward, reduced after the last backward),
+    ``compute_mb`` its pure compute per micro-batch (``compute_mb_parts``: what the compute parts sum to
+    per micro-batch for the priced stage), ``slow_mb`` its interference per micro-batch."""
+
+    work: float
+    bubble: float
+    fsdp: float
+    compute_mb: float
+    compute_mb_parts: float
+    slow_mb: float
+    stage: int
+    forward_s: float
+    backward_s: float
+    weight_grad_s: float
+
+    def breakdown(self) -> dict[str, float]:
+        return {"pipeline_bubble_s": self.bubble, "pipeline_stage_forward_s": self.forward_s,
+                "pipeline_stage_backward_s": self.backward_s, "pipeline_stage_weight_grad_s": self.weight_grad_s,
+                "pipeline_slowest_stage": float(self.stage), "pipeline_fsdp_once_s": self.fsdp}
+
+
+def _pipelined_step(train: TrainSpec, layout: Layout, split: tuple[int, ...], ct: ComputeTime, cp: _CommProfile,
+                    st: _StrategyTerms, layer_f: float, layer_b: float, head_f: float, head_b: float,
+                    slow: float) -> _PipelineStep:
+    """Stage times from one layer's priced forward and backward (exposed per-layer communication included),
+    the LM head and the whole-model ops on the last stage, the point-to-point transfers on every stage; the
+    slowest stage sets the pace. ZB-H1's weight-gradient part ``W``: half of a layer's backward GEMM time
+    (dX and dW are the same size), none of attention's (no weights)."""
+    p, m, v = layout.pp, train.grad_accum, train.virtual_stages
+    p2p = cp.model_mb_by.get("pipeline", 0.0)
+    last_only = cp.model_mb - p2p
+    per_mb = st.exposed_mb + st.slow_mb + p2p
+    w_layer = max(0.0, ct.layer_backward - ct.layer_recompute - ct.attention_backward) / 2
+    best: tuple[float, int, float, float, float, float] | None = None
+    for s, n in enumerate(split):
+        last = s == p - 1
+        t_f = n * layer_f + per_mb / 2 + (head_f + last_only if last else 0.0)
+        t_b = n * layer_b + per_mb / 2 + (head_b if last else 0.0)
+        t_w = n * w_layer + (head_b / 2 if last else 0.0)
+        compute = n * (ct.layer_forward + ct.layer_backward) + (head_f + head_b if last else 0.0)
+        if best is None or t_f + t_b > best[0] + best[1]:
+            best = (t_f, t_b, t_w, compute, float(s), float(n))
+    assert best is not None
+    t_f, t_b, t_w, compute, s_slow, n_slow = best
+    bubble = bubble_seconds(train.pipeline_schedule, p, v, t_f, t_b - t_w, t_w)
+    n = int(n_slow)
+
+    def hidden(comm: float, compute_s: float) -> float:
+        return n * max(0.0, comm - compute_s) + min(comm, compute_s) if comm > 0 else 0.0
+
+    # Under PP the layer gathers and reductions are once per step (strategies.fsdp): the forward gathers hide
+    # behind the first micro-batch's forward, the reductions behind the last one's backward.
+    fsdp = hidden(cp.prefetch_f, ct.layer_forward) + hidden(cp.prefetch_b + cp.grad_mb + cp.grad_step,
+                                                           ct.layer_backward)
+    parts_mb = sum(ct.parts.values())
+    return _PipelineStep(work=m * (t_f + t_b), bubble=bubble, fsdp=fsdp, compute_mb=compute,
+                         compute_mb_parts=parts_mb, slow_mb=n * (st.slow_f + st.slow_b) + st.slow_mb,
+                         stage=int(s_slow), forward_s=t_f, backward_s=t_b, weight_grad_s=t_w)
 
 
 def attention_forward_seconds(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
@@ -408,7 +528,7 @@ def _strategy_terms(ctx: TimeContext) -> _StrategyTerms:
 #: TrainSpec fields the collectives of a step depend on: comm_volume.comm_ops reads only these (a test
 #: checks that changing any other field leaves the op list unchanged).
 COMM_FIELDS = ("seq_len", "micro_batch", "dtype", "mode", "optimizer", "zero_stage", "checkpointing",
-               "tp_sequence_parallel")
+               "tp_sequence_parallel", "virtual_stages")
 
 #: Overlap classes priced here; any other belongs to the strategy that claims it.
 GENERIC_OVERLAP = ("exposed", "prefetch", "grad")

@@ -17,6 +17,13 @@ ComputeDType = Literal["bf16", "fp16", "fp32"]
 Optimizer = Literal["adamw", "adamw_bf16"]
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+#: Pipeline schedules (used when the layout has ``pp > 1``; see :mod:`sp_plan.cost_models.pipeline`):
+#: ``1f1b`` (PipeDream-Flush, Narayanan et al. 2021), ``interleaved_1f1b`` (Megatron-LM's virtual stages),
+#: ``zero_bubble`` (ZB-H1, Qi et al. 2023: the backward split into input and weight gradients).
+PipelineSchedule = Literal["1f1b", "interleaved_1f1b", "zero_bubble"]
+#: Bound on model chunks per stage and on the stages a split may list (far above any published run).
+MAX_VIRTUAL_STAGES = 64
+MAX_STAGES = 4096
 
 
 class TrainSpec(BaseModel):
@@ -50,6 +57,13 @@ class TrainSpec(BaseModel):
     fp8_linears: bool = False
     #: The transformer blocks run under torch.compile: neighbouring elementwise kernels are fused.
     compiled: bool = False
+    #: How pipeline stages order the micro-batches (``grad_accum`` of them per step) when ``pp > 1``.
+    pipeline_schedule: PipelineSchedule = "1f1b"
+    #: Model chunks per pipeline stage: 1, or >= 2 with ``interleaved_1f1b``.
+    virtual_stages: int = Field(default=1, ge=1, le=MAX_VIRTUAL_STAGES)
+    #: Layers of each pipeline stage, first to last (None: the balanced default split of
+    #: :func:`sp_plan.cost_models.pipeline.default_stage_layers`). Must sum to the model's layers.
+    stage_layers: tuple[int, ...] | None = Field(default=None, min_length=1, max_length=MAX_STAGES)
 
     @field_validator("seq_len", mode="before")
     @classmethod
@@ -68,6 +82,13 @@ class TrainSpec(BaseModel):
                              "for one document per sequence")
         if self.mode == "prefill" and self.grad_accum != 1:
             raise ValueError("grad_accum applies to training only; use grad_accum=1 with mode=prefill")
+        if self.pipeline_schedule == "interleaved_1f1b" and self.virtual_stages < 2:
+            raise ValueError("interleaved_1f1b needs virtual_stages >= 2 (model chunks per stage); use 1f1b for one")
+        if self.pipeline_schedule != "interleaved_1f1b" and self.virtual_stages != 1:
+            raise ValueError(f"virtual_stages={self.virtual_stages} needs pipeline_schedule interleaved_1f1b; "
+                             f"{self.pipeline_schedule} runs one model chunk per stage")
+        if self.stage_layers is not None and min(self.stage_layers) < 1:
+            raise ValueError(f"stage_layers {list(self.stage_layers)}: every stage needs at least one layer")
         return self
 
     @property

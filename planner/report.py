@@ -40,6 +40,10 @@ def describe_options(options: dict[str, Any], mode: str) -> str:
             parts.append(label)
     if mode == "train":
         parts.append(f"mb {options.get('micro_batch', 1)} x GA {options.get('grad_accum', 1)}")
+    schedule = options.get("pipeline_schedule")  # pipelined plans only
+    if schedule is not None:
+        parts.append({"1f1b": "1F1B", "zero_bubble": "ZB-H1"}.get(
+            schedule, f"interleaved 1F1B x{options.get('virtual_stages', 1)}"))
     return ", ".join(parts)
 
 
@@ -134,7 +138,9 @@ def explain_winner(result: SearchResult, model: ModelSpec) -> list[str]:
     lines = [f"Recommended: {best.layout.describe()} with {describe_options(best.options, best.train.mode)}."]
     lines.append(
         f"  step {t.step_s:.3f} s = compute {t.compute_s:.3f} s + exposed communication {t.exposed_comm_s:.3f} s"
-        f" + optimizer {t.optimizer_s:.3f} s + offload {t.offload_s:.3f} s; {t.tokens_per_s:,.0f} tokens/s, "
+        f" + optimizer {t.optimizer_s:.3f} s + offload {t.offload_s:.3f} s"
+        + (f" + pipeline bubble {t.pipeline_bubble_s:.3f} s" if t.pipeline_bubble_s > 0 else "")
+        + f"; {t.tokens_per_s:,.0f} tokens/s, "
         f"MFU {t.mfu:.1%}")
     lines.append(
         f"  memory {m.total / GB:.1f} GB per GPU of {m.capacity / GB:.1f} GB (usable {result.usable_bytes / GB:.1f} GB "

@@ -32,6 +32,7 @@ from sp_plan.cost_models.estimate import Estimate, estimate, offload_capacity, o
 from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.memory import MemoryAssumptions, MemoryCore, host_memory, memory_core
 from sp_plan.cost_models.model_spec import ModelSpec
+from sp_plan.cost_models.pipeline import bubble_seconds
 from sp_plan.cost_models.profile import CostProfile, load_calibration, resolve_profile
 from sp_plan.cost_models.stack import DEFAULT_STACK, shipped_stack_name
 from sp_plan.cost_models.time_model import OffloadTraffic, StepTime, step_time
@@ -49,6 +50,7 @@ from .options import (
     invalid_reason,
     moving_parts,
 )
+from .pipeline_options import PIPELINE_AXES, pipeline_axes, pipeline_branches, pipeline_invalid
 from .space import LayoutSpace, StructuralRejection, layout_space
 
 #: Default tokens per optimizer step (Llama 3 pre-training used 4M-16M tokens per batch).
@@ -316,8 +318,18 @@ class _Searcher:
         return max(1, math.ceil(self.batch_sequences / layout.dp))
 
     def lattice(self, layout: Layout) -> OptionLattice:
-        return build_lattice(self.base, self.fixed_options, self.sequences_per_rank(layout),
+        full = build_lattice(self.base, self.fixed_options, self.sequences_per_rank(layout),
                              self.settings.micro_batch_fixed, self.stack_search.options)
+        if self.base.is_training:
+            full = OptionLattice(full.axes + pipeline_axes(self.model, layout, self.fixed_options))
+        return full
+
+    def pipeline_invalid(self, layout: Layout, options: dict[str, Any]) -> str | None:
+        """Why the options' schedule cannot run on ``layout`` (see :mod:`.pipeline_options`)."""
+        if layout.pp == 1:
+            return None
+        accum = max(1, self.sequences_per_rank(layout) // options["micro_batch"])
+        return pipeline_invalid(self.model, layout, options, accum)
 
     def lattices(self, layout: Layout) -> list[OptionLattice]:
         """One lattice per ZeRO stage to try (the stage is a branch, not a lattice axis).
@@ -340,6 +352,9 @@ class _Searcher:
             lowest, rest = branches[0], branches[1:]
             branches = [lowest] + [b for b in rest if b.axes[k].values == (3,) and _can_offload_params(b)
                                    and not _can_offload_params(lowest)]
+        if layout.pp > 1:  # --- pipeline: a branch per schedule, chunks and micro-batch (pipeline_options)
+            branches = [p for b in branches
+                        for p in pipeline_branches(b, lambda o: self.pipeline_invalid(layout, o) is None)]
         return branches
 
     def train_for(self, layout: Layout, options: dict[str, Any]) -> TrainSpec:
@@ -376,7 +391,7 @@ class _Searcher:
 
     def timed(self, layout: Layout, combo: Combo, lattice: OptionLattice) -> _Scored | None:
         options = lattice.values(combo)
-        if invalid_reason(options):
+        if invalid_reason(options) or self.pipeline_invalid(layout, options):
             return None
         train = self.train_for(layout, options)
         self.time_evals += 1
@@ -401,6 +416,37 @@ class _Searcher:
         self.time_evals += 1
         return self.score(layout, options, step_time(self.model, train, layout, self.topology, _NO_OFFLOAD,
                                                      self.profile))
+
+    def pipeline_bounds(self, layout: Layout, branches: list[OptionLattice]) -> list[float]:
+        """A lower bound on every combination of each pipelined branch, one step time per layout and
+        micro-batch: the slowest stage's forward, backward and weight-gradient times at the bottom of the
+        lattice (zero-bubble, the fewest transfers) bound every ZeRO stage's and schedule's stage work
+        (ZeRO moves only once-per-step traffic under PP; interleaving adds transfers), and the bound is that
+        work times the micro-batches plus the branch's own bubble on those times (each bubble grows with
+        them). So a layout's (ZeRO, schedule, chunks) branches cost one time evaluation, not one each."""
+        timed: dict[tuple, tuple[float, tuple[float, float, float], float] | None] = {}
+        bounds = []
+        for lattice in branches:
+            options = lattice.values(lattice.repair_up(lattice.bottom))
+            key = tuple((k, v) for k, v in options.items() if k not in PIPELINE_AXES and k != "zero_stage")
+            if key not in timed:
+                bottom = {**options, "pipeline_schedule": "zero_bubble", "virtual_stages": 1}
+                if invalid_reason(bottom):
+                    timed[key] = None
+                else:
+                    train = self.train_for(layout, bottom)
+                    self.time_evals += 1
+                    t = step_time(self.model, train, layout, self.topology, _NO_OFFLOAD, self.profile)
+                    timed[key] = (t.tokens_per_step, t.stage_s, train.grad_accum)
+            if timed[key] is None:
+                bounds.append(0.0)  # no cheap bound: the floor decides
+                continue
+            tokens, (t_f, t_b, t_w), m = timed[key]
+            bubble = bubble_seconds(options["pipeline_schedule"], layout.pp, options["virtual_stages"], t_f, t_b - t_w,
+                                    t_w)
+            parts = layout_moving_parts(layout) + moving_parts(options)
+            bounds.append((m * (t_f + t_b) + bubble) / tokens * (1.0 + self.settings.tie_penalty * parts))
+        return bounds
 
     # ----- per layout ---------------------------------------------------------------------------
     def most_saving_valid(self, lattice: OptionLattice) -> Combo:
@@ -554,6 +600,13 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
         if not branches:  # invalid plans are explained, never silently dropped
             rejected.append(Rejection(layout=layout.degrees(), kind="structure",
                                       reason="no valid combination of the pinned memory options on this layout"))
+        if layout.pp > 1:
+            # --- pipelined branches (several per layout: schedules, chunks, micro-batches) enter on their
+            # time bound alone; whether their most saving options fit is asked when they are popped, so
+            # the many a better plan's bound prunes never cost a memory evaluation.
+            for lattice, bound in zip(branches, s.pipeline_bounds(layout, branches)):
+                queue.append((bound, i, next(order), layout, lattice, _UNCHECKED))
+            continue
         for lattice in branches:
             top = s.most_saving_valid(lattice)
             top_core = s.memory(layout, s.train_for(layout, lattice.values(top)))
@@ -570,16 +623,26 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
     best_of: dict[Layout, tuple[float, _Scored]] = {}
     kth_best = math.inf
     pruned_reason: dict[Layout, Rejection] = {}
+    late_miss: dict[Layout, Rejection] = {}  # pipelined branches found not to fit when popped
     while queue:
         bound, i, _, layout, lattice, start = heapq.heappop(queue)
         if len(best_of) >= settings.top_k and bound > kth_best:
-            what = ("even its fastest fitting options" if start is not None
+            what = ("even its fastest fitting options" if isinstance(start, _Scored)
                     else "even with no memory-saving option at all it")
             pruned_reason.setdefault(layout, Rejection(
                 layout=layout.degrees(), kind="bound", score=bound,
                 reason=f"not evaluated: {what} could reach only {_per_token(bound)}, below the top "
                        f"{settings.top_k} plans' cut-off of {_per_token(kth_best)}"))
             continue
+        if start is _UNCHECKED:  # a pipelined branch: does anything fit? (as the loop above asks the others)
+            top = s.most_saving_valid(lattice)
+            top_core = s.memory(layout, s.train_for(layout, lattice.values(top)))
+            if not s.device_fits(top_core):
+                miss = _memory_rejection(layout, lattice.values(top), top_core, s)
+                if layout not in late_miss or _shortfall_order(miss) < _shortfall_order(late_miss[layout]):
+                    late_miss[layout] = miss
+                continue
+            start = None
         if start is None:
             top = s.most_saving_valid(lattice)
             start = s.timed(layout, s.floor(layout, lattice, top), lattice)
@@ -601,6 +664,9 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
             best_of[layout] = (best.score, best)
         if len(best_of) >= settings.top_k:
             kth_best = sorted(score for score, _ in best_of.values())[settings.top_k - 1]
+    for layout, miss in late_miss.items():  # a pipelined layout none of whose branches fits: say so
+        if layout not in best_of and layout not in pruned_reason:
+            pruned_reason[layout] = miss
     pruned = sum(1 for layout, r in pruned_reason.items() if layout not in best_of and r.kind == "bound")
     rejected += [r for layout, r in pruned_reason.items() if layout not in best_of]
     found = sorted(((score, layout, best) for layout, (score, best) in best_of.items()),
@@ -608,7 +674,8 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
 
     plans = []
     for rank, (score, layout, best) in enumerate(found[: settings.top_k], start=1):
-        options = {k: v for k, v in best.train.model_dump().items() if k in _OPTION_KEYS}
+        options = {k: v for k, v in best.train.model_dump().items()
+                   if k in _OPTION_KEYS or (layout.pp > 1 and k in PIPELINE_AXES)}
         full = estimate(model, best.train, layout, topology, with_placement=True, profile=s.profile)
         plans.append(RankedPlan(rank=rank, layout=layout, options=options, train=best.train, estimate=full,
                                 score=score, moving_parts=layout_moving_parts(layout) + moving_parts(options)))
@@ -617,7 +684,7 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
     for score, layout, best in found[settings.top_k:]:
         rate = best.time.tokens_per_step / best.time.step_s
         rejected.append(Rejection(
-            layout=layout.degrees(), options={k: getattr(best.train, k) for k in _OPTION_KEYS}, kind="slower",
+            layout=layout.degrees(), options={k: getattr(best.train, k) for k in _option_keys(layout)}, kind="slower",
             score=score, reason=f"fits, but {rate:,.0f} tokens/s vs {best_rate:,.0f} tokens/s for the best plan "
                                 f"({rate / best_rate - 1:+.1%}; ranked {score / best_score - 1:+.1%} behind it with "
                                 "the near-tie discount for moving parts)"))
@@ -629,12 +696,20 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
                         profile_name=s.profile.name)
 
 
+#: Queue marker of a pipelined branch whose most saving options have not been memory-checked yet.
+_UNCHECKED = object()
+
 #: Options that put bytes in host memory (and traffic on PCIe).
 _OFFLOAD_OPTIONS = ("offload_checkpoints", "offload_optimizer", "offload_params")
 _NO_OFFLOAD = OffloadTraffic()
 
 _OPTION_KEYS = ("zero_stage", "checkpointing", "offload_checkpoints", "tiled_loss", "tiled_mlp",
                 "offload_optimizer", "offload_params", "micro_batch", "grad_accum")
+
+
+def _option_keys(layout: Layout) -> tuple[str, ...]:
+    """The options a plan reports: the schedule too when the layout is pipelined."""
+    return _OPTION_KEYS + PIPELINE_AXES if layout.pp > 1 else _OPTION_KEYS
 
 
 def _per_token(score: float | None) -> str:

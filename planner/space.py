@@ -65,6 +65,8 @@ def enumerate_layouts(
     tp_splits_sequence: bool = True,
     max_dp_replicate: int | None = None,
     ring_allowed: bool = True,
+    training: bool = True,
+    virtual_stages: int = 1,
 ) -> LayoutSpace:
     """All structurally valid layouts for ``world`` GPUs.
 
@@ -72,9 +74,10 @@ def enumerate_layouts(
     heads divide by tp x ulysses; KV heads divide by it or are replicated (``ModelSpec.kv_replication``);
     the sequence divides by the sequence-parallel degree (2 x ring for zigzag; x tp with Megatron sequence
     parallelism). ``max_dp_replicate`` bounds the HSDP split (None: any divisor). ``ring_allowed`` False
-    (materialized attention) rejects every ring degree above 1.
+    (materialized attention) rejects every ring degree above 1. ``training`` False (prefill) and
+    ``virtual_stages`` bound the pipeline degree (at least one layer per model chunk).
     """
-    ctx = SpaceContext(model, seq_len, gpus_per_node, tp_splits_sequence, ring_allowed)
+    ctx = SpaceContext(model, seq_len, gpus_per_node, tp_splits_sequence, ring_allowed, virtual_stages, training)
     limits = {"dp_replicate": max_dp_replicate} if max_dp_replicate is not None else {}
     model_dims = registry.searched("model")
     layouts: list[Layout] = []
@@ -124,4 +127,5 @@ def _data_degrees(rest: int, split: tuple[str, ...], chosen: dict[str, int],
 def layout_space(world: int, model: ModelSpec, base: TrainSpec, gpus_per_node: int) -> LayoutSpace:
     """:func:`enumerate_layouts` with the constraints ``base`` implies (Megatron SP, attention kernel)."""
     return enumerate_layouts(world, model, base.seq_len, gpus_per_node, tp_splits_sequence=base.tp_sequence_parallel,
-                             ring_allowed=base.attention_kernel == "flash")
+                             ring_allowed=base.attention_kernel == "flash", training=base.is_training,
+                             virtual_stages=base.virtual_stages)

@@ -42,6 +42,9 @@ ALTERNATIVES = {
     "document_length": (None, 4096),
     "fp8_linears": (False, True),
     "compiled": (False, True),
+    "pipeline_schedule": ("1f1b", "zero_bubble"),
+    "virtual_stages": (1, 2),
+    "stage_layers": (None, (16,)),
 }
 
 

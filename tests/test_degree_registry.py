@@ -53,8 +53,8 @@ def test_layout_takes_the_new_degree_with_the_same_bounds_and_roles(dp_outer):
         Layout(dp_outer=0)
     assert str(explain_validation_error(bad.value, "layout")) == (
         "invalid layout: dp_outer: Input should be greater than or equal to 1")
-    with pytest.raises(ValidationError, match="pp\n  Extra inputs are not permitted"):
-        Layout(pp=2)
+    with pytest.raises(ValidationError, match="not_a_degree\n  Extra inputs are not permitted"):
+        Layout(not_a_degree=2)
 
 
 def test_unregistering_restores_the_built_in_layout():
@@ -116,7 +116,7 @@ def test_a_model_degree_brings_its_own_structural_check():
         assert {layout.toy_split for layout in space.layouts} == {1, 2}
         reasons = {r.describe(): r.reason for r in space.rejected}
         assert reasons["toy_split=4"] == "toy_split=4 is above 2"
-        assert registry.searched("model") == ("tp", "toy_split", "ulysses", "ring")
+        assert registry.searched("model") == ("tp", "toy_split", "ulysses", "ring", "pp")
         # the runtime does not implement it: the planner is told to hold it at 1, a plan using it is refused
         from sp_plan.runtime.capabilities import merge_constraints, planner_constraints, unsupported_reasons
         from sp_plan.runtime.errors import RuntimeConfigError
@@ -146,7 +146,7 @@ def test_the_cost_model_prices_the_new_degree_as_the_same_split_of_dp_replicate(
     assert a.comm.per_step_bytes > estimate(MODEL, TRAIN, Layout(dp_shard=4, ulysses=8), topology).comm.per_step_bytes
     assert group_shapes(outer)["dp_outer"] == group_shapes(replicate)["dp_replicate"] == (32, 2)
     placement = place(outer, topology)
-    assert placement.mesh_order[0] == "dp_outer" and placement.rank_formula.startswith("rank = (((((dp_outer*dp_replicate")
+    assert placement.mesh_order[0] == "dp_outer" and placement.rank_formula.startswith("rank = ((((((dp_outer*pp + pp)*dp_replicate")
     assert placement.groups["dp_outer"].nodes_spanned == 2
     assert placement.groups["data"].dims == ["dp_outer", "dp_replicate", "dp_shard", "ring", "ulysses"]
 

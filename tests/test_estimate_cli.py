@@ -28,7 +28,7 @@ def test_reference_json_reports_the_design_figures():
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert set(data) >= {"layout", "memory", "host_memory", "fits", "detail", "comm", "time"}
-    assert data["layout"] == {"dp_replicate": 1, "dp_shard": 1, "ring": 1, "ulysses": 8, "tp": 1}
+    assert data["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "ring": 1, "ulysses": 8, "tp": 1}
     assert set(data["memory"]) == MEMORY_KEYS
     assert data["memory"]["kv_cache"] == 40_960_000_000
     assert data["memory"]["weights"] == 17_638_426_624

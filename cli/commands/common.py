@@ -19,7 +19,7 @@ from sp_plan.cost_models.gpu_spec import GPUSpec, get_gpu_preset
 from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.memory.assumptions import MemoryAssumptions
 from sp_plan.cost_models.model_spec import ModelSpec, load_model
-from sp_plan.cost_models.train_spec import TrainSpec
+from sp_plan.cost_models.train_spec import MAX_STAGES, MAX_VIRTUAL_STAGES, TrainSpec
 from sp_plan.cost_models.units import MAX_SEQ_LEN, parse_token_count
 
 from sp_plan.cli.autoconfig import load_config_file
@@ -116,6 +116,36 @@ MEMORY_TECHNIQUE_OPTIONS = (
                  help="Compute logits and cross-entropy in chunks (plan/capacity: pin on or off)."),
 )
 
+class IntListType(click.ParamType):
+    """A comma-separated list of positive integers (``7,8,8,7``), bounded in length."""
+
+    name = "N,N,..."
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, tuple):
+            return value
+        parts = [p.strip() for p in str(value).split(",")]
+        if not parts or len(parts) > MAX_STAGES or not all(p.isdigit() and int(p) >= 1 for p in parts):
+            self.fail(f"{value!r} is not a comma-separated list of positive layer counts (e.g. 7,8,8,7; at most "
+                      f"{MAX_STAGES} entries)", param, ctx)
+        return tuple(int(p) for p in parts)
+
+
+#: Pipeline schedule options (used when --pp > 1): estimate takes them as given; plan and capacity search the
+#: schedule and the virtual stages unless typed.
+PIPELINE_OPTIONS = (
+    click.option("--schedule", "pipeline_schedule", type=click.Choice(["1f1b", "interleaved_1f1b", "zero_bubble"]),
+                 default=None, cls=SearchedOption,
+                 help="Pipeline schedule with --pp > 1: 1f1b, interleaved_1f1b (with --virtual-stages), zero_bubble "
+                      "(ZB-H1). Default: 1f1b, or interleaved_1f1b when --virtual-stages > 1."),
+    click.option("--virtual-stages", type=click.IntRange(1, MAX_VIRTUAL_STAGES), default=1, show_default=True,
+                 cls=SearchedOption, help="Model chunks per pipeline stage (interleaved 1F1B)."),
+    click.option("--stage-layers", type=IntListType(), default=None,
+                 help="Layers of each pipeline stage, first to last, e.g. 7,8,8,7 (must sum to the model's layers; "
+                      "default: a split balancing the stages' time, the last stage carrying the LM head)."),
+)
+
+
 #: The software stack and calibration a prediction assumes (estimate, plan, capacity).
 STACK_OPTIONS = (
     click.option(
@@ -177,6 +207,7 @@ def _model_options(func: Callable, seq_len_required: bool) -> Callable:
         click.option("--document-length", type=SEQ_LEN, default=None,
                      help="Packed sequences with document masking: typical document length in tokens "
                           "(attention stays inside a document; default: one document per sequence)."),
+        *PIPELINE_OPTIONS,
         click.option("--fp8-linears", is_flag=True, help="Float8 linear layers (torchao / TransformerEngine style)."),
         click.option("--compiled", is_flag=True, help="The transformer blocks run under torch.compile."),
         click.option(
@@ -266,6 +297,8 @@ def build_model(model_name: str) -> ModelSpec:
 
 
 def build_train(**kwargs: Any) -> TrainSpec:
+    if "pipeline_schedule" in kwargs and kwargs["pipeline_schedule"] is None:  # --schedule not given
+        kwargs["pipeline_schedule"] = "interleaved_1f1b" if kwargs.get("virtual_stages", 1) > 1 else "1f1b"
     try:
         return TrainSpec(**kwargs)
     except ValidationError as exc:
@@ -367,12 +400,15 @@ TRAIN_KEYS = (
     "document_length",
     "fp8_linears",
     "compiled",
+    "pipeline_schedule",
+    "virtual_stages",
+    "stage_layers",
 )
 
 
 #: Memory options the planner searches unless the user pins them on the command line.
 SEARCHABLE_OPTIONS = ("zero_stage", "checkpointing", "offload_checkpoints", "tiled_loss", "tiled_mlp",
-                      "offload_optimizer", "offload_params")
+                      "offload_optimizer", "offload_params", "pipeline_schedule", "virtual_stages")
 
 
 def pinned(ctx: click.Context, names: tuple[str, ...]) -> dict[str, Any]:

@@ -116,6 +116,12 @@ def render_table(est: Estimate) -> str:
                    f"offsets in int32 and this GPU's last row starts at element {det.row_kernel_offset:,}")
     rows.append(f"{verdict}; peak phase: {det.peak_phase} (at {det.phases[det.peak_phase].transient_peak_at})")
     rows.append("phases (allocated GB): " + ", ".join(f"{n} {p.allocated / GB:.2f}" for n, p in det.phases.items()))
+    if det.pipeline is not None:
+        pipe = det.pipeline
+        rows.append(f"pipeline: figures above are stage {pipe.stage} of {len(pipe.stage_layers)} (the largest); per stage "
+                    "(layers, micro-batches in flight, total GB): "
+                    + ", ".join(f"{n}/{f:g}/{t / GB:.1f}" for n, f, t in zip(pipe.stage_layers, pipe.in_flight_microbatches,
+                                                                             pipe.stage_totals)))
     b = det.buffers
     rows.append(
         f"buffers: comm staging {b.comm_staging / GB:.2f} GB, ZeRO-3 gathered params "
@@ -174,6 +180,11 @@ def render_comm_time(est: Estimate) -> list[str]:
     rows.append(f"  compute {t.compute_s:.3f} s, communication {t.comm_s:.3f} s of which exposed "
                 f"{t.exposed_comm_s:.3f} s" + (f" ({exposed})" if exposed else ""))
     rows.append(f"  optimizer {t.optimizer_s:.3f} s, offload {t.offload_s:.3f} s")
+    if t.pipeline_bubble_s > 0:
+        b = t.breakdown
+        rows.append(f"  pipeline bubble {t.pipeline_bubble_s:.3f} s; slowest stage {int(b['pipeline_slowest_stage'])}: "
+                    f"{b['pipeline_stage_forward_s'] * 1e3:.1f} ms forward + {b['pipeline_stage_backward_s'] * 1e3:.1f} ms "
+                    "backward per micro-batch")
     rows.append(f"  step {t.step_s:.3f} s | {t.tokens_per_s:,.0f} tokens/s | MFU {t.mfu:.1%} (HFU {t.hfu:.1%})")
     return rows
 

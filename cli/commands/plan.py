@@ -56,6 +56,9 @@ def settings_from(ctx: click.Context, options: dict[str, Any], top: int = 5) -> 
     if "grad_accum" in pinned(ctx, ("grad_accum",)):
         raise PlannerError("plan derives gradient accumulation from --global-batch-tokens; drop --grad-accum")
     fixed_layout = {k: v for k, v in pinned(ctx, layout_keys()).items() if v is not None}
+    split = options.get("stage_layers")
+    if split is not None and fixed_layout.get("pp") != len(split):
+        raise PlannerError(f"--stage-layers lists {len(split)} stages: pin the pipeline degree with --pp {len(split)}")
     fixed_options = pinned(ctx, SEARCHABLE_OPTIONS)
     micro_fixed = "micro_batch" in pinned(ctx, ("micro_batch",))
     try:

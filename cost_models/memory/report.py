@@ -136,6 +136,15 @@ class StatesDetail(_Frozen):
     optimizer_on_device: bool
 
 
+class PipelineMemory(_Frozen):
+    """Per-stage memory of a pipeline (the reported figures are the worst stage's)."""
+
+    stage: int = Field(description="Index of the stage the memory figures are for (0 = first).")
+    stage_layers: list[int] = Field(description="Layers of every stage, first to last.")
+    in_flight_microbatches: list[float] = Field(description="Micro-batches whose activations each stage holds.")
+    stage_totals: list[int] = Field(description="Device bytes of every stage, first to last.")
+
+
 class MemoryDetail(_Frozen):
     mode: str
     tokens_per_gpu: int
@@ -156,6 +165,8 @@ class MemoryDetail(_Frozen):
         "The most those kernels can address (2^31 - 1 for int32 row offsets), None if unbounded; "
         "beyond it `fits` is false whatever the memory."))
     assumptions: dict
+    pipeline: PipelineMemory | None = Field(default=None, description=(
+        "With pp > 1: the stage these figures are for (the largest) and every stage's device total."))
 
 
 class MemoryReport(_Frozen):

@@ -200,14 +200,28 @@ STATES_FIELDS = ("mode", "dtype", "optimizer", "zero_stage", "offload_params", "
 _STATES: Memo[ModelStates] = Memo()
 
 
-def model_states(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions) -> ModelStates:
-    """Per-GPU bytes of weights, gradients and optimizer states (memoized; read-only)."""
-    key = (model, a, layout.tp, layout.shard_group, *(getattr(train, f) for f in STATES_FIELDS))
-    return _STATES.get(key, lambda: _model_states(model, train, layout, a))
+def stage_params(params: TPParams, layers: int, first: bool, last: bool, tied: bool) -> TPParams:
+    """What one pipeline stage holds of ``params``: its ``layers``, the token (and position) embedding on the
+    first stage, the final norm and LM head on the last (tied embeddings: the last stage keeps its own copy
+    of the embedding matrix as the head, as Megatron-LM does, their gradients all-reduced between the two)."""
+    vocab = params.vocab_matrix if first or (last and tied) else 0
+    return TPParams(params.per_layer, vocab, params.positions if first else 0, params.lm_head if last else 0,
+                    params.final_norm if last else 0, layers)
 
 
-def _model_states(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions) -> ModelStates:
+def model_states(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions,
+                 stage: tuple[int, bool, bool] | None = None) -> ModelStates:
+    """Per-GPU bytes of weights, gradients and optimizer states (memoized; read-only). ``stage``: (layers,
+    first, last) of the pipeline stage this GPU runs (None: the whole model)."""
+    key = (model, a, layout.tp, layout.shard_group, *(getattr(train, f) for f in STATES_FIELDS), stage)
+    return _STATES.get(key, lambda: _model_states(model, train, layout, a, stage))
+
+
+def _model_states(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions,
+                  stage: tuple[int, bool, bool] | None = None) -> ModelStates:
     params = tp_params(model, layout.tp)
+    if stage is not None:
+        params = stage_params(params, *stage, tied=model.tied_embeddings)
     per = bytes_per_param(train)
     if train.is_training and a.main_grad_bytes_per_param is not None:
         per = BytesPerParam(per.weights, a.main_grad_bytes_per_param, per.optimizer)

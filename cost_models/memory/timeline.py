@@ -28,6 +28,7 @@ from ..errors import CostModelError
 from ..gpu_spec import GPUSpec
 from ..layout import Layout
 from ..model_spec import ModelSpec
+from ..pipeline import StageView, candidate_stages, check_pipeline, stages
 from ..train_spec import TrainSpec
 from .allocator import fragmentation as allocator_fragmentation
 from .assumptions import MemoryAssumptions
@@ -50,6 +51,7 @@ from .report import (
     OutputLayerMemory,
     OverheadDetail,
     PhaseMemory,
+    PipelineMemory,
     StatesDetail,
     UlyssesShapes,
 )
@@ -158,6 +160,8 @@ class MemoryCore:
     """Largest element offset at which the stack's Triton row kernels start a row (kernel_limits.py)."""
     row_kernel_offset_limit: int | None
     """The most they can address (``MemoryAssumptions.row_kernel_offset_limit``), None if unbounded."""
+    stage: StageView | None = None
+    """With pipeline parallelism: the stage these figures are for (the one with the largest total)."""
 
     @property
     def within_kernel_limits(self) -> bool:
@@ -194,11 +198,45 @@ class MemoryCore:
 def memory_core(model: ModelSpec, train: TrainSpec, layout: Layout,
                 assumptions: MemoryAssumptions | None = None) -> MemoryCore:
     """Per-GPU memory of ``model`` trained (or prefilled) with ``train`` on ``layout``, without the
-    report objects (see :class:`MemoryCore`)."""
+    report objects (see :class:`MemoryCore`). With pipeline parallelism, the worst stage's."""
     a = assumptions or MemoryAssumptions()
+    if layout.pp == 1:
+        return _memory_core(model, train, layout, a, None)
+    candidates = candidate_stages(pipeline_stages(model, train, layout))
+    if a.allocator == "fraction":
+        # The overheads grow with the allocated peak alone (context, NCCL, a fraction of the peak), so the
+        # stage with the largest peak has the largest total: only its report is built.
+        worst = max(candidates, key=lambda st: _stage_peak(model, train, layout, a, st))
+        return _memory_core(model, train, layout, a, worst)
+    return max((_memory_core(model, train, layout, a, st) for st in candidates), key=lambda core: core.total)
+
+
+def _stage_peak(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions, stage: StageView) -> int:
+    """The allocated peak of one pipeline stage (the phases of :func:`_memory_core`, without the report)."""
+    return max(p.allocated for p in _phases(model, train, layout, a, stage)[-1])
+
+
+def pipeline_stages(model: ModelSpec, train: TrainSpec, layout: Layout) -> tuple[StageView, ...]:
+    """The pipeline's stages (:mod:`sp_plan.cost_models.pipeline`), after its checks."""
+    check_pipeline(model, train, layout)
+    return stages(model, train, layout)
+
+
+def stage_totals(model: ModelSpec, train: TrainSpec, layout: Layout,
+                 assumptions: MemoryAssumptions | None = None) -> list[int]:
+    """Device bytes of every pipeline stage, first to last (one entry without PP)."""
+    a = assumptions or MemoryAssumptions()
+    if layout.pp == 1:
+        return [_memory_core(model, train, layout, a, None).total]
+    return [_memory_core(model, train, layout, a, st).total for st in pipeline_stages(model, train, layout)]
+
+
+def _phases(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions, stage: StageView | None):
+    """The step's phases and what they are built from: (dims, states, block, head, inputs, offloaded bytes
+    per layer, checkpointing mode, tiled-MLP gradient bytes, phases)."""
     validate_options(train, layout)
     d = local_dims(model, train, layout)
-    states = model_states(model, train, layout, a)
+    states = model_states(model, train, layout, a, None if stage is None else (stage.layers, stage.first, stage.last))
     training = train.is_training
     mode = train.checkpointing if training else "inference"
     mlp_grads = _tiled_mlp_param_grad_bytes(model, train, layout.tp, a, states)
@@ -206,11 +244,18 @@ def memory_core(model: ModelSpec, train: TrainSpec, layout: Layout,
     head = _head_memory(model, d, a, training, train.tiled_loss)
     inputs = _inputs_bytes(model, d, training)
     offloaded = _offloaded_checkpoint_bytes(d, train)
-    row_offset = row_kernel_last_offset(model, d, a)
     if training:
-        phases = _train_phases(model, train, a, states, block, head, inputs, offloaded)
+        phases = _train_phases(model, train, a, states, block, head, inputs, offloaded, stage)
     else:
         phases = _prefill_phases(model, a, states, block, head, inputs, kv_cache_bytes_per_layer(d, _v_head_dim(model)))
+    return d, states, block, head, inputs, offloaded, mode, mlp_grads, phases
+
+
+def _memory_core(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions,
+                 stage: StageView | None) -> MemoryCore:
+    d, states, block, head, inputs, offloaded, mode, mlp_grads, phases = _phases(model, train, layout, a, stage)
+    training = train.is_training
+    row_offset = row_kernel_last_offset(model, d, a)
     peak = max(phases, key=lambda p: p.allocated)
     reserve = cached = None
     if a.allocator != "fraction":
@@ -230,8 +275,9 @@ def memory_core(model: ModelSpec, train: TrainSpec, layout: Layout,
                        cached=cached),
         offloaded_per_layer=offloaded, inputs=inputs, mode=mode,
         host_weights=states.weights_host, host_gradients=states.gradients_host,
-        host_optimizer=states.optimizer_host, host_checkpoints=model.num_layers * offloaded,
-        row_kernel_offset=row_offset, row_kernel_offset_limit=a.row_kernel_offset_limit,
+        host_optimizer=states.optimizer_host,
+        host_checkpoints=(model.num_layers if stage is None else stage.layers) * offloaded,
+        row_kernel_offset=row_offset, row_kernel_offset_limit=a.row_kernel_offset_limit, stage=stage,
     )
 
 
@@ -272,6 +318,8 @@ def host_memory(model: ModelSpec, train: TrainSpec, layout: Layout,
     """Bytes per GPU kept in host memory, the same figures :func:`memory_core` reports, without
     simulating the device: what the time model needs to price offload traffic."""
     a = assumptions or MemoryAssumptions()
+    if layout.pp > 1:  # the stage whose device memory is the largest (the one the estimate reports)
+        return memory_core(model, train, layout, a).host
     states = model_states(model, train, layout, a)
     checkpoints = model.num_layers * _offloaded_checkpoint_bytes(local_dims(model, train, layout), train)
     return HostMemory.model_construct(
@@ -359,9 +407,20 @@ def memory_report(model: ModelSpec, train: TrainSpec, layout: Layout, gpu: GPUSp
         row_kernel_offset=core.row_kernel_offset,
         row_kernel_offset_limit=a.row_kernel_offset_limit,
         assumptions=a.model_dump(),
+        pipeline=_pipeline_detail(model, train, layout, a, core),
     )
     fits = memory.total <= memory.capacity and core.within_kernel_limits
     return MemoryReport(memory=memory, host_memory=host, fits=fits, detail=detail)
+
+
+def _pipeline_detail(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions,
+                     core: MemoryCore) -> PipelineMemory | None:
+    if core.stage is None:
+        return None
+    every = pipeline_stages(model, train, layout)
+    return PipelineMemory(stage=core.stage.index, stage_layers=[s.layers for s in every],
+                          in_flight_microbatches=[s.in_flight for s in every],
+                          stage_totals=[_memory_core(model, train, layout, a, s).total for s in every])
 
 
 def _v_head_dim(model: ModelSpec) -> int | None:
@@ -567,14 +626,19 @@ def _unsharded_grads(model: ModelSpec, st: ModelStates, a: MemoryAssumptions, tp
 
 
 def _train_phases(model: ModelSpec, train: TrainSpec, a: MemoryAssumptions, st: ModelStates, block: GraphMemory,
-                  head: GraphMemory, inputs: int, offloaded: int) -> list[_Phase]:
-    L = model.num_layers
+                  head: GraphMemory, inputs: int, offloaded: int, stage: StageView | None = None) -> list[_Phase]:
+    L = model.num_layers if stage is None else stage.layers
     p = st.params
     tp = st.tp
     saved = block.saved["activation"] - offloaded  # per block, on the device
     in_flight = (a.checkpoint_offload_in_flight - 1) * offloaded  # other blocks' inputs being moved
     gathered_block, gathered_first, gathered_loss = _zero3_gathered(model, st, a, tp)
     bucket, unsharded = _unsharded_grads(model, st, a, tp)
+    if stage is not None:
+        # --- pipeline stage: other micro-batches' stashed activations; FSDP held unsharded (see _stage_extras)
+        in_flight += _stashed_microbatches(stage, L * saved + inputs)
+        gathered_block, gathered_first, gathered_loss, bucket, unsharded = _stage_buffers(
+            st, (gathered_block, gathered_first, gathered_loss, bucket, unsharded))
     grads_all = st.grads_device(p.total)
     persistent = grads_all if (train.grad_accum > 1 or not a.grads_freed_between_steps) else 0
     head_params = p.head + (p.vocab_matrix if model.tied_embeddings else 0)  # tied: lm_head grads land there
@@ -607,6 +671,8 @@ def _train_phases(model: ModelSpec, train: TrainSpec, a: MemoryAssumptions, st: 
     loss.add_peak(head_peak, "head")
 
     kept_logits = head.retained["logits"]
+    if stage is not None and not stage.last:  # no output layer on this stage: its boundary sends the activation
+        loss, kept_logits = None, 0
     last = phase("backward (last block)", gradients=grads(head_params + in_progress),
                  activations=inputs + (L - 1) * saved + in_flight, logits=kept_logits,
                  zero3_gathered_params=gathered_block, unsharded_grads=unsharded)
@@ -621,7 +687,28 @@ def _train_phases(model: ModelSpec, train: TrainSpec, a: MemoryAssumptions, st: 
     opt = _Phase("optimizer step", weights=st.weights_device, gradients=grads_all,
                  optimizer=st.optimizer_device + step_temps, logits=kept_logits, unsharded_grads=bucket,
                  kernel_workspaces=ws, at="optimizer.step")
-    return [fwd, loss, last, first, opt]
+    return [fwd, loss, last, first, opt] if loss is not None else [fwd, last, first, opt]
+
+
+def _stashed_microbatches(stage: StageView, per_microbatch: int) -> int:
+    """Saved activations of the other micro-batches a pipeline stage holds while it works on one: in-flight
+    count less one, each ``per_microbatch`` bytes (all the stage's blocks' saved tensors and its inputs)."""
+    return int(max(0.0, stage.in_flight - 1) * per_microbatch)
+
+
+def _stage_buffers(st: ModelStates, zero_buffers: tuple[int, int, int, int, int]) -> tuple[int, int, int, int, int]:
+    """ZeRO-2/3 buffers of a pipeline stage: (gathered params in a block, first block, loss; gradient bucket,
+    unsharded grads). torch.distributed.pipelining drives FSDP2 as torchtitan configures it: no reshard
+    after forward under PP, no reshard after backward and no gradient reduce-scatter until the last
+    micro-batch (``PipelineStage`` sets ``set_reshard_after_backward(False)`` and
+    ``set_requires_gradient_sync(False)`` and reduces in ``perform_reduce_grad``), because the stage's
+    micro-batches interleave forwards and backwards. So the stage's parameters stay gathered and its
+    gradients unsharded for the whole step; optimizer states stay sharded."""
+    if st.zero_stage < 2 or st.shard_group == 1:
+        return zero_buffers
+    gathered = st.params.total * st.per_param.weights if st.zero_stage == 3 else 0
+    grads = st.params.total * st.per_param.gradients
+    return gathered, gathered, gathered, grads, grads
 
 
 def _prefill_phases(model: ModelSpec, a: MemoryAssumptions, st: ModelStates, block: GraphMemory, head: GraphMemory,

@@ -1,7 +1,7 @@
 """Per-parallelism cost terms: each strategy's collectives, compute adjustments and step-time terms.
 
 The default strategies, registered in this order (which fixes the order of the report buckets
-``dp, fsdp, tp, ulysses, ring`` per layer, then ``embedding, loss``):
+``dp, fsdp, tp, ulysses, ring`` per layer, then ``embedding, loss, pipeline``):
 
 - :mod:`.fsdp`: data parallelism's parameter and gradient traffic (DDP, ZeRO-1/2/3, HSDP);
 - :mod:`.tp`: tensor parallelism, its vocab-parallel embedding/head, and TP-local parameter counts;
@@ -9,7 +9,8 @@ The default strategies, registered in this order (which fixes the order of the r
 - :mod:`.ring`: ring attention's hops, its blockwise attention, and its hop-behind-step overlap;
 - :mod:`.loss`: the loss reduction over the data group;
 - :mod:`.offload`: PCIe traffic of host-resident state, and save-instead-of-recompute;
-- :mod:`.optimizer`: the optimizer step, on the GPU or the host.
+- :mod:`.optimizer`: the optimizer step, on the GPU or the host;
+- :mod:`.pipeline`: pipeline stages' point-to-point activation and gradient transfers.
 
 Add one with :func:`register` (see :mod:`.base`); nothing else needs an edit.
 """
@@ -19,6 +20,7 @@ from .fsdp import ParameterSharding
 from .loss import LossReduction
 from .offload import Offload
 from .optimizer import OptimizerStep
+from .pipeline import PipelineP2P
 from .ring import RingAttention
 from .terms import CommOp, ComputeContext, ComputeTime, PricedOp, Term, TimeContext
 from .tp import TensorParallel
@@ -26,7 +28,7 @@ from .ulysses import Ulysses
 
 #: The strategies every estimate sums, in registration order.
 DEFAULT_STRATEGIES: tuple[Strategy, ...] = (ParameterSharding(), TensorParallel(), Ulysses(), RingAttention(),
-                                            LossReduction(), Offload(), OptimizerStep())
+                                            LossReduction(), Offload(), OptimizerStep(), PipelineP2P())
 
 for _strategy in DEFAULT_STRATEGIES:
     register(_strategy)

@@ -14,6 +14,8 @@ FSDP's reduce dtype (:mod:`.gradients`), sizes are TP-local (:mod:`.tp`).
   step (in the last micro-batch), then the parameter all-gather. **ZeRO-0 (DDP)**: one all-reduce of
   the gradients per step over the data group (all ranks but TP), bucketed during the last backward.
 - Prefill under ZeRO-3 gathers the weights once, forward.
+- Under pipeline parallelism every layer's gather and reduction happens once per step (see
+  :func:`_sharded_ops`).
 """
 
 from __future__ import annotations
@@ -92,17 +94,24 @@ def _sharded_ops(model: ModelSpec, train: TrainSpec, layout: Layout) -> Iterator
     layer_grads = tp_local_layer_params(model, layout.tp) * grad_bytes
     other_grads = tp_local_other_params(model, layout.tp) * grad_bytes
     shard = layout.shard_group
-    grad_per = "step" if stage == 1 else "microbatch"
+    # Pipeline stages interleave micro-batches: torch.distributed.pipelining keeps FSDP2 unsharded and its
+    # gradients unreduced until the last micro-batch (torchtitan: no reshard after forward under PP), so a
+    # stage gathers its parameters once per step, never re-gathers them, and reduces once.
+    pipelined = layout.pp > 1
+    grad_per = "step" if stage == 1 or pipelined else "microbatch"
+    layer_per = "step" if pipelined else "microbatch"
     if shard > 1:
         if stage == 3:
-            yield _op("fsdp", "all_gather", "shard", layer, "forward", overlap="prefetch", label="parameter all-gather")
-            yield _op("fsdp", "all_gather", "shard", layer, "backward", overlap="prefetch",
-                      label="parameter re-gather")
-            yield _op("fsdp", "all_gather", "shard", other, "forward", scope="model",
+            yield _op("fsdp", "all_gather", "shard", layer, "forward", per=layer_per, overlap="prefetch",
+                      label="parameter all-gather")
+            if not pipelined:
+                yield _op("fsdp", "all_gather", "shard", layer, "backward", overlap="prefetch",
+                          label="parameter re-gather")
+            yield _op("fsdp", "all_gather", "shard", other, "forward", scope="model", per=layer_per,
                       label="embedding/head all-gather")
             # The LM head and final norm are used first in backward, so FSDP keeps them gathered after
             # forward; only an untied input embedding is re-gathered for its gradient.
-            if not model.tied_embeddings:
+            if not model.tied_embeddings and not pipelined:
                 yield _op("fsdp", "all_gather", "shard", tp_local_embedding_params(model, layout.tp) * d, "backward",
                           scope="model", label="embedding re-gather")
         yield _op("fsdp", "reduce_scatter", "shard", layer_grads, "backward", per=grad_per,

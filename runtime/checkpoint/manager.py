@@ -364,10 +364,21 @@ def load_checkpoint(path: str | os.PathLike, *, setup, optimizer=None, scheduler
     manager = CheckpointManager([*training_pieces(setup, optimizer, scheduler, data, rng=restore_rng), *pieces])
     loading = manager.load(path, verify=verify)
     state = loading.state
-    same_layout = loading.same_world and state.get("layout") == setup.plan.layout.model_dump(mode="json")
+    same_layout = loading.same_world and _same_layout(state.get("layout"), setup.plan.layout)
     return CheckpointState(path=loading.path, step=state["step"], world_size=int(state.get("world_size", 0)),
                            layout=state.get("layout") or {}, same_layout=same_layout,
                            tokens_seen=int(state.get("tokens_seen", 0)), extra=state.get("extra") or {})
+
+
+def _same_layout(saved: object, layout) -> bool:
+    """Whether a checkpoint's recorded layout is ``layout``. Compared as layouts, not as dicts: a checkpoint
+    written before a degree was registered (``pp``) omits it, and a missing degree is 1."""
+    if not isinstance(saved, dict):
+        return False
+    try:
+        return type(layout).model_validate(saved) == layout
+    except ValueError:  # pydantic's ValidationError: a degree this build does not know
+        return False
 
 
 # ----- outside a run -----------------------------------------------------------------------------------------
