@@ -68,8 +68,27 @@ def _data_parallel_world(plan: Plan) -> int:
 ALST_ATTENTION = "sdpa"
 
 
+#: Layout degrees each launcher expresses (Megatron's exporter keeps its own list). A plan using any other
+#: degree (pipeline stages today) is refused rather than exported without it.
+MAPPED_DEGREES: dict[str, frozenset[str]] = {
+    "accelerate": frozenset({"dp_replicate", "dp_shard", "ring", "ulysses", "tp"}),
+    "deepspeed": frozenset({"dp_replicate", "dp_shard", "ulysses", "tp"}),
+    "torchrun": frozenset({"dp_replicate", "dp_shard", "ring", "ulysses", "tp"}),
+}
+
+
+def _refuse_unmapped_degrees(plan: Plan, target: str, who: str) -> None:
+    unmapped = {dim: d for dim, d in plan.layout.degrees().items() if d > 1 and dim not in MAPPED_DEGREES[target]}
+    if unmapped:
+        pins = " ".join(f"--{dim.replace('_', '-')} 1" for dim in unmapped)
+        raise PlannerError(f"{who} cannot run {', '.join(f'{k}={v}' for k, v in unmapped.items())} "
+                           f"({plan.layout.describe()}): this export would drop it; re-plan with {pins}"
+                           + (", or export --to megatron" if "pp" in unmapped else ""))
+
+
 def _refuse_accelerate(plan: Plan) -> None:
     """Refuse the plans Accelerate cannot run as planned, naming the field and what to do instead."""
+    _refuse_unmapped_degrees(plan, "accelerate", "Accelerate")
     layout = plan.layout
     if layout.ulysses > 1 and layout.ring > 1:
         raise PlannerError(
@@ -226,6 +245,7 @@ def to_accelerate(plan: Plan) -> Export:
 
 def _refuse_deepspeed(plan: Plan) -> None:
     """Refuse the plans DeepSpeed cannot run as planned, naming the field and what to do instead."""
+    _refuse_unmapped_degrees(plan, "deepspeed", "DeepSpeed (with transformers)")
     layout, train = plan.layout, plan.train
     if layout.ring > 1:
         raise PlannerError(
@@ -372,6 +392,7 @@ def to_torchrun(plan: Plan, plan_path: str = "plan.yaml", script: str | None = N
     """The torchrun command line that runs the plan with sp-plan's own runtime: ``-m sp_plan.cli train
     --plan PLAN`` (:data:`TRAIN_ENTRY_POINT`), or ``script`` when given (a training script of the user's
     that takes ``--plan``)."""
+    _refuse_unmapped_degrees(plan, "torchrun", "sp-plan's runtime")
     hw = plan.hardware
     procs = min(hw.gpus_per_node, hw.num_gpus)
     args = ["torchrun"]

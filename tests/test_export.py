@@ -127,3 +127,18 @@ def test_export_cli(tmp_path):
     out = tmp_path / "acc.yaml"
     result = runner.invoke(cli, ["export", str(plan_path), "--to", "accelerate", "--out", str(out)])
     assert result.exit_code == 0 and yaml.safe_load(out.read_text())["distributed_type"] == "DEEPSPEED"
+
+
+@pytest.mark.parametrize("exporter, who", [(to_deepspeed, "DeepSpeed"), (to_accelerate, "Accelerate"),
+                                           (to_torchrun, "sp-plan's runtime")])
+def test_a_degree_the_launcher_cannot_run_is_refused_not_dropped(exporter, who):
+    plan = make_plan(gpus=16, pp=2, ulysses=8)
+    with pytest.raises(PlannerError, match=f"{who}.* cannot run pp=2 .*re-plan with --pp 1"):
+        exporter(plan)
+
+
+def test_the_cli_refuses_to_export_pipeline_stages_to_deepspeed(tmp_path):
+    path = tmp_path / "plan.yaml"
+    make_plan(gpus=16, pp=2, ulysses=8).save(path)
+    result = CliRunner().invoke(cli, ["export", str(path), "--to", "deepspeed"])
+    assert result.exit_code != 0 and "cannot run pp=2" in result.output
