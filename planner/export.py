@@ -88,7 +88,6 @@ def _refuse_unmapped_degrees(plan: Plan, target: str, who: str) -> None:
 
 def _refuse_accelerate(plan: Plan) -> None:
     """Refuse the plans Accelerate cannot run as planned, naming the field and what to do instead."""
-    _refuse_unmapped_degrees(plan, "accelerate", "Accelerate")
     layout = plan.layout
     if layout.ulysses > 1 and layout.ring > 1:
         raise PlannerError(
@@ -142,6 +141,7 @@ def to_accelerate(plan: Plan) -> Export:
     offload checkpointed activations (no transformers/Accelerate equivalent).
     """
     _refuse_accelerate(plan)
+    _refuse_unmapped_degrees(plan, "accelerate", "Accelerate")
     layout, train, hw = plan.layout, plan.train, plan.hardware
     notes: list[str] = []
     config: dict[str, Any] = {
@@ -245,7 +245,6 @@ def to_accelerate(plan: Plan) -> Export:
 
 def _refuse_deepspeed(plan: Plan) -> None:
     """Refuse the plans DeepSpeed cannot run as planned, naming the field and what to do instead."""
-    _refuse_unmapped_degrees(plan, "deepspeed", "DeepSpeed (with transformers)")
     layout, train = plan.layout, plan.train
     if layout.ring > 1:
         raise PlannerError(
@@ -342,6 +341,7 @@ def to_deepspeed(plan: Plan) -> Export:
     DeepSpeed). What the JSON cannot say is returned as notes (:func:`_deepspeed_usage_notes`).
     """
     _refuse_deepspeed(plan)
+    _refuse_unmapped_degrees(plan, "deepspeed", "DeepSpeed (with transformers)")
     layout, train = plan.layout, plan.train
     notes: list[str] = []
     zero: dict[str, Any] = {
