@@ -181,6 +181,7 @@ SEARCHABLE_OPTIONS: dict[str, tuple[Any, ...]] = {
     "tiled_mlp": (False, True),
     "offload_optimizer": (False, True),
     "offload_params": (False, True),
+    "pipeline_schedule": ("zero_bubble", "interleaved_1f1b", "1f1b"),
 }
 
 

@@ -12,7 +12,9 @@ checkout is importable. How sp-plan's plan maps onto Megatron:
   ulysses ring`` (USP: the a2a level is the inner, adjacent ranks, as in sp-plan's mesh); data parallel is
   what is left (Megatron's rank order tp-cp-dp matches sp-plan's mesh, tp innermost); ``dp_replicate`` ->
   ``--num-distributed-optimizer-instances`` (the optimizer sharded within each instance, replicated across);
-  pipeline and expert parallelism are 1.
+  ``pp`` -> ``--pipeline-model-parallel-size`` (interleaved 1F1B: ``--num-virtual-stages-per-pipeline-rank``;
+  a first or last stage with other layers than the middle ones: ``--decoder-first/last-pipeline-num-layers``,
+  Megatron splitting the rest evenly); expert parallelism is 1.
 - ZeRO-1 -> ``--use-distributed-optimizer`` (optimizer state and fp32 master weights sharded over the data x
   context parallel ranks); ZeRO-0 -> Megatron's DDP. ZeRO-2/3 are refused (Megatron-FSDP is another engine).
 - checkpointing ``full`` -> ``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 
 from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.model_spec import ModelSpec
+from sp_plan.cost_models.pipeline import head_layer_equivalents, stage_layers
 from sp_plan.cost_models.stack import prior_stack
 from sp_plan.cost_models.train_spec import TrainSpec
 
@@ -61,7 +64,7 @@ MAPPED_MODEL_FIELDS = frozenset({
     "hidden_dropout",
 })
 #: Layout degrees the arguments express; any other degree above 1 is refused.
-MAPPED_DEGREES = frozenset({"dp_replicate", "dp_shard", "tp", "ulysses", "ring"})
+MAPPED_DEGREES = frozenset({"dp_replicate", "dp_shard", "tp", "ulysses", "ring", "pp"})
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,10 @@ def _model_refusal(model: ModelSpec) -> str | None:
 def _layout_refusal(model: ModelSpec, train: TrainSpec, layout: Layout) -> str | None:
     unmapped = {dim: d for dim, d in layout.degrees().items() if dim not in MAPPED_DEGREES and d > 1}
     if unmapped:
-        return f"degrees {unmapped} have no mapping in this export (pipeline and expert parallelism are 1)"
+        return f"degrees {unmapped} have no mapping in this export (expert parallelism is 1)"
+    pipeline = _pipeline_refusal(model, train, layout)
+    if pipeline:
+        return pipeline
     tp, ulysses, cp = layout.tp, layout.ulysses, layout.ulysses * layout.ring
     if model.num_kv_heads % tp and tp % model.num_kv_heads:
         return (f"tp={tp} neither divides nor is a multiple of the {model.num_kv_heads} KV heads "
@@ -230,9 +236,65 @@ def _context_parallel_args(layout: Layout) -> list[str]:
     return args + ["--cp-comm-type", "a2a" if layout.ulysses > 1 else "p2p"]
 
 
+def _pipeline_refusal(model: ModelSpec, train: TrainSpec, layout: Layout) -> str | None:
+    """What of the plan's pipeline Megatron-LM cannot run: the zero-bubble schedule, and stage splits other than
+    first / evenly split middle / last (with virtual stages, each a multiple of the chunks per stage)."""
+    if layout.pp == 1:
+        return None
+    if train.pipeline_schedule == "zero_bubble":
+        return ("Megatron-LM's pretrain_gpt.py runs 1F1B and interleaved 1F1B, not the zero-bubble schedule; "
+                "re-plan with --schedule interleaved_1f1b or --schedule 1f1b (or --stack megatron)")
+    split, v = stage_layers(model, train, layout), train.virtual_stages
+    middle = set(split[1:-1])
+    if len(middle) > 1:
+        hint = megatron_stage_split(model.num_layers, layout.pp, v, head_layer_equivalents(model, train, layout))
+        return (f"stage split {list(split)}: Megatron splits the stages between the first and the last evenly; "
+                + (f"re-plan with --stage-layers {','.join(map(str, hint))}" if hint else "pin --stage-layers"))
+    if v > 1 and any(n % v for n in split):
+        return (f"stage split {list(split)} with {v} virtual stages: Megatron gives every model chunk of a stage "
+                f"the same layers, so each stage's layers must divide by {v}; pin --stage-layers")
+    return None
+
+
+def megatron_stage_split(layers: int, p: int, v: int, head_layers: float) -> tuple[int, ...] | None:
+    """The split Megatron can express (first, an even middle, last; each a multiple of ``v``) whose slowest
+    stage, the last costing ``head_layers`` more, is fastest; None when there is none."""
+    best: tuple[float, tuple[int, ...]] | None = None
+    for first in range(v, layers + 1, v):
+        for last in range(v, layers - first + 1, v):
+            rest = layers - first - last
+            if p == 2:
+                if rest:
+                    continue
+                split: tuple[int, ...] = (first, last)
+            elif rest <= 0 or rest % (p - 2) or (rest // (p - 2)) % v:
+                continue
+            else:
+                split = (first, *[rest // (p - 2)] * (p - 2), last)
+            load = max(max(split[:-1]), split[-1] + head_layers)
+            if best is None or load < best[0] - 1e-12:
+                best = (load, split)
+    return best[1] if best else None
+
+
+def _pipeline_args(plan: Plan) -> list[str]:
+    layout, train = plan.layout, plan.train
+    args = ["--pipeline-model-parallel-size", str(layout.pp)]
+    if layout.pp == 1:
+        return args
+    if train.virtual_stages > 1:
+        args += ["--num-virtual-stages-per-pipeline-rank", str(train.virtual_stages)]
+    split = stage_layers(plan.model, train, layout)
+    even = plan.model.num_layers // layout.pp
+    if any(n != even for n in split):
+        args += ["--decoder-first-pipeline-num-layers", str(split[0]),
+                 "--decoder-last-pipeline-num-layers", str(split[-1])]
+    return args
+
+
 def _parallel_args(plan: Plan) -> list[str]:
     layout, train = plan.layout, plan.train
-    args = ["--tensor-model-parallel-size", str(layout.tp), "--pipeline-model-parallel-size", "1",
+    args = ["--tensor-model-parallel-size", str(layout.tp), *_pipeline_args(plan),
             *_context_parallel_args(layout), "--expert-model-parallel-size", "1"]
     if layout.tp > 1 and train.tp_sequence_parallel:
         args.append("--sequence-parallel")

@@ -26,11 +26,14 @@ VIRTUAL_STAGES = (1, 2, 4)
 PIPELINE_AXES = ("pipeline_schedule", "virtual_stages")
 
 
-def pipeline_axes(model: ModelSpec, layout: Layout, fixed: dict[str, Any]) -> tuple[Axis, ...]:
-    """The schedule axes of a pipelined layout (pins as one-value axes); none without PP."""
+def pipeline_axes(model: ModelSpec, layout: Layout, fixed: dict[str, Any],
+                  stack_schedules: tuple[str, ...] | None = None) -> tuple[Axis, ...]:
+    """The schedule axes of a pipelined layout (pins as one-value axes); none without PP. ``stack_schedules``:
+    the schedules the stack runs (its ``search.options``; Megatron-LM has no zero-bubble schedule), which
+    replace :data:`SCHEDULES`."""
     if layout.pp == 1:
         return ()
-    schedules = (fixed["pipeline_schedule"],) if "pipeline_schedule" in fixed else SCHEDULES
+    schedules = (fixed["pipeline_schedule"],) if "pipeline_schedule" in fixed else (stack_schedules or SCHEDULES)
     chunks = (fixed["virtual_stages"],) if "virtual_stages" in fixed else tuple(
         v for v in VIRTUAL_STAGES if model.num_layers >= layout.pp * v)
     return Axis("pipeline_schedule", schedules), Axis("virtual_stages", chunks)

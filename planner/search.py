@@ -298,7 +298,7 @@ class _Searcher:
         for name, allowed in self.stack_search.options.items():
             value = self.fixed_options.get(name)
             if name in self.fixed_options and value not in allowed:
-                option = "--" + ("zero" if name == "zero_stage" else name.replace("_", "-"))
+                option = "--" + _FLAG_NAMES.get(name, name.replace("_", "-"))
                 pin = (option if value else option.replace("--", "--no-", 1)) if isinstance(value, bool) \
                     else f"{option} {value}"
                 values = ", ".join(str(v) for v in allowed)
@@ -321,7 +321,8 @@ class _Searcher:
         full = build_lattice(self.base, self.fixed_options, self.sequences_per_rank(layout),
                              self.settings.micro_batch_fixed, self.stack_search.options)
         if self.base.is_training:
-            full = OptionLattice(full.axes + pipeline_axes(self.model, layout, self.fixed_options))
+            full = OptionLattice(full.axes + pipeline_axes(self.model, layout, self.fixed_options,
+                                                           self.stack_search.options.get("pipeline_schedule")))
         return full
 
     def pipeline_invalid(self, layout: Layout, options: dict[str, Any]) -> str | None:
@@ -545,6 +546,10 @@ class _Searcher:
                 push(nxt)
         self.exhausted = True
         return None
+
+
+#: Command-line flags whose name is not the option's (for messages about pins).
+_FLAG_NAMES = {"zero_stage": "zero", "pipeline_schedule": "schedule"}
 
 
 def layout_moving_parts(layout: Layout) -> int:

@@ -63,6 +63,12 @@ PLANS = {
     "dp": lambda: make_plan(gpus=8, seq_len=8192, zero_stage=0, checkpointing="none"),
     # TP beyond the 8 KV heads: megatron-core >= 0.16 gives each TP rank one replicated query group
     "tp-over-kv": lambda: make_plan(gpus=16, tp=16, checkpointing="full"),
+    # pipeline stages: 1F1B with the balanced split (a lighter last stage for the LM head), and interleaved
+    "pp-1f1b": lambda: make_plan(gpus=32, pp=4, tp=8, seq_len=32768, grad_accum=8, pipeline_schedule="1f1b",
+                                 stage_layers=(8, 9, 9, 6), checkpointing="full"),
+    "pp-interleaved": lambda: make_plan(gpus=16, pp=2, tp=8, seq_len=32768, grad_accum=4,
+                                        pipeline_schedule="interleaved_1f1b", virtual_stages=2,
+                                        stage_layers=(16, 16), checkpointing="full"),
 }
 
 
@@ -224,7 +230,16 @@ SCRIPT_FLAGS: dict[str, tuple[dict, dict | None]] = {
     "--tokenizer-type": ({"choices": ["NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"]}, None),
     "--vocab-size": ({"type": int}, None),
     "--make-vocab-size-divisible-by": ({"type": int}, None),
+    # _add_distributed_args: the pipeline split and interleaving (core_v0.16.1 arguments.py 2209-2231); their
+    # values become TransformerConfig fields (VALUE_FLAGS)
+    "--decoder-first-pipeline-num-layers": ({"type": int}, None),
+    "--decoder-last-pipeline-num-layers": ({"type": int}, None),
+    "--num-virtual-stages-per-pipeline-rank": ({"type": int}, None),
 }
+#: Script flags whose value validate_args hands to a megatron-core config field.
+VALUE_FLAGS = {"--decoder-first-pipeline-num-layers": "num_layers_in_first_pipeline_stage",
+               "--decoder-last-pipeline-num-layers": "num_layers_in_last_pipeline_stage",
+               "--num-virtual-stages-per-pipeline-rank": "virtual_pipeline_model_parallel_size"}
 
 
 def _config_classes():
@@ -291,8 +306,15 @@ def parse_with_megatron_core(argv: list[str]):
     values = vars(parsed)
     script = {k: v for k, v in values.items() if k.startswith("script:")}
     fields = {k: v for k, v in values.items() if not k.startswith("script:")}
-    for flag in script:
-        fields.update(SCRIPT_FLAGS[flag.split(":", 1)[1]][1] or {})
+    for flag, value in script.items():
+        name = flag.split(":", 1)[1]
+        fields.update(SCRIPT_FLAGS[name][1] or {})
+        if name in VALUE_FLAGS:
+            fields[VALUE_FLAGS[name]] = value
+    if fields.get("pipeline_model_parallel_size", 1) > 1:  # core_transformer_config_from_args (arguments.py 1325)
+        import torch
+
+        fields["pipeline_dtype"] = torch.bfloat16 if fields.get("bf16") else torch.float32
     # OptimizerConfig asks Transformer Engine (a CUDA package, absent here) for its version when the precision-
     # aware optimizer is on; the stack runs TE 2.x, so the probe answers as that.
     with mock.patch("megatron.core.optimizer.optimizer_config.is_te_min_version", lambda *a, **k: True):
@@ -312,7 +334,15 @@ def test_megatron_core_parses_and_validates_the_exported_arguments(name):
         (plan.model.num_layers, plan.model.hidden_size, plan.model.num_heads)
     assert tc.num_query_groups == plan.model.num_kv_heads and tc.kv_channels == plan.model.head_dim
     assert tc.gated_linear_unit and not tc.add_bias_linear and tc.normalization == "RMSNorm"
-    assert tc.tensor_model_parallel_size == layout.tp and tc.pipeline_model_parallel_size == 1
+    assert tc.tensor_model_parallel_size == layout.tp and tc.pipeline_model_parallel_size == layout.pp
+    assert tc.virtual_pipeline_model_parallel_size == (plan.train.virtual_stages if layout.pp > 1 and
+                                                       plan.train.virtual_stages > 1 else None)
+    if layout.pp > 1 and tc.num_layers_in_first_pipeline_stage is not None:  # an uneven split, as planned
+        from sp_plan.cost_models.pipeline import stage_layers
+
+        split = stage_layers(plan.model, plan.train, layout)
+        assert (tc.num_layers_in_first_pipeline_stage, tc.num_layers_in_last_pipeline_stage) == (split[0], split[-1])
+        assert set(split[1:-1]) <= {(plan.model.num_layers - split[0] - split[-1]) // max(1, layout.pp - 2)}
     assert tc.context_parallel_size == layout.ulysses * layout.ring
     assert tc.sequence_parallel == (layout.tp > 1) and tc.bf16
     assert tc.recompute_granularity == {"full": "full", "selective": "selective", "none": None}[plan.train.checkpointing]
@@ -380,3 +410,17 @@ def test_megatron_lms_own_parser_accepts_the_exported_arguments(name, monkeypatc
     assert parsed.data_parallel_size == plan.layout.dp
     assert parsed.context_parallel_size == plan.layout.ulysses * plan.layout.ring
     assert parsed.accumulate_allreduce_grads_in_fp32  # the stack's fp32 main gradients
+
+
+def test_pipeline_plans_megatron_cannot_express_are_refused_with_a_split_it_can():
+    plan = make_plan(gpus=32, pp=4, tp=8, seq_len=32768, grad_accum=8, pipeline_schedule="1f1b",
+                     checkpointing="full")  # the balanced default split, (8, 8, 9, 7): an uneven middle
+    reason = megatron_refusal(plan)
+    assert reason is not None and "splits the stages between the first and the last evenly" in reason
+    suggested = tuple(int(n) for n in reason.rsplit("--stage-layers ", 1)[1].split(","))
+    assert sum(suggested) == 32 and len(set(suggested[1:-1])) == 1
+    fixed = make_plan(gpus=32, pp=4, tp=8, seq_len=32768, grad_accum=8, pipeline_schedule="1f1b",
+                      checkpointing="full", stage_layers=suggested)
+    assert megatron_refusal(fixed) is None
+    zero_bubble = make_plan(gpus=32, pp=4, tp=8, seq_len=32768, grad_accum=8, pipeline_schedule="zero_bubble")
+    assert "not the zero-bubble schedule" in megatron_refusal(zero_bubble)
