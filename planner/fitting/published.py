@@ -98,6 +98,19 @@ SOURCES: dict[str, SourceSetup] = {
         "micro-batch 1 and gradient accumulation to the 4M-token global batch, no activation recompute (not "
         "stated; Megatron's default); TFLOP/s in NeMo's llama formula",
     ),
+    "llama3-paper": SourceSetup(
+        "dgx-h100@roce-400:8", "sp-plan",
+        {"zero_stage": 2, "checkpointing": "selective", "micro_batch": 1, "pipeline_schedule": "interleaved_1f1b",
+         "virtual_stages": 4},
+        {},
+        "Meta's 24K-GPU H100 clusters (8 x 400 Gb/s RoCE per node); their own 4D-parallel stack, priced with "
+        "sp-plan's stack: FSDP sharding optimizer states and gradients but not the weights (ZeRO-2), interleaved "
+        "1F1B (the paper's schedule; its chunks per stage are not given: 4, what the planner picks for this "
+        "layout), one layer fewer on the first and the last stage (the planner's balanced split is that one), "
+        "16 micro-batches of one 128K sequence per "
+        "data-parallel rank (the 16M-token batch over dp 8), selective recompute assumed (not stated); their context "
+        "parallelism all-gathers K/V where sp-plan prices a ring",
+    ),
     "ulysses-paper-figures": SourceSetup(
         "dgx-a100", "hf-deepspeed", {"micro_batch": 1}, {},
         "8 DGX-A100 nodes (IB HDR); Megatron-DeepSpeed GPT; TFLOP/s by Megatron-DeepSpeed's formula",
@@ -229,6 +242,8 @@ def _train_kwargs(entry: dict[str, Any], setup: SourceSetup) -> dict[str, Any]:
 
 def _layout(entry: dict[str, Any]) -> Layout:
     degrees = {k: entry[k] for k in registry.innermost_first() if k in entry}
+    if "pipeline" in entry:  # the published files say "pipeline" for the pp degree
+        degrees["pp"] = entry["pipeline"]
     return Layout.for_world(entry["gpus"], **degrees)
 
 
@@ -257,7 +272,8 @@ def _run(id_: str, entry: dict[str, Any], metric: str, value: float, *, seq_len:
 
 
 def _describe(entry: dict[str, Any], seq_len: int | None = None) -> str:
-    layout = "x".join(f"{k}{entry[k]}" for k in registry.innermost_first() if k in entry and entry[k] > 1) or "dp"
+    named = {**entry, "pp": entry["pipeline"]} if "pipeline" in entry else entry
+    layout = "x".join(f"{k}{named[k]}" for k in registry.innermost_first() if k in named and named[k] > 1) or "dp"
     seq = f" {seq_len // 1000}K" if seq_len else ""
     opts = f" {entry['options']}" if "options" in entry else ""
     extra = "".join(f" {label}{entry[key]}" for key, label in (("zero", "zero"), ("checkpointing", "ckpt-"))
@@ -287,13 +303,12 @@ def published_runs() -> tuple[list[MeasuredRun], list[Skipped]]:
 
     for entry in data.get("throughput", []):
         source = entry["source"]
-        if "pipeline" in entry:
-            skipped.append(Skipped(_describe(entry), source, "pipeline parallelism is not modelled"))
-            continue
         caveat = entry.get("caveat", "")
         extra = {"fp8_linears": "Float8" in caveat, "compiled": "compile" in caveat and "no torch.compile" not in caveat}
         if "micro_batch" in entry:
             extra["micro_batch"] = entry["micro_batch"]
+        if "grad_accum" in entry:  # micro-batches per step: what a pipeline's bubble depends on
+            extra["grad_accum"] = entry["grad_accum"]
         convention = "megatron_deepspeed" if source == "ulysses-paper-figures" else "model"
         topology = None
         if source == "nemo-long-sequence":
