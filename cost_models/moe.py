@@ -104,7 +104,9 @@ class MoESpec(BaseModel):
         return self.top_k * self.expert_params(hidden) + self.shared_params(hidden) + self.router_params(hidden)
 
     def moe_layer_count(self, num_layers: int) -> int:
-        return num_layers - len(self.dense_layers)
+        """MoE layers among layers ``0 .. num_layers - 1``: a pipeline stage's model copy (fewer layers, the same
+        ``dense_layers``) counts as the model's first layers, never as a negative count."""
+        return num_layers - sum(1 for i in self.dense_layers if i < num_layers)
 
     def layer_params_tp(self, hidden: int, tp: int, ep: int = 1) -> float:
         """One MoE FFN per TP rank: every expert's (and the shared experts') FFN width split over ``tp``

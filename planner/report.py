@@ -16,16 +16,17 @@ from sp_plan.cost_models.units import GB, format_tokens
 
 from .search import RankedPlan, Rejection, SearchResult
 
-STRATEGIES = ("tp", "ulysses", "ring", "fsdp", "dp")
+STRATEGIES = ("tp", "ulysses", "ring", "ep", "fsdp", "dp")
 
 
 def family(layout: Layout | dict[str, int]) -> str:
     """The kind of model/sequence parallelism a layout uses (data parallelism aside)."""
-    degrees = layout.degrees() if isinstance(layout, Layout) else layout
+    degrees = layout.as_dict() if isinstance(layout, Layout) else layout
     parts = [name for name in registry.searched("model") if degrees.get(name, 1) > 1]
+    experts = f" + ep={degrees['ep']}" if degrees.get("ep", 1) > 1 else ""
     if parts == ["ulysses", "ring"] or parts == ["ring", "ulysses"]:
-        return "ulysses x ring (USP)"
-    return " x ".join(parts) or "data parallel only"
+        return "ulysses x ring (USP)" + experts
+    return (" x ".join(parts) or "data parallel only") + experts
 
 
 def describe_options(options: dict[str, Any], mode: str) -> str:

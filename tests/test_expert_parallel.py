@@ -184,3 +184,98 @@ def test_ep_estimate_end_to_end_on_a_preset():
     assert eight.comm.per_step_by_strategy["ep"] > 0 and one.comm.per_step_by_strategy["ep"] == 0
     assert eight.time.exposed_comm_s_by_strategy["ep"] > 0
     assert eight.placement.groups["ep"].size == 8
+
+
+# ----- planner -------------------------------------------------------------------------------------------------
+
+
+def test_the_layout_space_offers_every_valid_ep_for_moe_models_only():
+    from sp_plan.planner.space import enumerate_layouts
+
+    moe_space = enumerate_layouts(8, tiny_moe(), 1024, 8).layouts
+    assert {lay.ep for lay in moe_space} == {1, 2, 4, 8}
+    for lay in moe_space:
+        assert E % lay.ep == 0 and lay.shard_group % lay.ep == 0
+        assert Layout(**lay.degrees()) in moe_space  # each EP layout comes with its ep=1 twin
+    assert {lay.ep for lay in enumerate_layouts(8, dense(), 1024, 8).layouts} == {1}
+
+
+@pytest.mark.parametrize("pins", [{}, {"ep": 4}])
+def test_search_equals_brute_force_with_expert_parallelism(pins):
+    from sp_plan.planner.search import PlanSettings, brute_force_best, search
+
+    model = get_model_preset("mixtral-8x7b")
+    topology = default_topology("h100-80gb", 8)
+    train = TrainSpec(seq_len=32 * 1024)
+    settings = PlanSettings(top_k=3, fixed_options={"zero_stage": 2}, fixed_layout=pins)
+    best_score, best_layout, _, evaluations = brute_force_best(model, train, topology, settings)
+    result = search(model, train, topology, settings)
+    assert result.plans[0].score == pytest.approx(best_score, rel=1e-12)
+    assert result.plans[0].layout.ep == best_layout.ep > 1  # under ZeRO-2 splitting the experts wins
+    assert result.stats.time_evaluations < evaluations
+    if pins:
+        assert all(p.layout.ep == 4 for p in result.plans)
+
+
+def test_ep_is_a_moving_part_for_near_ties():
+    from sp_plan.planner.search import layout_moving_parts
+
+    assert layout_moving_parts(Layout(dp_shard=8, ep=2)) == layout_moving_parts(Layout(dp_shard=8)) + 1
+
+
+# ----- runtime capabilities ---------------------------------------------------------------------------------------
+
+
+def test_the_runtime_refuses_expert_parallel_plans_and_asks_for_ep_1():
+    from types import SimpleNamespace
+
+    from sp_plan.runtime.capabilities import merge_constraints, planner_constraints, unsupported_reasons
+    from sp_plan.runtime.errors import RuntimeConfigError
+
+    moe = tiny_moe()
+    assert planner_constraints("hf", moe)[0]["ep"] == 1
+    assert "ep" not in planner_constraints("llama", dense())[0]  # nothing to hold back on a dense model
+    plan = SimpleNamespace(model=moe, train=TrainSpec(seq_len=1024), layout=Layout(dp_shard=8, ep=4))
+    reasons = unsupported_reasons(plan, "hf")
+    assert any(r.startswith("ep=4: this runtime does not implement expert parallelism") and "--ep 1" in r
+               for r in reasons)
+    plan.layout = Layout(dp_shard=8)
+    assert not any(r.startswith("ep=") for r in unsupported_reasons(plan, "hf"))
+    with pytest.raises(RuntimeConfigError, match="expert parallelism"):
+        merge_constraints({"ep": 2}, {}, "hf", moe)
+
+
+# ----- the console script ---------------------------------------------------------------------------------------
+
+
+def _sp_plan(*args):
+    import pathlib
+    import subprocess
+
+    exe = pathlib.Path(__file__).resolve().parents[1] / ".venv" / "bin" / "sp-plan"
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_ep_pin_through_the_console_script():
+    import json
+
+    est = _sp_plan("estimate", "--model", "qwen3-30b-a3b", "--seq-len", "32K", "--gpus", "8", "--ep", "8", "--json")
+    assert est.returncode in (0, 1), est.stderr  # 1: does not fit (the exit code the README documents)
+    data = json.loads(est.stdout)
+    assert data["layout"]["ep"] == 8 and data["comm"]["per_step_by_strategy"]["ep"] > 0
+    assert data["placement"]["groups"]["ep"]["size"] == 8
+    plan = _sp_plan("plan", "--model", "mixtral-8x7b", "--seq-len", "32K", "--gpus", "8", "--ep", "4", "--zero", "2",
+                    "--json")
+    assert plan.returncode == 0, plan.stderr
+    assert all(p["layout"]["ep"] == 4 for p in json.loads(plan.stdout)["plans"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--model", "llama3-8b", "--ep", "2"), "dense model"),
+    (("--model", "qwen3-30b-a3b", "--ep", "3"), "ep=3 does not divide 128 routed experts"),
+    (("--model", "qwen3-30b-a3b", "--ep", "16"), "does not divide the 8 ranks of the shard group"),
+])
+@pytest.mark.parametrize("command", ["estimate", "plan"])
+def test_invalid_ep_pins_fail_in_one_line(command, args, message):
+    out = _sp_plan(command, *args, "--seq-len", "32K", "--gpus", "8")
+    assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
