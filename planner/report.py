@@ -83,7 +83,7 @@ def _placement_text(plan: RankedPlan) -> str:
     if placement is None:
         return ""
     parts = []
-    for dim in registry.innermost_first():
+    for dim in (*registry.innermost_first(), "ep"):  # ep: the expert-parallel group, inside the shard group
         group = placement.groups.get(dim)
         if group is None or group.size <= 1:
             continue

@@ -279,3 +279,10 @@ def test_ep_pin_through_the_console_script():
 def test_invalid_ep_pins_fail_in_one_line(command, args, message):
     out = _sp_plan(command, *args, "--seq-len", "32K", "--gpus", "8")
     assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_plan_report_names_the_expert_parallel_group():
+    out = _sp_plan("plan", "--model", "mixtral-8x7b", "--seq-len", "32K", "--gpus", "8", "--ep", "4", "--zero", "2",
+                   "--top", "1")
+    assert out.returncode == 0, out.stderr
+    assert "(ep=4)" in out.stdout and "ep x4 on nvlink, inside one node" in out.stdout
