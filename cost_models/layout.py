@@ -11,8 +11,16 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model, model_serializer,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    create_model,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import InitErrorDetails
 
 from . import degrees as registry

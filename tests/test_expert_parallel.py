@@ -286,3 +286,16 @@ def test_the_plan_report_names_the_expert_parallel_group():
                    "--top", "1")
     assert out.returncode == 0, out.stderr
     assert "(ep=4)" in out.stdout and "ep x4 on nvlink, inside one node" in out.stdout
+
+
+def test_capacity_answers_with_a_pinned_ep():
+    from sp_plan.cost_models.topology import default_topology as topo_for
+    from sp_plan.planner.capacity import probe_feasibility
+    from sp_plan.planner.search import PlanSettings
+
+    model, train = get_model_preset("qwen3-30b-a3b"), TrainSpec(seq_len=256 * 1024)
+    probe = probe_feasibility(model, train, topo_for("h100-80gb", 8), PlanSettings(fixed_layout={"ep": 4}))
+    assert probe.fits and probe.layout["ep"] == 4
+    out = _sp_plan("capacity", "--model", "qwen3-30b-a3b", "--seq-len", "256K", "--ep", "4")
+    assert out.returncode == 0, out.stderr
+    assert "needs at least 8 x h100-80gb" in out.stdout and "(ep=4)" in out.stdout

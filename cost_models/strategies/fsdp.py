@@ -25,11 +25,11 @@ from collections.abc import Iterator
 from .. import degrees
 from ..layout import Layout
 from ..model_spec import ModelSpec
+from ..moe import expert_layer_params
 from ..train_spec import TrainSpec
 from .base import Strategy
 from .gradients import data_ranks, fsdp_grad_bytes
 from .terms import CommOp
-from ..moe import expert_layer_params
 from .tp import tp_local_embedding_params, tp_local_layer_params, tp_local_other_params, tp_local_params
 
 
