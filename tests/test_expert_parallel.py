@@ -299,3 +299,16 @@ def test_capacity_answers_with_a_pinned_ep():
     out = _sp_plan("capacity", "--model", "qwen3-30b-a3b", "--seq-len", "256K", "--ep", "4")
     assert out.returncode == 0, out.stderr
     assert "needs at least 8 x h100-80gb" in out.stdout and "(ep=4)" in out.stdout
+
+
+def test_expert_parallel_communicators_are_counted():
+    from sp_plan.cost_models.memory.overhead import _local_members, process_groups, purpose_groups
+
+    plain, split = Layout(dp_shard=16), Layout(dp_shard=16, ep=4)
+    assert [g.name for g in process_groups(plain)] == ["dp_shard"]
+    groups = {g.name: g for g in process_groups(split)}
+    assert list(groups) == ["dp_shard", "ep", "expert_data"]
+    assert groups["ep"].size == 4 and groups["ep"].p2p and groups["expert_data"].size == 4
+    assert _local_members(groups["ep"], split, 8) == 4  # 4 consecutive ranks: one node
+    assert _local_members(groups["expert_data"], split, 8) == 2  # 4 ranks 4 apart: 2 per 8-GPU node
+    assert [g.name for g in purpose_groups(split, 3)][-2:] == ["ep", "expert_data"]
