@@ -312,3 +312,20 @@ def test_expert_parallel_communicators_are_counted():
     assert _local_members(groups["ep"], split, 8) == 4  # 4 consecutive ranks: one node
     assert _local_members(groups["expert_data"], split, 8) == 2  # 4 ranks 4 apart: 2 per 8-GPU node
     assert [g.name for g in purpose_groups(split, 3)][-2:] == ["ep", "expert_data"]
+
+
+def test_a_plan_file_keeps_ep_and_refuses_an_edited_invalid_one(tmp_path):
+    import yaml
+    from sp_plan.planner.plan import load_plan
+
+    path = tmp_path / "plan.yaml"
+    out = _sp_plan("plan", "--model", "mixtral-8x7b", "--seq-len", "32K", "--gpus", "8", "--ep", "4", "--zero", "2",
+                   "--top", "1", "--out", str(path))
+    assert out.returncode == 0, out.stderr
+    assert load_plan(path).layout.ep == 4
+    data = yaml.safe_load(path.read_text())
+    data["layout"]["ep"] = 3
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(CostModelError, match="layout: ep=3 does not divide 8 routed experts") as err:
+        load_plan(path)
+    assert "\n" not in str(err.value)
