@@ -109,7 +109,7 @@ def compare(winner: RankedPlan, other: RankedPlan, indent: str = "    ") -> list
     lines = [f"{other.layout.describe()} {_standing(winner, other)}:"]
     for plan in (winner, other):
         traffic = ", ".join(
-            f"{s} {_layer_bytes(plan, s) / GB:.2f} GB" for s in ("tp", "ulysses", "ring") if _layer_bytes(plan, s) > 0)
+            f"{s} {_layer_bytes(plan, s) / GB:.2f} GB" for s in ("tp", "ulysses", "ring", "ep") if _layer_bytes(plan, s) > 0)
         exposed = ", ".join(f"{s} {v:.3f}" for s, v in sorted(_exposed(plan).items(), key=lambda kv: -kv[1])
                             if v > 1e-4)
         t = plan.estimate.time

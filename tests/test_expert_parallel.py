@@ -283,9 +283,10 @@ def test_invalid_ep_pins_fail_in_one_line(command, args, message):
 
 def test_the_plan_report_names_the_expert_parallel_group():
     out = _sp_plan("plan", "--model", "mixtral-8x7b", "--seq-len", "32K", "--gpus", "8", "--ep", "4", "--zero", "2",
-                   "--top", "1")
+                   "--top", "2")
     assert out.returncode == 0, out.stderr
     assert "(ep=4)" in out.stdout and "ep x4 on nvlink, inside one node" in out.stdout
+    assert "per layer (fwd): " in out.stdout and " ep " in out.stdout.split("per layer (fwd): ")[1].split("|")[0]
 
 
 def test_capacity_answers_with_a_pinned_ep():
