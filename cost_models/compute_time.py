@@ -248,7 +248,7 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
     if model.moe is not None or model.mla is not None:  # MLA projections, grouped expert GEMMs, router
         grouped_time = _grouped_gemm_timer(topology, fr, k.gemm, k.sms, peak)
         proj_f, proj_b, mlp_f, mlp_b = _sparse_layer_gemms(model, tokens, tp, mlp_tile, gemm_time, grouped_time,
-                                                           fp8, (mlp_f, mlp_b))
+                                                           fp8, (mlp_f, mlp_b), layout.ep)
     cast_f = cast_b = 0.0
     if fp8:  # amax + cast passes over each GEMM's activation and weight (forward), and the output grad
         elems_f = sum(m * kk + kk * n for m, n, kk in attn_g) + tiles * sum(m * kk + kk * n for m, n, kk in mlp_g)
@@ -411,8 +411,9 @@ def _grouped_gemm_timer(topology: Topology, fr: Fractions, gemm: GemmParams, sms
 
 def _moe_ffn_seconds(model: ModelSpec, tokens: float, tp: int, gemm_time: Callable[..., float],
                      grouped_time: Callable[[GroupedGemm, bool], float], fp8: bool,
-                     tile: float | None) -> tuple[float, float]:
-    """(forward, backward) seconds of one MoE FFN on ``tokens`` local tokens (in ``tile``-token tiles when a
+                     tile: float | None, ep: int = 1) -> tuple[float, float]:
+    """(forward, backward) seconds of one MoE FFN on ``tokens`` local tokens (``ep`` > 1: this rank's
+    ``num_experts / ep`` experts on the rows dispatched to them from all ep ranks, the busiest rank's) (in ``tile``-token tiles when a
     tiled MLP runs it): the router GEMM (tokens x experts x hidden, replicated over tp), the routed experts'
     gate, up and down projections as grouped GEMMs at their per-expert shapes
     (``MoESpec.expert_row_groups``: capacity padding, or dropless rows with the load imbalance), and the
@@ -422,7 +423,7 @@ def _moe_ffn_seconds(model: ModelSpec, tokens: float, tp: int, gemm_time: Callab
     rows = min(tile, tokens) if tile else tokens
     tiles = math.ceil(tokens / rows) if tile else 1.0
     f = moe.expert_ffn_hidden_size / tp
-    groups = moe.expert_row_groups(rows)
+    groups = moe.expert_row_groups(rows, ep)
     # gate and up (hidden -> f) share one shape, down (f -> hidden) the other: one grouped launch per matrix.
     matrices = [(f, h), (f, h), (h, f)]
     fwd = sum(grouped_time([(r, n, k, c) for r, c in groups], fp8) for n, k in matrices)
@@ -451,7 +452,7 @@ def _mla_gemm_on_tp_rank(model: ModelSpec, tokens: float, out: int, inp: int, tp
 
 def _sparse_layer_gemms(model: ModelSpec, tokens: float, tp: int, mlp_tile: float | None,
                         gemm_time: Callable[..., float], grouped_time: Callable[[GroupedGemm, bool], float],
-                        fp8: bool, dense_mlp: tuple[float, float]) -> tuple[float, float, float, float]:
+                        fp8: bool, dense_mlp: tuple[float, float], ep: int = 1) -> tuple[float, float, float, float]:
     """(projections forward, backward, FFN forward, backward) of the mean layer of a MoE and/or MLA model.
 
     MLA's projections run as their own GEMMs (the latent down-projections replicated over tp, see
@@ -468,7 +469,7 @@ def _sparse_layer_gemms(model: ModelSpec, tokens: float, tp: int, mlp_tile: floa
         proj_f, proj_b = gemm_time(attn, fp8), gemm_time(_backward(attn), fp8)
     mlp_f, mlp_b = dense_mlp
     if model.moe is not None:
-        moe_f, moe_b = _moe_ffn_seconds(model, tokens, tp, gemm_time, grouped_time, fp8, mlp_tile)
+        moe_f, moe_b = _moe_ffn_seconds(model, tokens, tp, gemm_time, grouped_time, fp8, mlp_tile, ep)
         sparse, layers = model.moe_layer_count, model.num_layers
         mlp_f = ((layers - sparse) * mlp_f + sparse * moe_f) / layers
         mlp_b = ((layers - sparse) * mlp_b + sparse * moe_b) / layers

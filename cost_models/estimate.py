@@ -64,7 +64,7 @@ class Estimate(BaseModel):
     def to_json_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict: raw units, keys as documented in the issues."""
         data = self.model_dump(mode="json")
-        data["layout"] = self.layout.degrees()
+        data["layout"] = self.layout.as_dict()
         return data
 
 

@@ -11,7 +11,16 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    create_model,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import InitErrorDetails
 
 from . import degrees as registry
@@ -28,9 +37,22 @@ _DEGREE_VALUE: TypeAdapter[int] = TypeAdapter(DegreeValue)
 
 
 class _LayoutBase(BaseModel):
-    """The layout's behaviour; its fields are the registered degrees (see :data:`Layout`)."""
+    """The layout's behaviour; its fields are the registered degrees (see :data:`Layout`) and ``ep``.
+
+    ``ep`` (expert parallelism) is a field of its own, not a registered degree: it does not multiply the
+    world. Megatron-Core and torchtitan take the expert-parallel ranks from ranks that already hold the same
+    weights; here they are the innermost ``ep`` ranks of the ZeRO/FSDP shard group (dp_shard x ring x
+    ulysses, ``ep`` consecutive ranks ``tp`` apart, so the all-to-all stays on NVLink while ``ep x tp`` fits
+    a node). A registered degree would be a mesh dimension (its own rank coordinate, a factor of the world,
+    a runtime mesh dim); ``ep`` only regroups existing ranks, so it stays outside the degree registry and the
+    mesh. It defaults to 1 and is left out of dumps at 1, so plans written before it load and read the same.
+    """
 
     model_config = ConfigDict(frozen=True, extra="allow")
+
+    #: Expert-parallel degree: ranks of the shard group that split each MoE layer's routed experts.
+    ep: int = Field(default=1, ge=1, le=MAX_DEGREE, description="Expert-parallel degree (MoE models): ranks of the "
+                    "ZeRO/FSDP shard group that split the routed experts; does not multiply the world.")
 
     @model_validator(mode="before")
     @classmethod
@@ -42,7 +64,7 @@ class _LayoutBase(BaseModel):
             return data
         known = registry.registered()
         errors = [InitErrorDetails(type="extra_forbidden", loc=(key,), input=value)
-                  for key, value in data.items() if key not in known]
+                  for key, value in data.items() if key not in known and key not in _LayoutBase.model_fields]
         late = [name for name in known if name not in cls.model_fields]
         checked = dict(data)
         for name in late:
@@ -74,7 +96,8 @@ class _LayoutBase(BaseModel):
         sizes = (
             product(registry.mesh_dims()), product(registry.with_role("sequence")), product(registry.with_role("data")),
             product(registry.with_role("shards_state")), product(registry.with_role("heads")),
-            product(registry.without_role("weights")), tuple(values[n] for n in registry.without_role("data")),
+            product(registry.without_role("weights")),
+            tuple(values[n] for n in registry.without_role("data")) + (values["ep"],),
             product(registry.with_role("stages")),
         )
         object.__setattr__(self, "_sizes", sizes)
@@ -85,8 +108,8 @@ class _LayoutBase(BaseModel):
         return hash(tuple(self.__dict__.values()) + (tuple(extra.values()) if extra else ()))
 
     def model_degrees(self) -> tuple[int, ...]:
-        """The degrees that change what one rank computes (all but the data-parallel ones), in mesh order:
-        the key of the per-rank compute and activation caches."""
+        """The degrees that change what one rank computes (all but the data-parallel ones, in mesh order, then
+        ``ep``): the key of the per-rank compute and activation caches."""
         return self._derived()[6]
 
     @property
@@ -141,10 +164,36 @@ class _LayoutBase(BaseModel):
         """Every degree, in mesh order (outermost first)."""
         return {dim: getattr(self, dim) for dim in registry.mesh_dims()}
 
+    def as_dict(self) -> dict[str, int]:
+        """:meth:`degrees` plus ``ep`` when above 1: what a plan file records (``Layout(**as_dict())`` rebuilds
+        the layout; files written before expert parallelism existed read as ``ep=1``)."""
+        return self.degrees() | ({"ep": self.ep} if self.ep > 1 else {})
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Ranks that hold the same experts (the shard group over ``ep``): ZeRO/FSDP shards expert state over them."""
+        return self.shard_group // self.ep
+
     def describe(self) -> str:
-        """Compact form listing only degrees above 1, e.g. ``ulysses=8`` or ``dp_shard=2 x ring=4``."""
+        """Compact form listing only degrees above 1, e.g. ``ulysses=8`` or ``dp_shard=2 x ring=4`` (and
+        ``(ep=8)`` when experts are split: in parentheses, as it does not multiply the GPUs)."""
         parts = [f"{dim}={deg}" for dim, deg in self.degrees().items() if deg > 1]
-        return " x ".join(parts) or "single GPU"
+        text = " x ".join(parts) or "single GPU"
+        return text + (f" (ep={self.ep})" if self.ep > 1 else "")
+
+    @model_serializer(mode="wrap")
+    def _dump_without_default_ep(self, handler: Any) -> Any:
+        """Plans written with ``ep=1`` read exactly as before expert parallelism existed."""
+        data = handler(self)
+        if isinstance(data, dict) and data.get("ep") == 1:
+            del data["ep"]
+        return data
+
+    def check_experts(self, model: ModelSpec) -> None:
+        """Raise a one-line actionable error when ``ep`` cannot split ``model``'s experts on this layout."""
+        reason = expert_parallel_invalid(model, self.ep, self.shard_group)
+        if reason:
+            raise CostModelError(reason)
 
     @classmethod
     def for_world(cls, world: int, **degrees: int | None) -> Layout:
@@ -154,6 +203,7 @@ class _LayoutBase(BaseModel):
         shards, the standard FSDP default.
         """
         fill = registry.fill_degree()
+        ep = degrees.pop("ep", None) or 1
         if world < 1 or world > MAX_DEGREE:
             raise CostModelError(f"GPU count {world} is out of range: use 1 .. {MAX_DEGREE}")
         given = {k: v for k, v in degrees.items() if v is not None}
@@ -169,7 +219,9 @@ class _LayoutBase(BaseModel):
                     f"the product of the layout degrees must divide the GPU count"
                 )
             given[fill] = world // others
-        layout = cls(**given)
+        if ep < 1:
+            raise CostModelError(f"--ep must be at least 1, got {ep}")
+        layout = cls(**given, ep=ep)
         if layout.world != world:
             raise CostModelError(
                 f"layout {layout.describe()} uses {layout.world} GPUs but --gpus is {world}: "
@@ -192,6 +244,7 @@ class _LayoutBase(BaseModel):
                 f"heads; tp x ulysses must be one of {valid} (move the extra degree to ring or dp)"
             )
         model.kv_replication(self.head_split)  # raises when KV heads neither divide nor replicate
+        self.check_experts(model)
         multiple = self.seq_multiple(tp_splits_sequence)
         if seq_len % multiple:
             lower = seq_len - seq_len % multiple
@@ -204,6 +257,25 @@ class _LayoutBase(BaseModel):
                 f"sequence length {seq_len} is not divisible by {why} = {multiple}; use {suggestion} "
                 "(or pad the data to that multiple)"
             )
+
+
+def expert_parallel_invalid(model: ModelSpec, ep: int, shard_group: int) -> str | None:
+    """Why expert-parallel degree ``ep`` cannot run ``model`` with a shard group of ``shard_group`` ranks
+    (None when it can): the model must have routed experts, ``ep`` must divide their count (each rank holds
+    ``num_experts / ep`` whole experts) and the shard group (the ranks it is taken from)."""
+    if ep == 1:
+        return None
+    if model.moe is None:
+        return f"ep={ep}: {model.name} is a dense model (no routed experts to split); use ep=1"
+    experts = model.moe.num_experts
+    if experts % ep:
+        valid = ", ".join(str(d) for d in range(1, experts + 1) if experts % d == 0 and shard_group % d == 0)
+        return f"ep={ep} does not divide {experts} routed experts; use one of {valid}"
+    if shard_group % ep:
+        valid = ", ".join(str(d) for d in range(1, shard_group + 1) if experts % d == 0 and shard_group % d == 0)
+        return (f"ep={ep} does not divide the {shard_group} ranks of the shard group (dp_shard x ring x ulysses) it "
+                f"is taken from; use one of {valid}, or give dp_shard more GPUs")
+    return None
 
 
 def _product_text(degrees: dict[str, int]) -> str:

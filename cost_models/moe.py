@@ -104,7 +104,9 @@ class MoESpec(BaseModel):
         return self.top_k * self.expert_params(hidden) + self.shared_params(hidden) + self.router_params(hidden)
 
     def moe_layer_count(self, num_layers: int) -> int:
-        return num_layers - len(self.dense_layers)
+        """MoE layers among layers ``0 .. num_layers - 1``: a pipeline stage's model copy (fewer layers, the same
+        ``dense_layers``) counts as the model's first layers, never as a negative count."""
+        return num_layers - sum(1 for i in self.dense_layers if i < num_layers)
 
     def layer_params_tp(self, hidden: int, tp: int, ep: int = 1) -> float:
         """One MoE FFN per TP rank: every expert's (and the shared experts') FFN width split over ``tp``
@@ -133,6 +135,18 @@ class MoESpec(BaseModel):
         if self.capacity_factor is None:
             return tokens * self.top_k
         return self.num_experts * self.expert_capacity(tokens)
+
+    def rank_routed_rows(self, tokens: float, ep: int = 1) -> float:
+        """Expert rows the busiest of ``ep`` ranks computes when each holds ``tokens`` tokens: the dispatch
+        all-to-all gathers the rows of its ``num_experts / ep`` experts from all ``ep`` ranks. Dropless, the
+        mean rank gets ``tokens x top_k`` rows and the busiest ``load_imbalance`` times that; with a capacity
+        factor every local expert runs at its capacity for the ``ep x tokens`` tokens. ``ep = 1``: this
+        rank's own :meth:`routed_rows` (the imbalance only reshapes the grouped GEMM)."""
+        if ep == 1:
+            return self.routed_rows(tokens)
+        if self.capacity_factor is not None:
+            return self.num_experts // ep * self.expert_capacity(tokens * ep)
+        return tokens * self.top_k * self.load_imbalance
 
     def expert_row_groups(self, tokens: float, ep: int = 1) -> list[tuple[float, float]]:
         """``(rows per expert, experts)`` groups one rank's grouped GEMM runs for ``tokens`` tokens.
@@ -205,8 +219,9 @@ class MLASpec(BaseModel):
                                                      self.kv_lora_rank), (hidden, heads * self.v_head_dim)]
 
 
-def layers_params_tp(model: ModelSpec, tp: int, gqa_attention: float, dense_mlp: float) -> float:
-    """Parameters of all transformer layers together per TP rank, norms excluded.
+def layers_params_tp(model: ModelSpec, tp: int, gqa_attention: float, dense_mlp: float, ep: int = 1) -> float:
+    """Parameters of all transformer layers together per TP rank (and EP rank: ``num_experts / ep`` routed
+    experts per MoE layer), norms excluded.
 
     ``gqa_attention`` and ``dense_mlp`` are the caller's per-rank counts of ordinary attention and of one
     dense FFN; MLA replaces the former, and each MoE layer's FFN replaces the latter. Weights, gradients,
@@ -218,7 +233,23 @@ def layers_params_tp(model: ModelSpec, tp: int, gqa_attention: float, dense_mlp:
     if model.moe is None:
         return total + model.num_layers * dense_mlp
     sparse = model.moe_layer_count
-    return total + (model.num_layers - sparse) * dense_mlp + sparse * model.moe.layer_params_tp(model.hidden_size, tp)
+    return total + (model.num_layers - sparse) * dense_mlp + sparse * model.moe.layer_params_tp(model.hidden_size, tp, ep)
+
+
+def expert_layer_params(model: ModelSpec, tp: int, ep: int, when_ep: int) -> float:
+    """Routed-expert parameters of the mean layer per TP rank, split over ``ep``, when ``when_ep`` > 1 (the
+    layout's expert-parallel degree; 0 otherwise): what data parallelism's traffic moves over the expert
+    data-parallel group instead of the shard group."""
+    return routed_expert_params_tp(model, tp, ep) / model.num_layers if when_ep > 1 else 0.0
+
+
+def routed_expert_params_tp(model: ModelSpec, tp: int, ep: int = 1) -> float:
+    """Routed-expert parameters of all MoE layers per TP and EP rank: the part of :func:`layers_params_tp`
+    that ZeRO/FSDP shards over the expert data-parallel ranks (shard group / ep) instead of the shard group."""
+    if model.moe is None:
+        return 0
+    moe = model.moe
+    return model.moe_layer_count * moe.num_experts / ep * 3 * model.hidden_size * math.ceil(moe.expert_ffn_hidden_size / tp)
 
 
 def mean_layer_params_tp(model: ModelSpec, tp: int, gqa_attention: float, dense_mlp: float) -> float:

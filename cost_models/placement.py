@@ -8,7 +8,8 @@ row-major with ``tp`` innermost, as ``torch.distributed.init_device_mesh`` does:
 so a dimension's process group is ``size`` ranks ``stride`` apart, where ``stride`` is the product of the
 degrees inside it. Flattened runs of adjacent dims are groups too: the sequence-parallel group
 (ring x ulysses), the ZeRO/FSDP shard group (dp_shard x ring x ulysses) and the data group that
-reduces gradients and the loss (everything but tp). Each group's placement says how many ranks share a
+reduces gradients and the loss (everything but tp). With expert parallelism (``Layout.ep``) two more
+groups are carved out of the shard group (:func:`expert_group_shapes`). Each group's placement says how many ranks share a
 node, how many nodes it spans, and which link class its traffic crosses, so collectives on that
 dimension are costed on the right links.
 """
@@ -71,7 +72,19 @@ def check_fits(layout: Layout, topology: Topology) -> None:
 def group_shapes(layout: Layout) -> dict[str, tuple[int, int]]:
     """(stride, size) of every cost-model group (:func:`group_dims`); cached, because the planner asks for
     every layout it scores. Callers must not mutate the returned dict."""
-    return {name: group_shape(layout, dims) for name, dims in group_dims().items()}
+    shapes = {name: group_shape(layout, dims) for name, dims in group_dims().items()}
+    if layout.ep > 1:
+        shapes.update(expert_group_shapes(layout, shapes["shard"]))
+    return shapes
+
+
+def expert_group_shapes(layout: Layout, shard: tuple[int, int]) -> dict[str, tuple[int, int]]:
+    """(stride, size) of the expert-parallel groups, carved out of the shard group (stride s, size n):
+    ``ep`` (the innermost ``ep`` shard-group ranks, ``s`` apart: the dispatch/combine all-to-all, on NVLink
+    while ``ep x s`` fits a node, as torchtitan places it) and ``expert_data`` (the ``n / ep`` ranks holding
+    the same experts, ``s x ep`` apart: the experts' ZeRO/FSDP group). Only layouts with ``ep > 1`` have them."""
+    stride, size = shard
+    return {"ep": (stride, layout.ep), "expert_data": (stride * layout.ep, size // layout.ep)}
 
 
 def group_spans(layout: Layout, topology: Topology) -> dict[str, GroupSpan]:
@@ -125,7 +138,7 @@ def place(layout: Layout, topology: Topology) -> Placement:
     groups = {}
     for name, span in spans.items():
         groups[name] = GroupPlacement(
-            dims=list(group_dims()[name]),
+            dims=list(group_dims().get(name, group_dims()["shard"])),  # ep groups: inside the shard group
             size=span.size,
             stride=span.stride,
             ranks_per_node=span.ranks_per_node,

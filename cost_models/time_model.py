@@ -142,7 +142,10 @@ def _comm_model(model: ModelSpec, train: TrainSpec, layout: Layout) -> ModelSpec
     if layout.pp == 1:
         return model
     check_pipeline(model, train, layout)
-    return model.model_copy(update={"num_layers": max(stage_layers(model, train, layout))})
+    update: dict = {"num_layers": max(stage_layers(model, train, layout))}
+    if model.moe is not None:  # the busiest stage's layers are all MoE (DeepSeek's dense layers lead stage 0)
+        update["moe"] = model.moe.model_copy(update={"dense_layers": ()})
+    return model.model_copy(update=update)
 
 
 def time_estimate(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,

@@ -109,7 +109,7 @@ def probe_feasibility(model: ModelSpec, base: TrainSpec, topology: Topology, set
                 # Offloading everything overflows the host: a combination with less offload may fit both.
                 start = s.timed(layout, s.floor(layout, lattice, s.most_saving_valid(lattice)), lattice)
                 fits = s.best_for(layout, lattice, start, math.inf) is not None
-            probe = FeasibilityProbe(fits=fits, layout=layout.degrees(), options=options,
+            probe = FeasibilityProbe(fits=fits, layout=layout.as_dict(), options=options,
                                      total_bytes=core.total, usable_bytes=s.usable, host_bytes=core.host_total,
                                      host_capacity_bytes=s.host_capacity,
                                      host_limited_by_setting=s.host_limited_by_setting,

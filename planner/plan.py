@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from sp_plan.cost_models.atomic_io import atomic_write_text
 from sp_plan.cost_models.errors import explain_validation_error
-from sp_plan.cost_models.layout import Layout
+from sp_plan.cost_models.layout import Layout, expert_parallel_invalid
 from sp_plan.cost_models.model_spec import ModelSpec
 from sp_plan.cost_models.stack import DEFAULT_STACK
 from sp_plan.cost_models.train_spec import TrainSpec
@@ -86,6 +86,9 @@ class Plan(BaseModel):
                 "the file was edited or cut: re-run `sp-plan plan ... --out` for the cluster you mean")
         if hw.gpus_per_node > hw.num_gpus:
             raise ValueError(f"hardware.gpus_per_node {hw.gpus_per_node} exceeds num_gpus {hw.num_gpus}")
+        experts = expert_parallel_invalid(self.model, self.layout.ep, self.layout.shard_group)
+        if experts:
+            raise ValueError(f"layout: {experts}")
         if self.estimate:
             missing = [k for k in ESTIMATE_SECTIONS if k not in self.estimate]
             if missing:

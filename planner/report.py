@@ -16,16 +16,17 @@ from sp_plan.cost_models.units import GB, format_tokens
 
 from .search import RankedPlan, Rejection, SearchResult
 
-STRATEGIES = ("tp", "ulysses", "ring", "fsdp", "dp")
+STRATEGIES = ("tp", "ulysses", "ring", "ep", "fsdp", "dp")
 
 
 def family(layout: Layout | dict[str, int]) -> str:
     """The kind of model/sequence parallelism a layout uses (data parallelism aside)."""
-    degrees = layout.degrees() if isinstance(layout, Layout) else layout
+    degrees = layout.as_dict() if isinstance(layout, Layout) else layout
     parts = [name for name in registry.searched("model") if degrees.get(name, 1) > 1]
+    experts = f" + ep={degrees['ep']}" if degrees.get("ep", 1) > 1 else ""
     if parts == ["ulysses", "ring"] or parts == ["ring", "ulysses"]:
-        return "ulysses x ring (USP)"
-    return " x ".join(parts) or "data parallel only"
+        return "ulysses x ring (USP)" + experts
+    return (" x ".join(parts) or "data parallel only") + experts
 
 
 def describe_options(options: dict[str, Any], mode: str) -> str:
@@ -82,7 +83,7 @@ def _placement_text(plan: RankedPlan) -> str:
     if placement is None:
         return ""
     parts = []
-    for dim in registry.innermost_first():
+    for dim in (*registry.innermost_first(), "ep"):  # ep: the expert-parallel group, inside the shard group
         group = placement.groups.get(dim)
         if group is None or group.size <= 1:
             continue
@@ -108,7 +109,7 @@ def compare(winner: RankedPlan, other: RankedPlan, indent: str = "    ") -> list
     lines = [f"{other.layout.describe()} {_standing(winner, other)}:"]
     for plan in (winner, other):
         traffic = ", ".join(
-            f"{s} {_layer_bytes(plan, s) / GB:.2f} GB" for s in ("tp", "ulysses", "ring") if _layer_bytes(plan, s) > 0)
+            f"{s} {_layer_bytes(plan, s) / GB:.2f} GB" for s in ("tp", "ulysses", "ring", "ep") if _layer_bytes(plan, s) > 0)
         exposed = ", ".join(f"{s} {v:.3f}" for s, v in sorted(_exposed(plan).items(), key=lambda kv: -kv[1])
                             if v > 1e-4)
         t = plan.estimate.time

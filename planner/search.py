@@ -175,7 +175,7 @@ class RankedPlan(BaseModel):
         est = self.estimate.to_json_dict()
         return {
             "rank": self.rank,
-            "layout": self.layout.degrees(),
+            "layout": self.layout.as_dict(),
             "options": self.options,
             "memory": est["memory"],
             "host_memory": est["host_memory"],
@@ -555,7 +555,7 @@ _FLAG_NAMES = {"zero_stage": "zero", "pipeline_schedule": "schedule"}
 def layout_moving_parts(layout: Layout) -> int:
     """Parallel dimensions beyond plain sharded data parallelism."""
     fill = degrees.fill_degree()
-    return sum(value > 1 for dim, value in layout.degrees().items() if dim != fill)
+    return sum(value > 1 for dim, value in layout.degrees().items() if dim != fill) + (layout.ep > 1)
 
 
 def _matches(layout: Layout, fixed: dict[str, int]) -> bool:
@@ -583,7 +583,7 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
     if not layouts:
         raise PlannerError(_no_layout_message(world, settings.fixed_layout, space, model, base))
     refused = {layout: s.stack_refusal(layout) for layout in layouts}
-    rejected += [Rejection(layout=layout.degrees(), kind="structure", reason=reason)
+    rejected += [Rejection(layout=layout.as_dict(), kind="structure", reason=reason)
                  for layout, reason in refused.items() if reason]
     layouts = [layout for layout in layouts if not refused[layout]]
     if not layouts:
@@ -603,7 +603,7 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
     for i, layout in enumerate(layouts):
         branches = s.lattices(layout)
         if not branches:  # invalid plans are explained, never silently dropped
-            rejected.append(Rejection(layout=layout.degrees(), kind="structure",
+            rejected.append(Rejection(layout=layout.as_dict(), kind="structure",
                                       reason="no valid combination of the pinned memory options on this layout"))
         if layout.pp > 1:
             # --- pipelined branches (several per layout: schedules, chunks, micro-batches) enter on their
@@ -635,7 +635,7 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
             what = ("even its fastest fitting options" if isinstance(start, _Scored)
                     else "even with no memory-saving option at all it")
             pruned_reason.setdefault(layout, Rejection(
-                layout=layout.degrees(), kind="bound", score=bound,
+                layout=layout.as_dict(), kind="bound", score=bound,
                 reason=f"not evaluated: {what} could reach only {_per_token(bound)}, below the top "
                        f"{settings.top_k} plans' cut-off of {_per_token(kth_best)}"))
             continue
@@ -661,7 +661,7 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
             continue
         if best is None:  # every fitting option set is slower than the top K (or this layout's best)
             pruned_reason.setdefault(layout, Rejection(
-                layout=layout.degrees(), kind="bound",
+                layout=layout.as_dict(), kind="bound",
                 reason=f"fits only with options slower than the top {settings.top_k} plans (cut-off "
                        f"{_per_token(kth_best)})"))
             continue
@@ -689,7 +689,7 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
     for score, layout, best in found[settings.top_k:]:
         rate = best.time.tokens_per_step / best.time.step_s
         rejected.append(Rejection(
-            layout=layout.degrees(), options={k: getattr(best.train, k) for k in _option_keys(layout)}, kind="slower",
+            layout=layout.as_dict(), options={k: getattr(best.train, k) for k in _option_keys(layout)}, kind="slower",
             score=score, reason=f"fits, but {rate:,.0f} tokens/s vs {best_rate:,.0f} tokens/s for the best plan "
                                 f"({rate / best_rate - 1:+.1%}; ranked {score / best_score - 1:+.1%} behind it with "
                                 "the near-tie discount for moving parts)"))
@@ -738,11 +738,11 @@ def _memory_rejection(layout: Layout, options: dict[str, Any], core: MemoryCore,
     total, host = core.total, core.host_total
     kernel_reason = core.kernel_limit_reason()
     if kernel_reason is not None:  # no memory option changes the slice the kernels must address
-        return Rejection(layout=layout.degrees(), options=options, kind="memory", reason=kernel_reason)
+        return Rejection(layout=layout.as_dict(), options=options, kind="memory", reason=kernel_reason)
     if host_bound:
         reason = ("device memory fits only with offloading, and then the offloaded state exceeds "
                   f"{host_limit_text(s.host_capacity, s.host_limited_by_setting)}")
-        return Rejection(layout=layout.degrees(), options=options, kind="memory", reason=reason,
+        return Rejection(layout=layout.as_dict(), options=options, kind="memory", reason=reason,
                          shortfall_bytes=max(0.0, host - s.host_capacity))
     if total > s.usable:
         no_offload = " (offloading forbidden by --max-offload-gb 0)" if s.settings.max_offload_bytes == 0 else ""
@@ -754,7 +754,7 @@ def _memory_rejection(layout: Layout, options: dict[str, Any], core: MemoryCore,
         reason = (f"offloaded state needs {host / 1e9:.1f} GB of host memory per GPU, over "
                   f"{host_limit_text(s.host_capacity, s.host_limited_by_setting)}")
         shortfall = host - s.host_capacity
-    return Rejection(layout=layout.degrees(), options=options, kind="memory", reason=reason, shortfall_bytes=shortfall)
+    return Rejection(layout=layout.as_dict(), options=options, kind="memory", reason=reason, shortfall_bytes=shortfall)
 
 
 def host_limit_text(limit: float, by_setting: bool) -> str:

@@ -5,7 +5,8 @@ enumerated innermost first, each value checked by its degree's structural check 
 evaluated; every combination that fails is kept with its reason so ``--explain`` can say why an
 alternative was never considered. The data-parallel remainder is split afterwards: the ``split`` degrees
 (dp_replicate) take divisors of it and the ``fill`` degree (dp_shard) the rest (structurally always
-valid).
+valid). A mixture-of-experts model's layouts come once more for every expert-parallel degree their shard
+group allows (:func:`expert_degrees`; ``Layout.ep`` does not change the world).
 """
 
 from __future__ import annotations
@@ -88,8 +89,18 @@ def enumerate_layouts(
             rejected.append(StructuralRejection(dict(chosen), f"sequence {seq_len} is not divisible by {multiple}"))
             continue
         for data in _data_degrees(rest, registry.searched("split"), {}, limits):
-            layouts.append(Layout(**data, **chosen))
+            layout = Layout(**data, **chosen)
+            layouts += [layout] + [Layout(**data, **chosen, ep=ep) for ep in expert_degrees(model, layout.shard_group)]
     return LayoutSpace(layouts, rejected)
+
+
+def expert_degrees(model: ModelSpec, shard_group: int) -> list[int]:
+    """Expert-parallel degrees above 1 a layout with ``shard_group`` ZeRO ranks may take (each is a layout of
+    its own: EP trades expert memory and FSDP traffic for dispatch all-to-alls, not monotonically, so it cannot
+    be a lattice axis): the common divisors of the routed experts and the shard group; none for a dense model."""
+    if model.moe is None:
+        return []
+    return [d for d in divisors(shard_group) if d > 1 and model.moe.num_experts % d == 0]
 
 
 def _model_degrees(rest: int, dims: tuple[str, ...], chosen: dict[str, int], index: int, ctx: SpaceContext,

@@ -83,6 +83,12 @@ _MOE_TP = ("tensor parallelism does not split mixture-of-experts blocks (the exp
 _MOE_TILED_MLP = "the tiled MLP does not run mixture-of-experts blocks (a router picks experts per token)"
 
 
+#: Expert parallelism (``Layout.ep``) is modelled and searched by the planner, not executed here: the runtime has
+#: no token dispatch/combine all-to-all and no expert-sharded FSDP groups.
+_NO_EP = ("this runtime does not implement expert parallelism (no token dispatch/combine all-to-all, no expert "
+          "data-parallel groups); every rank holds all experts: re-plan with --ep 1")
+
+
 def _is_moe(model: Any) -> bool:
     return getattr(model, "moe", None) is not None  # ModelSpec.moe: the sparse FFN, None when dense
 
@@ -90,6 +96,8 @@ def _is_moe(model: Any) -> bool:
 def _degrees_blocked(adapter: ModelAdapter, model: Any) -> dict[str, str]:
     """Degrees held at 1 for this family (and, with the model's spec, for its architecture)."""
     blocked = {**runtime_unexecuted_degrees(), **adapter.unsupported_degrees}
+    if _is_moe(model):  # only a MoE model has an ep > 1 to hold back (a dense model's layout refuses it)
+        blocked["ep"] = _NO_EP
     if model is not None and (getattr(model, "hidden_dropout", 0) or getattr(model, "attention_dropout", 0)):
         blocked.setdefault("tp", _TP_DROPOUT)
     if _is_moe(model):
@@ -116,8 +124,8 @@ def unsupported_reasons(plan: Any, family: Family = "llama") -> list[str]:
     train: TrainSpec = plan.train
     layout: Layout = plan.layout
     reasons = []
-    for dim, why in _degrees_blocked(adapter, getattr(plan, "model", None)).items():
-        degree = getattr(layout, dim)
+    for dim, why in {**_degrees_blocked(adapter, getattr(plan, "model", None)), "ep": _NO_EP}.items():
+        degree = getattr(layout, dim, 1)  # ``ep``: a layout field, 1 on layouts written before it
         if degree > 1:
             reasons.append(f"{dim}={degree}: {why}")
     for option, why in _options_blocked(adapter, getattr(plan, "model", None)).items():

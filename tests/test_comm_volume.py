@@ -199,7 +199,7 @@ def test_totals_are_consistent(layout):
         per = est.per_layer_bytes[key]
         assert est.per_step_by_strategy[key] == pytest.approx((per.forward + per.backward) * 32 * 2)
     data = est.model_dump(mode="json")
-    assert set(data["per_layer_bytes"]) == {"dp", "fsdp", "tp", "ulysses", "ring"}
+    assert set(data["per_layer_bytes"]) == {"dp", "fsdp", "tp", "ulysses", "ring", "ep"}
     assert set(data["by_collective"]) == {"all_to_all", "all_reduce", "all_gather", "reduce_scatter", "send_recv"}
     assert set(data["per_layer_bytes"]["ulysses"]) == {"forward", "backward", "backward_recompute"}
 

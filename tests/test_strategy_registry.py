@@ -108,12 +108,12 @@ def test_unregistering_restores_the_previous_numbers(toy):
     register(toy)
     unregister("toy")
     assert run().to_json_dict() == without.to_json_dict()
-    assert report_buckets() == ("dp", "fsdp", "tp", "ulysses", "ring", "embedding", "loss", "pipeline")
+    assert report_buckets() == ("dp", "fsdp", "tp", "ulysses", "ring", "ep", "embedding", "loss", "pipeline")
 
 
 def test_the_defaults_are_registered_in_report_order():
     assert registered() == DEFAULT_STRATEGIES
-    assert layer_buckets() == ("dp", "fsdp", "tp", "ulysses", "ring")
+    assert layer_buckets() == ("dp", "fsdp", "tp", "ulysses", "ring", "ep")
     assert report_buckets() == layer_buckets() + ("embedding", "loss", "pipeline")
 
 

@@ -252,18 +252,26 @@ def hardware_options(func: Callable) -> Callable:
     return func
 
 
+#: ``--ep``: the expert-parallel degree, a layout field that is not a registered degree (it regroups ranks of the
+#: shard group and does not multiply the world; see :class:`~sp_plan.cost_models.layout.Layout`).
+EP_HELP = ("Expert-parallel degree (MoE models): the innermost ranks of the ZeRO/FSDP shard group that split "
+           "the routed experts; must divide the experts and dp_shard x ring x ulysses; does not use more GPUs.")
+
+
 def layout_options(func: Callable) -> Callable:
     """One option per registered layout degree, innermost first (--tp, --ulysses, --ring, --dp-shard,
-    --dp-replicate today; the fill degree, dp_shard, takes the rest by default)."""
-    for name in reversed(layout_keys()):
+    --dp-replicate today; the fill degree, dp_shard, takes the rest by default), then --ep."""
+    func = click.option("--ep", "ep", type=click.IntRange(1, degrees.MAX_DEGREE), default=None, help=EP_HELP)(func)
+    for name in reversed(degrees.innermost_first()):
         func = click.option(degrees.degree(name).flag, name, type=int, default=None,
                             help=degrees.degree(name).help)(func)
     return func
 
 
 def layout_keys() -> tuple[str, ...]:
-    """The layout degrees, innermost first: the command-line pins and their order in help texts."""
-    return degrees.innermost_first()
+    """The layout's pins, innermost first: the registered degrees, then ``ep`` (the command-line pins and
+    their order in help texts)."""
+    return (*degrees.innermost_first(), "ep")
 
 
 def check_output_path(path: str | Path | None, option: str) -> None:

@@ -60,6 +60,8 @@ class LocalDims:
     sequences: int = 1
     """Sequences one attention call sees (packed documents count separately: micro_batch x
     ceil(attention sequence / document_length)); sizes flash-attn varlen's per-sequence padding."""
+    ep: int = 1
+    """Expert-parallel degree: this rank runs ``num_experts / ep`` experts on the rows dispatched to them."""
 
     @property
     def attn_tokens(self) -> int:
@@ -126,4 +128,5 @@ def _local_dims(model: ModelSpec, train: TrainSpec, layout: Layout) -> LocalDims
         sequence_parallel=sequence_parallel,
         sequences=train.micro_batch * (ceil_div(train.seq_len // r, train.document_length)
                                        if train.document_length else 1),
+        ep=layout.ep,
     )

@@ -10,7 +10,10 @@ autograd saves per op what :mod:`.block` describes for dense layers:
     x -> shared experts' SwiGLU (a dense MLP of the shared width), added to the routed output
 
 Routed rows are ``MoESpec.routed_rows(tokens)``: ``tokens x top_k`` dropless, every expert padded to its
-capacity with a capacity factor. Expert widths are split over tp like a dense FFN (expert tensor
+capacity with a capacity factor. With expert parallelism (``ep > 1``) a dispatch all-to-all brings the rows
+of this rank's ``num_experts / ep`` experts from all ep ranks (the busiest rank's ``load_imbalance`` x the
+mean, :meth:`MoESpec.rank_routed_rows`), the experts run on those, and a combine all-to-all returns this
+rank's ``tokens x top_k`` rows before the weighting. Expert widths are split over tp like a dense FFN (expert tensor
 parallelism = tp). The block graph is one block for every layer: a model with dense layers too
 (DeepSeek-V3's first 3) is costed with its MoE block, the larger one of the two.
 """
@@ -49,8 +52,14 @@ def moe_ffn_ops(b: BlockBuilder, x: str, saved_in: str, regather: int, tokens: i
     b.g.op("router.topk", [probs], [weights, indices], saves=[indices.name])
     rows = routed_rows(b, tokens)
     dispatched = b.simple("moe.dispatch", [x, indices.name], rows * d.hidden * B, saves=[indices.name])
-    expert_out = dense_mlp(b, dispatched, dispatched, 0, rows, width=ceil_div(moe.expert_ffn_hidden_size, d.tp),
-                           prefix="experts.")
+    expert_rows = rows
+    if d.ep > 1:  # the dispatch all-to-all: the rows of this rank's experts, from all ep ranks (busiest rank)
+        expert_rows = int(moe.rank_routed_rows(tokens, d.ep))
+        dispatched = b.simple("moe.dispatch_all_to_all", [dispatched], expert_rows * d.hidden * B)
+    expert_out = dense_mlp(b, dispatched, dispatched, 0, expert_rows,
+                           width=ceil_div(moe.expert_ffn_hidden_size, d.tp), prefix="experts.")
+    if d.ep > 1:  # the combine all-to-all: this rank's tokens' expert outputs come back
+        expert_out = b.simple("moe.combine_all_to_all", [expert_out], rows * d.hidden * B)
     weighted = b.simple("moe.weighted", [expert_out, weights.name], rows * d.hidden * B,
                         saves=[expert_out, weights.name])
     out = b.simple("moe.combine", [weighted, indices.name], tokens * d.hidden * B, saves=[indices.name])

@@ -74,6 +74,9 @@ class ProcessGroup:
     size: int
     p2p: bool = False
     """The group exchanges point-to-point (Ulysses all-to-all, ring attention send/recv)."""
+    carved: str | None = None
+    """``inner`` / ``outer``: an expert-parallel group carved out of the shard group ``dims`` (its innermost
+    ``size`` ranks, or the ranks ``ep`` apart); None: the group is the whole run of ``dims``."""
 
 
 @lru_cache(maxsize=4096)
@@ -90,6 +93,19 @@ def process_groups(layout: Layout) -> tuple[ProcessGroup, ...]:
             continue
         seen.add(active)
         groups.append(_group(name, active, degrees, p2p=name in p2p))
+    return tuple(groups) + expert_groups(layout)
+
+
+def expert_groups(layout: Layout) -> tuple[ProcessGroup, ...]:
+    """The expert-parallel communicators (``Layout.ep`` > 1), both carved out of the shard group: ``ep`` (its
+    innermost ep ranks; all-to-all, so point-to-point buffers) and ``expert_data`` (the shard group / ep ranks
+    holding the same experts: the experts' ZeRO/FSDP group)."""
+    if layout.ep == 1:
+        return ()
+    dims = tuple(d for d in registry.with_role("shards_state") if getattr(layout, d) > 1)
+    groups = [ProcessGroup("ep", dims, layout.ep, p2p=True, carved="inner")]
+    if layout.shard_group > layout.ep:
+        groups.append(ProcessGroup("expert_data", dims, layout.shard_group // layout.ep, carved="outer"))
     return tuple(groups)
 
 
@@ -105,7 +121,7 @@ def purpose_groups(layout: Layout, zero_stage: int) -> tuple[ProcessGroup, ...]:
         active = frozenset(d for d in dims if degrees[d] > 1)
         if active:
             groups.append(_group(name, active, degrees, p2p=name == "sequence_parallel"))
-    return tuple(groups)
+    return tuple(groups) + expert_groups(layout)
 
 
 def _group(name: str, active: frozenset[str], degrees: dict[str, int], p2p: bool) -> ProcessGroup:
@@ -134,7 +150,11 @@ def communicator_bytes(group: ProcessGroup, layout: Layout, a: MemoryAssumptions
 def _local_members(group: ProcessGroup, layout: Layout, local_ranks: int) -> int:
     """Members of ``group`` on this rank's node: mesh dims are laid out innermost-first (tp, ulysses,
     ring, dp_shard, dp_replicate), so a dim's ranks are ``stride`` apart, ``stride`` = product of the
-    inner dims; its members stay on the node while ``stride x size <= local_ranks``."""
+    inner dims; its members stay on the node while ``stride x size <= local_ranks``. A group carved out of
+    the shard group (expert parallelism) takes its share of the shard group's members on the node."""
+    if group.carved is not None:
+        shard = _local_members(ProcessGroup("shard", group.dims, layout.shard_group), layout, local_ranks)
+        return min(shard, group.size) if group.carved == "inner" else max(1, shard // layout.ep)
     degrees = layout.degrees()
     local, stride = 1, 1
     for dim in registry.innermost_first():

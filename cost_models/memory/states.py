@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ..layout import Layout
 from ..memo import Memo
 from ..model_spec import ModelSpec
-from ..moe import layers_params_tp
+from ..moe import layers_params_tp, routed_expert_params_tp
 from ..train_spec import TrainSpec
 from .assumptions import MemoryAssumptions
 from .dims import ceil_div
@@ -44,6 +44,9 @@ class TPParams:
     layers_total: int = 0
     """All layers' parameters when they differ by layer (MoE, MLA); ``per_layer`` is then their mean,
     rounded up. 0: every layer holds ``per_layer``."""
+    routed_experts: int = 0
+    """Routed-expert parameters of this rank in all layers (``num_experts / ep`` per MoE layer): ZeRO shards
+    them over the expert data-parallel ranks (shard group / ep). 0 with ep=1 (they shard like the rest)."""
 
     @property
     def embedding(self) -> int:
@@ -64,7 +67,7 @@ class TPParams:
         return self.lm_head or self.vocab_matrix
 
 
-def tp_params(model: ModelSpec, tp: int) -> TPParams:
+def tp_params(model: ModelSpec, tp: int, ep: int = 1) -> TPParams:
     h, hd = model.hidden_size, model.head_dim
     q = model.q_size // tp
     kv = model.num_kv_heads * model.kv_replication(tp) // tp * hd
@@ -82,9 +85,11 @@ def tp_params(model: ModelSpec, tp: int) -> TPParams:
     layers_total = 0
     if model.moe is not None or model.mla is not None:  # MLA attention, dense and MoE layers mixed
         norms = model.norms_per_layer * model.norm_params()
-        layers_total = math.ceil(layers_params_tp(model, tp, attention, mlp)) + model.num_layers * norms
+        layers_total = math.ceil(layers_params_tp(model, tp, attention, mlp, ep)) + model.num_layers * norms
         per_layer = math.ceil(layers_total / model.num_layers)
-    return TPParams(per_layer, vocab_rows * h, positions, lm_head, model.norm_params(), model.num_layers, layers_total)
+    routed = math.ceil(routed_expert_params_tp(model, tp, ep)) if ep > 1 else 0
+    return TPParams(per_layer, vocab_rows * h, positions, lm_head, model.norm_params(), model.num_layers, layers_total,
+                    routed)
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,7 @@ class BlockMatrices:
     """MLP matrices (3 for SwiGLU: gate, up, down; 2 for GELU)."""
 
 
-def block_matrices(model: ModelSpec, tp: int) -> BlockMatrices:
+def block_matrices(model: ModelSpec, tp: int, ep: int = 1) -> BlockMatrices:
     h = model.hidden_size
     q = model.q_size // tp
     kv = model.num_kv_heads * model.kv_replication(tp) // tp * model.head_dim
@@ -108,7 +113,7 @@ def block_matrices(model: ModelSpec, tp: int) -> BlockMatrices:
         # The MoE block's FFN: per-expert matrices (HF's nn.Linear experts; ZeRO gathers them one by one) and
         # as many of them as the routed and shared experts and the router hold together.
         mlp = h * ceil_div(model.moe.expert_ffn_hidden_size, tp)
-        count = ceil_div(int(model.moe.layer_params_tp(h, tp)), mlp)
+        count = ceil_div(int(model.moe.layer_params_tp(h, tp, ep)), mlp)
         return BlockMatrices(max(h * q, h * kv, mlp), mlp, count)
     return BlockMatrices(max(h * q, h * kv, mlp), mlp, 3 if model.activation == "swiglu" else 2)
 
@@ -149,6 +154,8 @@ class ModelStates:
     """Parameters the device optimizer step updates (0 when it runs on the host)."""
     tp: int = 1
     """The tensor-parallel degree the parameters are split by."""
+    ep: int = 1
+    """The expert-parallel degree the routed experts are split by."""
 
     def grads_device(self, params: float) -> int:
         """Persistent device gradient bytes once ``params`` TP-rank parameters have gradients."""
@@ -206,20 +213,20 @@ def stage_params(params: TPParams, layers: int, first: bool, last: bool, tied: b
     of the embedding matrix as the head, as Megatron-LM does, their gradients all-reduced between the two)."""
     vocab = params.vocab_matrix if first or (last and tied) else 0
     return TPParams(params.per_layer, vocab, params.positions if first else 0, params.lm_head if last else 0,
-                    params.final_norm if last else 0, layers)
+                    params.final_norm if last else 0, layers, 0, params.routed_experts * layers // params.layers)
 
 
 def model_states(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions,
                  stage: tuple[int, bool, bool] | None = None) -> ModelStates:
     """Per-GPU bytes of weights, gradients and optimizer states (memoized; read-only). ``stage``: (layers,
     first, last) of the pipeline stage this GPU runs (None: the whole model)."""
-    key = (model, a, layout.tp, layout.shard_group, *(getattr(train, f) for f in STATES_FIELDS), stage)
+    key = (model, a, layout.tp, layout.shard_group, layout.ep, *(getattr(train, f) for f in STATES_FIELDS), stage)
     return _STATES.get(key, lambda: _model_states(model, train, layout, a, stage))
 
 
 def _model_states(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions,
                   stage: tuple[int, bool, bool] | None = None) -> ModelStates:
-    params = tp_params(model, layout.tp)
+    params = tp_params(model, layout.tp, layout.ep)
     if stage is not None:
         params = stage_params(params, *stage, tied=model.tied_embeddings)
     per = bytes_per_param(train)
@@ -229,8 +236,18 @@ def _model_states(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryA
     stage = train.zero_stage
     total = params.total
 
+    expert_fraction = params.routed_experts / total if params.routed_experts else 0.0
+    expert_group = group // layout.ep
+
     def shard(nbytes: int, sharded: bool) -> int:
-        return -(-nbytes // group) if sharded else nbytes
+        """ZeRO's share of ``nbytes`` (state of all ``total`` parameters): dense weights over the shard group,
+        routed experts (already split over ep) over the expert data-parallel ranks, shard group / ep."""
+        if not sharded:
+            return nbytes
+        if not expert_fraction:
+            return -(-nbytes // group)
+        experts = round(nbytes * expert_fraction)
+        return -(-(nbytes - experts) // group) + -(-experts // expert_group)
 
     weights = shard(total * per.weights, stage >= 3)
     offload_params = train.offload_params
@@ -264,4 +281,5 @@ def _model_states(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryA
         optimizer_on_device=optimizer_on_device,
         optimizer_step_params=opt_params if optimizer_on_device else 0,
         tp=layout.tp,
+        ep=layout.ep,
     )

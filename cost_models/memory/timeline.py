@@ -302,7 +302,7 @@ def _tiled_mlp_param_grad_bytes(model: ModelSpec, train: TrainSpec, tp: int, a: 
     if not (train.is_training and train.tiled_mlp and a.zero_reduce_bucket_params is not None
             and st.zero_stage >= 2):
         return 0
-    m = block_matrices(model, tp)
+    m = block_matrices(model, tp, st.ep)
     return (m.mlp_count + 1) * m.mlp * st.per_param.gradients
 
 

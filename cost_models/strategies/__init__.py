@@ -10,12 +10,14 @@ The default strategies, registered in this order (which fixes the order of the r
 - :mod:`.loss`: the loss reduction over the data group;
 - :mod:`.offload`: PCIe traffic of host-resident state, and save-instead-of-recompute;
 - :mod:`.optimizer`: the optimizer step, on the GPU or the host;
-- :mod:`.pipeline`: pipeline stages' point-to-point activation and gradient transfers.
+- :mod:`.pipeline`: pipeline stages' point-to-point activation and gradient transfers;
+- :mod:`.expert`: expert parallelism's dispatch/combine all-to-alls and the experts' own ZeRO/FSDP traffic.
 
 Add one with :func:`register` (see :mod:`.base`); nothing else needs an edit.
 """
 
 from .base import Strategy, implementing, layer_buckets, on_change, register, registered, report_buckets, unregister
+from .expert import ExpertParallel
 from .fsdp import ParameterSharding
 from .loss import LossReduction
 from .offload import Offload
@@ -28,7 +30,8 @@ from .ulysses import Ulysses
 
 #: The strategies every estimate sums, in registration order.
 DEFAULT_STRATEGIES: tuple[Strategy, ...] = (ParameterSharding(), TensorParallel(), Ulysses(), RingAttention(),
-                                            LossReduction(), Offload(), OptimizerStep(), PipelineP2P())
+                                            LossReduction(), Offload(), OptimizerStep(), PipelineP2P(),
+                                            ExpertParallel())
 
 for _strategy in DEFAULT_STRATEGIES:
     register(_strategy)

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from .. import degrees
 from ..layout import Layout
 from ..model_spec import ModelSpec
+from ..moe import expert_layer_params
 from ..train_spec import TrainSpec
 from .base import Strategy
 from .gradients import data_ranks, fsdp_grad_bytes
@@ -87,11 +88,13 @@ def _ddp_ops(model: ModelSpec, train: TrainSpec, layout: Layout) -> Iterator[Com
 def _sharded_ops(model: ModelSpec, train: TrainSpec, layout: Layout) -> Iterator[CommOp]:
     d = train.dtype_bytes
     stage = train.zero_stage
-    layer = tp_local_layer_params(model, layout.tp) * d
+    # Expert parallelism: the routed experts shard over their own group (expert.py prices that traffic).
+    layer_params = tp_local_layer_params(model, layout.tp) - expert_layer_params(model, layout.tp, 1, layout.ep)
+    layer = layer_params * d
     other = tp_local_other_params(model, layout.tp) * d
     # Gradients are reduced in fp32 under FSDP (sp_plan.runtime.fsdp: MixedPrecisionPolicy(reduce_dtype=fp32)).
     grad_bytes = fsdp_grad_bytes(train)
-    layer_grads = tp_local_layer_params(model, layout.tp) * grad_bytes
+    layer_grads = layer_params * grad_bytes
     other_grads = tp_local_other_params(model, layout.tp) * grad_bytes
     shard = layout.shard_group
     # Pipeline stages interleave micro-batches: torch.distributed.pipelining keeps FSDP2 unsharded and its

@@ -1,0 +1,96 @@
+"""Expert parallelism (EP): the token dispatch and combine all-to-alls, and the experts' own data parallelism.
+
+Reads ``Layout.ep`` (1: nothing to do) and the model's :class:`~sp_plan.cost_models.moe.MoESpec`. The ``ep``
+ranks are the innermost ranks of the ZeRO/FSDP shard group (process group ``ep``, see
+:func:`sp_plan.cost_models.placement.expert_group_shapes`); each holds ``num_experts / ep`` routed experts.
+
+- **Dispatch and combine** (bucket ``ep``): per MoE layer and micro-batch, one all-to-all sends each rank's
+  routed rows to the ranks holding their experts and one brings the expert outputs back: forward two, backward
+  two (the combine's gradient is a dispatch, and the other way round), and two more when full recompute re-runs
+  the forward. The buffer is the busiest rank's rows (:meth:`MoESpec.rank_routed_rows`: ``load_imbalance`` x
+  ``tokens x top_k`` dropless, every local expert at its capacity with a capacity factor) of ``hidden``
+  elements in the compute dtype; the all-to-all sends ``(ep - 1) / ep`` of it
+  (:meth:`MoESpec.dispatch_bytes` at the mean). The next op needs its result: exposed.
+  Ops are per layer, so their bytes are scaled by the MoE layers' share of the layers (DeepSeek-V3's 3 dense
+  layers send nothing), as the cost model averages a mixed stack elsewhere.
+- **Expert data parallelism** (bucket ``fsdp``): the routed experts' ZeRO/FSDP traffic over the
+  ``expert_data`` group (shard group / ep ranks, ``ep x tp`` apart), the same ops
+  :mod:`.fsdp` issues for the dense weights over the shard group (which leaves the experts out when ep > 1):
+  ZeRO-3 gathers forward and again backward and reduce-scatters the gradients (``prefetch``); ZeRO-1/2
+  reduce-scatter the gradients (``grad``) and all-gather the updated experts once per step; HSDP all-reduces
+  the reduced shard across ``dp_replicate``. ZeRO-0 keeps :mod:`.fsdp`'s data-group all-reduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from .. import degrees
+from ..layout import Layout
+from ..model_spec import ModelSpec
+from ..moe import expert_layer_params
+from ..train_spec import TrainSpec
+from .base import Strategy
+from .gradients import fsdp_grad_bytes
+from .terms import CommOp
+
+
+def dispatch_buffer_bytes(model: ModelSpec, train: TrainSpec, layout: Layout) -> float:
+    """One dispatch (or combine) all-to-all's buffer on the busiest rank, per mean layer (bytes)."""
+    moe = model.moe
+    tokens = train.micro_batch * train.seq_len / layout.sp
+    rows = moe.rank_routed_rows(tokens, layout.ep)
+    return rows * model.hidden_size * train.dtype_bytes * model.moe_layer_count / model.num_layers
+
+
+class ExpertParallel(Strategy):
+    name = "expert"
+    layer_buckets = ("ep",)
+
+    def comm_ops(self, model: ModelSpec, train: TrainSpec, layout: Layout) -> Iterator[CommOp]:
+        if layout.ep == 1 or model.moe is None:
+            return
+        buf = dispatch_buffer_bytes(model, train, layout)
+        yield CommOp("ep", "all_to_all", "ep", buf, "forward", count=2, label="token dispatch + combine")
+        if train.is_training:
+            yield CommOp("ep", "all_to_all", "ep", buf, "backward", count=2,
+                         label="combine gradient + dispatch gradient")
+            if train.checkpointing == "full":
+                yield CommOp("ep", "all_to_all", "ep", buf, "backward", count=2, recompute=True,
+                             label="token dispatch + combine (recompute)")
+        yield from _expert_sharding_ops(model, train, layout)
+
+
+def _expert_sharding_ops(model: ModelSpec, train: TrainSpec, layout: Layout) -> Iterator[CommOp]:
+    """The routed experts' ZeRO/FSDP traffic over the expert data-parallel group (see the module doc)."""
+    params = expert_layer_params(model, layout.tp, layout.ep, layout.ep)
+    stage, group = train.zero_stage, layout.expert_data_parallel
+    layer, grads = params * train.dtype_bytes, params * fsdp_grad_bytes(train) if train.is_training else 0.0
+    if not train.is_training:
+        if stage == 3 and group > 1:
+            yield CommOp("fsdp", "all_gather", "expert_data", layer, "forward", overlap="prefetch",
+                         label="expert all-gather")
+        return
+    if stage == 0:
+        return
+    pipelined = layout.pp > 1
+    grad_per = "step" if stage == 1 or pipelined else "microbatch"
+    if group > 1:
+        if stage == 3:
+            yield CommOp("fsdp", "all_gather", "expert_data", layer, "forward", per="step" if pipelined else "microbatch",
+                         overlap="prefetch", label="expert all-gather")
+            if not pipelined:
+                yield CommOp("fsdp", "all_gather", "expert_data", layer, "backward", overlap="prefetch",
+                             label="expert re-gather")
+        yield CommOp("fsdp", "reduce_scatter", "expert_data", grads, "backward", per=grad_per,
+                     overlap="prefetch" if stage == 3 else "grad", label="expert gradient reduce-scatter")
+        if stage in (1, 2):
+            yield CommOp("fsdp", "all_gather", "expert_data", layer * model.num_layers, "step", scope="model",
+                         per="step", label="updated expert all-gather")
+    for dim in degrees.replicate_dims():
+        if getattr(layout, dim) > 1:
+            yield CommOp("dp", "all_reduce", dim, grads / group, "backward", per=grad_per, overlap="grad",
+                         label="expert gradient shard all-reduce across replicas")
+
+
+__all__ = ["ExpertParallel", "dispatch_buffer_bytes"]
