@@ -84,7 +84,15 @@ from sp_plan.runtime.loss import LossOutput, TokenLoss
 from sp_plan.runtime.mesh import RuntimeMesh, build_mesh
 from sp_plan.runtime.models.base import ModelAdapter, adapter_for
 from sp_plan.runtime.models.llama.attention import SequenceParallelAttention
+from sp_plan.runtime.model_parts import split_model
 from sp_plan.runtime.parallelize import parallelize
+from sp_plan.runtime.pipeline import (
+    build_pipeline,
+    clip_pipeline_grad_norm_,
+    gather_stage_state_dicts,
+    pipeline_grad_norm,
+    stage_bounds,
+)
 from sp_plan.runtime.planning import (
     agree_on_plan,
     check_plan_matches,
@@ -108,9 +116,10 @@ __all__ = [
     "SequenceParallelAttention",
     "agree_on_plan",
     "auto_configure",
-    "configure_parts",
     "check_plan_matches",
     "check_same_plan",
+    "configure_parts",
+    "configure_pipeline",
     "describe_plan",
     "finish_worker",
     "init_distributed",
@@ -143,6 +152,10 @@ class AutoConfigured:
     checkpoint_offload: Any = None
     #: Each model part's TP state (its replicated parameters), in part order; empty without TP.
     part_tensor_parallel: list[Any] = field(default_factory=list)
+    #: This rank's pipeline stage and schedule (sp_plan.runtime.pipeline.Pipeline) when the plan has pp > 1:
+    #: ``model_parts`` then hold this stage's part only, and :func:`sp_plan.runtime.step.train_step` runs the
+    #: step through the schedule.
+    pipeline: Any = None
     #: Set when TP-replicated gradients were all-reduced; cleared by every forward (new gradients).
     _grads_synced: bool = field(default=False, repr=False)
 
@@ -188,6 +201,11 @@ class AutoConfigured:
     def _through_parts(self, shard: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Run every model part but the last on the shard's tokens: what the last part takes (the token
         ids with one part, else the hidden states the previous parts computed)."""
+        if self.pipeline is not None:
+            raise RuntimeConfigError(
+                "this setup is one stage of a pipeline (pp > 1): a forward runs through every stage's schedule; "
+                "train with sp_plan.runtime.step.train_step (or the Trainer)"
+            )
         self._grads_synced = False
         x = shard["input_ids"]
         for part in self.model_parts[:-1]:
@@ -241,6 +259,9 @@ class AutoConfigured:
         """Clip gradients of every model part to one global 2-norm (over FSDP shards and TP shards alike);
         returns the norm."""
         self.sync_gradients()
+        if self.pipeline is not None:
+            return clip_pipeline_grad_norm_(list(self.parameters()), max_norm, self.pipeline.group,
+                                                self.device)
         if self.part_tensor_parallel:
             return float(clip_parts_grad_norm_(self._tp_parts(), max_norm))
         return float(torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm))
@@ -249,6 +270,8 @@ class AutoConfigured:
         """The global gradient 2-norm :meth:`clip_grad_norm_` clips by, without clipping: the same value on
         every rank (a NaN or inf on any rank's gradients makes it non-finite everywhere)."""
         self.sync_gradients()
+        if self.pipeline is not None:
+            return float(pipeline_grad_norm(self.parameters(), self.pipeline.group, self.device))
         if self.part_tensor_parallel:
             return float(parts_grad_norm(self._tp_parts()))
         grads = [p.grad for p in self.parameters() if p.grad is not None]
@@ -262,13 +285,16 @@ class AutoConfigured:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unparallelised model's parameters (collective: every rank gets all of them), gathered
         over the FSDP shards and the TP shards, keyed like the original model's ``named_parameters``:
-        for checkpoints an unparallelised model (or another plan) loads."""
+        for checkpoints an unparallelised model (or another plan) loads. Under pipeline parallelism, every
+        stage's parameters, gathered over the ``pp`` group (on the host)."""
         out = {}
         for name, p in self.named_parameters():
             tensor = p.full_tensor() if hasattr(p, "full_tensor") else p
             if self.tensor_parallel is not None:
                 tensor = self.tensor_parallel.full_tensor(name, tensor)
             out[name] = tensor.detach()
+        if self.pipeline is not None:
+            return gather_stage_state_dicts(out, self.pipeline.group)
         return out
 
     def make_optimizer(self, optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
@@ -374,9 +400,34 @@ def auto_configure(
     check_plan_matches(the_plan, spec, seq_len)
     refuse_unsupported(the_plan, adapter)
 
-    return configure_parts([model], adapter, the_plan, device_type=device_type, pad_token_id=pad_token_id,
-                           labels_shifted=labels_shifted, cross_document_attention=cross_document_attention,
-                           sync_weights=sync_weights)
+    options = {"pad_token_id": pad_token_id, "labels_shifted": labels_shifted,
+               "cross_document_attention": cross_document_attention}
+    if the_plan.layout.pp > 1:
+        return configure_pipeline(model, adapter, the_plan, device_type=device_type, sync_weights=sync_weights,
+                                  **options)
+    return configure_parts([model], adapter, the_plan, device_type=device_type, sync_weights=sync_weights,
+                           **options)
+
+
+def configure_pipeline(model: nn.Module, adapter: ModelAdapter, plan: Any, *, device_type: str | None = None,
+                       sync_weights: bool = True, **options: Any) -> AutoConfigured:
+    """The setup of a pipelined plan (``pp > 1``) on this rank: the whole model's weights made the same on every
+    rank, the model split into the stages the cost model priced (:func:`sp_plan.runtime.pipeline.stage_bounds`),
+    this rank's stage (its ``pp`` coordinate) parallelised as one model part (:func:`configure_parts`), and
+    the PipelineStage with the plan's schedule over it (:func:`sp_plan.runtime.pipeline.build_pipeline`).
+    ``options``: :func:`configure_parts`'s data arguments."""
+    device_type = init_distributed(device_type)
+    refuse_unsupported(plan, adapter)
+    mesh = build_mesh(plan.layout, device_type=device_type)
+    model = model.to(mesh.device)
+    if sync_weights:
+        broadcast_parameters([model], mesh.device)  # before the split: every rank holds the whole model here
+    parts = split_model(model, adapter, stage_bounds(plan))
+    stage_index = mesh.local_rank("pp")
+    setup = _configure_on_mesh([parts[stage_index]], adapter, plan, mesh, **options)
+    cross_entropy = setup.tensor_parallel.cross_entropy if setup.tensor_parallel is not None else None
+    setup.pipeline = build_pipeline(setup.model_parts[0], stage_index, plan, mesh, cross_entropy)
+    return setup
 
 
 def configure_parts(
@@ -399,10 +450,19 @@ def configure_parts(
     device_type = init_distributed(device_type)
     refuse_unsupported(plan, adapter)
     mesh = build_mesh(plan.layout, device_type=device_type)
-    sp = SequenceParallel.from_mesh(mesh)
     parts_on_device = [part.to(mesh.device) for part in model_parts]
     if sync_weights:
         broadcast_parameters(parts_on_device, mesh.device)
+    return _configure_on_mesh(parts_on_device, adapter, plan, mesh, pad_token_id=pad_token_id,
+                              labels_shifted=labels_shifted, cross_document_attention=cross_document_attention)
+
+
+def _configure_on_mesh(parts_on_device: Sequence[nn.Module], adapter: ModelAdapter, plan: Any, mesh: RuntimeMesh, *,
+                       pad_token_id: int = 0, labels_shifted: bool = False,
+                       cross_document_attention: bool = False) -> AutoConfigured:
+    """:func:`configure_parts` once the mesh exists and the parts' weights agree: parallelise each part, then
+    the batch sharder and the loss."""
+    sp = SequenceParallel.from_mesh(mesh)
     parts = [parallelize(part, adapter, plan, mesh, sp) for part in parts_on_device]
     part_tp = [p.tensor_parallel for p in parts if p.tensor_parallel is not None]
     tp = part_tp[-1] if part_tp else None  # the vocab-parallel loss's: the last part's
