@@ -92,6 +92,7 @@ from sp_plan.runtime.pipeline import (
     gather_stage_state_dicts,
     pipeline_grad_norm,
     stage_bounds,
+    stage_indices,
 )
 from sp_plan.runtime.planning import (
     agree_on_plan,
@@ -413,8 +414,9 @@ def configure_pipeline(model: nn.Module, adapter: ModelAdapter, plan: Any, *, de
                        sync_weights: bool = True, **options: Any) -> AutoConfigured:
     """The setup of a pipelined plan (``pp > 1``) on this rank: the whole model's weights made the same on every
     rank, the model split into the stages the cost model priced (:func:`sp_plan.runtime.pipeline.stage_bounds`),
-    this rank's stage (its ``pp`` coordinate) parallelised as one model part (:func:`configure_parts`), and
-    the PipelineStage with the plan's schedule over it (:func:`sp_plan.runtime.pipeline.build_pipeline`).
+    this rank's stages (one per virtual stage, from its ``pp`` coordinate) parallelised as model parts
+    (:func:`configure_parts`), and their PipelineStages with the plan's schedule
+    (:func:`sp_plan.runtime.pipeline.build_pipeline`).
     ``options``: :func:`configure_parts`'s data arguments."""
     device_type = init_distributed(device_type)
     refuse_unsupported(plan, adapter)
@@ -423,10 +425,10 @@ def configure_pipeline(model: nn.Module, adapter: ModelAdapter, plan: Any, *, de
     if sync_weights:
         broadcast_parameters([model], mesh.device)  # before the split: every rank holds the whole model here
     parts = split_model(model, adapter, stage_bounds(plan))
-    stage_index = mesh.local_rank("pp")
-    setup = _configure_on_mesh([parts[stage_index]], adapter, plan, mesh, **options)
+    mine = [parts[i] for i in stage_indices(plan, mesh.local_rank("pp"))]
+    setup = _configure_on_mesh(mine, adapter, plan, mesh, **options)
     cross_entropy = setup.tensor_parallel.cross_entropy if setup.tensor_parallel is not None else None
-    setup.pipeline = build_pipeline(setup.model_parts[0], stage_index, plan, mesh, cross_entropy)
+    setup.pipeline = build_pipeline(setup.model_parts, plan, mesh, cross_entropy)
     return setup
 
 

@@ -26,7 +26,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleInterleaved1F1B,
+)
 
 from sp_plan.cost_models.pipeline import stage_layers
 from sp_plan.runtime.data import DOCUMENTS_KEY, IGNORE_INDEX
@@ -34,23 +38,29 @@ from sp_plan.runtime.errors import RuntimeConfigError
 from sp_plan.runtime.loss import LOSS_REDUCTION_DTYPE, cross_entropy_sum
 from sp_plan.runtime.mesh import RuntimeMesh
 
-#: The plan's ``pipeline_schedule`` -> the torch.distributed.pipelining schedule that runs it (one stage per
-#: rank). Interleaved 1F1B and the zero-bubble schedules are refused by
-#: :func:`sp_plan.runtime.capabilities.pipeline_reasons` until they are wired and tested.
-SCHEDULES = {"1f1b": Schedule1F1B}
+#: The plan's ``pipeline_schedule`` -> the torch.distributed.pipelining schedule that runs it. 1F1B drives one
+#: stage per rank; interleaved 1F1B drives ``virtual_stages`` stages per rank (rank ``r`` holds stages ``r``,
+#: ``r + pp``, ...). ``zero_bubble`` is refused (:mod:`sp_plan.runtime.capabilities`): torch's
+#: ScheduleInterleavedZeroBubble, which splits each backward into input and weight gradients, did not give
+#: the single-process gradients with FSDP2-sharded stages.
+SCHEDULES: dict[str, type] = {"1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+def stage_indices(plan, pp_rank: int) -> list[int]:
+    """The (global) stage indices rank ``pp_rank`` of the ``pp`` dim holds: one per virtual stage, ``pp`` apart
+    (Megatron's and torchtitan's interleaved placement)."""
+    pp, v = plan.layout.pp, plan.train.virtual_stages
+    return [pp_rank + k * pp for k in range(v)]
 
 
 def stage_bounds(plan) -> list[int]:
-    """Block indices where the stages start (all but the first): the cumulative per-stage layer counts of the
-    split the cost model priced (the plan's ``stage_layers`` or the balanced default)."""
-    split = stage_layers(plan.model, plan.train, plan.layout)
-    return list(itertools.accumulate(split))[:-1]
-
-
-def stage_of(model_parts: Sequence[nn.Module], mesh: RuntimeMesh) -> tuple[int, nn.Module]:
-    """This rank's stage index (its ``pp`` coordinate) and its model part."""
-    index = mesh.local_rank("pp")
-    return index, model_parts[index]
+    """Block indices where the pipeline stages start (all but the first), in stage order. Rank ``r`` holds the
+    layers the cost model gave it (the plan's ``stage_layers`` or the balanced default), cut into
+    ``virtual_stages`` chunks as even as can be (the earlier chunks take the remainder)."""
+    pp, v = plan.layout.pp, plan.train.virtual_stages
+    per_rank = stage_layers(plan.model, plan.train, plan.layout)
+    sizes = [per_rank[r] // v + (k < per_rank[r] % v) for k in range(v) for r in range(pp)]
+    return list(itertools.accumulate(sizes))[:-1]
 
 
 @dataclass
@@ -80,9 +90,9 @@ class StepLossRecorder:
 
 @dataclass
 class Pipeline:
-    """This rank's stage of a pipelined plan and the schedule that runs it (``AutoConfigured.pipeline``)."""
+    """This rank's stages of a pipelined plan and the schedule that runs them (``AutoConfigured.pipeline``)."""
 
-    stage: PipelineStage
+    stages: list[PipelineStage]
     schedule: object
     loss: StepLossRecorder
     micro_batches: int
@@ -90,11 +100,13 @@ class Pipeline:
 
     @property
     def is_first(self) -> bool:
-        return self.stage.is_first
+        """This rank holds stage 0 (it feeds the token ids)."""
+        return any(stage.is_first for stage in self.stages)
 
     @property
     def is_last(self) -> bool:
-        return self.stage.is_last
+        """This rank holds the last stage (it computes the loss)."""
+        return any(stage.is_last for stage in self.stages)
 
     def run_step(self, shards: Sequence[Mapping[str, torch.Tensor]], step_tokens: int,
                  data_group: dist.ProcessGroup | None, device: torch.device) -> list[tuple[float, int]]:
@@ -130,20 +142,26 @@ class Pipeline:
         return [(float(s) / float(c) if c else 0.0, int(c)) for s, c in stats.tolist()]
 
 
-def build_pipeline(part: nn.Module, stage_index: int, plan, mesh: RuntimeMesh, cross_entropy=None) -> Pipeline:
-    """The PipelineStage of this rank's (parallelised) model part and the plan's schedule over it."""
-    schedule_cls = SCHEDULES.get(plan.train.pipeline_schedule)
-    if schedule_cls is None:
-        raise RuntimeConfigError(
-            f"pipeline_schedule={plan.train.pipeline_schedule} is not wired in the runtime; re-plan with --schedule "
-            f"{' or '.join(SCHEDULES)}"
-        )
+def build_pipeline(parts: Sequence[nn.Module], plan, mesh: RuntimeMesh, cross_entropy=None) -> Pipeline:
+    """The PipelineStages of this rank's (parallelised) model parts, in :func:`stage_indices` order, and the
+    plan's schedule over them."""
+    schedule_name = plan.train.pipeline_schedule
     group = mesh.group("pp")
-    stage = PipelineStage(part, stage_index, plan.layout.pp, mesh.device, group=group)
+    indices = stage_indices(plan, mesh.local_rank("pp"))
+    total = plan.layout.pp * plan.train.virtual_stages
+    stages = [PipelineStage(part, index, total, mesh.device, group=group) for part, index in zip(parts, indices,
+                                                                                                   strict=True)]
     loss = StepLossRecorder(cross_entropy)
     micro_batches = plan.train.grad_accum
-    schedule = schedule_cls(stage, n_microbatches=micro_batches, loss_fn=loss, scale_grads=False)
-    return Pipeline(stage=stage, schedule=schedule, loss=loss, micro_batches=micro_batches, group=group)
+    schedule_cls = SCHEDULES.get(schedule_name)
+    if schedule_cls is None:
+        raise RuntimeConfigError(f"pipeline_schedule={schedule_name} is not wired in the runtime; re-plan with "
+                                 f"--schedule {' or '.join(SCHEDULES)}")
+    if schedule_cls is Schedule1F1B:
+        schedule = schedule_cls(stages[0], n_microbatches=micro_batches, loss_fn=loss, scale_grads=False)
+    else:
+        schedule = schedule_cls(stages, n_microbatches=micro_batches, loss_fn=loss, scale_grads=False)
+    return Pipeline(stages=stages, schedule=schedule, loss=loss, micro_batches=micro_batches, group=group)
 
 
 def pipeline_grad_norm(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup,

@@ -2,9 +2,11 @@
 
 A tiny fp32 Llama (4 blocks, untied) is trained for 10 AdamW steps of 2 micro-batches (the plan's
 grad_accum), with gradient clipping, once in a single process (pp=1) and once on CPU gloo ranks with pp=2
-composed with Ulysses, with ring and FSDP2 (dp_shard), and alone. Each step's loss must match the single
-process's within 1e-4 (measured: far closer), and the gathered final weights too. Plans the runtime does not
-run under pp (another schedule, TP, the tiled loss, the HF family) are refused with the reason.
+(1F1B) composed with Ulysses, with ring and FSDP2 (dp_shard), and alone, and with interleaved 1F1B (two
+virtual stages per rank). Each step's loss must match the single process's within 1e-4, the clipped norm
+within 1e-4 relative, and the gathered final weights too. A plan the runtime plans itself with pp pinned
+trains too; what the runtime does not run under pp (the zero-bubble schedule, TP, the tiled loss, the HF
+family, another micro-batch count) is refused with the reason.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from sp_plan.cost_models import Layout, ModelSpec, TrainSpec
 from sp_plan.planner.plan import Hardware, Plan
-from tests.distributed import run_ranks
+from tests.distributed import error_of, run_ranks
 
 pytestmark = pytest.mark.multiproc
 
@@ -52,11 +54,11 @@ def _steps() -> list[list[torch.Tensor]]:
     return steps
 
 
-def _train(rank: int, world: int, layout: Layout) -> dict:
+def _train(rank: int, world: int, layout: Layout, train: dict | None = None) -> dict:
     from sp_plan.runtime.auto import auto_configure
     from sp_plan.runtime.step import train_step
 
-    setup = auto_configure(_llama(), plan=_plan(layout), seq_len=SEQ)
+    setup = auto_configure(_llama(), plan=_plan(layout, **(train or {})), seq_len=SEQ)
     optimizer = setup.make_optimizer(lr=LR)
     losses, norms = [], []
     for batches in _steps():
@@ -64,7 +66,8 @@ def _train(rank: int, world: int, layout: Layout) -> dict:
         losses.append(result.loss)
         norms.append(result.grad_norm)
     weights = {k: v.detach().cpu().numpy().copy() for k, v in setup.full_state_dict().items()}
-    return {"losses": losses, "norms": norms, "weights": weights, "stage_blocks": len(list(setup.model.layers))}
+    blocks = [sorted(int(name) for name, _ in part.layers.named_children()) for part in setup.model_parts]
+    return {"losses": losses, "norms": norms, "weights": weights, "blocks": blocks}
 
 
 @pytest.fixture(scope="module")
@@ -72,12 +75,21 @@ def single_process() -> dict:
     return run_ranks(1, _train, Layout())[0]
 
 
-@pytest.mark.parametrize("layout", [Layout(pp=2), Layout(pp=2, ulysses=2), Layout(pp=2, ring=2, dp_shard=2)],
-                         ids=["pp2", "pp2-ulysses2", "pp2-ring2-dp_shard2"])
-def test_pipelined_training_equals_single_process(layout: Layout, single_process: dict) -> None:
-    results = run_ranks(layout.world, _train, layout, timeout=300)
+CASES = {
+    "pp2": (Layout(pp=2), {}, [[[0, 1]], [[2, 3]]]),
+    "pp2-ulysses2": (Layout(pp=2, ulysses=2), {}, [[[0, 1]]] * 2 + [[[2, 3]]] * 2),
+    "pp2-ring2-dp_shard2": (Layout(pp=2, ring=2, dp_shard=2), {}, [[[0, 1]]] * 4 + [[[2, 3]]] * 4),
+    "pp2-interleaved": (Layout(pp=2), {"pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2},
+                        [[[0], [2]], [[1], [3]]]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pipelined_training_equals_single_process(case: str, single_process: dict) -> None:
+    layout, train, blocks = CASES[case]
+    results = run_ranks(layout.world, _train, layout, train, timeout=300)
+    assert [r["blocks"] for r in results] == blocks  # this rank's stages (pp is the outermost mesh dim)
     for rank, result in enumerate(results):
-        assert result["stage_blocks"] == 2, rank  # 4 blocks over 2 stages
         for step, (got, want) in enumerate(zip(result["losses"], single_process["losses"], strict=True)):
             assert abs(got - want) < 1e-4, (rank, step, got, want)
         for step, (got, want) in enumerate(zip(result["norms"], single_process["norms"], strict=True)):
@@ -87,3 +99,58 @@ def test_pipelined_training_equals_single_process(layout: Layout, single_process
             torch.testing.assert_close(torch.from_numpy(result["weights"][name]), torch.from_numpy(want),
                                        rtol=1e-4, atol=1e-5, msg=name)
     assert single_process["losses"][-1] < single_process["losses"][0]  # it trains
+    assert max(single_process["norms"]) > CLIP  # the clip is active
+
+
+def _planned_and_refused(rank: int, world: int) -> dict:
+    from sp_plan.runtime.auto import auto_configure
+    from sp_plan.runtime.step import train_step
+
+    out = {}
+    setup = auto_configure(_llama(), seq_len=SEQ, global_batch=MICRO_BATCHES, topology="dgx-h100",
+                           fixed_layout={"pp": 2})
+    out["layout"] = (setup.layout.pp, setup.layout.tp, setup.train.pipeline_schedule, setup.train.grad_accum)
+    batches = _steps()[0]
+    out["loss"] = train_step(setup, batches, setup.make_optimizer(lr=LR)).loss
+    out["one_batch"] = error_of(lambda: train_step(setup, batches[:1]))
+    out["forward"] = error_of(lambda: setup.forward(setup.shard(batches[0])))
+    out["tp_pin"] = error_of(lambda: auto_configure(_llama(), seq_len=SEQ, topology="dgx-h100",
+                                                    fixed_layout={"pp": 2, "tp": 2}))
+    out["zb_pin"] = error_of(lambda: auto_configure(_llama(), seq_len=SEQ, topology="dgx-h100", fixed_layout={"pp": 2},
+                                                    fixed_options={"pipeline_schedule": "zero_bubble"}))
+    return out
+
+
+def _first_step_loss(rank: int, world: int) -> float:
+    from sp_plan.runtime.auto import auto_configure
+    from sp_plan.runtime.step import train_step
+
+    setup = auto_configure(_llama(), plan=_plan(Layout()), seq_len=SEQ)
+    return train_step(setup, _steps()[0]).loss
+
+
+def test_a_plan_with_pp_pinned_trains_and_what_pp_cannot_run_is_refused() -> None:
+    reference = run_ranks(1, _first_step_loss)[0]
+    for out in run_ranks(2, _planned_and_refused, timeout=300):
+        assert out["layout"] == (2, 1, "1f1b", MICRO_BATCHES)
+        assert abs(out["loss"] - reference) < 1e-5
+        assert "runs 2 micro-batches per step (the plan's grad_accum) but the step got 1" in out["one_batch"]
+        assert "one stage of a pipeline" in out["forward"] and "train_step" in out["forward"]
+        assert "tp=2 with pp=2" in out["tp_pin"] and "pin tp 1 or pp 1" in out["tp_pin"]
+        assert "pipeline_schedule=zero_bubble" in out["zb_pin"] and "interleaved_1f1b" in out["zb_pin"]
+
+
+def test_unsupported_pipelined_plans_are_refused_with_reasons() -> None:
+    from sp_plan.runtime.capabilities import planner_constraints, unsupported_reasons
+
+    assert unsupported_reasons(_plan(Layout(pp=2, ulysses=2))) == []
+    assert unsupported_reasons(_plan(Layout(pp=2), pipeline_schedule="interleaved_1f1b", virtual_stages=2)) == []
+    reasons = unsupported_reasons(_plan(Layout(pp=2, tp=2), pipeline_schedule="zero_bubble", tiled_loss=True,
+                                        offload_checkpoints=True))
+    assert any(r.startswith("pipeline_schedule=zero_bubble:") and "--schedule 1f1b" in r for r in reasons)
+    assert any(r.startswith("tp=2 with pp=2:") for r in reasons)
+    assert any(r.startswith("tiled_loss with pp=2:") for r in reasons)
+    assert any(r.startswith("offload_checkpoints with pp=2:") for r in reasons)
+    assert any(r.startswith("pp=2: pipeline stages run the runtime's own Llama only") and "--pp 1" in r
+               for r in unsupported_reasons(_plan(Layout(pp=2)), "hf"))
+    assert planner_constraints("llama")[0]["pp"] == 1  # the runtime's planner picks pp only when pinned
