@@ -6,10 +6,17 @@ grad_accum), with gradient clipping, once in a single process (pp=1) and once on
 virtual stages per rank). Each step's loss must match the single process's within 1e-4, the clipped norm
 within 1e-4 relative, and the gathered final weights too. A plan the runtime plans itself with pp pinned
 trains too; what the runtime does not run under pp (the zero-bubble schedule, TP, the tiled loss, the HF
-family, another micro-batch count) is refused with the reason.
+family, another micro-batch count) is refused with the reason. Through the console script, ``sp-plan train
+--pp 2`` trains on 2 ranks and ``sp-plan validate --pp 2`` refuses in one line (it does not measure PP yet).
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,3 +161,28 @@ def test_unsupported_pipelined_plans_are_refused_with_reasons() -> None:
     assert any(r.startswith("pp=2: pipeline stages run the runtime's own Llama only") and "--pp 1" in r
                for r in unsupported_reasons(_plan(Layout(pp=2)), "hf"))
     assert planner_constraints("llama")[0]["pp"] == 1  # the runtime's planner picks pp only when pinned
+
+
+SCRIPT = str(Path(sys.executable).parent / "sp-plan")
+TINY_TRAIN = ["--seq-len", "128", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128",
+              "--corpus-bytes", "100000", "--no-progress", "--log-every", "1", "--yes"]
+
+
+@pytest.mark.timeout(240)
+def test_the_console_script_trains_with_pp_and_validate_refuses_it(tmp_path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([SCRIPT, "train", "--nproc-per-node", "2", "--steps", "2", "--pp", "2", "--global-batch", "2",
+                           *TINY_TRAIN], check=False, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=200)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "plan: pp=2 on 2 rank(s)" in out and "grad-accum 2" in out and "done: 2 steps" in out, out[-3000:]
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 128,
+                                  "vocab_size": 256, "tie_word_embeddings": False}))
+    refused = subprocess.run([SCRIPT, "validate", "--model", str(config), "--seq-len", "128", "--gpus", "2", "--pp",
+                              "2", "--dtype", "fp32"], check=False, cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().count("\n") == 0 and "validate with --pp 1" in refused.stderr, refused.stderr
