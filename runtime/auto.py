@@ -88,9 +88,9 @@ from sp_plan.runtime.model_parts import split_model
 from sp_plan.runtime.parallelize import parallelize
 from sp_plan.runtime.pipeline import (
     build_pipeline,
-    clip_pipeline_grad_norm_,
+    clip_to_norm_,
     gather_stage_state_dicts,
-    pipeline_grad_norm,
+    norm_over_stages,
     stage_bounds,
     stage_indices,
 )
@@ -213,6 +213,13 @@ class AutoConfigured:
             x = self.adapter.logits(part, x, shard["position_ids"], shard.get("cu_seqlens"))
         return x
 
+    def pipeline_step(self, shards: Sequence[Mapping[str, torch.Tensor]], step_tokens: int) -> list[tuple[float, int]]:
+        """Forward and backward of a step's micro-batch shards through the pipeline schedule (``pp > 1``); each
+        micro-batch's (global token-mean loss, global valid tokens). New gradients: TP-replicated ones need
+        their all-reduce again (:meth:`sync_gradients`)."""
+        self._grads_synced = False
+        return self.pipeline.run_step(shards, step_tokens, self.data_group, self.device)
+
     def shard(self, batch: Any) -> dict[str, torch.Tensor]:
         """This rank's shard of a full-sequence batch (see :class:`sp_plan.runtime.data.BatchSharder`)."""
         return self.sharder(batch)
@@ -257,12 +264,12 @@ class AutoConfigured:
         return list(zip(self.part_tensor_parallel, self.model_parts))
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Clip gradients of every model part to one global 2-norm (over FSDP shards and TP shards alike);
-        returns the norm."""
+        """Clip gradients of every model part to one global 2-norm (over FSDP shards, TP shards and pipeline
+        stages alike); returns the norm."""
         self.sync_gradients()
         if self.pipeline is not None:
-            return clip_pipeline_grad_norm_(list(self.parameters()), max_norm, self.pipeline.group,
-                                                self.device)
+            total = norm_over_stages(self._local_grad_norm(), self.pipeline.group, self.device)
+            return clip_to_norm_(list(self.parameters()), max_norm, total)
         if self.part_tensor_parallel:
             return float(clip_parts_grad_norm_(self._tp_parts(), max_norm))
         return float(torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm))
@@ -271,17 +278,23 @@ class AutoConfigured:
         """The global gradient 2-norm :meth:`clip_grad_norm_` clips by, without clipping: the same value on
         every rank (a NaN or inf on any rank's gradients makes it non-finite everywhere)."""
         self.sync_gradients()
+        norm = self._local_grad_norm()
         if self.pipeline is not None:
-            return float(pipeline_grad_norm(self.parameters(), self.pipeline.group, self.device))
+            norm = norm_over_stages(norm, self.pipeline.group, self.device)
+        return float(norm)
+
+    def _local_grad_norm(self) -> torch.Tensor:
+        """The 2-norm of this rank's model parts' gradients, over their FSDP and TP shards (every stage of a
+        pipeline has its own)."""
         if self.part_tensor_parallel:
-            return float(parts_grad_norm(self._tp_parts()))
+            return parts_grad_norm(self._tp_parts())
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if not grads:
-            return 0.0
+            return torch.zeros(())
         norm = torch.nn.utils.get_total_norm(grads, 2.0)
         if hasattr(norm, "full_tensor"):  # FSDP2: a partial norm over the sharded dims
             norm = norm.full_tensor()
-        return float(norm)
+        return norm
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unparallelised model's parameters (collective: every rank gets all of them), gathered

@@ -70,7 +70,7 @@ EXECUTED_MODEL_DEGREES = frozenset({"tp", "ulysses", "ring", "pp"})
 _DATA_ROLES = frozenset({"data", "shards_state"})
 
 #: Pipeline parallelism (sp_plan.runtime.pipeline) runs stages of these families with these schedules, composed
-#: with Ulysses, ring and FSDP2; what it does not run yet, with the reason.
+#: with TP, Ulysses, ring and FSDP2; what it does not run yet, with the reason.
 PIPELINE_FAMILIES = frozenset({"llama"})
 PIPELINE_SCHEDULES = frozenset({"1f1b", "interleaved_1f1b"})
 _PIPELINE_SCHEDULE_REASON = ("the runtime wires torch's Schedule1F1B and ScheduleInterleaved1F1B; its zero-bubble "
@@ -131,9 +131,6 @@ def pipeline_reasons(plan: Any, adapter: ModelAdapter) -> list[str]:
     if train.pipeline_schedule not in PIPELINE_SCHEDULES:
         reasons.append(f"pipeline_schedule={train.pipeline_schedule}: {_PIPELINE_SCHEDULE_REASON}; re-plan with "
                        "--schedule 1f1b or interleaved_1f1b")
-    if plan.layout.tp > 1:
-        reasons.append(f"tp={plan.layout.tp} with pp={pp}: tensor parallelism inside pipeline stages is not tested; "
-                       "re-plan with --tp 1 or --pp 1")
     for option, why in _PIPELINE_OPTIONS.items():
         if getattr(train, option):
             reasons.append(f"{option} with pp={pp}: {why}; re-plan without it or with --pp 1")
@@ -187,9 +184,6 @@ def _pipeline_pins(user_layout: Mapping[str, int], user_options: Mapping[str, An
                    ) -> tuple[dict[str, int], dict[str, Any]]:
     """What a user-pinned ``pp > 1`` needs pinned besides (see :func:`pipeline_reasons`); refuses a pin against it."""
     pp = user_layout["pp"]
-    if user_layout.get("tp", 1) > 1:
-        raise RuntimeConfigError(f"tp={user_layout['tp']} with pp={pp}: tensor parallelism inside pipeline stages is "
-                                 "not tested; pin tp 1 or pp 1")
     schedule = user_options.get("pipeline_schedule", "1f1b")
     if schedule not in PIPELINE_SCHEDULES:
         raise RuntimeConfigError(f"pipeline_schedule={schedule}: {_PIPELINE_SCHEDULE_REASON}; pin 1f1b or "
@@ -197,7 +191,7 @@ def _pipeline_pins(user_layout: Mapping[str, int], user_options: Mapping[str, An
     for option, why in _PIPELINE_OPTIONS.items():
         if user_options.get(option):
             raise RuntimeConfigError(f"{option} with pp={pp}: {why}; drop it or pin pp 1")
-    return {"tp": 1}, {"pipeline_schedule": schedule, **{option: False for option in _PIPELINE_OPTIONS}}
+    return {}, {"pipeline_schedule": schedule, **{option: False for option in _PIPELINE_OPTIONS}}
 
 
 def merge_constraints(user_layout: Mapping[str, int], user_options: Mapping[str, Any], family: Family = "llama",

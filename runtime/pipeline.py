@@ -20,7 +20,7 @@ clipping is the norm over every stage's gradients (squares summed over the ``pp`
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -164,25 +164,17 @@ def build_pipeline(parts: Sequence[nn.Module], plan, mesh: RuntimeMesh, cross_en
     return Pipeline(stages=stages, schedule=schedule, loss=loss, micro_batches=micro_batches, group=group)
 
 
-def pipeline_grad_norm(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup,
-                       device: torch.device) -> torch.Tensor:
-    """The 2-norm of every stage's gradients: this stage's norm (over its FSDP shards), squared, summed over
-    the ``pp`` group. The same value on every rank."""
-    squared = torch.zeros(1, dtype=torch.float64, device=device)
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if grads:
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        if hasattr(norm, "full_tensor"):  # FSDP2: a partial norm over the sharded dims
-            norm = norm.full_tensor()
-        squared += norm.detach().to(device=device, dtype=torch.float64) ** 2
+def norm_over_stages(stage_norm: torch.Tensor, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+    """The 2-norm of every stage's gradients from this stage's (over its FSDP and TP shards): the squares summed
+    over the ``pp`` group, the same value on every rank."""
+    squared = (stage_norm.detach().to(device=device, dtype=torch.float64) ** 2).reshape(1)
     dist.all_reduce(squared, group=group)
     return squared.sqrt()[0]
 
 
-def clip_pipeline_grad_norm_(parameters: Sequence[nn.Parameter], max_norm: float, group: dist.ProcessGroup,
-                             device: torch.device) -> float:
-    """Clip every stage's gradients by the one norm over all stages; returns that norm."""
-    total = pipeline_grad_norm(parameters, group, device)
+def clip_to_norm_(parameters: Sequence[nn.Parameter], max_norm: float, total: torch.Tensor) -> float:
+    """Scale the parameters' gradients by ``max_norm / total`` when that is below 1 (the norm over every stage);
+    returns ``total``."""
     with_grads = [p for p in parameters if p.grad is not None]
     if with_grads:
         torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total.to(with_grads[0].grad.dtype))

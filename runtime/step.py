@@ -87,9 +87,8 @@ def train_step(setup, micro_batches: Sequence[Any], optimizer: torch.optim.Optim
     shards = list(micro_batches) if sharded else [setup.shard(b) for b in micro_batches]
     step_tokens = global_token_count((s["labels"] for s in shards), setup.data_group, setup.device)
     losses, weighted = [], 0.0
-    pipeline = getattr(setup, "pipeline", None)
-    if pipeline is not None:  # pp > 1: the schedule runs every micro-batch's forward and backward
-        for value, tokens in pipeline.run_step(shards, step_tokens, setup.data_group, setup.device):
+    if getattr(setup, "pipeline", None) is not None:  # pp > 1: the schedule runs every micro-batch's fwd and bwd
+        for value, tokens in setup.pipeline_step(shards, step_tokens):
             losses.append(value)
             weighted += value * tokens
         if on_micro_batch is not None:

@@ -2,10 +2,10 @@
 
 A tiny fp32 Llama (4 blocks, untied) is trained for 10 AdamW steps of 2 micro-batches (the plan's
 grad_accum), with gradient clipping, once in a single process (pp=1) and once on CPU gloo ranks with pp=2
-(1F1B) composed with Ulysses, with ring and FSDP2 (dp_shard), and alone, and with interleaved 1F1B (two
-virtual stages per rank). Each step's loss must match the single process's within 1e-4, the clipped norm
+(1F1B) composed with Ulysses, with ring and FSDP2 (dp_shard), with TP (Megatron sequence parallelism), and
+alone, and with interleaved 1F1B (two virtual stages per rank). Each step's loss must match the single process's within 1e-4, the clipped norm
 within 1e-4 relative, and the gathered final weights too. A plan the runtime plans itself with pp pinned
-trains too; what the runtime does not run under pp (the zero-bubble schedule, TP, the tiled loss, the HF
+trains too; what the runtime does not run under pp (the zero-bubble schedule, the tiled loss, the HF
 family, another micro-batch count) is refused with the reason. Through the console script, ``sp-plan train
 --pp 2`` trains on 2 ranks and ``sp-plan validate --pp 2`` refuses in one line (it does not measure PP yet).
 """
@@ -86,6 +86,7 @@ CASES = {
     "pp2": (Layout(pp=2), {}, [[[0, 1]], [[2, 3]]]),
     "pp2-ulysses2": (Layout(pp=2, ulysses=2), {}, [[[0, 1]]] * 2 + [[[2, 3]]] * 2),
     "pp2-ring2-dp_shard2": (Layout(pp=2, ring=2, dp_shard=2), {}, [[[0, 1]]] * 4 + [[[2, 3]]] * 4),
+    "pp2-tp2": (Layout(pp=2, tp=2), {}, [[[0, 1]]] * 2 + [[[2, 3]]] * 2),
     "pp2-interleaved": (Layout(pp=2), {"pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2},
                         [[[0], [2]], [[1], [3]]]),
 }
@@ -121,8 +122,8 @@ def _planned_and_refused(rank: int, world: int) -> dict:
     out["loss"] = train_step(setup, batches, setup.make_optimizer(lr=LR)).loss
     out["one_batch"] = error_of(lambda: train_step(setup, batches[:1]))
     out["forward"] = error_of(lambda: setup.forward(setup.shard(batches[0])))
-    out["tp_pin"] = error_of(lambda: auto_configure(_llama(), seq_len=SEQ, topology="dgx-h100",
-                                                    fixed_layout={"pp": 2, "tp": 2}))
+    out["tiled_loss_pin"] = error_of(lambda: auto_configure(_llama(), seq_len=SEQ, topology="dgx-h100",
+                                                            fixed_layout={"pp": 2}, fixed_options={"tiled_loss": True}))
     out["zb_pin"] = error_of(lambda: auto_configure(_llama(), seq_len=SEQ, topology="dgx-h100", fixed_layout={"pp": 2},
                                                     fixed_options={"pipeline_schedule": "zero_bubble"}))
     return out
@@ -143,7 +144,7 @@ def test_a_plan_with_pp_pinned_trains_and_what_pp_cannot_run_is_refused() -> Non
         assert abs(out["loss"] - reference) < 1e-5
         assert "runs 2 micro-batches per step (the plan's grad_accum) but the step got 1" in out["one_batch"]
         assert "one stage of a pipeline" in out["forward"] and "train_step" in out["forward"]
-        assert "tp=2 with pp=2" in out["tp_pin"] and "pin tp 1 or pp 1" in out["tp_pin"]
+        assert "tiled_loss with pp=2" in out["tiled_loss_pin"] and "pin pp 1" in out["tiled_loss_pin"]
         assert "pipeline_schedule=zero_bubble" in out["zb_pin"] and "interleaved_1f1b" in out["zb_pin"]
 
 
@@ -151,11 +152,11 @@ def test_unsupported_pipelined_plans_are_refused_with_reasons() -> None:
     from sp_plan.runtime.capabilities import planner_constraints, unsupported_reasons
 
     assert unsupported_reasons(_plan(Layout(pp=2, ulysses=2))) == []
+    assert unsupported_reasons(_plan(Layout(pp=2, tp=2))) == []
     assert unsupported_reasons(_plan(Layout(pp=2), pipeline_schedule="interleaved_1f1b", virtual_stages=2)) == []
-    reasons = unsupported_reasons(_plan(Layout(pp=2, tp=2), pipeline_schedule="zero_bubble", tiled_loss=True,
+    reasons = unsupported_reasons(_plan(Layout(pp=2), pipeline_schedule="zero_bubble", tiled_loss=True,
                                         offload_checkpoints=True))
     assert any(r.startswith("pipeline_schedule=zero_bubble:") and "--schedule 1f1b" in r for r in reasons)
-    assert any(r.startswith("tp=2 with pp=2:") for r in reasons)
     assert any(r.startswith("tiled_loss with pp=2:") for r in reasons)
     assert any(r.startswith("offload_checkpoints with pp=2:") for r in reasons)
     assert any(r.startswith("pp=2: pipeline stages run the runtime's own Llama only") and "--pp 1" in r
