@@ -441,7 +441,7 @@ def configure_pipeline(model: nn.Module, adapter: ModelAdapter, plan: Any, *, de
     mine = [parts[i] for i in stage_indices(plan, mesh.local_rank("pp"))]
     setup = _configure_on_mesh(mine, adapter, plan, mesh, **options)
     cross_entropy = setup.tensor_parallel.cross_entropy if setup.tensor_parallel is not None else None
-    setup.pipeline = build_pipeline(setup.model_parts, plan, mesh, cross_entropy)
+    setup.pipeline = build_pipeline(setup.model_parts, adapter, plan, mesh, cross_entropy)
     return setup
 
 

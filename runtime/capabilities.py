@@ -71,7 +71,7 @@ _DATA_ROLES = frozenset({"data", "shards_state"})
 
 #: Pipeline parallelism (sp_plan.runtime.pipeline) runs stages of these families with these schedules, composed
 #: with TP, Ulysses, ring and FSDP2; what it does not run yet, with the reason.
-PIPELINE_FAMILIES = frozenset({"llama"})
+PIPELINE_FAMILIES = frozenset({"llama", "hf"})
 PIPELINE_SCHEDULES = frozenset({"1f1b", "interleaved_1f1b"})
 _PIPELINE_SCHEDULE_REASON = ("the runtime wires torch's Schedule1F1B and ScheduleInterleaved1F1B; its zero-bubble "
                              "schedule (split input/weight backward) did not give the single-process gradients "

@@ -37,6 +37,7 @@ from sp_plan.runtime.data import DOCUMENTS_KEY, IGNORE_INDEX
 from sp_plan.runtime.errors import RuntimeConfigError
 from sp_plan.runtime.loss import LOSS_REDUCTION_DTYPE, cross_entropy_sum
 from sp_plan.runtime.mesh import RuntimeMesh
+from sp_plan.runtime.models.base import ModelAdapter
 
 #: The plan's ``pipeline_schedule`` -> the torch.distributed.pipelining schedule that runs it. 1F1B drives one
 #: stage per rank; interleaved 1F1B drives ``virtual_stages`` stages per rank (rank ``r`` holds stages ``r``,
@@ -61,6 +62,26 @@ def stage_bounds(plan) -> list[int]:
     per_rank = stage_layers(plan.model, plan.train, plan.layout)
     sizes = [per_rank[r] // v + (k < per_rank[r] % v) for k in range(v) for r in range(pp)]
     return list(itertools.accumulate(sizes))[:-1]
+
+
+#: Families whose model parts are a pipeline stage's module as they are: ``forward(token ids or the previous
+#: stage's hidden states, position_ids=...)`` returns a tensor. Other families' parts run through
+#: :class:`StageForward`.
+PLAIN_FORWARD_FAMILIES = frozenset({"llama"})
+
+
+class StageForward(nn.Module):
+    """A model part as a PipelineStage's module, for families whose forward takes keywords or returns an output
+    object (HF models): ``forward(x, position_ids)`` is the family adapter's ``logits`` (the part's output).
+    The part's FSDP2 units sit inside; FSDP2 then reduces each micro-batch's gradients as it does without PP."""
+
+    def __init__(self, part: nn.Module, adapter: ModelAdapter) -> None:
+        super().__init__()
+        self.part = part
+        self.adapter = adapter
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.adapter.logits(self.part, x, position_ids)
 
 
 @dataclass
@@ -142,9 +163,12 @@ class Pipeline:
         return [(float(s) / float(c) if c else 0.0, int(c)) for s, c in stats.tolist()]
 
 
-def build_pipeline(parts: Sequence[nn.Module], plan, mesh: RuntimeMesh, cross_entropy=None) -> Pipeline:
+def build_pipeline(parts: Sequence[nn.Module], adapter: ModelAdapter, plan, mesh: RuntimeMesh,
+                   cross_entropy=None) -> Pipeline:
     """The PipelineStages of this rank's (parallelised) model parts, in :func:`stage_indices` order, and the
     plan's schedule over them."""
+    if adapter.name not in PLAIN_FORWARD_FAMILIES:
+        parts = [StageForward(part, adapter) for part in parts]
     schedule_name = plan.train.pipeline_schedule
     group = mesh.group("pp")
     indices = stage_indices(plan, mesh.local_rank("pp"))

@@ -3,10 +3,11 @@
 A tiny fp32 Llama (4 blocks, untied) is trained for 10 AdamW steps of 2 micro-batches (the plan's
 grad_accum), with gradient clipping, once in a single process (pp=1) and once on CPU gloo ranks with pp=2
 (1F1B) composed with Ulysses, with ring and FSDP2 (dp_shard), with TP (Megatron sequence parallelism), and
-alone, and with interleaved 1F1B (two virtual stages per rank). Each step's loss must match the single process's within 1e-4, the clipped norm
+alone, and with interleaved 1F1B (two virtual stages per rank); a transformers Llama at pp=2 x Ulysses 2
+(its stages run through StageForward). Each step's loss must match the single process's within 1e-4, the clipped norm
 within 1e-4 relative, and the gathered final weights too. A plan the runtime plans itself with pp pinned
-trains too; what the runtime does not run under pp (the zero-bubble schedule, the tiled loss, the HF
-family, another micro-batch count) is refused with the reason. Through the console script, ``sp-plan train
+trains too; what the runtime does not run under pp (the zero-bubble schedule, the tiled loss, another
+micro-batch count) is refused with the reason. Through the console script, ``sp-plan train
 --pp 2`` trains on 2 ranks and ``sp-plan validate --pp 2`` refuses in one line (it does not measure PP yet).
 """
 
@@ -110,6 +111,33 @@ def test_pipelined_training_equals_single_process(case: str, single_process: dic
     assert max(single_process["norms"]) > CLIP  # the clip is active
 
 
+def _hf_llama():
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=4, vocab_size=VOCAB, max_position_embeddings=64,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).float()
+
+
+def _train_hf(rank: int, world: int, layout: Layout) -> list[float]:
+    from sp_plan.runtime.auto import auto_configure
+    from sp_plan.runtime.step import train_step
+
+    setup = auto_configure(_hf_llama(), plan=_plan(layout), seq_len=SEQ)
+    optimizer = setup.make_optimizer(lr=LR)
+    return [train_step(setup, batches, optimizer, max_grad_norm=CLIP).loss for batches in _steps()]
+
+
+def test_a_transformers_llama_trains_pipelined_like_one_process() -> None:
+    pytest.importorskip("transformers")
+    reference = run_ranks(1, _train_hf, Layout())[0]
+    for losses in run_ranks(4, _train_hf, Layout(pp=2, ulysses=2), timeout=300):
+        assert max(abs(a - b) for a, b in zip(losses, reference, strict=True)) < 1e-4, (losses, reference)
+    assert reference[-1] < reference[0]
+
+
 def _planned_and_refused(rank: int, world: int) -> dict:
     from sp_plan.runtime.auto import auto_configure
     from sp_plan.runtime.step import train_step
@@ -159,8 +187,7 @@ def test_unsupported_pipelined_plans_are_refused_with_reasons() -> None:
     assert any(r.startswith("pipeline_schedule=zero_bubble:") and "--schedule 1f1b" in r for r in reasons)
     assert any(r.startswith("tiled_loss with pp=2:") for r in reasons)
     assert any(r.startswith("offload_checkpoints with pp=2:") for r in reasons)
-    assert any(r.startswith("pp=2: pipeline stages run the runtime's own Llama only") and "--pp 1" in r
-               for r in unsupported_reasons(_plan(Layout(pp=2)), "hf"))
+    assert unsupported_reasons(_plan(Layout(pp=2, ulysses=2)), "hf") == []
     assert planner_constraints("llama")[0]["pp"] == 1  # the runtime's planner picks pp only when pinned
 
 
