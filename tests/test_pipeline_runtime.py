@@ -2,8 +2,8 @@
 
 A tiny fp32 Llama (4 blocks, untied) is trained for 10 AdamW steps of 2 micro-batches (the plan's
 grad_accum), with gradient clipping, once in a single process (pp=1) and once on CPU gloo ranks with pp=2
-(1F1B) composed with Ulysses, with ring and FSDP2 (dp_shard), with TP (Megatron sequence parallelism), and
-alone, and with interleaved 1F1B (two virtual stages per rank); a transformers Llama at pp=2 x Ulysses 2
+(1F1B) composed with Ulysses, with ring and FSDP2 (dp_shard), with TP (Megatron sequence parallelism), with
+ZeRO-2 and full checkpointing over dp_shard 2, with ZeRO-1, and alone, and with interleaved 1F1B (two virtual stages per rank); a transformers Llama at pp=2 x Ulysses 2
 (its stages run through StageForward). Each step's loss must match the single process's within 1e-4, the clipped norm
 within 1e-4 relative, and the gathered final weights too. A plan the runtime plans itself with pp pinned
 trains too; what the runtime does not run under pp (the zero-bubble schedule, the tiled loss, another
@@ -88,6 +88,9 @@ CASES = {
     "pp2-ulysses2": (Layout(pp=2, ulysses=2), {}, [[[0, 1]]] * 2 + [[[2, 3]]] * 2),
     "pp2-ring2-dp_shard2": (Layout(pp=2, ring=2, dp_shard=2), {}, [[[0, 1]]] * 4 + [[[2, 3]]] * 4),
     "pp2-tp2": (Layout(pp=2, tp=2), {}, [[[0, 1]]] * 2 + [[[2, 3]]] * 2),
+    "pp2-dp_shard2-zero2-full": (Layout(pp=2, dp_shard=2), {"zero_stage": 2, "checkpointing": "full"},
+                                 [[[0, 1]]] * 2 + [[[2, 3]]] * 2),
+    "pp2-zero1": (Layout(pp=2), {"zero_stage": 1}, [[[0, 1]], [[2, 3]]]),
     "pp2-interleaved": (Layout(pp=2), {"pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2},
                         [[[0], [2]], [[1], [3]]]),
 }
