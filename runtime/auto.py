@@ -133,8 +133,8 @@ __all__ = [
 
 @dataclass
 class AutoConfigured:
-    """What :func:`auto_configure` built. ``model_parts`` are the wrapped (FSDP2) model parts (one today:
-    the whole model; pipeline stages later), ``adapter`` the model family that drives them."""
+    """What :func:`auto_configure` built. ``model_parts`` are the wrapped (FSDP2) model parts (the whole model,
+    or under pipeline parallelism this rank's stages), ``adapter`` the model family that drives them."""
 
     model_parts: list[nn.Module]
     plan: Any  # sp_plan.planner.plan.Plan
@@ -459,9 +459,10 @@ def configure_parts(
     """The setup of a plan over model parts (:func:`auto_configure`'s second half): the mesh, then each part
     parallelised in turn (:func:`sp_plan.runtime.parallelize.parallelize`: TP, SP attention, checkpointing,
     tiled MLP, FSDP2), the batch sharder and the loss. ``model_parts``: the whole model, or the parts of
-    :func:`sp_plan.runtime.model_parts.split_model` (run in order by :meth:`AutoConfigured.forward`, as
-    pipeline stages will be); ``plan`` must already be agreed on by every rank and checked against the
-    model (:func:`auto_configure` does both). The other arguments are :func:`auto_configure`'s."""
+    :func:`sp_plan.runtime.model_parts.split_model` (run in order by :meth:`AutoConfigured.forward`; pipeline
+    stages on separate ranks are :func:`configure_pipeline`'s); ``plan`` must already be agreed on by every
+    rank and checked against the model (:func:`auto_configure` does both). The other arguments are
+    :func:`auto_configure`'s."""
     device_type = init_distributed(device_type)
     refuse_unsupported(plan, adapter)
     mesh = build_mesh(plan.layout, device_type=device_type)

@@ -184,7 +184,8 @@ def _pipeline_pins(user_layout: Mapping[str, int], user_options: Mapping[str, An
                    ) -> tuple[dict[str, int], dict[str, Any]]:
     """What a user-pinned ``pp > 1`` needs pinned besides (see :func:`pipeline_reasons`); refuses a pin against it."""
     pp = user_layout["pp"]
-    schedule = user_options.get("pipeline_schedule", "1f1b")
+    interleaved = user_options.get("virtual_stages", 1) > 1
+    schedule = user_options.get("pipeline_schedule", "interleaved_1f1b" if interleaved else "1f1b")
     if schedule not in PIPELINE_SCHEDULES:
         raise RuntimeConfigError(f"pipeline_schedule={schedule}: {_PIPELINE_SCHEDULE_REASON}; pin 1f1b or "
                                  "interleaved_1f1b")

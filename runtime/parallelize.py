@@ -1,6 +1,6 @@
 """Parallelise one model part for a plan: the concerns in a fixed order, one small ``apply_*`` each.
 
-:func:`parallelize` runs, on a part (today the whole model; a pipeline stage later):
+:func:`parallelize` runs, on a part (the whole model, or a pipeline stage):
 
 1. :func:`apply_tp`: tensor parallelism over the ``tp`` dim, on the full, rank-0-synchronised weights,
    before anything shards them further;

@@ -180,7 +180,7 @@ def test_a_plan_with_pp_pinned_trains_and_what_pp_cannot_run_is_refused() -> Non
 
 
 def test_unsupported_pipelined_plans_are_refused_with_reasons() -> None:
-    from sp_plan.runtime.capabilities import planner_constraints, unsupported_reasons
+    from sp_plan.runtime.capabilities import merge_constraints, planner_constraints, unsupported_reasons
 
     assert unsupported_reasons(_plan(Layout(pp=2, ulysses=2))) == []
     assert unsupported_reasons(_plan(Layout(pp=2, tp=2))) == []
@@ -192,6 +192,9 @@ def test_unsupported_pipelined_plans_are_refused_with_reasons() -> None:
     assert any(r.startswith("offload_checkpoints with pp=2:") for r in reasons)
     assert unsupported_reasons(_plan(Layout(pp=2, ulysses=2)), "hf") == []
     assert planner_constraints("llama")[0]["pp"] == 1  # the runtime's planner picks pp only when pinned
+    layout, options = merge_constraints({"pp": 2}, {"virtual_stages": 2})
+    assert layout == {"pp": 2} and options["pipeline_schedule"] == "interleaved_1f1b"
+    assert not options["tiled_loss"] and not options["offload_checkpoints"]
 
 
 SCRIPT = str(Path(sys.executable).parent / "sp-plan")
