@@ -440,9 +440,24 @@ def configure_pipeline(model: nn.Module, adapter: ModelAdapter, plan: Any, *, de
     parts = split_model(model, adapter, stage_bounds(plan))
     mine = [parts[i] for i in stage_indices(plan, mesh.local_rank("pp"))]
     setup = _configure_on_mesh(mine, adapter, plan, mesh, **options)
-    cross_entropy = setup.tensor_parallel.cross_entropy if setup.tensor_parallel is not None else None
-    setup.pipeline = build_pipeline(setup.model_parts, adapter, plan, mesh, cross_entropy)
+    setup.pipeline = build_pipeline(setup.model_parts, adapter, plan, mesh, _stage_cross_entropy(setup))
     return setup
+
+
+def _stage_cross_entropy(setup: AutoConfigured):
+    """The last stage's ``(output, labels) -> (token-loss sum, valid tokens)``: the tiled cross-entropy from
+    the final hidden states under the plan's ``tiled_loss`` (the lm_head of the rank's last part, the loss
+    stage's), else the vocab-parallel one under TP, else None (whole-logits cross-entropy)."""
+    tp = setup.tensor_parallel
+    if setup.train.tiled_loss:
+        head = setup.model_parts[-1]
+
+        def tiled(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+            return tiled_cross_entropy(hidden, setup.adapter.lm_head_weight(head), labels,
+                                       tp_group=tp.group if tp is not None else None,
+                                       vocab_start=tp.vocab_start if tp is not None else 0)
+        return tiled
+    return tp.cross_entropy if tp is not None else None
 
 
 def configure_parts(

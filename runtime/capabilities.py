@@ -77,7 +77,6 @@ _PIPELINE_SCHEDULE_REASON = ("the runtime wires torch's Schedule1F1B and Schedul
                              "schedule (split input/weight backward) did not give the single-process gradients "
                              "with FSDP2-sharded stages (tests/test_pipeline_runtime.py)")
 _PIPELINE_OPTIONS: dict[str, str] = {
-    "tiled_loss": "the tiled loss is not wired into the last pipeline stage's loss function",
     "offload_checkpoints": "checkpoint offload under pipeline stages keeps one host buffer per micro-batch in flight, "
                            "which is not implemented",
 }

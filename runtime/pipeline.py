@@ -84,6 +84,20 @@ class StageForward(nn.Module):
         return self.adapter.logits(self.part, x, position_ids)
 
 
+class HiddenStatesStage(nn.Module):
+    """The last stage under the plan's tiled loss: its output is the final hidden states (through the family's
+    FSDP-registered hidden-states method), and the loss function multiplies them by the lm_head chunk by
+    chunk (:func:`sp_plan.runtime.tiled_loss.tiled_cross_entropy`), so the logits never exist whole."""
+
+    def __init__(self, part: nn.Module, adapter: ModelAdapter) -> None:
+        super().__init__()
+        self.part = part
+        self.adapter = adapter
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.adapter.hidden_states(self.part, x, position_ids)
+
+
 @dataclass
 class StepLossRecorder:
     """The last stage's loss function: ``local token-loss sum / step tokens`` per micro-batch (what the
@@ -167,14 +181,20 @@ def build_pipeline(parts: Sequence[nn.Module], adapter: ModelAdapter, plan, mesh
                    cross_entropy=None) -> Pipeline:
     """The PipelineStages of this rank's (parallelised) model parts, in :func:`stage_indices` order, and the
     plan's schedule over them."""
-    if adapter.name not in PLAIN_FORWARD_FAMILIES:
-        parts = [StageForward(part, adapter) for part in parts]
+    total = plan.layout.pp * plan.train.virtual_stages
+    indices = stage_indices(plan, mesh.local_rank("pp"))
+    modules = []
+    for part, index in zip(parts, indices, strict=True):
+        if plan.train.tiled_loss and index == total - 1:
+            modules.append(HiddenStatesStage(part, adapter))
+        elif adapter.name not in PLAIN_FORWARD_FAMILIES:
+            modules.append(StageForward(part, adapter))
+        else:
+            modules.append(part)
     schedule_name = plan.train.pipeline_schedule
     group = mesh.group("pp")
-    indices = stage_indices(plan, mesh.local_rank("pp"))
-    total = plan.layout.pp * plan.train.virtual_stages
-    stages = [PipelineStage(part, index, total, mesh.device, group=group) for part, index in zip(parts, indices,
-                                                                                                   strict=True)]
+    stages = [PipelineStage(module, index, total, mesh.device, group=group)
+              for module, index in zip(modules, indices, strict=True)]
     loss = StepLossRecorder(cross_entropy)
     micro_batches = plan.train.grad_accum
     schedule_cls = SCHEDULES.get(schedule_name)

@@ -3,10 +3,10 @@
 A tiny fp32 Llama (4 blocks, untied) is trained for 10 AdamW steps of 2 micro-batches (the plan's
 grad_accum), with gradient clipping, once in a single process (pp=1) and once on CPU gloo ranks with pp=2
 (1F1B) composed with Ulysses, with ring and FSDP2 (dp_shard), with TP (Megatron sequence parallelism), with
-ZeRO-2 and full checkpointing over dp_shard 2, with ZeRO-1, and alone, and with interleaved 1F1B (two virtual stages per rank); a transformers Llama at pp=2 x Ulysses 2
+TP and the tiled loss, with ZeRO-2 and full checkpointing over dp_shard 2, with ZeRO-1, and alone, and with interleaved 1F1B (two virtual stages per rank); a transformers Llama at pp=2 x Ulysses 2
 (its stages run through StageForward). Each step's loss must match the single process's within 1e-4, the clipped norm
 within 1e-4 relative, and the gathered final weights too. A plan the runtime plans itself with pp pinned
-trains too; what the runtime does not run under pp (the zero-bubble schedule, the tiled loss, another
+trains too; what the runtime does not run under pp (the zero-bubble schedule, checkpoint offload, another
 micro-batch count) is refused with the reason. Through the console script, ``sp-plan train
 --pp 2`` trains on 2 ranks and ``sp-plan validate --pp 2`` refuses in one line (it does not measure PP yet).
 """
@@ -91,6 +91,7 @@ CASES = {
     "pp2-dp_shard2-zero2-full": (Layout(pp=2, dp_shard=2), {"zero_stage": 2, "checkpointing": "full"},
                                  [[[0, 1]]] * 2 + [[[2, 3]]] * 2),
     "pp2-zero1": (Layout(pp=2), {"zero_stage": 1}, [[[0, 1]], [[2, 3]]]),
+    "pp2-tp2-tiled_loss": (Layout(pp=2, tp=2), {"tiled_loss": True}, [[[0, 1]]] * 2 + [[[2, 3]]] * 2),
     "pp2-interleaved": (Layout(pp=2), {"pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2},
                         [[[0], [2]], [[1], [3]]]),
 }
@@ -153,8 +154,9 @@ def _planned_and_refused(rank: int, world: int) -> dict:
     out["loss"] = train_step(setup, batches, setup.make_optimizer(lr=LR)).loss
     out["one_batch"] = error_of(lambda: train_step(setup, batches[:1]))
     out["forward"] = error_of(lambda: setup.forward(setup.shard(batches[0])))
-    out["tiled_loss_pin"] = error_of(lambda: auto_configure(_llama(), seq_len=SEQ, topology="dgx-h100",
-                                                            fixed_layout={"pp": 2}, fixed_options={"tiled_loss": True}))
+    out["offload_pin"] = error_of(lambda: auto_configure(_llama(), seq_len=SEQ, topology="dgx-h100",
+                                                         fixed_layout={"pp": 2},
+                                                         fixed_options={"offload_checkpoints": True}))
     out["zb_pin"] = error_of(lambda: auto_configure(_llama(), seq_len=SEQ, topology="dgx-h100", fixed_layout={"pp": 2},
                                                     fixed_options={"pipeline_schedule": "zero_bubble"}))
     return out
@@ -175,7 +177,7 @@ def test_a_plan_with_pp_pinned_trains_and_what_pp_cannot_run_is_refused() -> Non
         assert abs(out["loss"] - reference) < 1e-5
         assert "runs 2 micro-batches per step (the plan's grad_accum) but the step got 1" in out["one_batch"]
         assert "one stage of a pipeline" in out["forward"] and "train_step" in out["forward"]
-        assert "tiled_loss with pp=2" in out["tiled_loss_pin"] and "pin pp 1" in out["tiled_loss_pin"]
+        assert "offload_checkpoints with pp=2" in out["offload_pin"] and "pin pp 1" in out["offload_pin"]
         assert "pipeline_schedule=zero_bubble" in out["zb_pin"] and "interleaved_1f1b" in out["zb_pin"]
 
 
@@ -185,16 +187,15 @@ def test_unsupported_pipelined_plans_are_refused_with_reasons() -> None:
     assert unsupported_reasons(_plan(Layout(pp=2, ulysses=2))) == []
     assert unsupported_reasons(_plan(Layout(pp=2, tp=2))) == []
     assert unsupported_reasons(_plan(Layout(pp=2), pipeline_schedule="interleaved_1f1b", virtual_stages=2)) == []
-    reasons = unsupported_reasons(_plan(Layout(pp=2), pipeline_schedule="zero_bubble", tiled_loss=True,
-                                        offload_checkpoints=True))
+    assert unsupported_reasons(_plan(Layout(pp=2), tiled_loss=True)) == []
+    reasons = unsupported_reasons(_plan(Layout(pp=2), pipeline_schedule="zero_bubble", offload_checkpoints=True))
     assert any(r.startswith("pipeline_schedule=zero_bubble:") and "--schedule 1f1b" in r for r in reasons)
-    assert any(r.startswith("tiled_loss with pp=2:") for r in reasons)
     assert any(r.startswith("offload_checkpoints with pp=2:") for r in reasons)
     assert unsupported_reasons(_plan(Layout(pp=2, ulysses=2)), "hf") == []
     assert planner_constraints("llama")[0]["pp"] == 1  # the runtime's planner picks pp only when pinned
     layout, options = merge_constraints({"pp": 2}, {"virtual_stages": 2})
     assert layout == {"pp": 2} and options["pipeline_schedule"] == "interleaved_1f1b"
-    assert not options["tiled_loss"] and not options["offload_checkpoints"]
+    assert not options["offload_checkpoints"] and "tiled_loss" not in options
 
 
 SCRIPT = str(Path(sys.executable).parent / "sp-plan")
