@@ -72,10 +72,18 @@ _DATA_ROLES = frozenset({"data", "shards_state"})
 #: Pipeline parallelism (sp_plan.runtime.pipeline) runs stages of these families with these schedules, composed
 #: with TP, Ulysses, ring and FSDP2; what it does not run yet, with the reason.
 PIPELINE_FAMILIES = frozenset({"llama", "hf"})
-PIPELINE_SCHEDULES = frozenset({"1f1b", "interleaved_1f1b"})
-_PIPELINE_SCHEDULE_REASON = ("the runtime wires torch's Schedule1F1B and ScheduleInterleaved1F1B; its zero-bubble "
-                             "schedule (split input/weight backward) did not give the single-process gradients "
-                             "with FSDP2-sharded stages (tests/test_pipeline_runtime.py)")
+PIPELINE_SCHEDULES = frozenset({"1f1b", "interleaved_1f1b", "zero_bubble"})
+_PIPELINE_SCHEDULE_REASON = ("the runtime wires torch's Schedule1F1B, ScheduleInterleaved1F1B and "
+                             "ScheduleInterleavedZeroBubble only")
+#: The zero-bubble schedule splits each backward into an input-gradient and a later weight-gradient pass.
+_ZERO_BUBBLE_REASONS: dict[str, tuple[Any, str]] = {
+    "zero_stage": (3, ("ZeRO-3 reshards the parameters between the input- and the weight-gradient pass, which "
+                       "gave wrong gradients (first-step norm 1.315 vs 1.336 in one process); re-plan with "
+                       "--zero 2 or --schedule 1f1b")),
+    "checkpointing": ("selective", ("selective activation checkpointing allows one backward per region and the "
+                                    "split backward runs two; re-plan with --checkpointing full or none, or "
+                                    "--schedule 1f1b")),
+}
 _PIPELINE_OPTIONS: dict[str, str] = {
     "offload_checkpoints": "checkpoint offload under pipeline stages keeps one host buffer per micro-batch in flight, "
                            "which is not implemented",
@@ -129,7 +137,11 @@ def pipeline_reasons(plan: Any, adapter: ModelAdapter) -> list[str]:
     reasons = []
     if train.pipeline_schedule not in PIPELINE_SCHEDULES:
         reasons.append(f"pipeline_schedule={train.pipeline_schedule}: {_PIPELINE_SCHEDULE_REASON}; re-plan with "
-                       "--schedule 1f1b or interleaved_1f1b")
+                       "--schedule 1f1b")
+    if train.pipeline_schedule == "zero_bubble":
+        for option, (value, why) in _ZERO_BUBBLE_REASONS.items():
+            if getattr(train, option) == value:
+                reasons.append(f"zero_bubble with {option}={value}: {why}")
     for option, why in _PIPELINE_OPTIONS.items():
         if getattr(train, option):
             reasons.append(f"{option} with pp={pp}: {why}; re-plan without it or with --pp 1")
@@ -186,12 +198,18 @@ def _pipeline_pins(user_layout: Mapping[str, int], user_options: Mapping[str, An
     interleaved = user_options.get("virtual_stages", 1) > 1
     schedule = user_options.get("pipeline_schedule", "interleaved_1f1b" if interleaved else "1f1b")
     if schedule not in PIPELINE_SCHEDULES:
-        raise RuntimeConfigError(f"pipeline_schedule={schedule}: {_PIPELINE_SCHEDULE_REASON}; pin 1f1b or "
-                                 "interleaved_1f1b")
+        raise RuntimeConfigError(f"pipeline_schedule={schedule}: {_PIPELINE_SCHEDULE_REASON}; pin 1f1b")
     for option, why in _PIPELINE_OPTIONS.items():
         if user_options.get(option):
             raise RuntimeConfigError(f"{option} with pp={pp}: {why}; drop it or pin pp 1")
-    return {}, {"pipeline_schedule": schedule, **{option: False for option in _PIPELINE_OPTIONS}}
+    pins: dict[str, Any] = {"pipeline_schedule": schedule, **{option: False for option in _PIPELINE_OPTIONS}}
+    if schedule == "zero_bubble":  # what it cannot run with, pinned to the nearest value it can
+        for option, (value, why) in _ZERO_BUBBLE_REASONS.items():
+            if user_options.get(option) == value:
+                raise RuntimeConfigError(f"zero_bubble with {option}={value}: {why}")
+        pins.setdefault("zero_stage", user_options.get("zero_stage", 2))
+        pins.setdefault("checkpointing", user_options.get("checkpointing", "full"))
+    return {}, pins
 
 
 def merge_constraints(user_layout: Mapping[str, int], user_options: Mapping[str, Any], family: Family = "llama",

@@ -30,6 +30,7 @@ from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
 )
 
 from sp_plan.cost_models.pipeline import stage_layers
@@ -41,10 +42,11 @@ from sp_plan.runtime.models.base import ModelAdapter
 
 #: The plan's ``pipeline_schedule`` -> the torch.distributed.pipelining schedule that runs it. 1F1B drives one
 #: stage per rank; interleaved 1F1B drives ``virtual_stages`` stages per rank (rank ``r`` holds stages ``r``,
-#: ``r + pp``, ...). ``zero_bubble`` is refused (:mod:`sp_plan.runtime.capabilities`): torch's
-#: ScheduleInterleavedZeroBubble, which splits each backward into input and weight gradients, did not give
-#: the single-process gradients with FSDP2-sharded stages.
-SCHEDULES: dict[str, type] = {"1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+#: ``r + pp``, ...); zero bubble is torch's ScheduleInterleavedZeroBubble over one stage per rank (ZB-H1, as the
+#: cost model prices ``zero_bubble``), which splits each backward into input and weight gradients: it runs
+#: under ZeRO-1/2 without selective checkpointing (:mod:`sp_plan.runtime.capabilities` says why not otherwise).
+SCHEDULES: dict[str, type] = {"1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+                              "zero_bubble": ScheduleInterleavedZeroBubble}
 
 
 def stage_indices(plan, pp_rank: int) -> list[int]:

@@ -3,11 +3,12 @@
 A tiny fp32 Llama (4 blocks, untied) is trained for 10 AdamW steps of 2 micro-batches (the plan's
 grad_accum), with gradient clipping, once in a single process (pp=1) and once on CPU gloo ranks with pp=2
 (1F1B) composed with Ulysses, with ring and FSDP2 (dp_shard), with TP (Megatron sequence parallelism), with
-TP and the tiled loss, with ZeRO-2 and full checkpointing over dp_shard 2, with ZeRO-1, and alone, and with interleaved 1F1B (two virtual stages per rank); a transformers Llama at pp=2 x Ulysses 2
+TP and the tiled loss, with ZeRO-2 and full checkpointing over dp_shard 2, with ZeRO-1, and alone, with the
+zero-bubble schedule (ZeRO-2, dp_shard 2), and with interleaved 1F1B (two virtual stages per rank); a transformers Llama at pp=2 x Ulysses 2
 (its stages run through StageForward). Each step's loss must match the single process's within 1e-4, the clipped norm
 within 1e-4 relative, and the gathered final weights too. A plan the runtime plans itself with pp pinned
-trains too; what the runtime does not run under pp (the zero-bubble schedule, checkpoint offload, another
-micro-batch count) is refused with the reason. Through the console script, ``sp-plan train
+trains too; what the runtime does not run under pp (zero bubble with ZeRO-3 or selective checkpointing,
+checkpoint offload, another micro-batch count) is refused with the reason. Through the console script, ``sp-plan train
 --pp 2`` trains on 2 ranks and ``sp-plan validate --pp 2`` refuses in one line (it does not measure PP yet).
 """
 
@@ -92,6 +93,8 @@ CASES = {
                                  [[[0, 1]]] * 2 + [[[2, 3]]] * 2),
     "pp2-zero1": (Layout(pp=2), {"zero_stage": 1}, [[[0, 1]], [[2, 3]]]),
     "pp2-tp2-tiled_loss": (Layout(pp=2, tp=2), {"tiled_loss": True}, [[[0, 1]]] * 2 + [[[2, 3]]] * 2),
+    "pp2-dp_shard2-zero_bubble": (Layout(pp=2, dp_shard=2), {"pipeline_schedule": "zero_bubble", "zero_stage": 2,
+                                                             "checkpointing": "none"}, [[[0, 1]]] * 2 + [[[2, 3]]] * 2),
     "pp2-interleaved": (Layout(pp=2), {"pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2},
                         [[[0], [2]], [[1], [3]]]),
 }
@@ -158,7 +161,8 @@ def _planned_and_refused(rank: int, world: int) -> dict:
                                                          fixed_layout={"pp": 2},
                                                          fixed_options={"offload_checkpoints": True}))
     out["zb_pin"] = error_of(lambda: auto_configure(_llama(), seq_len=SEQ, topology="dgx-h100", fixed_layout={"pp": 2},
-                                                    fixed_options={"pipeline_schedule": "zero_bubble"}))
+                                                    fixed_options={"pipeline_schedule": "zero_bubble",
+                                                                   "zero_stage": 3}))
     return out
 
 
@@ -178,7 +182,7 @@ def test_a_plan_with_pp_pinned_trains_and_what_pp_cannot_run_is_refused() -> Non
         assert "runs 2 micro-batches per step (the plan's grad_accum) but the step got 1" in out["one_batch"]
         assert "one stage of a pipeline" in out["forward"] and "train_step" in out["forward"]
         assert "offload_checkpoints with pp=2" in out["offload_pin"] and "pin pp 1" in out["offload_pin"]
-        assert "pipeline_schedule=zero_bubble" in out["zb_pin"] and "interleaved_1f1b" in out["zb_pin"]
+        assert "zero_bubble with zero_stage=3" in out["zb_pin"] and "--zero 2" in out["zb_pin"]
 
 
 def test_unsupported_pipelined_plans_are_refused_with_reasons() -> None:
@@ -188,8 +192,11 @@ def test_unsupported_pipelined_plans_are_refused_with_reasons() -> None:
     assert unsupported_reasons(_plan(Layout(pp=2, tp=2))) == []
     assert unsupported_reasons(_plan(Layout(pp=2), pipeline_schedule="interleaved_1f1b", virtual_stages=2)) == []
     assert unsupported_reasons(_plan(Layout(pp=2), tiled_loss=True)) == []
+    assert unsupported_reasons(_plan(Layout(pp=2), pipeline_schedule="zero_bubble", zero_stage=2,
+                                     checkpointing="full")) == []
     reasons = unsupported_reasons(_plan(Layout(pp=2), pipeline_schedule="zero_bubble", offload_checkpoints=True))
-    assert any(r.startswith("pipeline_schedule=zero_bubble:") and "--schedule 1f1b" in r for r in reasons)
+    assert any(r.startswith("zero_bubble with zero_stage=3:") and "--schedule 1f1b" in r for r in reasons)
+    assert any(r.startswith("zero_bubble with checkpointing=selective:") for r in reasons)
     assert any(r.startswith("offload_checkpoints with pp=2:") for r in reasons)
     assert unsupported_reasons(_plan(Layout(pp=2, ulysses=2)), "hf") == []
     assert planner_constraints("llama")[0]["pp"] == 1  # the runtime's planner picks pp only when pinned
