@@ -73,6 +73,9 @@ _DATA_ROLES = frozenset({"data", "shards_state"})
 #: with TP, Ulysses, ring and FSDP2; what it does not run yet, with the reason.
 PIPELINE_FAMILIES = frozenset({"llama", "hf"})
 PIPELINE_SCHEDULES = frozenset({"1f1b", "interleaved_1f1b", "zero_bubble"})
+#: Families whose stage modules are the FSDP2 parts themselves (sp_plan.runtime.pipeline.PLAIN_FORWARD_FAMILIES),
+#: the only ones the zero-bubble schedule's split backward is tested on.
+ZERO_BUBBLE_FAMILIES = frozenset({"llama"})
 _PIPELINE_SCHEDULE_REASON = ("the runtime wires torch's Schedule1F1B, ScheduleInterleaved1F1B and "
                              "ScheduleInterleavedZeroBubble only")
 #: The zero-bubble schedule splits each backward into an input-gradient and a later weight-gradient pass.
@@ -142,6 +145,10 @@ def pipeline_reasons(plan: Any, adapter: ModelAdapter) -> list[str]:
         for option, (value, why) in _ZERO_BUBBLE_REASONS.items():
             if getattr(train, option) == value:
                 reasons.append(f"zero_bubble with {option}={value}: {why}")
+        if adapter.name not in ZERO_BUBBLE_FAMILIES or train.tiled_loss:
+            what = "the tiled loss" if train.tiled_loss else f"the {adapter.name} family"
+            reasons.append(f"zero_bubble with {what}: its stages run inside a wrapper module, where the split backward "
+                           "is not tested; re-plan with --schedule 1f1b")
     for option, why in _PIPELINE_OPTIONS.items():
         if getattr(train, option):
             reasons.append(f"{option} with pp={pp}: {why}; re-plan without it or with --pp 1")
@@ -207,8 +214,11 @@ def _pipeline_pins(user_layout: Mapping[str, int], user_options: Mapping[str, An
         for option, (value, why) in _ZERO_BUBBLE_REASONS.items():
             if user_options.get(option) == value:
                 raise RuntimeConfigError(f"zero_bubble with {option}={value}: {why}")
-        pins.setdefault("zero_stage", user_options.get("zero_stage", 2))
-        pins.setdefault("checkpointing", user_options.get("checkpointing", "full"))
+        if user_options.get("tiled_loss"):
+            raise RuntimeConfigError("zero_bubble with the tiled loss: its last stage runs inside a wrapper module, "
+                                     "where the split backward is not tested; pin 1f1b")
+        pins.update({"zero_stage": user_options.get("zero_stage", 2),
+                     "checkpointing": user_options.get("checkpointing", "full"), "tiled_loss": False})
     return {}, pins
 
 

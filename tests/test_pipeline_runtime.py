@@ -197,6 +197,8 @@ def test_unsupported_pipelined_plans_are_refused_with_reasons() -> None:
     reasons = unsupported_reasons(_plan(Layout(pp=2), pipeline_schedule="zero_bubble", offload_checkpoints=True))
     assert any(r.startswith("zero_bubble with zero_stage=3:") and "--schedule 1f1b" in r for r in reasons)
     assert any(r.startswith("zero_bubble with checkpointing=selective:") for r in reasons)
+    zero_bubble = _plan(Layout(pp=2), pipeline_schedule="zero_bubble", zero_stage=2, checkpointing="full")
+    assert any(r.startswith("zero_bubble with the hf family:") for r in unsupported_reasons(zero_bubble, "hf"))
     assert any(r.startswith("offload_checkpoints with pp=2:") for r in reasons)
     assert unsupported_reasons(_plan(Layout(pp=2, ulysses=2)), "hf") == []
     assert planner_constraints("llama")[0]["pp"] == 1  # the runtime's planner picks pp only when pinned
