@@ -84,7 +84,16 @@ from sp_plan.runtime.loss import LossOutput, TokenLoss
 from sp_plan.runtime.mesh import RuntimeMesh, build_mesh
 from sp_plan.runtime.models.base import ModelAdapter, adapter_for
 from sp_plan.runtime.models.llama.attention import SequenceParallelAttention
+from sp_plan.runtime.model_parts import split_model
 from sp_plan.runtime.parallelize import parallelize
+from sp_plan.runtime.pipeline import (
+    build_pipeline,
+    clip_to_norm_,
+    gather_stage_state_dicts,
+    norm_over_stages,
+    stage_bounds,
+    stage_indices,
+)
 from sp_plan.runtime.planning import (
     agree_on_plan,
     check_plan_matches,
@@ -108,9 +117,10 @@ __all__ = [
     "SequenceParallelAttention",
     "agree_on_plan",
     "auto_configure",
-    "configure_parts",
     "check_plan_matches",
     "check_same_plan",
+    "configure_parts",
+    "configure_pipeline",
     "describe_plan",
     "finish_worker",
     "init_distributed",
@@ -123,8 +133,8 @@ __all__ = [
 
 @dataclass
 class AutoConfigured:
-    """What :func:`auto_configure` built. ``model_parts`` are the wrapped (FSDP2) model parts (one today:
-    the whole model; pipeline stages later), ``adapter`` the model family that drives them."""
+    """What :func:`auto_configure` built. ``model_parts`` are the wrapped (FSDP2) model parts (the whole model,
+    or under pipeline parallelism this rank's stages), ``adapter`` the model family that drives them."""
 
     model_parts: list[nn.Module]
     plan: Any  # sp_plan.planner.plan.Plan
@@ -143,6 +153,10 @@ class AutoConfigured:
     checkpoint_offload: Any = None
     #: Each model part's TP state (its replicated parameters), in part order; empty without TP.
     part_tensor_parallel: list[Any] = field(default_factory=list)
+    #: This rank's pipeline stage and schedule (sp_plan.runtime.pipeline.Pipeline) when the plan has pp > 1:
+    #: ``model_parts`` then hold this stage's part only, and :func:`sp_plan.runtime.step.train_step` runs the
+    #: step through the schedule.
+    pipeline: Any = None
     #: Set when TP-replicated gradients were all-reduced; cleared by every forward (new gradients).
     _grads_synced: bool = field(default=False, repr=False)
 
@@ -188,11 +202,23 @@ class AutoConfigured:
     def _through_parts(self, shard: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Run every model part but the last on the shard's tokens: what the last part takes (the token
         ids with one part, else the hidden states the previous parts computed)."""
+        if self.pipeline is not None:
+            raise RuntimeConfigError(
+                "this setup is one stage of a pipeline (pp > 1): a forward runs through every stage's schedule; "
+                "train with sp_plan.runtime.step.train_step (or the Trainer)"
+            )
         self._grads_synced = False
         x = shard["input_ids"]
         for part in self.model_parts[:-1]:
             x = self.adapter.logits(part, x, shard["position_ids"], shard.get("cu_seqlens"))
         return x
+
+    def pipeline_step(self, shards: Sequence[Mapping[str, torch.Tensor]], step_tokens: int) -> list[tuple[float, int]]:
+        """Forward and backward of a step's micro-batch shards through the pipeline schedule (``pp > 1``); each
+        micro-batch's (global token-mean loss, global valid tokens). New gradients: TP-replicated ones need
+        their all-reduce again (:meth:`sync_gradients`)."""
+        self._grads_synced = False
+        return self.pipeline.run_step(shards, step_tokens, self.data_group, self.device)
 
     def shard(self, batch: Any) -> dict[str, torch.Tensor]:
         """This rank's shard of a full-sequence batch (see :class:`sp_plan.runtime.data.BatchSharder`)."""
@@ -238,9 +264,12 @@ class AutoConfigured:
         return list(zip(self.part_tensor_parallel, self.model_parts))
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Clip gradients of every model part to one global 2-norm (over FSDP shards and TP shards alike);
-        returns the norm."""
+        """Clip gradients of every model part to one global 2-norm (over FSDP shards, TP shards and pipeline
+        stages alike); returns the norm."""
         self.sync_gradients()
+        if self.pipeline is not None:
+            total = norm_over_stages(self._local_grad_norm(), self.pipeline.group, self.device)
+            return clip_to_norm_(list(self.parameters()), max_norm, total)
         if self.part_tensor_parallel:
             return float(clip_parts_grad_norm_(self._tp_parts(), max_norm))
         return float(torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm))
@@ -249,26 +278,37 @@ class AutoConfigured:
         """The global gradient 2-norm :meth:`clip_grad_norm_` clips by, without clipping: the same value on
         every rank (a NaN or inf on any rank's gradients makes it non-finite everywhere)."""
         self.sync_gradients()
+        norm = self._local_grad_norm()
+        if self.pipeline is not None:
+            norm = norm_over_stages(norm, self.pipeline.group, self.device)
+        return float(norm)
+
+    def _local_grad_norm(self) -> torch.Tensor:
+        """The 2-norm of this rank's model parts' gradients, over their FSDP and TP shards (every stage of a
+        pipeline has its own)."""
         if self.part_tensor_parallel:
-            return float(parts_grad_norm(self._tp_parts()))
+            return parts_grad_norm(self._tp_parts())
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if not grads:
-            return 0.0
+            return torch.zeros(())
         norm = torch.nn.utils.get_total_norm(grads, 2.0)
         if hasattr(norm, "full_tensor"):  # FSDP2: a partial norm over the sharded dims
             norm = norm.full_tensor()
-        return float(norm)
+        return norm
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unparallelised model's parameters (collective: every rank gets all of them), gathered
         over the FSDP shards and the TP shards, keyed like the original model's ``named_parameters``:
-        for checkpoints an unparallelised model (or another plan) loads."""
+        for checkpoints an unparallelised model (or another plan) loads. Under pipeline parallelism, every
+        stage's parameters, gathered over the ``pp`` group (on the host)."""
         out = {}
         for name, p in self.named_parameters():
             tensor = p.full_tensor() if hasattr(p, "full_tensor") else p
             if self.tensor_parallel is not None:
                 tensor = self.tensor_parallel.full_tensor(name, tensor)
             out[name] = tensor.detach()
+        if self.pipeline is not None:
+            return gather_stage_state_dicts(out, self.pipeline.group)
         return out
 
     def make_optimizer(self, optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
@@ -374,9 +414,50 @@ def auto_configure(
     check_plan_matches(the_plan, spec, seq_len)
     refuse_unsupported(the_plan, adapter)
 
-    return configure_parts([model], adapter, the_plan, device_type=device_type, pad_token_id=pad_token_id,
-                           labels_shifted=labels_shifted, cross_document_attention=cross_document_attention,
-                           sync_weights=sync_weights)
+    options = {"pad_token_id": pad_token_id, "labels_shifted": labels_shifted,
+               "cross_document_attention": cross_document_attention}
+    if the_plan.layout.pp > 1:
+        return configure_pipeline(model, adapter, the_plan, device_type=device_type, sync_weights=sync_weights,
+                                  **options)
+    return configure_parts([model], adapter, the_plan, device_type=device_type, sync_weights=sync_weights,
+                           **options)
+
+
+def configure_pipeline(model: nn.Module, adapter: ModelAdapter, plan: Any, *, device_type: str | None = None,
+                       sync_weights: bool = True, **options: Any) -> AutoConfigured:
+    """The setup of a pipelined plan (``pp > 1``) on this rank: the whole model's weights made the same on every
+    rank, the model split into the stages the cost model priced (:func:`sp_plan.runtime.pipeline.stage_bounds`),
+    this rank's stages (one per virtual stage, from its ``pp`` coordinate) parallelised as model parts
+    (:func:`configure_parts`), and their PipelineStages with the plan's schedule
+    (:func:`sp_plan.runtime.pipeline.build_pipeline`).
+    ``options``: :func:`configure_parts`'s data arguments."""
+    device_type = init_distributed(device_type)
+    refuse_unsupported(plan, adapter)
+    mesh = build_mesh(plan.layout, device_type=device_type)
+    model = model.to(mesh.device)
+    if sync_weights:
+        broadcast_parameters([model], mesh.device)  # before the split: every rank holds the whole model here
+    parts = split_model(model, adapter, stage_bounds(plan))
+    mine = [parts[i] for i in stage_indices(plan, mesh.local_rank("pp"))]
+    setup = _configure_on_mesh(mine, adapter, plan, mesh, **options)
+    setup.pipeline = build_pipeline(setup.model_parts, adapter, plan, mesh, _stage_cross_entropy(setup))
+    return setup
+
+
+def _stage_cross_entropy(setup: AutoConfigured):
+    """The last stage's ``(output, labels) -> (token-loss sum, valid tokens)``: the tiled cross-entropy from
+    the final hidden states under the plan's ``tiled_loss`` (the lm_head of the rank's last part, the loss
+    stage's), else the vocab-parallel one under TP, else None (whole-logits cross-entropy)."""
+    tp = setup.tensor_parallel
+    if setup.train.tiled_loss:
+        head = setup.model_parts[-1]
+
+        def tiled(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+            return tiled_cross_entropy(hidden, setup.adapter.lm_head_weight(head), labels,
+                                       tp_group=tp.group if tp is not None else None,
+                                       vocab_start=tp.vocab_start if tp is not None else 0)
+        return tiled
+    return tp.cross_entropy if tp is not None else None
 
 
 def configure_parts(
@@ -393,16 +474,26 @@ def configure_parts(
     """The setup of a plan over model parts (:func:`auto_configure`'s second half): the mesh, then each part
     parallelised in turn (:func:`sp_plan.runtime.parallelize.parallelize`: TP, SP attention, checkpointing,
     tiled MLP, FSDP2), the batch sharder and the loss. ``model_parts``: the whole model, or the parts of
-    :func:`sp_plan.runtime.model_parts.split_model` (run in order by :meth:`AutoConfigured.forward`, as
-    pipeline stages will be); ``plan`` must already be agreed on by every rank and checked against the
-    model (:func:`auto_configure` does both). The other arguments are :func:`auto_configure`'s."""
+    :func:`sp_plan.runtime.model_parts.split_model` (run in order by :meth:`AutoConfigured.forward`; pipeline
+    stages on separate ranks are :func:`configure_pipeline`'s); ``plan`` must already be agreed on by every
+    rank and checked against the model (:func:`auto_configure` does both). The other arguments are
+    :func:`auto_configure`'s."""
     device_type = init_distributed(device_type)
     refuse_unsupported(plan, adapter)
     mesh = build_mesh(plan.layout, device_type=device_type)
-    sp = SequenceParallel.from_mesh(mesh)
     parts_on_device = [part.to(mesh.device) for part in model_parts]
     if sync_weights:
         broadcast_parameters(parts_on_device, mesh.device)
+    return _configure_on_mesh(parts_on_device, adapter, plan, mesh, pad_token_id=pad_token_id,
+                              labels_shifted=labels_shifted, cross_document_attention=cross_document_attention)
+
+
+def _configure_on_mesh(parts_on_device: Sequence[nn.Module], adapter: ModelAdapter, plan: Any, mesh: RuntimeMesh, *,
+                       pad_token_id: int = 0, labels_shifted: bool = False,
+                       cross_document_attention: bool = False) -> AutoConfigured:
+    """:func:`configure_parts` once the mesh exists and the parts' weights agree: parallelise each part, then
+    the batch sharder and the loss."""
+    sp = SequenceParallel.from_mesh(mesh)
     parts = [parallelize(part, adapter, plan, mesh, sp) for part in parts_on_device]
     part_tp = [p.tensor_parallel for p in parts if p.tensor_parallel is not None]
     tp = part_tp[-1] if part_tp else None  # the vocab-parallel loss's: the last part's

@@ -64,10 +64,33 @@ _TP_DROPOUT = ("the model uses dropout, which under tensor parallelism needs per
 
 
 #: Layout degrees that change what a rank computes and that the runtime implements (TP shards, Ulysses and
-#: ring attention). Any other degree runs only if it is pure data parallelism (roles ``data`` and
+#: ring attention, pipeline stages). Any other degree runs only if it is pure data parallelism (roles ``data`` and
 #: ``shards_state``: the mesh, the sampler and FSDP2 take those from the registry).
-EXECUTED_MODEL_DEGREES = frozenset({"tp", "ulysses", "ring"})
+EXECUTED_MODEL_DEGREES = frozenset({"tp", "ulysses", "ring", "pp"})
 _DATA_ROLES = frozenset({"data", "shards_state"})
+
+#: Pipeline parallelism (sp_plan.runtime.pipeline) runs stages of these families with these schedules, composed
+#: with TP, Ulysses, ring and FSDP2; what it does not run yet, with the reason.
+PIPELINE_FAMILIES = frozenset({"llama", "hf"})
+PIPELINE_SCHEDULES = frozenset({"1f1b", "interleaved_1f1b", "zero_bubble"})
+#: Families whose stage modules are the FSDP2 parts themselves (sp_plan.runtime.pipeline.PLAIN_FORWARD_FAMILIES),
+#: the only ones the zero-bubble schedule's split backward is tested on.
+ZERO_BUBBLE_FAMILIES = frozenset({"llama"})
+_PIPELINE_SCHEDULE_REASON = ("the runtime wires torch's Schedule1F1B, ScheduleInterleaved1F1B and "
+                             "ScheduleInterleavedZeroBubble only")
+#: The zero-bubble schedule splits each backward into an input-gradient and a later weight-gradient pass.
+_ZERO_BUBBLE_REASONS: dict[str, tuple[Any, str]] = {
+    "zero_stage": (3, ("ZeRO-3 reshards the parameters between the input- and the weight-gradient pass, which "
+                       "gave wrong gradients (first-step norm 1.315 vs 1.336 in one process); re-plan with "
+                       "--zero 2 or --schedule 1f1b")),
+    "checkpointing": ("selective", ("selective activation checkpointing allows one backward per region and the "
+                                    "split backward runs two; re-plan with --checkpointing full or none, or "
+                                    "--schedule 1f1b")),
+}
+_PIPELINE_OPTIONS: dict[str, str] = {
+    "offload_checkpoints": "checkpoint offload under pipeline stages keeps one host buffer per micro-batch in flight, "
+                           "which is not implemented",
+}
 
 
 def runtime_unexecuted_degrees() -> dict[str, str]:
@@ -102,6 +125,9 @@ def _degrees_blocked(adapter: ModelAdapter, model: Any) -> dict[str, str]:
         blocked.setdefault("tp", _TP_DROPOUT)
     if _is_moe(model):
         blocked.setdefault("tp", _MOE_TP)
+    if adapter.name not in PIPELINE_FAMILIES:
+        blocked.setdefault("pp", f"pipeline stages run the runtime's own Llama only, not the {adapter.name} family; "
+                                 "re-plan with --pp 1")
     return blocked
 
 
@@ -111,6 +137,30 @@ def _options_blocked(adapter: ModelAdapter, model: Any) -> dict[str, str]:
     if _is_moe(model):
         blocked.setdefault("tiled_mlp", _MOE_TILED_MLP)
     return blocked
+
+
+def pipeline_reasons(plan: Any, adapter: ModelAdapter) -> list[str]:
+    """Why a plan with ``pp > 1`` cannot run (empty when it can, or when pp is 1)."""
+    pp = plan.layout.pp
+    if pp == 1:
+        return []
+    train: TrainSpec = plan.train
+    reasons = []
+    if train.pipeline_schedule not in PIPELINE_SCHEDULES:
+        reasons.append(f"pipeline_schedule={train.pipeline_schedule}: {_PIPELINE_SCHEDULE_REASON}; re-plan with "
+                       "--schedule 1f1b")
+    if train.pipeline_schedule == "zero_bubble":
+        for option, (value, why) in _ZERO_BUBBLE_REASONS.items():
+            if getattr(train, option) == value:
+                reasons.append(f"zero_bubble with {option}={value}: {why}")
+        if adapter.name not in ZERO_BUBBLE_FAMILIES or train.tiled_loss:
+            what = "the tiled loss" if train.tiled_loss else f"the {adapter.name} family"
+            reasons.append(f"zero_bubble with {what}: its stages run inside a wrapper module, where the split backward "
+                           "is not tested; re-plan with --schedule 1f1b")
+    for option, why in _PIPELINE_OPTIONS.items():
+        if getattr(train, option):
+            reasons.append(f"{option} with pp={pp}: {why}; re-plan without it or with --pp 1")
+    return reasons
 
 
 def unsupported_reasons(plan: Any, family: Family = "llama") -> list[str]:
@@ -135,6 +185,7 @@ def unsupported_reasons(plan: Any, family: Family = "llama") -> list[str]:
         value = getattr(train, option)
         if value not in allowed:
             reasons.append(f"{option}={value}: {_VALUE_REASONS.get(option, 'not supported')}")
+    reasons += pipeline_reasons(plan, adapter)
     if train.is_training and train.zero_stage not in SUPPORTED_ZERO_STAGES:
         reasons.append(
             f"zero_stage={train.zero_stage}: plain DDP is not wired (FSDP2 runs ZeRO-1/2/3); re-plan with --zero 1"
@@ -149,7 +200,34 @@ def planner_constraints(family: Family = "llama", model: Any = None) -> tuple[di
     adapter = adapter_named(family)
     fixed_layout = {dim: 1 for dim in _degrees_blocked(adapter, model)}
     fixed_options: dict[str, Any] = {option: False for option in _options_blocked(adapter, model)}
+    # The runtime runs a subset of pipelined plans (pipeline_reasons), which degree pins cannot express for a free
+    # search: the planner picks pp only when the user pins it (merge_constraints then pins what PP needs).
+    fixed_layout.setdefault("pp", 1)
     return fixed_layout, fixed_options
+
+
+def _pipeline_pins(user_layout: Mapping[str, int], user_options: Mapping[str, Any]
+                   ) -> tuple[dict[str, int], dict[str, Any]]:
+    """What a user-pinned ``pp > 1`` needs pinned besides (see :func:`pipeline_reasons`); refuses a pin against it."""
+    pp = user_layout["pp"]
+    interleaved = user_options.get("virtual_stages", 1) > 1
+    schedule = user_options.get("pipeline_schedule", "interleaved_1f1b" if interleaved else "1f1b")
+    if schedule not in PIPELINE_SCHEDULES:
+        raise RuntimeConfigError(f"pipeline_schedule={schedule}: {_PIPELINE_SCHEDULE_REASON}; pin 1f1b")
+    for option, why in _PIPELINE_OPTIONS.items():
+        if user_options.get(option):
+            raise RuntimeConfigError(f"{option} with pp={pp}: {why}; drop it or pin pp 1")
+    pins: dict[str, Any] = {"pipeline_schedule": schedule, **{option: False for option in _PIPELINE_OPTIONS}}
+    if schedule == "zero_bubble":  # what it cannot run with, pinned to the nearest value it can
+        for option, (value, why) in _ZERO_BUBBLE_REASONS.items():
+            if user_options.get(option) == value:
+                raise RuntimeConfigError(f"zero_bubble with {option}={value}: {why}")
+        if user_options.get("tiled_loss"):
+            raise RuntimeConfigError("zero_bubble with the tiled loss: its last stage runs inside a wrapper module, "
+                                     "where the split backward is not tested; pin 1f1b")
+        pins.update({"zero_stage": user_options.get("zero_stage", 2),
+                     "checkpointing": user_options.get("checkpointing", "full"), "tiled_loss": False})
+    return {}, pins
 
 
 def merge_constraints(user_layout: Mapping[str, int], user_options: Mapping[str, Any], family: Family = "llama",
@@ -159,6 +237,11 @@ def merge_constraints(user_layout: Mapping[str, int], user_options: Mapping[str,
     adapter = adapter_named(family)
     fixed_layout, fixed_options = planner_constraints(adapter, model)
     blocked = _degrees_blocked(adapter, model)
+    if user_layout.get("pp", 1) > 1 and "pp" not in blocked:
+        del fixed_layout["pp"]
+        layout_pins, option_pins = _pipeline_pins(user_layout, user_options)
+        fixed_layout.update(layout_pins)
+        fixed_options.update(option_pins)
     for dim, value in user_layout.items():
         if dim in fixed_layout and value != fixed_layout[dim]:
             raise RuntimeConfigError(f"{dim}={value}: {blocked[dim]}")

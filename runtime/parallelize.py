@@ -1,6 +1,6 @@
 """Parallelise one model part for a plan: the concerns in a fixed order, one small ``apply_*`` each.
 
-:func:`parallelize` runs, on a part (today the whole model; a pipeline stage later):
+:func:`parallelize` runs, on a part (the whole model, or a pipeline stage):
 
 1. :func:`apply_tp`: tensor parallelism over the ``tp`` dim, on the full, rank-0-synchronised weights,
    before anything shards them further;
@@ -80,6 +80,8 @@ def apply_fsdp(part: nn.Module, adapter: ModelAdapter, plan, mesh: RuntimeMesh) 
         adapter.prepare_hidden_states(part)
     kwargs = fully_shard_kwargs(train, mesh, params_in_compute_dtype=in_compute_dtype)
     embedding = None if plan.model.tied_embeddings else adapter.input_embedding(part)
+    if embedding is not None and not any(True for _ in embedding.parameters()):
+        embedding = None  # a later pipeline stage's stand-in (nn.Identity): nothing to shard
     fully_shard_units(part, adapter.blocks(part), embedding, kwargs, sum_gradients=True)
     if train.tiled_loss:
         register_fsdp_forward_method(part, adapter.hidden_states_method)

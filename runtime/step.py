@@ -11,6 +11,11 @@ exercise one code path:
 3. forward and loss as the plan says (:meth:`sp_plan.runtime.auto.AutoConfigured.compute_loss`: tiled,
    vocab-parallel under TP), backward; then the TP-replicated gradient all-reduce, clipping
    (optional, over FSDP and TP shards), ``optimizer.step()`` and ``zero_grad()``.
+
+Under pipeline parallelism (``setup.pipeline``, :mod:`sp_plan.runtime.pipeline`) step 3 is one run of the
+plan's torch.distributed.pipelining schedule over all the micro-batches (the stage keeps FSDP2 from
+reducing gradients until the last one), with the same token-count normalisation; clipping uses the norm
+over every stage.
 """
 
 from __future__ import annotations
@@ -82,14 +87,21 @@ def train_step(setup, micro_batches: Sequence[Any], optimizer: torch.optim.Optim
     shards = list(micro_batches) if sharded else [setup.shard(b) for b in micro_batches]
     step_tokens = global_token_count((s["labels"] for s in shards), setup.data_group, setup.device)
     losses, weighted = [], 0.0
-    for i, shard in enumerate(shards):
-        set_micro_batch_flags(setup, last=i == len(shards) - 1)
-        out = setup.compute_loss(shard, num_items=step_tokens)
-        out.loss.backward()
-        losses.append(out.value)
-        weighted += out.value * out.global_tokens
+    if getattr(setup, "pipeline", None) is not None:  # pp > 1: the schedule runs every micro-batch's fwd and bwd
+        for value, tokens in setup.pipeline_step(shards, step_tokens):
+            losses.append(value)
+            weighted += value * tokens
         if on_micro_batch is not None:
-            on_micro_batch(i + 1, len(shards))
+            on_micro_batch(len(shards), len(shards))
+    else:
+        for i, shard in enumerate(shards):
+            set_micro_batch_flags(setup, last=i == len(shards) - 1)
+            out = setup.compute_loss(shard, num_items=step_tokens)
+            out.loss.backward()
+            losses.append(out.value)
+            weighted += out.value * out.global_tokens
+            if on_micro_batch is not None:
+                on_micro_batch(i + 1, len(shards))
     setup.sync_gradients()
     if max_grad_norm is not None:
         grad_norm = setup.clip_grad_norm_(max_grad_norm)

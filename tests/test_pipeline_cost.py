@@ -298,11 +298,13 @@ def test_the_step_adds_up_with_the_bubble():
     assert _estimate(Layout(dp_shard=8)).time.pipeline_bubble_s == 0.0
 
 
-def test_the_runtime_holds_pp_at_one_and_refuses_pipelined_plans():
-    """Runtime PP is issue 19 item 3 (not built here): the runtime's own planning keeps pp at 1."""
-    from sp_plan.runtime.capabilities import runtime_unexecuted_degrees
+def test_the_runtime_executes_pp_but_plans_it_only_when_pinned():
+    """Runtime PP (issue 19 item 3, sp_plan.runtime.pipeline) runs a subset of pipelined plans: the runtime's own
+    planning keeps pp at 1 unless the user pins it (tests/test_pipeline_runtime.py covers the rest)."""
+    from sp_plan.runtime.capabilities import planner_constraints, runtime_unexecuted_degrees
 
-    assert "--pp 1" in runtime_unexecuted_degrees()["pp"]
+    assert "pp" not in runtime_unexecuted_degrees()
+    assert planner_constraints("llama")[0]["pp"] == 1
 
 
 def test_fsdp_under_pp_gathers_and_reduces_once_per_step_for_the_stage():
