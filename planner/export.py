@@ -73,7 +73,7 @@ ALST_ATTENTION = "sdpa"
 MAPPED_DEGREES: dict[str, frozenset[str]] = {
     "accelerate": frozenset({"dp_replicate", "dp_shard", "ring", "ulysses", "tp"}),
     "deepspeed": frozenset({"dp_replicate", "dp_shard", "ulysses", "tp"}),
-    "torchrun": frozenset({"dp_replicate", "dp_shard", "ring", "ulysses", "tp"}),
+    "torchrun": frozenset({"dp_replicate", "dp_shard", "ring", "ulysses", "tp", "pp"}),
 }
 
 

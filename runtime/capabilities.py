@@ -200,9 +200,6 @@ def planner_constraints(family: Family = "llama", model: Any = None) -> tuple[di
     adapter = adapter_named(family)
     fixed_layout = {dim: 1 for dim in _degrees_blocked(adapter, model)}
     fixed_options: dict[str, Any] = {option: False for option in _options_blocked(adapter, model)}
-    # The runtime runs a subset of pipelined plans (pipeline_reasons), which degree pins cannot express for a free
-    # search: the planner picks pp only when the user pins it (merge_constraints then pins what PP needs).
-    fixed_layout.setdefault("pp", 1)
     return fixed_layout, fixed_options
 
 
@@ -238,7 +235,6 @@ def merge_constraints(user_layout: Mapping[str, int], user_options: Mapping[str,
     fixed_layout, fixed_options = planner_constraints(adapter, model)
     blocked = _degrees_blocked(adapter, model)
     if user_layout.get("pp", 1) > 1 and "pp" not in blocked:
-        del fixed_layout["pp"]
         layout_pins, option_pins = _pipeline_pins(user_layout, user_options)
         fixed_layout.update(layout_pins)
         fixed_options.update(option_pins)

@@ -53,6 +53,12 @@ def probe_topology(world: int, device_type: str) -> Topology | None:
         return load_topology(str(result.path), world) if dist.get_rank() == 0 else None
 
 
+#: Degrees the runtime's own planning holds at 1 unless the user pins them. The runtime runs a subset of
+#: pipelined plans (capabilities.pipeline_reasons), which degree pins cannot express for a free search, so it
+#: plans pp only when asked to (merge_constraints then pins what its pipelines need).
+UNPINNED_DEFAULTS: dict[str, int] = {"pp": 1}
+
+
 def plan_for(spec: ModelSpec, base: TrainSpec, topology, world: int, *, global_batch: int | None = None,
              fixed_layout: Mapping[str, int] | None = None, fixed_options: Mapping[str, Any] | None = None,
              family: Family = "llama", stack: str | None = None, calibration: str | None = None) -> Plan:
@@ -62,6 +68,7 @@ def plan_for(spec: ModelSpec, base: TrainSpec, topology, world: int, *, global_b
     assumptions (its adapter's ``memory_assumptions``) on top."""
     adapter = adapter_named(family)
     layout_pins, option_pins = merge_constraints(fixed_layout or {}, fixed_options or {}, adapter, spec)
+    layout_pins = {**UNPINNED_DEFAULTS, **layout_pins}
     sequences = global_batch if global_batch is not None else base.micro_batch
     settings = PlanSettings(global_batch_tokens=sequences * base.seq_len, micro_batch_fixed=True,
                             fixed_layout=layout_pins, fixed_options=option_pins, stack=stack,

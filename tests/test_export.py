@@ -129,12 +129,12 @@ def test_export_cli(tmp_path):
     assert result.exit_code == 0 and yaml.safe_load(out.read_text())["distributed_type"] == "DEEPSPEED"
 
 
-@pytest.mark.parametrize("exporter, who", [(to_deepspeed, "DeepSpeed"), (to_accelerate, "Accelerate"),
-                                           (to_torchrun, "sp-plan's runtime")])
+@pytest.mark.parametrize("exporter, who", [(to_deepspeed, "DeepSpeed"), (to_accelerate, "Accelerate")])
 def test_a_degree_the_launcher_cannot_run_is_refused_not_dropped(exporter, who):
     plan = make_plan(gpus=16, pp=2, ulysses=8)
     with pytest.raises(PlannerError, match=f"{who}.* cannot run pp=2 .*re-plan with --pp 1"):
         exporter(plan)
+    assert "sp_plan.cli train --plan" in to_torchrun(plan).content  # sp-plan's runtime runs pipeline stages
 
 
 def test_the_cli_refuses_to_export_pipeline_stages_to_deepspeed(tmp_path):

@@ -171,7 +171,8 @@ def test_what_a_family_cannot_do_reaches_the_planner_and_the_refusals(toy_regist
     assert f"tp=2: {NO_TP}" in reasons and f"tiled_mlp: {NO_TILED_MLP}" in reasons
     assert unsupported_reasons(_plan(Layout(tp=2), tiled_mlp=True), "llama") == []
     layout, options = planner_constraints(toy_registered, SPEC)
-    assert layout == {"tp": 1} and options == {"tiled_mlp": False, "offload_checkpoints": False}
+    # pp: pipeline stages run only for the families the pipeline runtime knows (our Llama, HF), not a new one
+    assert layout == {"tp": 1, "pp": 1} and options == {"tiled_mlp": False, "offload_checkpoints": False}
     with pytest.raises(RuntimeConfigError, match=NO_TILED_MLP):
         merge_constraints({}, {"tiled_mlp": True}, "toy", SPEC)
     assert memory_assumptions("toy").norm_implementation == "eager"

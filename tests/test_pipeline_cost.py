@@ -301,10 +301,12 @@ def test_the_step_adds_up_with_the_bubble():
 def test_the_runtime_executes_pp_but_plans_it_only_when_pinned():
     """Runtime PP (issue 19 item 3, sp_plan.runtime.pipeline) runs a subset of pipelined plans: the runtime's own
     planning keeps pp at 1 unless the user pins it (tests/test_pipeline_runtime.py covers the rest)."""
-    from sp_plan.runtime.capabilities import planner_constraints, runtime_unexecuted_degrees
+    from sp_plan.runtime.capabilities import merge_constraints, runtime_unexecuted_degrees
+    from sp_plan.runtime.planning import UNPINNED_DEFAULTS
 
     assert "pp" not in runtime_unexecuted_degrees()
-    assert planner_constraints("llama")[0]["pp"] == 1
+    assert UNPINNED_DEFAULTS["pp"] == 1 and "pp" not in merge_constraints({}, {}, "llama")[0]
+    assert merge_constraints({"pp": 2}, {}, "llama")[0]["pp"] == 2
 
 
 def test_fsdp_under_pp_gathers_and_reduces_once_per_step_for_the_stage():

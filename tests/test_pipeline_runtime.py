@@ -201,7 +201,10 @@ def test_unsupported_pipelined_plans_are_refused_with_reasons() -> None:
     assert any(r.startswith("zero_bubble with the hf family:") for r in unsupported_reasons(zero_bubble, "hf"))
     assert any(r.startswith("offload_checkpoints with pp=2:") for r in reasons)
     assert unsupported_reasons(_plan(Layout(pp=2, ulysses=2)), "hf") == []
-    assert planner_constraints("llama")[0]["pp"] == 1  # the runtime's planner picks pp only when pinned
+    assert "pp" not in planner_constraints("llama")[0]  # pp runs; the runtime's planning picks it only when pinned
+    from sp_plan.runtime.planning import UNPINNED_DEFAULTS
+
+    assert UNPINNED_DEFAULTS == {"pp": 1}
     layout, options = merge_constraints({"pp": 2}, {"virtual_stages": 2})
     assert layout == {"pp": 2} and options["pipeline_schedule"] == "interleaved_1f1b"
     assert not options["offload_checkpoints"] and "tiled_loss" not in options
