@@ -335,12 +335,7 @@ def _gemm_timer(topology: Topology, fr: Fractions, gemm: GemmParams, sms: int,
     peak of the training dtype (or of fp8) and the kernel model's fractions."""
 
     def gemm_time(gemms: list[Gemm], fp8: bool = False, count: float = 1.0) -> float:
-        if fp8:
-            if "fp8" not in topology.gpu.peak_flops:
-                raise CostModelError(f"fp8_linears needs fp8 tensor cores; {topology.gpu.name} lists none")
-            p, f = topology.peak_flops("fp8") * fr.clock, fr.fp8_matmul
-        else:
-            p, f = peak, fr.matmul
+        p, f = _matmul_rate(topology, fr, peak, fp8)
         return count * sum(gemm_seconds(m, n, kk, p, f, gemm, sms) for m, n, kk in gemms)
 
     return gemm_time
@@ -371,6 +366,15 @@ def _attention_pass(cc: ComputeContext, gemm_time: Callable[..., float], seq_rin
     return mean_over_layers(cc.model, s, one_call)  # sliding-window layers run shorter calls
 
 
+def _matmul_rate(topology: Topology, fr: Fractions, peak: float, fp8: bool) -> tuple[float, float]:
+    """(peak FLOP/s, fraction of it) a GEMM runs at: the training dtype's, or the fp8 tensor cores'."""
+    if not fp8:
+        return peak, fr.matmul
+    if "fp8" not in topology.gpu.peak_flops:
+        raise CostModelError(f"fp8_linears needs fp8 tensor cores; {topology.gpu.name} lists none")
+    return topology.peak_flops("fp8") * fr.clock, fr.fp8_matmul
+
+
 #: A grouped GEMM's per-expert shapes: ``(m, n, k, experts)``, one entry per group of equally loaded experts.
 GroupedGemm = list[tuple[float, float, float, float]]
 
@@ -387,12 +391,7 @@ def _grouped_gemm_timer(topology: Topology, fr: Fractions, gemm: GemmParams, sms
     :func:`~sp_plan.cost_models.kernels.gemm_seconds` (a test checks it)."""
 
     def grouped_time(shapes: GroupedGemm, fp8: bool = False) -> float:
-        if fp8:
-            if "fp8" not in topology.gpu.peak_flops:
-                raise CostModelError(f"fp8_linears needs fp8 tensor cores; {topology.gpu.name} lists none")
-            p, f = topology.peak_flops("fp8") * fr.clock, fr.fp8_matmul
-        else:
-            p, f = peak, fr.matmul
+        p, f = _matmul_rate(topology, fr, peak, fp8)
         shapes = [(max(1, round(m)), max(1, round(n)), max(1, round(k)), c, 2.0 * m * n * k)
                   for m, n, k, c in shapes if m > 0 and n > 0 and k > 0 and c > 0]
         if not shapes:
