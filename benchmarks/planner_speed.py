@@ -90,7 +90,8 @@ def brute_worker(gpus: int, model_name: str, seq: int, mode: str) -> dict:
     def valid_combos(layout):
         lattice = s.lattice(layout)
         return lattice, [c for c in itertools.product(*(range(len(a.values)) for a in lattice.axes))
-                         if not invalid_reason(lattice.values(c))]
+                         if not invalid_reason(lattice.values(c))
+                         and not s.pipeline_invalid(layout, lattice.values(c))]
 
     combos = sum(len(valid_combos(layout)[1]) for layout in space.layouts)
     if combos <= BRUTE_FORCE_LIMIT:
