@@ -613,12 +613,7 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
                 queue.append((bound, i, next(order), layout, lattice, _UNCHECKED))
             continue
         for lattice in branches:
-            top = s.most_saving_valid(lattice)
-            top_core = s.memory(layout, s.train_for(layout, lattice.values(top)))
-            if not s.device_fits(top_core):
-                miss = _memory_rejection(layout, lattice.values(top), top_core, s)
-                if layout not in nearest_miss or _shortfall_order(miss) < _shortfall_order(nearest_miss[layout]):
-                    nearest_miss[layout] = miss
+            if not _most_saving_fits(s, layout, lattice, nearest_miss):
                 continue
             viable.add(layout)
             queue.append((s.bottom_bound(layout, lattice), i, next(order), layout, lattice, None))
@@ -640,12 +635,7 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
                        f"{settings.top_k} plans' cut-off of {_per_token(kth_best)}"))
             continue
         if start is _UNCHECKED:  # a pipelined branch: does anything fit? (as the loop above asks the others)
-            top = s.most_saving_valid(lattice)
-            top_core = s.memory(layout, s.train_for(layout, lattice.values(top)))
-            if not s.device_fits(top_core):
-                miss = _memory_rejection(layout, lattice.values(top), top_core, s)
-                if layout not in late_miss or _shortfall_order(miss) < _shortfall_order(late_miss[layout]):
-                    late_miss[layout] = miss
+            if not _most_saving_fits(s, layout, lattice, late_miss):
                 continue
             start = None
         if start is None:
@@ -726,6 +716,19 @@ def _per_token(score: float | None) -> str:
 
 def _structural(r: StructuralRejection) -> Rejection:
     return Rejection(layout=dict(r.degrees), kind="structure", reason=r.reason)
+
+
+def _most_saving_fits(s: _Searcher, layout: Layout, lattice: OptionLattice, misses: dict[Layout, Rejection]) -> bool:
+    """Whether the branch's most memory-saving valid options fit the device; when they do not, the miss is
+    kept in ``misses`` if it is the layout's nearest so far (the one --explain reports)."""
+    top = s.most_saving_valid(lattice)
+    top_core = s.memory(layout, s.train_for(layout, lattice.values(top)))
+    if s.device_fits(top_core):
+        return True
+    miss = _memory_rejection(layout, lattice.values(top), top_core, s)
+    if layout not in misses or _shortfall_order(miss) < _shortfall_order(misses[layout]):
+        misses[layout] = miss
+    return False
 
 
 def _shortfall_order(r: Rejection) -> float:
