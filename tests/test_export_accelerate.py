@@ -135,21 +135,27 @@ def test_accelerate_refuses_checkpoint_offload_naming_the_field():
         to_accelerate(make_plan(dp_shard=2, offload_checkpoints=True))
 
 
-@needs_deepspeed
-@pytest.mark.multiproc
-def test_accelerate_launch_runs_the_exported_ulysses_yaml(tmp_path):
-    """`accelerate launch --config_file <export>` on 2 CPU ranks: ALST gets the planned length and sdpa,
-    gradient accumulation comes from the YAML (the script leaves Accelerator's at 1)."""
-    config = write_yaml(make_plan(ulysses=2, zero_stage=3, grad_accum=2), tmp_path / "acc.yaml")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", TINY_NO_SHM="1", TINY_SEQ=str(SEQ), TINY_OUT=str(tmp_path),
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+def _launch(plan, tmp_path, **env_extra: str) -> list[dict]:
+    """`accelerate launch --config_file <the plan's export>` of the tiny script on 2 CPU ranks; each rank's report."""
+    config = write_yaml(plan, tmp_path / "acc.yaml")
+    env = dict(os.environ, **env_extra, TINY_SEQ=str(SEQ), TINY_OUT=str(tmp_path), OMP_NUM_THREADS="1",
+               PYTHONWARNINGS="ignore")
     env.pop("TINY_GRAD_ACCUM", None)
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
          "--main_process_port", str(free_port()), str(SCRIPT)],
         capture_output=True, text=True, timeout=150, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@needs_deepspeed
+@pytest.mark.multiproc
+def test_accelerate_launch_runs_the_exported_ulysses_yaml(tmp_path):
+    """`accelerate launch --config_file <export>` on 2 CPU ranks: ALST gets the planned length and sdpa,
+    gradient accumulation comes from the YAML (the script leaves Accelerator's at 1)."""
+    results = _launch(make_plan(ulysses=2, zero_stage=3, grad_accum=2), tmp_path, DS_ACCELERATOR="cpu",
+                      TINY_NO_SHM="1")
     for r in results:
         assert r["distributed_type"] == "DistributedType.DEEPSPEED" and r["world"] == 2 and r["sp"] == 2
         assert (r["sp_seq_length"], r["sp_seq_length_is_variable"]) == (SEQ, False)
@@ -164,16 +170,7 @@ def test_accelerate_launch_runs_the_exported_fsdp_yaml(tmp_path):
     """`accelerate launch --config_file <export>` of a dp_shard 2 plan on 2 CPU ranks: Accelerate's FSDP2
     shards every parameter over the 2 ranks (half the elements each), and two optimizer steps run in bf16
     mixed precision, each rank on its own rows."""
-    config = write_yaml(make_plan(dp_shard=2, zero_stage=3), tmp_path / "acc.yaml")
-    env = dict(os.environ, TINY_FSDP_ON_CPU="1", TINY_SEQ=str(SEQ), TINY_OUT=str(tmp_path), OMP_NUM_THREADS="1",
-               PYTHONWARNINGS="ignore")
-    env.pop("TINY_GRAD_ACCUM", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-         "--main_process_port", str(free_port()), str(SCRIPT)],
-        capture_output=True, text=True, timeout=150, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    results = _launch(make_plan(dp_shard=2, zero_stage=3), tmp_path, TINY_FSDP_ON_CPU="1")
     for r in results:
         assert r["distributed_type"] == "DistributedType.FSDP" and r["is_fsdp2"] and r["world"] == 2, r
         assert (r["dp_shard"], r["sp"], r["grad_accum"], r["mixed_precision"]) == (2, 1, 1, "bf16"), r

@@ -18,6 +18,8 @@ from sp_plan.planner.pipeline_options import SCHEDULES
 from sp_plan.planner.search import PlanSettings, _Searcher, brute_force_best, search
 from sp_plan.planner.space import layout_space
 
+from tests.search_checks import assert_search_equals_brute_force
+
 SP_PLAN = str(Path(sys.executable).with_name("sp-plan"))
 
 
@@ -46,12 +48,7 @@ def test_search_equals_brute_force_with_pipelines_under_every_stack(stack):
     topology = default_topology("h100-80gb", 8, 8)
     train = TrainSpec(seq_len=16384)
     settings = PlanSettings(top_k=3, fixed_layout={"pp": 4}, stack=stack)
-    best_score, _, _, _ = brute_force_best(model, train, topology, settings)
-    result = search(model, train, topology, settings)
-    if best_score == float("inf"):
-        assert not result.plans
-    else:
-        assert result.plans[0].score == pytest.approx(best_score, rel=1e-12)
+    assert_search_equals_brute_force(model, train, topology, settings)
 
 
 def test_schedule_branches_keep_the_lattice_monotone():

@@ -156,18 +156,12 @@ def test_search_finds_the_brute_force_optimum_under_gpu_stacks(stack, name, seq,
     """The pruning stays exact under the GPU stacks' memory models too (the tiled MLP is not monotone under
     hf-deepspeed; the search's bounds try it both ways)."""
     from sp_plan.cost_models import get_model_preset
-    from sp_plan.planner.search import brute_force_best
+    from tests.search_checks import assert_search_equals_brute_force
 
     model = get_model_preset(name)
     topology = default_topology("h100-80gb", gpus, min(8, gpus))
     train = TrainSpec(seq_len=seq)
-    settings = PlanSettings(top_k=3, stack=stack)
-    best_score, _, _, _ = brute_force_best(model, train, topology, settings)
-    result = search(model, train, topology, settings)
-    if best_score == float("inf"):
-        assert not result.plans
-    else:
-        assert result.plans[0].score == pytest.approx(best_score, rel=1e-12)
+    assert_search_equals_brute_force(model, train, topology, PlanSettings(top_k=3, stack=stack))
 
 
 def test_bounds_try_the_tiled_mlp_both_ways_where_it_costs_memory():
