@@ -73,17 +73,18 @@ ALST_ATTENTION = "sdpa"
 MAPPED_DEGREES: dict[str, frozenset[str]] = {
     "accelerate": frozenset({"dp_replicate", "dp_shard", "ring", "ulysses", "tp"}),
     "deepspeed": frozenset({"dp_replicate", "dp_shard", "ulysses", "tp"}),
-    "torchrun": frozenset({"dp_replicate", "dp_shard", "ring", "ulysses", "tp", "pp"}),
+    "torchrun": frozenset({"dp_replicate", "dp_shard", "ring", "ulysses", "tp", "pp", "ep"}),
 }
 
 
 def _refuse_unmapped_degrees(plan: Plan, target: str, who: str) -> None:
-    unmapped = {dim: d for dim, d in plan.layout.degrees().items() if d > 1 and dim not in MAPPED_DEGREES[target]}
+    """Refuse a degree above 1 (expert parallelism included) that the launcher's config cannot hold."""
+    unmapped = {dim: d for dim, d in plan.layout.as_dict().items() if d > 1 and dim not in MAPPED_DEGREES[target]}
     if unmapped:
         pins = " ".join(f"--{dim.replace('_', '-')} 1" for dim in unmapped)
         raise PlannerError(f"{who} cannot run {', '.join(f'{k}={v}' for k, v in unmapped.items())} "
                            f"({plan.layout.describe()}): this export would drop it; re-plan with {pins}"
-                           + (", or export --to megatron" if "pp" in unmapped else ""))
+                           + (", or export --to megatron" if {"pp", "ep"} & set(unmapped) else ""))
 
 
 def _refuse_accelerate(plan: Plan) -> None:

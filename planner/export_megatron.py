@@ -14,7 +14,16 @@ checkout is importable. How sp-plan's plan maps onto Megatron:
   ``--num-distributed-optimizer-instances`` (the optimizer sharded within each instance, replicated across);
   ``pp`` -> ``--pipeline-model-parallel-size`` (interleaved 1F1B: ``--num-virtual-stages-per-pipeline-rank``;
   a first or last stage with other layers than the middle ones: ``--decoder-first/last-pipeline-num-layers``,
-  Megatron splitting the rest evenly); expert parallelism is 1.
+  Megatron splitting the rest evenly); ``ep`` -> ``--expert-model-parallel-size`` (Megatron's expert ranks
+  are ``ep`` consecutive ranks after TP, carved from the context x data-parallel ranks: the planner's ``ep``
+  innermost shard-group ranks; expert TP stays the dense TP, Megatron's default).
+- mixture of experts -> ``--num-experts``, ``--moe-router-topk``, ``--moe-ffn-hidden-size``, the shared
+  experts' width, ``--moe-layer-freq`` for the dense layers (a pattern Megatron evaluates), dropless routing or
+  ``--moe-expert-capacity-factor`` with padding (the planner prices padded capacity), grouped GEMMs and the
+  all-to-all token dispatcher (what the cost model prices). The router's score function and group-limited
+  routing are the model recipe's, not the plan's (a note says so).
+- multi-head latent attention -> ``--multi-latent-attention`` with the latent ranks and head dims (and the
+  latent norms, ``--qk-layernorm``, as DeepSeek has them).
 - ZeRO-1 -> ``--use-distributed-optimizer`` (optimizer state and fp32 master weights sharded over the data x
   context parallel ranks); ZeRO-0 -> Megatron's DDP. ZeRO-2/3 are refused (Megatron-FSDP is another engine).
 - checkpointing ``full`` -> ``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``
@@ -61,9 +70,9 @@ MAPPED_MODEL_FIELDS = frozenset({
     "name", "published_params", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
     "ffn_hidden_size", "vocab_size", "tied_embeddings", "activation", "norm", "position_embedding",
     "max_position_embeddings", "qkv_bias", "attn_out_bias", "mlp_bias", "qk_norm", "attention_dropout",
-    "hidden_dropout",
+    "hidden_dropout", "published_active_params", "moe", "mla",
 })
-#: Layout degrees the arguments express; any other degree above 1 is refused.
+#: Layout degrees the arguments express; any other degree above 1 is refused (``ep`` is mapped too).
 MAPPED_DEGREES = frozenset({"dp_replicate", "dp_shard", "tp", "ulysses", "ring", "pp"})
 
 
@@ -157,7 +166,13 @@ def _model_refusal(model: ModelSpec) -> str | None:
                     "(it writes dense decoder-only GPT arguments); export --to torchrun")
     if model.position_embedding not in _POSITION:
         return f"{model.name}: Megatron's GPT has no {model.position_embedding} position embedding (rope or learned)"
+    if model.mla is not None and model.qk_norm:
+        return (f"{model.name}: Megatron's latent attention normalises the latents (--qk-layernorm), not per-head "
+                "queries and keys as well; export --to torchrun")
     biases = (model.qkv_bias, model.attn_out_bias, model.mlp_bias)
+    if model.moe is not None and any(biases):
+        return (f"{model.name}: Megatron's experts have no biases with tensor-parallel experts (its rule: bias "
+                "in MoE only with expert tensor parallelism 1); export --to torchrun")
     if any(biases) and not all(biases) and biases != (True, False, False):
         return (f"{model.name}: Megatron adds biases to every linear or (with --disable-bias-linear) to none but "
                 "optionally Q/K/V (--add-qkv-bias); this model's bias pattern is neither")
@@ -167,7 +182,7 @@ def _model_refusal(model: ModelSpec) -> str | None:
 def _layout_refusal(model: ModelSpec, train: TrainSpec, layout: Layout) -> str | None:
     unmapped = {dim: d for dim, d in layout.degrees().items() if dim not in MAPPED_DEGREES and d > 1}
     if unmapped:
-        return f"degrees {unmapped} have no mapping in this export (expert parallelism is 1)"
+        return f"degrees {unmapped} have no mapping in this export"
     pipeline = _pipeline_refusal(model, train, layout)
     if pipeline:
         return pipeline
@@ -196,9 +211,15 @@ def _layout_refusal(model: ModelSpec, train: TrainSpec, layout: Layout) -> str |
 def _model_args(model: ModelSpec, train: TrainSpec) -> list[str]:
     args = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
             "--ffn-hidden-size", str(model.ffn_hidden_size), "--num-attention-heads", str(model.num_heads)]
-    if model.num_kv_heads != model.num_heads:
-        args += ["--group-query-attention", "--num-query-groups", str(model.num_kv_heads)]
-    args += ["--kv-channels", str(model.head_dim), "--seq-length", str(train.seq_len),
+    if model.mla is not None:
+        args += _latent_attention_args(model)
+    else:
+        if model.num_kv_heads != model.num_heads:
+            args += ["--group-query-attention", "--num-query-groups", str(model.num_kv_heads)]
+        args += ["--kv-channels", str(model.head_dim)]
+    if model.moe is not None:
+        args += _expert_args(model)
+    args += ["--seq-length", str(train.seq_len),
              "--max-position-embeddings", str(max(train.seq_len, model.max_position_embeddings)),
              "--position-embedding-type", _POSITION[model.position_embedding],
              "--normalization", _NORM[model.norm]]
@@ -215,6 +236,45 @@ def _model_args(model: ModelSpec, train: TrainSpec) -> list[str]:
     # Megatron's defaults are 0.1; the plan's model says what it trains with.
     args += ["--attention-dropout", str(model.attention_dropout), "--hidden-dropout", str(model.hidden_dropout)]
     return args
+
+
+def _latent_attention_args(model: ModelSpec) -> list[str]:
+    """MLA: Megatron's ``--qk-head-dim`` is the content (no-RoPE) part, ``--qk-pos-emb-head-dim`` the decoupled
+    RoPE part; no ``--q-lora-rank`` means a full query projection (DeepSeek-V2-Lite)."""
+    mla = model.mla
+    assert mla is not None
+    args = ["--multi-latent-attention", "--qk-layernorm"]
+    if mla.q_lora_rank is not None:
+        args += ["--q-lora-rank", str(mla.q_lora_rank)]
+    return args + ["--kv-lora-rank", str(mla.kv_lora_rank), "--qk-head-dim", str(mla.qk_nope_head_dim),
+                   "--qk-pos-emb-head-dim", str(mla.qk_rope_head_dim), "--v-head-dim", str(mla.v_head_dim)]
+
+
+def moe_layer_pattern(num_layers: int, dense_layers: tuple[int, ...]) -> str:
+    """``--moe-layer-freq`` for dense layers among MoE ones: Megatron's list expression (1 = MoE layer) as runs,
+    e.g. ``[0]*3+[1]*58`` for DeepSeek-V3's three dense layers first."""
+    flags = [0 if i in dense_layers else 1 for i in range(num_layers)]
+    runs: list[list[int]] = []
+    for flag in flags:
+        if runs and runs[-1][0] == flag:
+            runs[-1][1] += 1
+        else:
+            runs.append([flag, 1])
+    return "+".join(f"[{flag}]*{count}" for flag, count in runs)
+
+
+def _expert_args(model: ModelSpec) -> list[str]:
+    moe = model.moe
+    assert moe is not None
+    args = ["--num-experts", str(moe.num_experts), "--moe-router-topk", str(moe.top_k),
+            "--moe-ffn-hidden-size", str(moe.expert_ffn_hidden_size)]
+    if moe.shared_width:
+        args += ["--moe-shared-expert-intermediate-size", str(moe.shared_width)]
+    if moe.dense_layers:
+        args += ["--moe-layer-freq", moe_layer_pattern(model.num_layers, moe.dense_layers)]
+    if moe.capacity_factor is not None:  # the planner prices every expert padded to its capacity
+        args += ["--moe-expert-capacity-factor", str(moe.capacity_factor), "--moe-pad-expert-input-to-capacity"]
+    return args + ["--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall"]
 
 
 def _recompute_args(train: TrainSpec) -> list[str]:
@@ -295,7 +355,7 @@ def _pipeline_args(plan: Plan) -> list[str]:
 def _parallel_args(plan: Plan) -> list[str]:
     layout, train = plan.layout, plan.train
     args = ["--tensor-model-parallel-size", str(layout.tp), *_pipeline_args(plan),
-            *_context_parallel_args(layout), "--expert-model-parallel-size", "1"]
+            *_context_parallel_args(layout), "--expert-model-parallel-size", str(layout.ep)]
     if layout.tp > 1 and train.tp_sequence_parallel:
         args.append("--sequence-parallel")
     if train.zero_stage == 1:
@@ -356,6 +416,14 @@ def _notes(plan: Plan) -> list[str]:
     ]
     if plan.hardware.num_nodes > 1:
         notes.append("run the same command on every node with NODE_RANK=0..N-1 and MASTER_ADDR=<first node>")
+    if plan.model.moe is not None:
+        notes.append("the router's score function, group-limited routing, expert bias and auxiliary-loss type and "
+                     "coefficient are the model recipe's (e.g. --moe-router-score-function sigmoid "
+                     "--moe-router-enable-expert-bias for DeepSeek-V3): add them; the plan fixes only the expert "
+                     "shapes, routing top-k, capacity and parallelism")
+    if plan.model.mla is not None:
+        notes.append("latent attention: add the model's RoPE scaling (--rotary-scaling-factor, --mscale, "
+                     "--mscale-all-dim for DeepSeek's YaRN); the plan does not record it")
     if plan.train.compiled:
         notes.append("train.compiled: Megatron does not torch.compile its layers (it runs fused TE/JIT kernels)")
     if plan.layout.tp > 1 and not plan.train.tp_sequence_parallel:
@@ -379,4 +447,4 @@ def to_megatron(plan: Plan) -> Export:
 
 
 __all__ = ["ATTENTION_BACKEND", "MEGATRON_STACK", "MegatronArguments", "megatron_arguments", "megatron_refusal",
-           "to_megatron"]
+           "moe_layer_pattern", "to_megatron"]

@@ -137,6 +137,16 @@ def test_a_degree_the_launcher_cannot_run_is_refused_not_dropped(exporter, who):
     assert "sp_plan.cli train --plan" in to_torchrun(plan).content  # sp-plan's runtime runs pipeline stages
 
 
+@pytest.mark.parametrize("exporter, who", [(to_deepspeed, "DeepSpeed"), (to_accelerate, "Accelerate")])
+def test_expert_parallelism_is_refused_where_the_launcher_has_none(exporter, who):
+    """ep is no mesh degree (it regroups shard-group ranks), so it must be checked apart from the degrees: an
+    exported config without it would train every expert on every rank."""
+    base = make_plan(gpus=8, ulysses=8)
+    plan = Plan(**{**dict(base), "model": get_model_preset("qwen3-30b-a3b"), "layout": Layout.for_world(8, ulysses=8, ep=4)})
+    with pytest.raises(PlannerError, match=f"{who}.* cannot run ep=4 .*re-plan with --ep 1, or export --to megatron"):
+        exporter(plan)
+
+
 def test_the_cli_refuses_to_export_pipeline_stages_to_deepspeed(tmp_path):
     path = tmp_path / "plan.yaml"
     make_plan(gpus=16, pp=2, ulysses=8).save(path)

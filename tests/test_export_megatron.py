@@ -21,6 +21,7 @@ import dataclasses
 import enum
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -69,6 +70,13 @@ PLANS = {
     "pp-interleaved": lambda: make_plan(gpus=16, pp=2, tp=8, seq_len=32768, grad_accum=4,
                                         pipeline_schedule="interleaved_1f1b", virtual_stages=2,
                                         stage_layers=(16, 16), checkpointing="full"),
+    # mixture of experts with expert parallelism over the Ulysses x data ranks (issue 20), and DeepSeek-V3's
+    # latent attention, shared expert and three dense layers under pipeline stages Megatron can split
+    "moe-ep": lambda: make_plan(model="qwen3-30b-a3b", gpus=16, ulysses=4, dp_shard=4, ep=8, seq_len=32768,
+                                checkpointing="full"),
+    "mla-moe-pp": lambda: make_plan(model="deepseek-v3", gpus=64, pp=8, ulysses=8, ep=8, seq_len=32768,
+                                    grad_accum=8, pipeline_schedule="1f1b", stage_layers=(6, 8, 8, 8, 8, 8, 8, 7),
+                                    checkpointing="full"),
 }
 
 
@@ -235,20 +243,41 @@ SCRIPT_FLAGS: dict[str, tuple[dict, dict | None]] = {
     "--decoder-first-pipeline-num-layers": ({"type": int}, None),
     "--decoder-last-pipeline-num-layers": ({"type": int}, None),
     "--num-virtual-stages-per-pipeline-rank": ({"type": int}, None),
+    # _add_moe_args (arguments.py 2691): the expert count; core_transformer_config_from_args renames it
+    "--num-experts": ({"type": int}, None),
 }
 #: Script flags whose value validate_args hands to a megatron-core config field.
 VALUE_FLAGS = {"--decoder-first-pipeline-num-layers": "num_layers_in_first_pipeline_stage",
                "--decoder-last-pipeline-num-layers": "num_layers_in_last_pipeline_stage",
-               "--num-virtual-stages-per-pipeline-rank": "virtual_pipeline_model_parallel_size"}
+               "--num-virtual-stages-per-pipeline-rank": "virtual_pipeline_model_parallel_size",
+               "--num-experts": "num_moe_experts"}
+
+
+def megatron_layer_pattern(text: str) -> int | list[int]:
+    """Megatron-LM's ``moe_freq_type`` (arguments.py 231): an int, or a list expression of digits, brackets,
+    commas, ``+`` and ``*`` that it evaluates (its ``_eval_pattern`` rule, applied here the same way)."""
+    if "[" not in text:
+        return int(text)
+    if re.search(r"[^,\d\[\]\(\)\+\*]", text):
+        raise ValueError(f"Invalid pattern: {text}")
+    return eval(text)  # noqa: S307 - the character check above is Megatron's own guard
+
+
+#: Config fields whose flag Megatron-LM parses with its own type function rather than the field's annotation.
+FIELD_TYPES = {"moe_layer_freq": megatron_layer_pattern}
 
 
 def _config_classes():
+    """megatron-core's config classes whose fields are flags: ``TransformerConfig`` first (its flags are
+    Megatron-LM's; ``MLATransformerConfig`` only adds the latent fields, whose defaults differ, e.g. its
+    ``multi_latent_attention`` is on), then what core_transformer_config_from_args builds under
+    ``--multi-latent-attention``."""
     core = pytest.importorskip("megatron.core", reason="megatron-core (the [test] extra) is not installed")
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    return core, (TransformerConfig, DistributedDataParallelConfig, OptimizerConfig)
+    return core, (TransformerConfig, MLATransformerConfig, DistributedDataParallelConfig, OptimizerConfig)
 
 
 def _argparse_kwargs(field: dataclasses.Field, hints: dict) -> tuple[list[str], dict]:
@@ -273,6 +302,8 @@ def _argparse_kwargs(field: dataclasses.Field, hints: dict) -> tuple[list[str], 
         kwargs = {"type": kind}
     else:
         kwargs = {}
+    if field.name in FIELD_TYPES:
+        kwargs = {"type": FIELD_TYPES[field.name]}
     meta = dict(field.metadata.get("argparse_meta", {}))
     names = meta.pop("arg_names", names)
     meta.pop("default", None)
@@ -281,7 +312,7 @@ def _argparse_kwargs(field: dataclasses.Field, hints: dict) -> tuple[list[str], 
 
 def parse_with_megatron_core(argv: list[str]):
     """The exported argv through a parser of megatron-core's config fields and the script flags; returns the
-    megatron-core configs built from it."""
+    megatron-core configs built from it (keyed by class name; the transformer's as ``TransformerConfig``)."""
     _, classes = _config_classes()
     parser = argparse.ArgumentParser(allow_abbrev=False, exit_on_error=False)
     dests: dict[str, set[str]] = {}
@@ -318,8 +349,10 @@ def parse_with_megatron_core(argv: list[str]):
     # OptimizerConfig asks Transformer Engine (a CUDA package, absent here) for its version when the precision-
     # aware optimizer is on; the stack runs TE 2.x, so the probe answers as that.
     with mock.patch("megatron.core.optimizer.optimizer_config.is_te_min_version", lambda *a, **k: True):
-        configs = {cls.__name__: cls(**{k: v for k, v in fields.items() if k in dests[cls.__name__]})
-                   for cls in classes}
+        transformer = classes[1] if fields.get("multi_latent_attention") else classes[0]
+        configs = {("TransformerConfig" if cls is transformer else cls.__name__):
+                   cls(**{k: v for k, v in fields.items() if k in dests[cls.__name__]})
+                   for cls in (transformer, *classes[2:])}
     return configs, script
 
 
@@ -332,7 +365,26 @@ def test_megatron_core_parses_and_validates_the_exported_arguments(name):
     layout = plan.layout
     assert (tc.num_layers, tc.hidden_size, tc.num_attention_heads) == \
         (plan.model.num_layers, plan.model.hidden_size, plan.model.num_heads)
-    assert tc.num_query_groups == plan.model.num_kv_heads and tc.kv_channels == plan.model.head_dim
+    model = plan.model
+    if model.mla is None:
+        assert tc.num_query_groups == model.num_kv_heads and tc.kv_channels == model.head_dim
+    else:  # latent attention: Megatron's qk_head_dim is the content part, qk_pos_emb_head_dim the RoPE part
+        assert (tc.q_lora_rank, tc.kv_lora_rank, tc.qk_head_dim, tc.qk_pos_emb_head_dim, tc.v_head_dim) == (
+            model.mla.q_lora_rank, model.mla.kv_lora_rank, model.mla.qk_nope_head_dim, model.mla.qk_rope_head_dim,
+            model.mla.v_head_dim)
+        assert tc.qk_head_dim + tc.qk_pos_emb_head_dim == model.head_dim and tc.multi_latent_attention
+    assert tc.expert_model_parallel_size == layout.ep
+    if model.moe is None:
+        assert tc.num_moe_experts is None
+    else:
+        moe = model.moe
+        assert (tc.num_moe_experts, tc.moe_router_topk, tc.moe_ffn_hidden_size) == (
+            moe.num_experts, moe.top_k, moe.expert_ffn_hidden_size)
+        assert (tc.moe_shared_expert_intermediate_size or 0) == moe.shared_width
+        freq = tc.moe_layer_freq
+        moe_layers = [i for i in range(model.num_layers) if (freq[i] if isinstance(freq, list) else i % freq == 0)]
+        assert len(moe_layers) == model.moe_layer_count and not set(moe.dense_layers) & set(moe_layers)
+        assert tc.moe_grouped_gemm and tc.moe_token_dispatcher_type == "alltoall"
     assert tc.gated_linear_unit and not tc.add_bias_linear and tc.normalization == "RMSNorm"
     assert tc.tensor_model_parallel_size == layout.tp and tc.pipeline_model_parallel_size == layout.pp
     assert tc.virtual_pipeline_model_parallel_size == (plan.train.virtual_stages if layout.pp > 1 and
@@ -375,11 +427,11 @@ def _megatron_lm_arguments():
     if not root:
         pytest.skip("Megatron-LM's arguments.py ships in no registry package: set MEGATRON_LM_ROOT to a checkout "
                     "(tag core_v0.16.1 matches the megatron-core wheel) to run its own parser")
-    import megatron
-
+    # `megatron` is a namespace package (the wheel has no __init__): its path is recomputed from sys.path, so the
+    # checkout joins it through sys.path (after the wheel's megatron.core), not by editing megatron.__path__.
+    if root not in sys.path:
+        sys.path.append(root)
     extra = str(Path(root) / "megatron")
-    if extra not in megatron.__path__:
-        megatron.__path__.append(extra)
     if "megatron.training" not in sys.modules:
         package = types.ModuleType("megatron.training")
         package.__path__ = [str(Path(extra) / "training")]
@@ -405,11 +457,41 @@ def test_megatron_lms_own_parser_accepts_the_exported_arguments(name, monkeypatc
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *args.argv])
     # validate_args asks the first CUDA device for its architecture: the plan's GPU is a Hopper (9.0).
     monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
+    monkeypatch.setattr(arguments.torch.cuda, "get_device_capability", lambda *a: (9, 0))  # grouped-GEMM check
+    # validate_args ends by printing the arguments through the trainer's utils (which import the legacy model
+    # package and Transformer Engine); every check runs before it.
+    monkeypatch.setattr(arguments, "_print_args", lambda *a, **k: None)
     parsed = arguments.parse_args()
     arguments.validate_args(parsed)
     assert parsed.data_parallel_size == plan.layout.dp
     assert parsed.context_parallel_size == plan.layout.ulysses * plan.layout.ring
     assert parsed.accumulate_allreduce_grads_in_fp32  # the stack's fp32 main gradients
+
+
+def test_experts_and_latent_attention_map_to_megatrons_moe_and_mla_flags():
+    from sp_plan.planner.export_megatron import moe_layer_pattern
+
+    assert moe_layer_pattern(61, (0, 1, 2)) == "[0]*3+[1]*58"
+    assert moe_layer_pattern(6, (1, 3, 5)) == "[1]*1+[0]*1+[1]*1+[0]*1+[1]*1+[0]*1"
+    assert megatron_layer_pattern(moe_layer_pattern(61, (0, 1, 2))) == [0] * 3 + [1] * 58
+    argv = list(megatron_arguments(PLANS["mla-moe-pp"]()).argv)
+
+    def value(flag: str) -> str:
+        return argv[argv.index(flag) + 1]
+
+    assert (value("--num-experts"), value("--moe-router-topk"), value("--moe-ffn-hidden-size")) == ("256", "8", "2048")
+    assert value("--moe-shared-expert-intermediate-size") == "2048" and value("--expert-model-parallel-size") == "8"
+    assert (value("--q-lora-rank"), value("--kv-lora-rank"), value("--qk-head-dim"), value("--qk-pos-emb-head-dim"),
+            value("--v-head-dim")) == ("1536", "512", "128", "64", "128")
+    assert "--group-query-attention" not in argv and "--kv-channels" not in argv
+    dense = list(megatron_arguments(PLANS["ring"]()).argv)
+    assert dense[dense.index("--expert-model-parallel-size") + 1] == "1" and "--num-experts" not in dense
+    # a capacity factor is exported with the padding the planner priced
+    plan = PLANS["moe-ep"]()
+    capped = plan.model.model_copy(update={"moe": plan.model.moe.model_copy(update={"capacity_factor": 1.25})})
+    argv = list(megatron_arguments(plan.model_copy(update={"model": capped})).argv)
+    assert argv[argv.index("--moe-expert-capacity-factor") + 1] == "1.25" and "--moe-pad-expert-input-to-capacity" in argv
+    assert any("router's score function" in note for note in to_megatron(PLANS["moe-ep"]()).notes)
 
 
 def test_pipeline_plans_megatron_cannot_express_are_refused_with_a_split_it_can():
