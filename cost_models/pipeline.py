@@ -102,6 +102,43 @@ def default_stage_layers(layers: int, p: int, v: int, head_layers: float) -> tup
     return (*split, last)
 
 
+@lru_cache(maxsize=4096)
+def first_even_last_split(layers: int, p: int, v: int, head_layers: float) -> tuple[int, ...] | None:
+    """The fastest split a stack that sets only the first and last stages' layers can run (Megatron-LM:
+    ``--decoder-first/last-pipeline-num-layers``, the middle split evenly; with ``v`` model chunks per stage
+    every stage a multiple of ``v``): the slowest stage, the last costing ``head_layers`` layers more, is
+    fastest; among equals the first such split found. None when no split of that form exists (whether one
+    exists does not depend on ``head_layers``)."""
+    best: tuple[float, tuple[int, ...]] | None = None
+    for first in range(v, layers + 1, v):
+        for last in range(v, layers - first + 1, v):
+            rest = layers - first - last
+            if p == 2:
+                if rest:
+                    continue
+                split: tuple[int, ...] = (first, last)
+            elif rest <= 0 or rest % (p - 2) or (rest // (p - 2)) % v:
+                continue
+            else:
+                split = (first, *[rest // (p - 2)] * (p - 2), last)
+            load = max(max(split[:-1]), split[-1] + head_layers)
+            if best is None or load < best[0] - 1e-12:
+                best = (load, split)
+    return best[1] if best else None
+
+
+def stack_stage_layers(model: ModelSpec, train: TrainSpec, layout: Layout, rule: str) -> tuple[int, ...] | None:
+    """The split a stack with split ``rule`` (its ``search.stage_split``: ``balanced``, any split, the default
+    :func:`default_stage_layers`; or ``first_even_last``, :func:`first_even_last_split`) runs for this plan when
+    ``train`` pins none. None: the plan's own split or the balanced default applies, or, under
+    ``first_even_last``, no split of that form exists."""
+    if layout.pp == 1 or rule == "balanced" or (train.stage_layers is not None
+                                                 and len(train.stage_layers) == layout.pp):
+        return None
+    return first_even_last_split(model.num_layers, layout.pp, train.virtual_stages,
+                                 round(head_layer_equivalents(model, train, layout), 6))
+
+
 def head_layer_equivalents(model: ModelSpec, train: TrainSpec, layout: Layout) -> float:
     """The LM head and loss in units of one layer's FLOPs (per micro-batch, forward + backward + recompute)."""
     w = microbatch_work(model, train, layout)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -31,6 +31,7 @@ from .fitted import fitted_parameters
 from .layout import Layout
 from .memory.assumptions import MemoryAssumptions
 from .model_spec import ModelSpec
+from .pipeline import first_even_last_split
 from .yaml_io import parse_mapping, validated
 
 #: The stack every command uses unless told otherwise: this project's runtime.
@@ -235,6 +236,23 @@ class StackSearch(BaseModel):
             "by 2 x CP even without ring."
         ),
     )
+
+    stage_split: Literal["balanced", "first_even_last"] = Field(
+        default="balanced",
+        description=(
+            "How the stack splits layers over pipeline stages when the plan pins no split: 'balanced' (any "
+            "split; sp-plan's runtime builds stages from the plan's list) or 'first_even_last' (Megatron-LM: "
+            "only the first and last stages' layers are settable, the middle is split evenly, and with virtual "
+            "stages every stage is a multiple of the chunks). Plans under the stack carry the split it runs."
+        ),
+    )
+
+    def stage_split_refusal(self, num_layers: int, pp: int, virtual_stages: int) -> str | None:
+        """Why no split of the stack's form exists for these stages and chunks, or None."""
+        if pp == 1 or self.stage_split == "balanced" or first_even_last_split(num_layers, pp, virtual_stages, 0.0):
+            return None
+        return (f"no split of {num_layers} layers over pp={pp} with {virtual_stages} chunks per stage has an even "
+                "middle with every stage a multiple of the chunks (what this stack can express)")
 
     def refusal(self, model: ModelSpec, layout: Layout, seq_len: int) -> str | None:
         """Why the stack cannot run ``layout`` for ``model`` at ``seq_len`` tokens, or None when it can."""

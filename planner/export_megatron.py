@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.model_spec import ModelSpec
-from sp_plan.cost_models.pipeline import head_layer_equivalents, stage_layers
+from sp_plan.cost_models.pipeline import first_even_last_split, head_layer_equivalents, stage_layers
 from sp_plan.cost_models.stack import prior_stack
 from sp_plan.cost_models.train_spec import TrainSpec
 
@@ -307,34 +307,13 @@ def _pipeline_refusal(model: ModelSpec, train: TrainSpec, layout: Layout) -> str
     split, v = stage_layers(model, train, layout), train.virtual_stages
     middle = set(split[1:-1])
     if len(middle) > 1:
-        hint = megatron_stage_split(model.num_layers, layout.pp, v, head_layer_equivalents(model, train, layout))
+        hint = first_even_last_split(model.num_layers, layout.pp, v, head_layer_equivalents(model, train, layout))
         return (f"stage split {list(split)}: Megatron splits the stages between the first and the last evenly; "
                 + (f"re-plan with --stage-layers {','.join(map(str, hint))}" if hint else "pin --stage-layers"))
     if v > 1 and any(n % v for n in split):
         return (f"stage split {list(split)} with {v} virtual stages: Megatron gives every model chunk of a stage "
                 f"the same layers, so each stage's layers must divide by {v}; pin --stage-layers")
     return None
-
-
-def megatron_stage_split(layers: int, p: int, v: int, head_layers: float) -> tuple[int, ...] | None:
-    """The split Megatron can express (first, an even middle, last; each a multiple of ``v``) whose slowest
-    stage, the last costing ``head_layers`` more, is fastest; None when there is none."""
-    best: tuple[float, tuple[int, ...]] | None = None
-    for first in range(v, layers + 1, v):
-        for last in range(v, layers - first + 1, v):
-            rest = layers - first - last
-            if p == 2:
-                if rest:
-                    continue
-                split: tuple[int, ...] = (first, last)
-            elif rest <= 0 or rest % (p - 2) or (rest // (p - 2)) % v:
-                continue
-            else:
-                split = (first, *[rest // (p - 2)] * (p - 2), last)
-            load = max(max(split[:-1]), split[-1] + head_layers)
-            if best is None or load < best[0] - 1e-12:
-                best = (load, split)
-    return best[1] if best else None
 
 
 def _pipeline_args(plan: Plan) -> list[str]:

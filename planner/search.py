@@ -32,7 +32,7 @@ from sp_plan.cost_models.estimate import Estimate, estimate, offload_capacity, o
 from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.memory import MemoryAssumptions, MemoryCore, host_memory, memory_core
 from sp_plan.cost_models.model_spec import ModelSpec
-from sp_plan.cost_models.pipeline import bubble_seconds
+from sp_plan.cost_models.pipeline import bubble_seconds, stack_stage_layers
 from sp_plan.cost_models.profile import CostProfile, load_calibration, resolve_profile
 from sp_plan.cost_models.stack import DEFAULT_STACK, shipped_stack_name
 from sp_plan.cost_models.time_model import OffloadTraffic, StepTime, step_time
@@ -330,7 +330,9 @@ class _Searcher:
         if layout.pp == 1:
             return None
         accum = max(1, self.sequences_per_rank(layout) // options["micro_batch"])
-        return pipeline_invalid(self.model, layout, options, accum)
+        return pipeline_invalid(self.model, layout, options, accum) or (
+            None if self.base.stage_layers is not None else
+            self.stack_search.stage_split_refusal(self.model.num_layers, layout.pp, options["virtual_stages"]))
 
     def lattices(self, layout: Layout) -> list[OptionLattice]:
         """One lattice per ZeRO stage to try (the stage is a branch, not a lattice axis).
@@ -369,7 +371,21 @@ class _Searcher:
         train = self._trains.get(key)
         if train is None:
             train = self._trains[key] = self.base.model_copy(update=update)
+        if layout.pp > 1 and self.stack_search.stage_split != "balanced":
+            train = self._stack_split(layout, train, key)
         return train
+
+    def _stack_split(self, layout: Layout, train: TrainSpec, key: tuple) -> TrainSpec:
+        """``train`` with the stage split the stack runs (its ``search.stage_split``) when none is pinned: the
+        plan then carries, and is priced with, a split its launcher can express."""
+        split = stack_stage_layers(self.model, train, layout, self.stack_search.stage_split)
+        if split is None:
+            return train
+        key = (*key, ("stage_layers", split))
+        with_split = self._trains.get(key)
+        if with_split is None:
+            with_split = self._trains[key] = train.model_copy(update={"stage_layers": split})
+        return with_split
 
     def memory(self, layout: Layout, train: TrainSpec) -> MemoryCore:
         self.memory_evals += 1

@@ -131,3 +131,71 @@ def test_search_under_megatron_needs_two_chunks_per_context_parallel_rank_even_w
     with pytest.raises(PlannerError, match="does not divide into 2 x 8 chunks"):
         search(model, TrainSpec(seq_len=odd), topology, PlanSettings(top_k=1, stack="megatron",
                                                                      fixed_layout={"ulysses": 8}))
+
+
+# ----- pipeline stages: the split Megatron-LM can express ---------------------------------------------------
+
+
+@pytest.mark.parametrize("layers, p, v", [(32, 4, 1), (61, 8, 1), (48, 2, 4), (32, 3, 4), (126, 16, 1), (80, 4, 2)])
+def test_the_first_even_last_split_is_one_megatron_can_express(layers, p, v):
+    from sp_plan.cost_models.pipeline import first_even_last_split
+
+    split = first_even_last_split(layers, p, v, 1.5)
+    assert split is not None and sum(split) == layers and len(split) == p
+    assert len(set(split[1:-1])) <= 1 and all(n % v == 0 for n in split)
+
+    def load(s):  # the slowest stage, the last carrying the head's 1.5 layers
+        return max(max(s[:-1]), s[-1] + 1.5)
+
+    forms = [(f, *[m] * (p - 2), last) for f in range(v, layers + 1, v) for m in range(v, layers + 1, v)
+             for last in range(v, layers + 1, v) if f + m * (p - 2) + last == layers and (p > 2 or m == v)]
+    assert load(split) == min(load(s) for s in forms)  # no split of Megatron's form is faster
+
+
+def test_no_split_of_megatrons_form_is_refused_with_the_reason():
+    from sp_plan.cost_models.pipeline import first_even_last_split
+
+    assert first_even_last_split(7, 2, 4, 0.0) is None  # two stages of multiples of 4 cannot hold 7 layers
+    stack = load_stack("megatron-core").search
+    assert "no split of 7 layers over pp=2 with 4 chunks" in stack.stage_split_refusal(7, 2, 4)
+    assert stack.stage_split_refusal(8, 2, 4) is None and load_stack("sp-plan").search.stage_split_refusal(7, 2, 4) is None
+
+
+def test_pipelined_plans_under_megatron_carry_a_split_megatron_can_run():
+    """The planner's own Megatron plans must export: before the stack's split rule, a balanced split with an uneven
+    middle (DeepSeek-V3's 61 layers over 8 stages: 7,7,8,...) or chunks that do not divide a stage (48 layers
+    as 25/23 with 4 chunks) were recommended and then refused by the exporter."""
+    from sp_plan.planner.export_megatron import megatron_refusal
+    from sp_plan.planner.plan import Hardware, Plan
+
+    model = get_model_preset("llama3-8b")
+    topology = default_topology(GPU, 32, 8)
+    result = search(model, TrainSpec(seq_len=32 * 1024), topology,
+                    PlanSettings(top_k=5, stack="megatron", fixed_layout={"pp": 4, "tp": 8}))
+    assert result.plans
+    for ranked in result.plans:
+        split = ranked.train.stage_layers
+        assert split is not None and len(set(split[1:-1])) == 1 and sum(split) == model.num_layers
+        plan = Plan(model=model, train=ranked.train, layout=ranked.layout,
+                    hardware=Hardware(num_gpus=32, gpus_per_node=8, gpu=GPU, topology="dgx-h100"))
+        assert megatron_refusal(plan) is None
+
+
+def test_search_equals_brute_force_with_the_megatron_split():
+    model = get_model_preset("llama3-8b")
+    topology = default_topology(GPU, 16, 8)
+    settings = PlanSettings(top_k=3, stack="megatron", fixed_layout={"pp": 2})
+    best_score, layout, options, _ = brute_force_best(model, TrainSpec(seq_len=32 * 1024), topology, settings)
+    result = search(model, TrainSpec(seq_len=32 * 1024), topology, settings)
+    assert best_score < float("inf") and result.plans[0].score == pytest.approx(best_score, rel=1e-12)
+
+
+def test_estimate_under_megatron_prices_the_split_megatron_runs():
+    ran = run_cli("estimate", "--model", "llama3-8b", "--seq-len", "32K", "--gpus", "32", "--pp", "4", "--tp", "8",
+                  "--stack", "megatron", "--schedule", "1f1b", "--json")
+    assert ran.returncode == 0, ran.stderr
+    stages = json.loads(ran.stdout)["detail"]["pipeline"]["stage_layers"]
+    assert len(set(stages[1:-1])) == 1 and sum(stages) == 32
+    bad = run_cli("estimate", "--model", "llama3-8b", "--seq-len", "32K", "--gpus", "16", "--pp", "2", "--tp", "8",
+                  "--stack", "megatron", "--schedule", "interleaved_1f1b", "--virtual-stages", "3", "--grad-accum", "2")
+    assert bad.returncode == 2 and "pin --stage-layers" in bad.stderr and "Traceback" not in bad.stderr

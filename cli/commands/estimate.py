@@ -8,11 +8,16 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
-from sp_plan.cost_models.errors import explain_validation_error
+from sp_plan.cost_models.errors import CostModelError, explain_validation_error
 from sp_plan.cost_models.estimate import Estimate, estimate
+from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.memory.kernel_limits import within_row_kernel_limit
 from sp_plan.cost_models.memory.report import ALLOCATED_COMPONENTS
+from sp_plan.cost_models.model_spec import ModelSpec
+from sp_plan.cost_models.pipeline import stack_stage_layers
+from sp_plan.cost_models.profile import CostProfile
 from sp_plan.cost_models.text_table import Column, format_table
+from sp_plan.cost_models.train_spec import TrainSpec
 from sp_plan.cost_models.units import GB, GiB, format_tokens
 
 from sp_plan.planner.sanity import check_figures
@@ -33,6 +38,19 @@ from .common import (
 )
 
 
+def _with_stack_split(model: ModelSpec, train: TrainSpec, layout: Layout, profile: CostProfile) -> TrainSpec:
+    """The stage split the stack runs when ``--stage-layers`` pins none (Megatron sets only the first and last
+    stages), as the planner prices it; refused when the stack has no split of its form for these stages."""
+    search = profile.stack.search
+    if layout.pp == 1 or train.stage_layers is not None:
+        return train
+    reason = search.stage_split_refusal(model.num_layers, layout.pp, train.virtual_stages)
+    if reason:
+        raise CostModelError(f"{reason}; pin --stage-layers, or change --pp or --virtual-stages")
+    split = stack_stage_layers(model, train, layout, search.stage_split)
+    return train if split is None else train.model_copy(update={"stage_layers": split})
+
+
 def run_estimate(model_name: str, gpus: int | None, gpus_per_node: int | None, gpu_name: str,
                  topology_ref: str | None, options: dict[str, Any]) -> Estimate:
     """Build the specs from CLI values and estimate; pydantic errors become one-line CostModelErrors."""
@@ -44,7 +62,7 @@ def run_estimate(model_name: str, gpus: int | None, gpus_per_node: int | None, g
         layout = build_layout(gpus, **layout_kwargs)
         profile = build_profile(topology.gpu.name, options.get("stack"), options.get("calibration"),
                                 build_assume(options.get("assume", ())))
-        return estimate(model, train, layout, topology, profile=profile)
+        return estimate(model, _with_stack_split(model, train, layout, profile), layout, topology, profile=profile)
     except ValidationError as exc:
         raise explain_validation_error(exc, "input") from exc
 
