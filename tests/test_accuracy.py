@@ -232,3 +232,25 @@ def test_megatron_bridge_flop_convention_matches_sp_plans_model_flops(runs):
         ours = predict(as_tflops, profile_for(run)) * 1e12 / predict(run, profile_for(run))  # FLOPs per token
         theirs = entry["model_tflops"] * 1e12 / entry["value"]
         assert ours == pytest.approx(theirs, rel=0.04), run.id
+
+
+def test_readme_split_rows_are_the_shipped_held_out_errors(runs):
+    """The README's three step-time rows are what the held-out errors stored with the fit give (the report's
+    summary lines): regenerate the README when the fit or the published data change."""
+    import pathlib
+
+    from sp_plan.planner.fitting.report import TARGETS, step_time_error
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    shipped = fitted_parameters()
+    by_id = {r.id: r for r in runs[0] if r.kind == "throughput"}
+    tables = {"source": shipped.held_out, **shipped.held_out_splits}
+    labels = {"source": "step time / throughput, leave one source out", "gpu-variant": "step time, leave one GPU "
+              "variant out", "stack": "step time, leave one stack out"}
+    for split, label in labels.items():
+        rows = [(by_id[i], e) for errs in tables[split].values() for i, e in errs.items() if i in by_id]
+        step = [step_time_error(r, e) for r, e in rows]
+        exact = [s for (r, _), s in zip(rows, step) if r.confidence == "exact"]
+        within = sum(abs(s) <= TARGETS["throughput"] for s in exact)
+        mean = sum(abs(s) for s in step) / len(step)
+        assert f"| {label} | within 15% | {within}/{len(exact)} (mean {mean:.1%}) |" in readme, split
