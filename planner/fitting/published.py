@@ -285,6 +285,12 @@ def _entry_model(entry: dict[str, Any]) -> ModelSpec:
     return with_load_imbalance(_model(entry["model"]), SOURCES[entry["source"]].moe_load_imbalance)
 
 
+def _caveat_flags(entry: dict[str, Any]) -> dict[str, bool]:
+    """Float8 linears and torch.compile, as torchtitan's tables state them in the caveat."""
+    caveat = entry.get("caveat", "")
+    return {"fp8_linears": "Float8" in caveat, "compiled": "compile" in caveat and "no torch.compile" not in caveat}
+
+
 def _parallel_train(entry: dict[str, Any]) -> dict[str, Any]:
     """Train options of the entry's pipeline (schedule, virtual stages, split) and its micro-batches per step."""
     kw = pipeline_train(entry, _model(entry["model"]))
@@ -344,9 +350,7 @@ def published_runs() -> tuple[list[MeasuredRun], list[Skipped]]:
         if metric not in METRICS:
             skipped.append(Skipped(_describe(entry), entry["source"], f"unknown metric {metric}"))
             continue
-        caveat = entry.get("caveat", "")
-        flags = {"fp8_linears": "Float8" in caveat, "compiled": "compile" in caveat and "no torch.compile" not in caveat}
-        extra = {k: True for k, on in flags.items() if on} | _parallel_train(entry)
+        extra = {k: True for k, on in _caveat_flags(entry).items() if on} | _parallel_train(entry)
         runs.append(_run(_describe(entry, entry["seq_len"]) + f" [{metric}]", entry, metric, entry["value"],
                          seq_len=entry["seq_len"], extra_train=extra))
 
@@ -356,8 +360,7 @@ def published_runs() -> tuple[list[MeasuredRun], list[Skipped]]:
 
     for entry in data.get("throughput", []):
         source = entry["source"]
-        caveat = entry.get("caveat", "")
-        extra = {"fp8_linears": "Float8" in caveat, "compiled": "compile" in caveat and "no torch.compile" not in caveat}
+        extra = _caveat_flags(entry)
         if "micro_batch" in entry:
             extra["micro_batch"] = entry["micro_batch"]
         if "global_batch" in entry:  # Megatron tables: precision from the source's defaults, not a caveat
