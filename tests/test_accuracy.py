@@ -216,6 +216,8 @@ def test_pipelined_and_moe_rows_run_as_published(runs):
     assert qwen235.layout.ep == 16 and "spans TP x DP" in qwen235.assumed  # published EP 32 over TP 2 x DP 16
     assert (qwen235.train.pipeline_schedule, qwen235.train.virtual_stages, qwen235.train.grad_accum) == (
         "interleaved_1f1b", 4, 512)
+    (deepseek,) = [r for r in moe if r.model.mla is not None]  # its recipe's layout Et*4|(t*4|)*14tmL per rank
+    assert deepseek.train.stage_layers == (8, 8, 8, 8, 8, 8, 8, 5)
     for r, value in zip(titan + bridge, predict_all(titan + bridge)):
         assert math.isfinite(value) and value > 0, r.id
 

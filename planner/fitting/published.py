@@ -132,10 +132,11 @@ SOURCES: dict[str, SourceSetup] = {
         {"zero_stage": 1, "checkpointing": "none", "fp8_linears": True, "tp_sequence_parallel": True},
         {},
         "DGX-H100 (FP8 current scaling) / DGX-B200 (MXFP8, priced as the fp8 tensor cores); Megatron-Core + "
-        "Transformer Engine performance recipes: distributed optimizer (ZeRO-1 over DP), no activation recompute "
-        "(the recipes set recompute off), TP with sequence parallelism, interleaved 1F1B where VP is given, the "
-        "planner's balanced layer split (the recipes' uneven splits are not in the table); MoE: routing "
-        "force-balanced (load imbalance 1.0), dropless, expert parallelism over the data-parallel ranks",
+        "Transformer Engine performance recipes (Megatron-Bridge v0.4.2 scripts/performance/configs): distributed "
+        "optimizer (ZeRO-1 over DP), no activation recompute (the Qwen recipes set it off; DeepSeek-V3's "
+        "recomputes its MLA up-projections and MLPs, not priced), TP with sequence parallelism, interleaved 1F1B "
+        "where VP is given, the planner's balanced layer split unless the recipe fixes a pipeline layout; MoE: "
+        "routing force-balanced (load imbalance 1.0), dropless, expert parallelism over the data-parallel ranks",
         moe_load_imbalance=1.0,
     ),
     "ulysses-paper-figures": SourceSetup(

@@ -35,7 +35,8 @@ def torchtitan_stage_layers(layers: int, pp: int, stages_per_rank: int) -> tuple
 
 def pipeline_train(entry: dict[str, Any], model: ModelSpec) -> dict[str, Any]:
     """TrainSpec options of a pipelined entry: its schedule and virtual stages (a VP without a schedule
-    means Megatron's interleaved 1F1B), and torchtitan's own layer split and sharding: under PP its FSDP2
+    means Megatron's interleaved 1F1B), the layers per rank where the entry gives them (``stage_layers``),
+    and otherwise torchtitan's own layer split; torchtitan's sharding: under PP its FSDP2
     blocks do not reshard after forward (9dec370 ``apply_fsdp``: "avoid per-microbatch all-gathers"), so the
     weights stay gathered through the step, ZeRO-2 in sp-plan's terms. Keys the entry does not give are left
     to the source's defaults."""
@@ -49,8 +50,11 @@ def pipeline_train(entry: dict[str, Any], model: ModelSpec) -> dict[str, Any]:
         kw["pipeline_schedule"] = "interleaved_1f1b"
     if virtual > 1:
         kw["virtual_stages"] = virtual
-    if entry["source"].startswith("torchtitan"):
+    if "stage_layers" in entry:  # a split the source's recipe fixes (e.g. a Megatron pipeline layout string)
+        kw["stage_layers"] = tuple(entry["stage_layers"])
+    elif entry["source"].startswith("torchtitan"):
         kw["stage_layers"] = torchtitan_stage_layers(model.num_layers, entry["pipeline"], virtual)
+    if entry["source"].startswith("torchtitan"):
         kw["zero_stage"] = 2
     return kw
 
