@@ -5,6 +5,7 @@ import math
 import pytest
 
 from sp_plan.cost_models import Layout, TrainSpec, get_model_preset
+from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.fitted import fitted_parameters
 from sp_plan.cost_models.gpu_spec import get_gpu_preset
 from sp_plan.cost_models.kernels import kernel_model
@@ -23,6 +24,7 @@ from sp_plan.planner.fitting.fit import (
 from sp_plan.planner.fitting.kernel_fit import fit_kernels
 from sp_plan.planner.fitting.parameters import SHIPPED_MIN_SOURCES, TIME_KINDS, published_fit_parameters
 from sp_plan.planner.fitting.published import published_entries, published_runs
+from sp_plan.planner.fitting.published_parallel import expert_degree, torchtitan_stage_layers
 from sp_plan.planner.fitting.report import errors_of
 from sp_plan.planner.fitting.runs import METRICS, MeasuredRun, predict
 
@@ -172,3 +174,85 @@ def test_the_llama3_405b_row_runs_with_its_pipeline(runs):
     assert (row.train.pipeline_schedule, row.train.grad_accum, row.train.seq_len) == ("interleaved_1f1b", 16, 131072)
     predicted = predict_all([row])[0]
     assert math.isfinite(predicted) and 0 < predicted < row.value  # the miss docs/accuracy.md explains
+
+
+def test_torchtitan_split_is_its_generated_split_points():
+    """torchtitan's generated split (9dec370 generate_split_points): the first stage gets layers // stages, the
+    middle stages one more while the remainder lasts, the last the rest; rank r holds stages r, r + pp, ..."""
+    assert torchtitan_stage_layers(126, 8, 1) == (15, 16, 16, 16, 16, 16, 16, 15)
+    assert torchtitan_stage_layers(126, 8, 2) == (15, 16, 16, 16, 16, 16, 16, 15)  # stages 7, 8 x 14, 7
+    assert torchtitan_stage_layers(10, 2, 2) == (5, 5)  # stages 2, 3, 3, 2
+    assert torchtitan_stage_layers(32, 4, 1) == (8, 8, 8, 8)
+    with pytest.raises(CostModelError, match="more stages than layers"):
+        torchtitan_stage_layers(8, 8, 2)
+
+
+def test_megatron_expert_parallel_folded_over_tp_maps_to_the_shard_group():
+    assert expert_degree({"ep": 16, "dp_shard": 16}) == (16, "")
+    ep, note = expert_degree({"ep": 32, "tp": 2, "dp_shard": 16})
+    assert ep == 16 and "spans TP x DP" in note
+    with pytest.raises(CostModelError, match="neither within the shard group"):
+        expert_degree({"ep": 24, "tp": 2, "dp_shard": 16})
+
+
+def test_pipelined_and_moe_rows_run_as_published(runs):
+    """torchtitan's 405B PP rows and Megatron-Bridge's pipelined and MoE rows are priced with their pipelines,
+    expert parallelism and force-balanced routing, each with a finite prediction."""
+    made, _ = runs
+    titan = [r for r in made if r.source == "torchtitan-405b-h100"]
+    assert len(titan) == 12 and all(r.confidence == "ambiguous" for r in titan)  # Tables 5-6: tokens/s, memory
+    for r in titan:
+        assert r.layout.pp == 8 and r.layout.tp == 8 and r.layout.world == 512
+        assert r.train.zero_stage == 2 and r.train.fp8_linears and r.train.compiled and r.train.grad_accum == 8
+        assert r.train.stage_layers == (15, 16, 16, 16, 16, 16, 16, 15)
+    assert {(r.train.pipeline_schedule, r.train.virtual_stages) for r in titan} == {("1f1b", 1),
+                                                                                   ("interleaved_1f1b", 2)}
+    bridge = [r for r in made if r.source == "megatron-bridge-perf"]
+    assert len(bridge) == 7 and all(r.stack == "megatron-core" for r in bridge)
+    moe = [r for r in bridge if r.model.moe is not None]
+    assert len(moe) == 5 and all(r.layout.ep > 1 and r.model.moe.load_imbalance == 1.0 for r in moe)
+    assert {r.topology for r in bridge} == {"dgx-h100", "dgx-b200"}
+    (qwen235,) = [r for r in moe if r.layout.pp == 8 and r.layout.tp == 2]
+    assert qwen235.layout.ep == 16 and "spans TP x DP" in qwen235.assumed  # published EP 32 over TP 2 x DP 16
+    assert (qwen235.train.pipeline_schedule, qwen235.train.virtual_stages, qwen235.train.grad_accum) == (
+        "interleaved_1f1b", 4, 512)
+    (deepseek,) = [r for r in moe if r.model.mla is not None]  # its recipe's layout Et*4|(t*4|)*14tmL per rank
+    assert deepseek.train.stage_layers == (8, 8, 8, 8, 8, 8, 8, 5)
+    for r, value in zip(titan + bridge, predict_all(titan + bridge)):
+        assert math.isfinite(value) and value > 0, r.id
+
+
+def test_megatron_bridge_flop_convention_matches_sp_plans_model_flops(runs):
+    """Megatron-Bridge's Model TFLOP/s over its tokens/s is its FLOPs per token (active parameters for MoE):
+    sp-plan's model FLOPs per token agree within 4% on every row, so comparing tokens/s compares like with like."""
+    made, _ = runs
+    bridge = [r for r in made if r.source == "megatron-bridge-perf"]
+    entries = [e for e in published_entries()["throughput"] if e["source"] == "megatron-bridge-perf"]
+    assert len(entries) == len(bridge)
+    for run, entry in zip(bridge, entries):
+        as_tflops = run.model_copy(update={"metric": "tflops_per_gpu", "flop_convention": "model"})
+        ours = predict(as_tflops, profile_for(run)) * 1e12 / predict(run, profile_for(run))  # FLOPs per token
+        theirs = entry["model_tflops"] * 1e12 / entry["value"]
+        assert ours == pytest.approx(theirs, rel=0.04), run.id
+
+
+def test_readme_split_rows_are_the_shipped_held_out_errors(runs):
+    """The README's three step-time rows are what the held-out errors stored with the fit give (the report's
+    summary lines): regenerate the README when the fit or the published data change."""
+    import pathlib
+
+    from sp_plan.planner.fitting.report import TARGETS, step_time_error
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    shipped = fitted_parameters()
+    by_id = {r.id: r for r in runs[0] if r.kind == "throughput"}
+    tables = {"source": shipped.held_out, **shipped.held_out_splits}
+    labels = {"source": "step time / throughput, leave one source out", "gpu-variant": "step time, leave one GPU "
+              "variant out", "stack": "step time, leave one stack out"}
+    for split, label in labels.items():
+        rows = [(by_id[i], e) for errs in tables[split].values() for i, e in errs.items() if i in by_id]
+        step = [step_time_error(r, e) for r, e in rows]
+        exact = [s for (r, _), s in zip(rows, step) if r.confidence == "exact"]
+        within = sum(abs(s) <= TARGETS["throughput"] for s in exact)
+        mean = sum(abs(s) for s in step) / len(step)
+        assert f"| {label} | within 15% | {within}/{len(exact)} (mean {mean:.1%}) |" in readme, split

@@ -138,7 +138,9 @@ _DEPENDENCE = 1e-3
 def dependent_sources(runs: Sequence[MeasuredRun], params: Sequence[Parameter]) -> dict[str, set[str]]:
     """Parameter name -> the sources with at least one figure whose prediction moves with it (probed by
     a 5% step from the prior: a parameter can apply to a run, e.g. a backward efficiency to a
-    forward-only benchmark, without the run depending on it)."""
+    forward-only benchmark, without the run depending on it). Figures the fit gives no weight (a chart
+    reading, an unstated setting: :data:`CONFIDENCE_WEIGHT`) constrain nothing and are not counted."""
+    runs = [r for r in runs if CONFIDENCE_WEIGHT.get(r.confidence, 1.0) > 0]
     base_values = [p.prior for p in params]
     base = log_residuals(runs, predict_all(runs, params, base_values))
     out: dict[str, set[str]] = {}

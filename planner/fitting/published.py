@@ -5,7 +5,9 @@ leave implicit and the model needs: the machine (a topology preset), the softwar
 named recipe implies ("alst" = ZeRO-3 + optimizer offload + checkpointing + tiled MLP + checkpoint
 offload + fused loss), the model shapes for models named only by their size, and the FLOP convention of
 TFLOP/s figures. Everything assumed is stated in the run's ``assumed`` text, which the accuracy report
-prints. Entries the model cannot represent (pipeline parallelism) are returned as skipped, with why.
+prints. Pipelined entries run with their schedule, micro-batches and (where the source's code fixes it) its
+layer split; mixture-of-experts entries with their expert-parallel degree and the source's routing balance.
+Entries the model cannot represent are returned as skipped, with why.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ from sp_plan.cost_models.model_spec import ModelSpec, get_model_preset
 from sp_plan.cost_models.train_spec import TrainSpec
 from sp_plan.cost_models.yaml_io import safe_load
 
+from .published_parallel import (
+    expert_degree,
+    global_batch_accumulation,
+    pipeline_train,
+    with_load_imbalance,
+)
 from .runs import METRICS, MeasuredRun
 
 
@@ -35,6 +43,8 @@ class SourceSetup:
     memory_overrides: dict[str, Any]
     note: str
     time_overrides: dict[str, Any] = field(default_factory=dict)
+    #: MoE routing balance the source states (busiest expert / mean); None: the model preset's default.
+    moe_load_imbalance: float | None = None
 
 
 #: Per source: the machine, the stack and the defaults its text implies (see the YAML's `sources:`).
@@ -47,6 +57,12 @@ SOURCES: dict[str, SourceSetup] = {
     "torchtitan-h100": SourceSetup(
         "grand-teton-h100", "torchtitan", {"zero_stage": 3}, {},
         "Grand Teton H100 96GB; FSDP2 reshard-after-forward (ZeRO-3)",
+    ),
+    "torchtitan-405b-h100": SourceSetup(
+        "grand-teton-h100", "torchtitan", {"zero_stage": 3}, {},
+        "Grand Teton H100 96GB, 512 GPUs; FSDP2 without resharding after forward under PP (ZeRO-2), torchtitan's "
+        "generated layer split and its default micro-batch count (pp degree) at the benchmarked commit; AsyncTP "
+        "(TP communication overlapped with its GEMMs) is not modelled: TP communication is priced exposed",
     ),
     "llm-foundry-h100": SourceSetup(
         "dgx-h100", "torchtitan", {"zero_stage": 3}, {},
@@ -111,6 +127,18 @@ SOURCES: dict[str, SourceSetup] = {
         "data-parallel rank (the 16M-token batch over dp 8), selective recompute assumed (not stated); their context "
         "parallelism all-gathers K/V where sp-plan prices a ring",
     ),
+    "megatron-bridge-perf": SourceSetup(
+        "dgx-h100", "megatron-core",
+        {"zero_stage": 1, "checkpointing": "none", "fp8_linears": True, "tp_sequence_parallel": True},
+        {},
+        "DGX-H100 (FP8 current scaling) / DGX-B200 (MXFP8, priced as the fp8 tensor cores); Megatron-Core + "
+        "Transformer Engine performance recipes (Megatron-Bridge v0.4.2 scripts/performance/configs): distributed "
+        "optimizer (ZeRO-1 over DP), no activation recompute (the Qwen recipes set it off; DeepSeek-V3's "
+        "recomputes its MLA up-projections and MLPs, not priced), TP with sequence parallelism, interleaved 1F1B "
+        "where VP is given, the planner's balanced layer split unless the recipe fixes a pipeline layout; MoE: "
+        "routing force-balanced (load imbalance 1.0), dropless, expert parallelism over the data-parallel ranks",
+        moe_load_imbalance=1.0,
+    ),
     "ulysses-paper-figures": SourceSetup(
         "dgx-a100", "hf-deepspeed", {"micro_batch": 1}, {},
         "8 DGX-A100 nodes (IB HDR); Megatron-DeepSpeed GPT; TFLOP/s by Megatron-DeepSpeed's formula",
@@ -156,6 +184,9 @@ MODEL_ALIASES = {
     "qwen2.5-14b": "qwen2.5-14b",
     "qwen2.5-72b": "qwen2.5-72b",
     "llama2-7b": "llama2-7b",
+    "qwen3-30b-a3b": "qwen3-30b-a3b",
+    "qwen3-235b-a22b": "qwen3-235b-a22b",
+    "deepseek-v3": "deepseek-v3",
     "mpt-7b": "mpt-7b",
     "mpt-7b (32L, d4096, 32 heads, vocab 50368)": "mpt-7b",
     # Ring Attention's "LLaMA architecture" models: dimensions unpublished; LLaMA-1's are assumed.
@@ -192,6 +223,9 @@ OPTION_BUNDLES: dict[str, dict[str, Any]] = {
     "alst without checkpoint offload": {"tiled_mlp": True},
     "alst + parameter offload": {"tiled_mlp": True, "offload_checkpoints": True, "offload_params": True},
 }
+
+#: The machines the Megatron tables name (their `system` column).
+SYSTEM_TOPOLOGIES = {"h100": "dgx-h100", "b200": "dgx-b200"}
 
 _OPTION_KEYS = ("zero", "checkpointing", "micro_batch", "dtype", "offload_checkpoints")
 
@@ -244,7 +278,26 @@ def _layout(entry: dict[str, Any]) -> Layout:
     degrees = {k: entry[k] for k in registry.innermost_first() if k in entry}
     if "pipeline" in entry:  # the published files say "pipeline" for the pp degree
         degrees["pp"] = entry["pipeline"]
-    return Layout.for_world(entry["gpus"], **degrees)
+    return Layout.for_world(entry["gpus"], **degrees, ep=expert_degree(entry)[0])
+
+
+def _entry_model(entry: dict[str, Any]) -> ModelSpec:
+    """The entry's model, with the routing balance its source states."""
+    return with_load_imbalance(_model(entry["model"]), SOURCES[entry["source"]].moe_load_imbalance)
+
+
+def _caveat_flags(entry: dict[str, Any]) -> dict[str, bool]:
+    """Float8 linears and torch.compile, as torchtitan's tables state them in the caveat."""
+    caveat = entry.get("caveat", "")
+    return {"fp8_linears": "Float8" in caveat, "compiled": "compile" in caveat and "no torch.compile" not in caveat}
+
+
+def _parallel_train(entry: dict[str, Any]) -> dict[str, Any]:
+    """Train options of the entry's pipeline (schedule, virtual stages, split) and its micro-batches per step."""
+    kw = pipeline_train(entry, _model(entry["model"]))
+    if "grad_accum" in entry:  # micro-batches per step: what a pipeline's bubble depends on
+        kw["grad_accum"] = entry["grad_accum"]
+    return kw
 
 
 def _run(id_: str, entry: dict[str, Any], metric: str, value: float, *, seq_len: int, group: str | None = None,
@@ -254,7 +307,8 @@ def _run(id_: str, entry: dict[str, Any], metric: str, value: float, *, seq_len:
     source = entry["source"]
     setup = SOURCES[source]
     entry_train, entry_note = ENTRY_ASSUMPTIONS[source](entry) if source in ENTRY_ASSUMPTIONS else ({}, "")
-    assumed = "; ".join(x for x in (assumed, entry_note) if x)
+    ep_note = expert_degree(entry)[1] if layout is None else ""
+    assumed = "; ".join(x for x in (assumed, entry_note, ep_note) if x)
     kw = _train_kwargs(entry, setup) | entry_train | (extra_train or {})
     kw["seq_len"] = seq_len
     if kw.get("mode") == "prefill":
@@ -262,7 +316,7 @@ def _run(id_: str, entry: dict[str, Any], metric: str, value: float, *, seq_len:
     train = TrainSpec(**kw)
     return MeasuredRun(
         id=id_, source=source, metric=metric, value=float(value), confidence=entry.get("confidence", "exact"),
-        caveat=entry.get("caveat", ""), group=group, model=model or _model(entry["model"]), train=train,
+        caveat=entry.get("caveat", ""), group=group, model=model or _entry_model(entry), train=train,
         layout=layout or _layout(entry), topology=topology or setup.topology, stack=setup.stack,
         memory_overrides=dict(setup.memory_overrides), time_overrides=dict(setup.time_overrides),
         flop_convention=flop_convention,  # type: ignore[arg-type]
@@ -280,6 +334,9 @@ def _describe(entry: dict[str, Any], seq_len: int | None = None) -> str:
                     if key in entry)
     extra += " ckpt-offload" if entry.get("offload_checkpoints") else ""
     extra += f" offload-{entry['offload']}" if "offload" in entry else ""
+    extra += f" ep{entry['ep']}" if entry.get("ep", 1) > 1 else ""
+    extra += f" {entry['schedule']}" if "schedule" in entry else ""
+    extra += f" vp{entry['virtual_stages']}" if entry.get("virtual_stages", 1) > 1 else ""
     return f"{entry['source']}: {entry['model'].split(' (')[0]} {entry['gpus']}gpu {layout}{seq}{opts}{extra}"
 
 
@@ -294,8 +351,9 @@ def published_runs() -> tuple[list[MeasuredRun], list[Skipped]]:
         if metric not in METRICS:
             skipped.append(Skipped(_describe(entry), entry["source"], f"unknown metric {metric}"))
             continue
+        extra = {k: True for k, on in _caveat_flags(entry).items() if on} | _parallel_train(entry)
         runs.append(_run(_describe(entry, entry["seq_len"]) + f" [{metric}]", entry, metric, entry["value"],
-                         seq_len=entry["seq_len"]))
+                         seq_len=entry["seq_len"], extra_train=extra))
 
     for entry in data.get("max_length", []):
         runs.append(_run(_describe(entry) + " [max len]", entry, "max_seq_len", entry["value"],
@@ -303,19 +361,17 @@ def published_runs() -> tuple[list[MeasuredRun], list[Skipped]]:
 
     for entry in data.get("throughput", []):
         source = entry["source"]
-        caveat = entry.get("caveat", "")
-        extra = {"fp8_linears": "Float8" in caveat, "compiled": "compile" in caveat and "no torch.compile" not in caveat}
+        extra = _caveat_flags(entry)
         if "micro_batch" in entry:
             extra["micro_batch"] = entry["micro_batch"]
-        if "grad_accum" in entry:  # micro-batches per step: what a pipeline's bubble depends on
-            extra["grad_accum"] = entry["grad_accum"]
-        convention = "megatron_deepspeed" if source == "ulysses-paper-figures" else "model"
-        topology = None
-        if source == "nemo-long-sequence":
-            extra = {"grad_accum": max(1, entry["global_batch"] // entry["dp_shard"])}
-            convention = "nemo_llama"
-            topology = "dgx-b200" if entry["system"] == "b200" else "dgx-h100"
-        table = f"{source}: {_model(entry['model']).name}"
+        if "global_batch" in entry:  # Megatron tables: precision from the source's defaults, not a caveat
+            extra = {"grad_accum": global_batch_accumulation(entry)} | (
+                {"micro_batch": entry["micro_batch"]} if "micro_batch" in entry else {})
+        extra |= _parallel_train(entry)
+        convention = {"ulysses-paper-figures": "megatron_deepspeed", "nemo-long-sequence": "nemo_llama"}.get(source,
+                                                                                                          "model")
+        topology = SYSTEM_TOPOLOGIES[entry["system"]] if "system" in entry else None
+        table = entry.get("table") or f"{source}: {_model(entry['model']).name}"
         if "points" in entry:
             for seq, value in entry["points"].items():
                 runs.append(_run(_describe(entry, seq) + f" [{entry['metric']}]", entry, entry["metric"], value,
