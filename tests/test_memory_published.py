@@ -86,3 +86,15 @@ def test_alst_gpu_bound_lengths_are_no_longer_far_over():
                 and run.layout.world >= 16:
             ratio = max_seq_len(run, _profile(run)) / run.value
             assert 1.0 <= ratio <= 1.35, (run.id, ratio)
+
+
+BLOG_MAX = [r for r in RUNS if r.kind == "max_length" and r.source == "hf-ulysses-blog"]
+
+
+def test_ulysses_blog_max_length_lies_in_the_published_bracket():
+    """The HF Ulysses blog's Qwen3-4B SP=4 run (4 x H100, ZeRO-3 + CPU Adam, HF checkpointing, no Liger or
+    tiling) ran at 96K (98,304) and ran out of GPU memory at 128K (131,072): a limit bracketed on both sides.
+    The model's longest fitting length, layout and options as the run had them, must fall inside it."""
+    (run,) = BLOG_MAX
+    predicted = max_seq_len(run, _profile(run))
+    assert run.value <= predicted < 131072, predicted

@@ -169,6 +169,8 @@ def fit(runs: Sequence[MeasuredRun], params: Sequence[Parameter], *, min_sources
     runs = list(runs)
     if not runs:
         raise CostModelError("no measured runs to fit: give at least one run per parameter")
+    # Only figures the fit weighs count as a source constraining a parameter (dependent_sources drops the
+    # rest): a chart reading (weight 0) beside one exact source must not let that one source ship a constant.
     depends = dependent_sources(runs, params)
     used = [p for p in params if len(depends[p.name]) >= max(1, min_sources)]
     per_source = {s: sum(r.source == s for r in runs) for s in {r.source for r in runs}}

@@ -143,7 +143,20 @@ SOURCES: dict[str, SourceSetup] = {
         "dgx-a100", "hf-deepspeed", {"micro_batch": 1}, {},
         "8 DGX-A100 nodes (IB HDR); Megatron-DeepSpeed GPT; TFLOP/s by Megatron-DeepSpeed's formula",
     ),
+    "hf-ulysses-blog": SourceSetup(
+        "dgx-h100", "hf-deepspeed",
+        {"zero_stage": 3, "offload_optimizer": True, "checkpointing": "full", "micro_batch": 1, "tiled_loss": False},
+        # No Liger: HF's eager RMSNorm (q/k norms too), SwiGLU and RoPE; transformers >= 5 returns bf16 logits
+        # and ForCausalLMLoss upcasts them (the stack's 'hf' cross-entropy).
+        {"norm_implementation": "eager", "mlp_implementation": "eager", "rope_implementation": "eager"},
+        "H100 80GB (machine not named: a DGX H100's NVLink assumed); TRL SFTTrainer + Accelerate + DeepSpeed ZeRO-3 "
+        "with CPU Adam, HF gradient checkpointing, flash-attn 2, DeepSpeed Ulysses, no Liger/TiledMLP/checkpoint "
+        "offload; one book-length document per sequence (Gutenberg English); the job's tokens/s divided by its GPUs",
+    ),
 }
+
+#: Job-wide metrics a source publishes, as (per-GPU metric they are compared as, divide by the GPUs).
+JOB_TOTAL_METRICS = {"tps_total": "tps_per_gpu"}
 
 
 def _arctic_entry(entry: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -187,6 +200,7 @@ MODEL_ALIASES = {
     "qwen3-30b-a3b": "qwen3-30b-a3b",
     "qwen3-235b-a22b": "qwen3-235b-a22b",
     "deepseek-v3": "deepseek-v3",
+    "qwen3-4b": "qwen3-4b",
     "mpt-7b": "mpt-7b",
     "mpt-7b (32L, d4096, 32 heads, vocab 50368)": "mpt-7b",
     # Ring Attention's "LLaMA architecture" models: dimensions unpublished; LLaMA-1's are assumed.
@@ -378,9 +392,13 @@ def published_runs() -> tuple[list[MeasuredRun], list[Skipped]]:
                                  seq_len=int(seq), group=table, extra_train=extra,
                                  flop_convention=convention))
         else:
-            runs.append(_run(_describe(entry, entry["seq_len"]) + f" [{entry['metric']}]", entry, entry["metric"],
-                             entry["value"], seq_len=entry["seq_len"], group=table,
-                             extra_train=extra, flop_convention=convention, topology=topology))
+            metric, value, assumed = entry["metric"], entry["value"], ""
+            if metric in JOB_TOTAL_METRICS:
+                metric, value = JOB_TOTAL_METRICS[metric], value / entry["gpus"]
+                assumed = f"published {entry['value']:g} {entry['metric']} / {entry['gpus']} GPUs"
+            runs.append(_run(_describe(entry, entry["seq_len"]) + f" [{metric}]", entry, metric,
+                             value, seq_len=entry["seq_len"], group=table,
+                             extra_train=extra, flop_convention=convention, topology=topology, assumed=assumed))
 
     for entry in data.get("kernel", []):
         source = entry["source"]
