@@ -19,8 +19,10 @@ So the public entry points (:mod:`.api`) widen the narrower side with zeros befo
   softmax scale is taken from the ORIGINAL q/k head dim first.
 
 Cost: the padded columns are computed and, under Ulysses, sent (DeepSeek-V3: V and the output travel
-at 192 instead of 128 columns, 1.5x their bytes). Exactness first; a two-dim all-to-all and kernels
-that take a narrower V (FA3's hdimV) are the way to drop that cost.
+at 192 instead of 128 columns, 1.5x their bytes). That is what the planner prices: an MLA ModelSpec's
+``head_dim`` is the q/k head dim, and its Ulysses term moves Q, K, V and the output at that width
+(:mod:`sp_plan.cost_models.strategies.ulysses`). Exactness first; a two-dim all-to-all and kernels that
+take a narrower V (FA3's hdimV) are the way to drop that cost, in the runtime and the planner together.
 """
 
 from __future__ import annotations
