@@ -3,11 +3,12 @@
 Multi-head latent attention (DeepSeek-V2/V3) scores with q/k heads of ``qk_nope_head_dim +
 qk_rope_head_dim`` (192 in DeepSeek-V3) and mixes values of ``v_head_dim`` (128). The kernels under
 :mod:`.kernel` take one head dim for q, k and v: PyTorch's CPU flash op
-(``aten._scaled_dot_product_flash_attention_for_cpu`` raises "Q/K/V should have the same head size"),
-CUDA's flash op and flash-attn 2 need equal dims, and so do the runtime's own paths (Ulysses moves q, k
-and v in ONE all-to-all of one head dim; ring attention keeps dK and dV in one stacked accumulator).
-CUDA's memory-efficient op accepts a different v dim, but one rule for every backend keeps them
-interchangeable.
+(``aten._scaled_dot_product_flash_attention_for_cpu`` raises "Q/K/V should have the same head size",
+checked with torch 2.13), CUDA's flash op and flash-attn 2 need equal dims by their documented
+constraints (not exercised without a GPU), and so do the runtime's own paths (Ulysses moves q, k and v
+in ONE all-to-all of one head dim; ring attention keeps dK and dV in one stacked accumulator). CUDA's
+memory-efficient op is documented to accept a different v dim, but one rule for every backend keeps
+them interchangeable.
 
 So the public entry points (:mod:`.api`) widen the narrower side with zeros before anything else runs:
 
