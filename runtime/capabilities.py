@@ -13,8 +13,9 @@ checkpoint/optimizer/parameter offload, ZeRO-1/2/3, every checkpointing mode); a
 transformers model (``"hf"``) is driven through transformers' attention registry,
 checkpointing hooks, its own MLP forward (run tiled) and the runtime's TP shards of its projections
 (the families name them like the runtime's Llama; forward pre-hooks open the TP regions), so it runs
-every option too, except on mixture-of-experts models (a ModelSpec with ``moe``): no tensor parallelism
-and no tiled MLP there.
+every option too, except on mixture-of-experts models (a ModelSpec with ``moe``): no tensor parallelism,
+no expert parallelism and no tiled MLP there; and on MLA models (``mla``: DeepSeek-V2/V3, trained under
+Ulysses, Ring, USP and FSDP2): no tensor parallelism.
 Plans the runtime never executes: ``prefill`` (for inference engines), the materialised-attention
 kernel, and ZeRO-0 (plain DDP), which the planner does not recommend for training.
 """
@@ -104,6 +105,8 @@ def runtime_unexecuted_degrees() -> dict[str, str]:
 _MOE_TP = ("tensor parallelism does not split mixture-of-experts blocks (the experts would be replicated and the "
            "MoE output summed tp times); re-plan with --tp 1")
 _MOE_TILED_MLP = "the tiled MLP does not run mixture-of-experts blocks (a router picks experts per token)"
+_MLA_TP = ("tensor parallelism does not split multi-head latent attention (q, k and v come from low-rank latents "
+           "shared by all heads; the runtime's TP plan cuts q/k/v projections only); re-plan with --tp 1")
 
 
 #: Expert parallelism (``Layout.ep``) is modelled and searched by the planner, not executed here: the runtime has
@@ -116,6 +119,10 @@ def _is_moe(model: Any) -> bool:
     return getattr(model, "moe", None) is not None  # ModelSpec.moe: the sparse FFN, None when dense
 
 
+def _is_mla(model: Any) -> bool:
+    return getattr(model, "mla", None) is not None  # ModelSpec.mla: the latent attention, None for GQA/MHA
+
+
 def _degrees_blocked(adapter: ModelAdapter, model: Any) -> dict[str, str]:
     """Degrees held at 1 for this family (and, with the model's spec, for its architecture)."""
     blocked = {**runtime_unexecuted_degrees(), **adapter.unsupported_degrees}
@@ -123,6 +130,8 @@ def _degrees_blocked(adapter: ModelAdapter, model: Any) -> dict[str, str]:
         blocked["ep"] = _NO_EP
     if model is not None and (getattr(model, "hidden_dropout", 0) or getattr(model, "attention_dropout", 0)):
         blocked.setdefault("tp", _TP_DROPOUT)
+    if _is_mla(model):
+        blocked.setdefault("tp", _MLA_TP)
     if _is_moe(model):
         blocked.setdefault("tp", _MOE_TP)
     if adapter.name not in PIPELINE_FAMILIES:

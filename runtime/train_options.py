@@ -56,6 +56,9 @@ class TrainRunOptions:
     kv_heads: int = 2
     ffn: int = 352
     hf: bool = False
+    #: A Hugging Face config.json (or its folder): train that transformers architecture instead of the shape
+    #: above (any family the runtime drives, MoE and MLA included); with ``plan``, the plan's layout and options.
+    model_config: Path | None = None
     # layout and options the planner must use (ignored with a plan)
     sp_only: bool = True
     #: Pinned layout degrees (every registered degree has a flag); the rest the planner decides.

@@ -81,7 +81,10 @@ def tokenizer_vocabulary(options: TrainRunOptions) -> tuple[int, int]:
 
 
 def build_model(options: TrainRunOptions, plan: Plan | None, vocab: int) -> nn.Module:
-    """The model to train: the plan's architecture, else the options' shape; seeded random weights."""
+    """The model to train: the options' HF config.json, else the plan's architecture, else the options' shape;
+    seeded random weights."""
+    if options.model_config is not None:
+        return build_configured_hf_model(options, vocab)
     if plan is not None:
         spec = plan.model
     else:
@@ -97,6 +100,21 @@ def build_model(options: TrainRunOptions, plan: Plan | None, vocab: int) -> nn.M
         return build_hf_model(spec, options.seq_len)
     model = LlamaModel(spec)
     model.init_weights(generator=torch.Generator().manual_seed(options.seed))
+    return model
+
+
+def build_configured_hf_model(options: TrainRunOptions, vocab: int) -> nn.Module:
+    """The transformers model of ``options.model_config`` (random weights, seeded), its vocabulary checked."""
+    torch.manual_seed(options.seed)
+    try:
+        from sp_plan.runtime.models.hf.model import hf_model_from_config_file  # transformers: lazy
+
+        model = hf_model_from_config_file(options.model_config)
+    except ImportError as exc:
+        raise RuntimeConfigError("--model needs transformers: pip install 'sp-plan[hf]'") from exc
+    if model.config.vocab_size < vocab:
+        raise RuntimeConfigError(f"{options.model_config}: vocab_size {model.config.vocab_size} is smaller than the "
+                                 f"tokenizer's {vocab}; raise vocab_size in the config to at least {vocab}")
     return model
 
 

@@ -163,6 +163,10 @@ def _pin_options(func):
 @click.option("--hf", is_flag=True,
               help="Train a Hugging Face transformers LlamaForCausalLM of the same architecture (random weights, "
                    "no download; needs the [hf] extra) instead of the runtime's own Llama.")
+@click.option("--model", "model_config", type=click.Path(path_type=Path), default=None, metavar="CONFIG.JSON",
+              help="Train the Hugging Face architecture of this config.json (or its folder), e.g. a DeepSeek (MLA, "
+                   "MoE) or Qwen3-MoE one, with random weights (no download; needs the [hf] extra); replaces "
+                   "--layers/--hidden/--heads/--kv-heads/--ffn/--hf.")
 @click.option("--sp-only/--no-sp-only", default=True, show_default=True,
               help="Split every sequence over all ranks (no data parallelism); --no-sp-only lets the planner "
                    "choose any layout (ignored with --plan).")

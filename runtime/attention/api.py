@@ -15,6 +15,9 @@ contiguous 1/U slice of it. The Ulysses all-to-all therefore reassembles exactly
 sequence, in order, for 1/U of the heads, and zigzag ring attention across the ring group (ranks with
 the same Ulysses rank hold the same heads) computes the exact result; the second all-to-all returns
 the output to the (ring, ulysses) sequence split.
+
+Every entry point takes a v head dim that differs from q/k's (MLA): v (or q and k) is widened with
+zeros on the way in and the output narrowed back, which is exact (:mod:`.head_dims`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from sp_plan.runtime.attention.groups import group_name, resolve_group, screen
+from sp_plan.runtime.attention.head_dims import equalize_head_dims, narrow_output
 from sp_plan.runtime.attention.kernel import check_qkv
 from sp_plan.runtime.attention.ops import attention_op, ring_attention_op, ulysses_head_to_seq_op, ulysses_qkv_to_heads_op
 from sp_plan.runtime.attention.ring import LAYOUTS, check_layout, needs_grad
@@ -51,8 +55,10 @@ def local_attention(
     Runs as the ``sp_plan::attention`` custom op (:mod:`sp_plan.runtime.attention.ops`), so selective
     checkpointing keeps its output and LSE instead of re-running the kernel.
     """
+    q, k, v, scale, v_dim = equalize_head_dims(q, k, v, scale)
     scale = screen(None, "attention", (q, k, v), scale)
     out, lse = attention_op(q, k, v, causal, scale, backend, cu_seqlens)
+    out = narrow_output(out, v_dim)
     return (out, lse) if return_lse else out
 
 
@@ -83,17 +89,21 @@ def ring_attention(
     ``_agreed`` (internal, USP): the caller already ran that check across the whole grid.
     """
     world = dist.get_world_size(group)
+    q, k, v, scale, v_dim = equalize_head_dims(q, k, v, scale)
     scale = screen(group, "ring attention", (q, k, v), scale)
     if world == 1:
         if layout is not None and layout not in LAYOUTS:
             check_layout(layout, causal, world, cu_seqlens is not None)
-        return local_attention(q, k, v, causal=causal, scale=scale, backend=backend, return_lse=return_lse,
-                               cu_seqlens=cu_seqlens)
+        result = local_attention(q, k, v, causal=causal, scale=scale, backend=backend, return_lse=True,
+                                 cu_seqlens=cu_seqlens)
+        out, lse = narrow_output(result[0], v_dim), result[1]
+        return (out, lse) if return_lse else out
 
     # One custom op (forward: the ring pass; backward: the dK/dV ring), so selective checkpointing keeps
     # its output and LSE and never replays the ring in the recompute.
     out, lse = ring_attention_op(q, k, v, group_name(group), causal, scale, backend, layout or "", cu_seqlens,
                                  _agreed, needs_grad(q, k, v))
+    out = narrow_output(out, v_dim)
     return (out, lse) if return_lse else out
 
 
@@ -122,13 +132,14 @@ def ulysses_attention(
     a RuntimeConfigError on every rank, never a hang).
     """
     world = dist.get_world_size(group)
+    q, k, v, scale, v_dim = equalize_head_dims(q, k, v, scale)
     scale = screen(group, "Ulysses attention", (q, k, v), scale, outer=resolve_group(_outer) if _outer else None)
     if inner is None:
         inner = local_attention
     extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
     if world == 1:
         check_qkv(q, k, v, causal=False, scale=scale)
-        return inner(q, k, v, causal=causal, scale=scale, backend=backend, **extra)
+        return narrow_output(inner(q, k, v, causal=causal, scale=scale, backend=backend, **extra), v_dim)
 
     name = group_name(group)
     # Q/K/V all-to-all (recomputed by selective checkpointing) and the output all-to-all (kept): custom ops.
@@ -137,7 +148,7 @@ def ulysses_attention(
     qh, kh, vh = ulysses_qkv_to_heads_op(q, k, v, name, world, causal, scale, cu_seqlens, _outer,
                                          needs_grad(q, k, v))
     out = inner(qh, kh, vh, causal=causal, scale=scale, backend=backend, **extra)
-    return ulysses_head_to_seq_op(out, name, world)
+    return narrow_output(ulysses_head_to_seq_op(out, name, world), v_dim)
 
 
 def usp_attention(

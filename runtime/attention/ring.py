@@ -184,13 +184,21 @@ def _block_forward(q, k, v, step: _Step, scale: float, backend: str | None):
     return documents_forward(q, k, v, step.pairs, scale=scale, backend=backend)
 
 
+def _receive_buffers(k: torch.Tensor, v: torch.Tensor, world: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Two K and two V receive buffers (double buffering; one for a ring of 2), contiguous: point-to-point
+    receives refuse strided tensors, and ``empty_like`` would copy the strides of a permuted K/V (HF's
+    MLA builds K as ``(B, H, S, D)``, so its ``(B, S, H, D)`` view is not contiguous)."""
+    count = min(2, world - 1)
+    return ([torch.empty_like(k, memory_format=torch.contiguous_format) for _ in range(count)],
+            [torch.empty_like(v, memory_format=torch.contiguous_format) for _ in range(count)])
+
+
 def _ring_forward(q, k, v, comm: RingComm, causal: bool, scale: float, backend: str | None,
                   layout: str | None = "zigzag", bounds: RowBounds | None = None):
     """This rank's merged output (accumulation dtype) and LSE."""
     steps = _steps(comm, causal, layout, q.shape[1], bounds)
     acc = lse_dtype(q.dtype)
-    k_bufs = [torch.empty_like(k) for _ in range(min(2, comm.world - 1))]
-    v_bufs = [torch.empty_like(v) for _ in range(min(2, comm.world - 1))]
+    k_bufs, v_bufs = _receive_buffers(k, v, comm.world)
     k_cur, v_cur = k.contiguous(), v.contiguous()  # sent as they are (no copy unless a strided view)
     out = lse = None
     for index, step in enumerate(steps):
@@ -226,8 +234,7 @@ def _ring_backward(dout, q, k, v, out, lse, comm: RingComm, causal: bool, scale:
     acc = lse_dtype(q.dtype)
     name = select_backend(q, backend)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    k_bufs = [torch.empty_like(k) for _ in range(min(2, comm.world - 1))]
-    v_bufs = [torch.empty_like(v) for _ in range(min(2, comm.world - 1))]
+    k_bufs, v_bufs = _receive_buffers(k, v, comm.world)
     k_cur, v_cur = k.contiguous(), v.contiguous()
     dkv_shape = (2, *k.shape)
     dkv = None

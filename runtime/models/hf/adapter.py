@@ -1,4 +1,5 @@
-"""The adapter of Hugging Face transformers causal LMs (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral).
+"""The adapter of Hugging Face transformers causal LMs (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral,
+DeepSeek-V2/V3).
 
 Attention goes through transformers' attention registry (:mod:`.attention`), checkpointing through
 each decoder layer's hook and the MLP runs tiled (:mod:`.techniques`), tensor parallelism follows the

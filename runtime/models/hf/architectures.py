@@ -46,6 +46,11 @@ class HFArchitecture:
     experts: str | None = None
     #: Config attribute that adds the router's load-balancing loss to the model's output (MoE only).
     router_logits_option: str | None = None
+    #: Multi-head latent attention (DeepSeek-V2/V3): q from a low-rank ``q_a``/``q_b`` pair, k and v expanded
+    #: per head from one shared latent (``kv_a_proj_with_mqa`` -> ``kv_b_proj``) before attention, and a v head
+    #: dim that differs from q/k's. The expanded heads go through the runtime's attention like MHA's (Ulysses
+    #: splits all ``num_attention_heads``); the q/k/v projections above do not exist, so TP has no cut for it.
+    latent_attention: bool = False
     #: The decoder layer's pre-norms (replicated under TP's sequence parallelism).
     block_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     layers: str = "model.layers"
@@ -80,6 +85,11 @@ LLAMA_LIKE = HFArchitecture()
 #: Qwen3-MoE and Mixtral: a Llama-like attention, and a sparse MoE block (router ``gate`` + ``experts``) as MLP.
 MOE_LIKE = HFArchitecture(experts="experts", router_logits_option="output_router_logits")
 
+#: DeepSeek-V2/V3: MLA attention, and from layer ``first_k_dense_replace`` on a MoE block (router ``gate``,
+#: routed ``experts``, ``shared_experts``); the first layers keep a dense gated MLP.
+DEEPSEEK_LIKE = HFArchitecture(head_norms=(), experts="experts", router_logits_option="output_router_logits",
+                               latent_attention=True)
+
 #: The table: HF ``model_type`` -> where its modules are. The runtime drives exactly these families.
 HF_ARCHITECTURES: dict[str, HFArchitecture] = {
     "llama": LLAMA_LIKE,
@@ -88,4 +98,6 @@ HF_ARCHITECTURES: dict[str, HFArchitecture] = {
     "qwen3": LLAMA_LIKE,
     "qwen3_moe": MOE_LIKE,
     "mixtral": MOE_LIKE,
+    "deepseek_v2": DEEPSEEK_LIKE,
+    "deepseek_v3": DEEPSEEK_LIKE,
 }

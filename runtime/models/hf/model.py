@@ -1,4 +1,5 @@
-"""Hugging Face transformers models (Llama, Qwen2, Qwen3, Mistral; MoE: Qwen3-MoE, Mixtral) on the SP runtime.
+"""Hugging Face transformers models (Llama, Qwen2, Qwen3, Mistral; MoE: Qwen3-MoE, Mixtral; MLA + MoE: DeepSeek-V2
+and V3) on the SP runtime.
 
 Optional: ``transformers`` is imported lazily (``pip install 'sp-plan[hf]'``). Pieces:
 
@@ -37,11 +38,13 @@ Create models with random weights from a config, no download::
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from sp_plan.cost_models.hf_config import config_object_dict
+from sp_plan.cost_models import data
+from sp_plan.cost_models.hf_config import config_object_dict, parse_config_text
 from sp_plan.cost_models.model_spec import ModelSpec, model_from_hf_dict
 from sp_plan.runtime.errors import RuntimeConfigError
 from sp_plan.runtime.models.hf.architectures import HF_ARCHITECTURES, HFArchitecture
@@ -170,3 +173,29 @@ def hf_model_from_spec(spec: ModelSpec, max_positions: int = 2048) -> nn.Module:
     else:
         config = transformers.LlamaConfig(**common)
     return transformers.AutoModelForCausalLM.from_config(config).float()
+
+
+def hf_model_from_config_file(path: str | Path) -> nn.Module:
+    """The transformers causal LM a local ``config.json`` describes (or a folder holding one), with random
+    weights (seeded by the caller), fp32, no download: ``sp-plan train --model`` trains exactly the
+    architecture ``sp-plan plan/estimate --model`` plan for (MoE and MLA families included, which a
+    ModelSpec alone cannot rebuild). The file is untrusted input: read through the cost models' bounded
+    reader, every size checked as a ModelSpec (:func:`model_from_hf_dict`) before transformers sees it,
+    and only the families the runtime drives are built."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise RuntimeConfigError(f"--model {str(path)!r}: no such file; give a Hugging Face config.json (or its "
+                                 "folder). Presets have no HF config: plan with sp-plan plan --model NAME --out "
+                                 "plan.yaml and train with --plan")
+    config = parse_config_text(data.read_user_text("models", path), str(path))
+    model_type = str(config.get("model_type", "")).lower()
+    if model_type not in HF_ARCHITECTURES:
+        raise RuntimeConfigError(f"{path}: model_type {model_type!r} is not trained by the runtime; supported: "
+                                 f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    model_from_hf_dict(config, name=path.parent.name or path.stem)  # every size bounded before building
+    transformers = transformers_module()
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "auto_map")}
+    hf_config = transformers.AutoConfig.for_model(model_type, **fields)
+    return transformers.AutoModelForCausalLM.from_config(hf_config).float()

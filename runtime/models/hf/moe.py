@@ -1,4 +1,4 @@
-"""What the runtime checks before training an HF mixture-of-experts model (Qwen3-MoE, Mixtral).
+"""What the runtime checks before training an HF mixture-of-experts model (Qwen3-MoE, Mixtral, DeepSeek-V2/V3).
 
 Sequence parallelism keeps an MoE block exact: the router scores each token from that token's hidden
 state alone and picks its top-k experts per token, so a rank holding a slice of the sequence routes its

@@ -66,8 +66,14 @@ class HFTensorParallelPlan:
 
 
 def tp_plan_for(model: nn.Module) -> HFTensorParallelPlan:
-    """The TP plan of ``model``'s ``config.model_type`` table entry; refuses mixture-of-experts families."""
+    """The TP plan of ``model``'s ``config.model_type`` table entry; refuses MLA and mixture-of-experts families."""
     arch = hf_architecture(model)
+    if arch.latent_attention:
+        raise RuntimeConfigError(
+            f"{model.config.model_type}: tensor parallelism does not split multi-head latent attention (its q/k/v "
+            "come from low-rank latents shared by all heads, which the runtime's TP plan has no cut for); use tp=1 "
+            "(Ulysses/Ring and FSDP2 train it)"
+        )
     if arch.is_moe:
         raise RuntimeConfigError(
             f"{model.config.model_type}: tensor parallelism does not split mixture-of-experts blocks (the experts "
