@@ -56,6 +56,8 @@ class TrainRunOptions:
     kv_heads: int = 2
     ffn: int = 352
     hf: bool = False
+    #: A local HF config.json (or its folder): train a transformers model of it (random weights) instead.
+    model: Path | None = None
     # layout and options the planner must use (ignored with a plan)
     sp_only: bool = True
     #: Pinned layout degrees (every registered degree has a flag); the rest the planner decides.
@@ -116,6 +118,6 @@ class TrainRunOptions:
 
     def __getattr__(self, name: str) -> int | None:
         # ``options.ulysses`` and the like: a registered degree's pin, None when the planner decides
-        if name in degrees.registered():
+        if name in (*degrees.registered(), "ep"):
             return self.layout_pins.get(name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

@@ -11,6 +11,7 @@ length) and hands everything to :class:`~sp_plan.runtime.trainer.Trainer`.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sysconfig
@@ -81,7 +82,11 @@ def tokenizer_vocabulary(options: TrainRunOptions) -> tuple[int, int]:
 
 
 def build_model(options: TrainRunOptions, plan: Plan | None, vocab: int) -> nn.Module:
-    """The model to train: the plan's architecture, else the options' shape; seeded random weights."""
+    """The model to train: the plan's architecture, else the ``--model`` config, else the options' shape; seeded
+    random weights."""
+    if plan is None and options.model is not None:
+        torch.manual_seed(options.seed)
+        return build_hf_model_from_config(options.model, vocab)
     if plan is not None:
         spec = plan.model
     else:
@@ -108,6 +113,34 @@ def build_hf_model(spec: ModelSpec, seq_len: int) -> nn.Module:
         return hf_model_from_spec(spec, seq_len)
     except ImportError as exc:
         raise RuntimeConfigError("--hf needs transformers: pip install 'sp-plan[hf]'") from exc
+
+
+#: A config.json is a few KB; anything much larger is not one (and is not parsed).
+CONFIG_MAX_BYTES = 1 << 20
+
+
+def build_hf_model_from_config(path: Path, vocab: int) -> nn.Module:
+    """A transformers causal LM of the local HF ``config.json`` at ``path`` (or in that folder), with random
+    weights (seeded by the caller): no download, fp32."""
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file() or file.stat().st_size > CONFIG_MAX_BYTES:
+        raise RuntimeConfigError(f"--model {path}: expected a Hugging Face config.json (or a folder holding one) "
+                                 f"of at most {CONFIG_MAX_BYTES} bytes")
+    try:
+        data = json.loads(file.read_text())
+        import transformers  # lazy: the [hf] extra
+
+        config = transformers.AutoConfig.for_model(**data)
+    except ImportError as exc:
+        raise RuntimeConfigError("--model needs transformers: pip install 'sp-plan[hf]'") from exc
+    except (json.JSONDecodeError, TypeError, ValueError, KeyError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise RuntimeConfigError(f"--model {file} is not a Hugging Face config.json transformers knows: "
+                                 f"{first}") from None
+    if config.vocab_size < vocab:
+        raise RuntimeConfigError(f"--model {file} has a vocabulary of {config.vocab_size}; the tokenizer needs "
+                                 f"{vocab}: raise vocab_size")
+    return transformers.AutoModelForCausalLM.from_config(config).float()
 
 
 def checkpoint_plan(options: TrainRunOptions) -> Plan | None:

@@ -163,6 +163,11 @@ def _pin_options(func):
 @click.option("--hf", is_flag=True,
               help="Train a Hugging Face transformers LlamaForCausalLM of the same architecture (random weights, "
                    "no download; needs the [hf] extra) instead of the runtime's own Llama.")
+@click.option("--model", "model", type=click.Path(exists=True, path_type=Path), default=None, metavar="CONFIG",
+              help="Train a Hugging Face transformers model of this local config.json (or folder holding one): "
+                   "random weights, no download; needs the [hf] extra (ignored with --plan).")
+@click.option("--ep", "ep", type=click.IntRange(1, MAX_DEGREE), default=None,
+              help="Pin the expert-parallel degree (MoE models given with --model; default: 1).")
 @click.option("--sp-only/--no-sp-only", default=True, show_default=True,
               help="Split every sequence over all ranks (no data parallelism); --no-sp-only lets the planner "
                    "choose any layout (ignored with --plan).")
@@ -245,7 +250,7 @@ def command(ctx: click.Context, **params: Any) -> None:
 def options_from_params(ctx: click.Context, params: dict[str, Any]) -> TrainRunOptions:
     """The run's options from the parsed command line; a combination that cannot run is a usage error."""
     params = {k: v for k, v in params.items() if k not in ("nproc_per_node", "log_level")}
-    pins = {dim: params.pop(dim) for dim in degrees.registered() if dim in params}
+    pins = {dim: params.pop(dim) for dim in (*degrees.registered(), "ep") if dim in params}
     options = TrainRunOptions(**params, layout_pins={k: v for k, v in pins.items() if v is not None})
     problems = options.conflicts()
     if problems:
