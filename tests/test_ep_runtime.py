@@ -121,12 +121,23 @@ def _train(rank: int, world: int, family: str, layout: Layout, options: dict, sa
         optimizer.step()
         optimizer.zero_grad()
     sp_rank, sp = setup.mesh.local_rank("sp"), setup.mesh.size("sp")
-    saved = None
-    if save_to is not None:  # the checkpoint's expert geometry, and the weights it holds
+    resumed = None
+    if save_to is not None:  # the checkpoint's expert geometry and weights, then the same ranks resume under ep=1
         save_checkpoint(save_to, step=STEPS, setup=setup, optimizer=optimizer)
         geometry = {n: tuple(g.shape) for n, g in parameter_geometry(setup).items() if n.endswith(EXPERT_WEIGHTS)}
-        saved = geometry, {n: t.detach().numpy() for n, t in setup.full_state_dict().items()}
-    return losses, grads, [r.numpy() for r in routes], (setup.dp_rank, per_rank, sp_rank, sp), saved
+        saved = {n: t.detach().numpy() for n, t in setup.full_state_dict().items()}
+        resumed = geometry, saved, _resume_without_ep(family, save_to)
+    return losses, grads, [r.numpy() for r in routes], (setup.dp_rank, per_rank, sp_rank, sp), resumed
+
+
+def _resume_without_ep(family: str, directory: str) -> tuple[int, dict]:
+    """A fresh model under dp_shard=2 without expert parallelism, loaded from ``directory``: (step, weights)."""
+    from sp_plan.runtime.checkpoint import load_checkpoint
+
+    setup = _configure(family, Layout(dp_shard=2), {"zero_stage": 3, "checkpointing": "none"}, 1)
+    optimizer = setup.make_optimizer(lr=LR)
+    state = load_checkpoint(directory, setup=setup, optimizer=optimizer)
+    return state.step, {n: t.detach().numpy() for n, t in setup.full_state_dict().items()}
 
 
 def _my_routes(reference: torch.Tensor, where: tuple[int, int, int, int], layout: Layout) -> torch.Tensor:
@@ -155,28 +166,19 @@ def _check_against_one_process(results: list, family: str, layout: Layout, optio
                 torch.testing.assert_close(torch.from_numpy(got), _my_routes(want, where, layout), rtol=0, atol=0)
 
 
-def _resume_without_ep(rank: int, world: int, directory: str):
-    from sp_plan.runtime.checkpoint import load_checkpoint
-
-    setup = _configure("qwen3_moe", Layout(dp_shard=2), {"zero_stage": 3, "checkpointing": "none"}, 1)
-    optimizer = setup.make_optimizer(lr=LR)
-    state = load_checkpoint(directory, setup=setup, optimizer=optimizer)
-    return state.step, {n: t.detach().numpy() for n, t in setup.full_state_dict().items()}
-
-
 def test_ep_over_the_data_ranks_matches_one_process_and_resumes_under_ep_1(tmp_path: pathlib.Path) -> None:
     """ep=2 over dp_shard=2 (2 ranks): exact; its checkpoint holds the experts whole and loads under ep=1."""
     layout, options = Layout(dp_shard=2, ep=2), {"zero_stage": 3, "checkpointing": "none"}
     results = run_ranks(2, _train, "qwen3_moe", layout, options, str(tmp_path))
     _check_against_one_process(results, "qwen3_moe", layout, options)
-    geometry, weights = results[0][-1]
+    geometry, weights, _ = results[0][-1]
     config = _config("qwen3_moe")
     full = {"gate_up_proj": (4, 2 * config.moe_intermediate_size, config.hidden_size),
             "down_proj": (4, config.hidden_size, config.moe_intermediate_size)}
     assert len(geometry) == config.num_hidden_layers * len(EXPERT_WEIGHTS)
     for name, shape in geometry.items():
         assert shape == full[name.rsplit(".", 1)[1]], name
-    for step, restored in run_ranks(2, _resume_without_ep, str(tmp_path)):
+    for *_, (_, _, (step, restored)) in results:
         assert step == STEPS
         assert sorted(restored) == sorted(weights)
         for name, tensor in weights.items():
