@@ -3,10 +3,11 @@ with their experts split over ``ep`` ranks train exactly as one process trains t
 
 Each ``ep`` rank holds 2 of the 4 experts; tokens go to the rank holding their expert and back through two
 all-to-alls per MoE layer (:mod:`sp_plan.runtime.expert_parallel`). The ``ep`` group is the innermost ``ep``
-ranks of the shard group, as the planner prices it: with dp_shard=2 the two data ranks, with dp_shard=2 x
-ulysses=2 (or ring=2) the two sequence-parallel ranks of each data rank. Two AdamW steps on 2-4 gloo ranks:
-each step's loss and every gradient (the expert weights gathered to their full ``[experts, ...]`` shape) match a
-single process within 1e-5; the routing (top-k experts of every token) matches too.
+ranks of the shard group, as the planner prices it (checked against
+:func:`sp_plan.cost_models.placement.group_shapes`): with dp_shard=2 the two data ranks, with dp_shard=2 x
+ulysses=2 the two Ulysses ranks of each data rank. Two AdamW steps on 2 and 4 gloo ranks: each step's loss and
+every gradient (the expert weights gathered to their full ``[experts, ...]`` shape) match a single process within
+1e-5; the routing (top-k experts of every token) matches exactly.
 
 A checkpoint saved under ep=2 holds the experts under the whole model's names and shapes, and resumes under ep=1.
 """
@@ -121,13 +122,14 @@ def _train(rank: int, world: int, family: str, layout: Layout, options: dict, sa
         optimizer.step()
         optimizer.zero_grad()
     sp_rank, sp = setup.mesh.local_rank("sp"), setup.mesh.size("sp")
+    groups = {name: torch.distributed.get_process_group_ranks(setup.mesh.group(name)) for name in ("ep", "expert_data")}
     resumed = None
     if save_to is not None:  # the checkpoint's expert geometry and weights, then the same ranks resume under ep=1
         save_checkpoint(save_to, step=STEPS, setup=setup, optimizer=optimizer)
         geometry = {n: tuple(g.shape) for n, g in parameter_geometry(setup).items() if n.endswith(EXPERT_WEIGHTS)}
         saved = {n: t.detach().numpy() for n, t in setup.full_state_dict().items()}
         resumed = geometry, saved, _resume_without_ep(family, save_to)
-    return losses, grads, [r.numpy() for r in routes], (setup.dp_rank, per_rank, sp_rank, sp), resumed
+    return losses, grads, [r.numpy() for r in routes], (setup.dp_rank, per_rank, sp_rank, sp), groups, resumed
 
 
 def _resume_without_ep(family: str, directory: str) -> tuple[int, dict]:
@@ -151,9 +153,20 @@ def _my_routes(reference: torch.Tensor, where: tuple[int, int, int, int], layout
     return ids.chunk(sp, dim=1)[sp_rank].reshape(-1, ids.shape[-1])
 
 
+def _planned_group(rank: int, stride: int, size: int) -> list[int]:
+    """The ranks of the planner's (stride, size) group that holds ``rank``."""
+    start = rank - (rank // stride % size) * stride
+    return [start + i * stride for i in range(size)]
+
+
 def _check_against_one_process(results: list, family: str, layout: Layout, options: dict) -> None:
+    from sp_plan.cost_models.placement import group_shapes
+
     ref_losses, ref_grads, ref_routes = _reference(family)
-    for losses, grads, routes, where, _ in results:
+    planned = group_shapes(layout)
+    for rank, (losses, grads, routes, where, groups, _) in enumerate(results):
+        for name in ("ep", "expert_data"):  # the groups the runtime built are the ones the planner priced
+            assert groups[name] == _planned_group(rank, *planned[name]), name
         assert losses == pytest.approx(ref_losses, abs=1e-5)
         for step, (got, want) in enumerate(zip(grads, ref_grads)):
             assert sorted(got) == sorted(want)
