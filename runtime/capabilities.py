@@ -14,7 +14,8 @@ transformers model (``"hf"``) is driven through transformers' attention registry
 checkpointing hooks, its own MLP forward (run tiled) and the runtime's TP shards of its projections
 (the families name them like the runtime's Llama; forward pre-hooks open the TP regions), so it runs
 every option too, except on mixture-of-experts models (a ModelSpec with ``moe``): no tensor parallelism
-and no tiled MLP there.
+and no tiled MLP there. Expert parallelism (``Layout.ep``) runs for HF Qwen3-MoE and Mixtral when pinned (the
+planner is otherwise held to ep 1), not with pipeline stages, HSDP or offloaded parameters/optimizer.
 Plans the runtime never executes: ``prefill`` (for inference engines), the materialised-attention
 kernel, and ZeRO-0 (plain DDP), which the planner does not recommend for training.
 """
