@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, Validation
 from . import data
 from .errors import CostModelError, explain_validation_error
 from .hf_config import parse_config_text, spec_fields
-from .moe import MLASpec, MoESpec, hf_moe_fields
+from .moe import MLASpec, MoESpec
 
 #: ``swiglu``: a gated MLP (gate, up and down matrices), whatever its gate's nonlinearity: SiLU (Llama) or
 #: GELU-tanh (Gemma's GeGLU) have the same three matrices, FLOPs and saved tensors. ``gelu``: two matrices.

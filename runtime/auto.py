@@ -78,7 +78,7 @@ from sp_plan.runtime.context import SequenceParallel
 from sp_plan.runtime.data import BatchSharder, data_parallel_coordinates, data_parallel_sampler
 from sp_plan.runtime.distributed import broadcast_parameters, data_group, finish_worker, init_distributed
 from sp_plan.runtime.errors import RuntimeConfigError
-from sp_plan.runtime.fsdp import DTYPES
+from sp_plan.runtime.fsdp import DTYPES, clip_sharded_grads_, sharded_grad_norm
 from sp_plan.runtime.host_optimizer import HostOffloadOptimizer
 from sp_plan.runtime.loss import LossOutput, TokenLoss
 from sp_plan.runtime.mesh import RuntimeMesh, build_mesh
@@ -272,6 +272,8 @@ class AutoConfigured:
             return clip_to_norm_(list(self.parameters()), max_norm, total)
         if self.part_tensor_parallel:
             return float(clip_parts_grad_norm_(self._tp_parts(), max_norm))
+        if self.layout.ep > 1:  # experts on their own mesh: torch's clip_grad_norm_ takes one
+            return clip_sharded_grads_(self.parameters(), max_norm, self._local_grad_norm())
         return float(torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm))
 
     def grad_norm(self) -> float:
@@ -291,10 +293,7 @@ class AutoConfigured:
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if not grads:
             return torch.zeros(())
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        if hasattr(norm, "full_tensor"):  # FSDP2: a partial norm over the sharded dims
-            norm = norm.full_tensor()
-        return norm
+        return sharded_grad_norm(grads)  # FSDP2: partial norms over the sharded dims (experts: their own mesh)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unparallelised model's parameters (collective: every rank gets all of them), gathered

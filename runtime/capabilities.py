@@ -13,9 +13,10 @@ checkpoint/optimizer/parameter offload, ZeRO-1/2/3, every checkpointing mode); a
 transformers model (``"hf"``) is driven through transformers' attention registry,
 checkpointing hooks, its own MLP forward (run tiled) and the runtime's TP shards of its projections
 (the families name them like the runtime's Llama; forward pre-hooks open the TP regions), so it runs
-every option too, except on mixture-of-experts models (a ModelSpec with ``moe``): no tensor parallelism,
-no expert parallelism and no tiled MLP there; and on MLA models (``mla``: DeepSeek-V2/V3, trained under
-Ulysses, Ring, USP and FSDP2): no tensor parallelism.
+every option too, except on mixture-of-experts models (a ModelSpec with ``moe``): no tensor parallelism
+and no tiled MLP there; and on MLA models (``mla``: DeepSeek-V2/V3, trained under Ulysses, Ring, USP and
+FSDP2): no tensor parallelism. Expert parallelism (``Layout.ep``) runs for HF Qwen3-MoE and Mixtral when pinned
+(the planner is otherwise held to ep 1), not with pipeline stages, HSDP or offloaded parameters/optimizer.
 Plans the runtime never executes: ``prefill`` (for inference engines), the materialised-attention
 kernel, and ZeRO-0 (plain DDP), which the planner does not recommend for training.
 """
@@ -109,10 +110,41 @@ _MLA_TP = ("tensor parallelism does not split multi-head latent attention (q, k 
            "shared by all heads; the runtime's TP plan cuts q/k/v projections only); re-plan with --tp 1")
 
 
-#: Expert parallelism (``Layout.ep``) is modelled and searched by the planner, not executed here: the runtime has
-#: no token dispatch/combine all-to-all and no expert-sharded FSDP groups.
-_NO_EP = ("this runtime does not implement expert parallelism (no token dispatch/combine all-to-all, no expert "
-          "data-parallel groups); every rank holds all experts: re-plan with --ep 1")
+#: Families whose MoE experts the runtime splits over ``ep`` ranks (sp_plan.runtime.expert_parallel: token dispatch
+#: and combine all-to-alls, experts sharded by FSDP2 over the expert data group), exact against one process for
+#: HF Qwen3-MoE and Mixtral (tests/test_ep_runtime.py).
+EXPERT_PARALLEL_FAMILIES = frozenset({"hf"})
+#: What expert parallelism does not run with yet (besides ``tp``, refused for every MoE model), with the reason.
+_EP_DEGREES: dict[str, str] = {
+    "pp": "expert parallelism inside pipeline stages is not implemented (each stage would need its own ep group "
+          "and dispatch per micro-batch); re-plan with --pp 1 or --ep 1",
+    "dp_replicate": "expert parallelism with HSDP (replicas of the shard group) is not implemented: the experts "
+                    "would need their own replicate dim; re-plan with --dp-replicate 1 or --ep 1",
+}
+_EP_OPTIONS: dict[str, str] = {
+    "offload_params": "expert parallelism with parameter offload is not tested (FSDP2 would keep the ep-split "
+                      "experts on the host); re-plan without --offload-params or with --ep 1",
+    "offload_optimizer": "expert parallelism with the host optimizer (ZeRO-Offload) is not tested; re-plan without "
+                         "--offload-optimizer or with --ep 1",
+}
+
+
+def _no_expert_parallel(family: str) -> str:
+    return (f"this runtime splits experts over ep ranks for the {', '.join(sorted(EXPERT_PARALLEL_FAMILIES))} "
+            f"famil{'y' if len(EXPERT_PARALLEL_FAMILIES) == 1 else 'ies'} only, not {family}; re-plan with --ep 1")
+
+
+def expert_parallel_reasons(plan: Any, adapter: ModelAdapter) -> list[str]:
+    """Why a plan with ``ep > 1`` cannot run (empty when it can, or when ep is 1)."""
+    ep = getattr(plan.layout, "ep", 1)  # 1 on layouts written before expert parallelism
+    if ep == 1:
+        return []
+    if adapter.name not in EXPERT_PARALLEL_FAMILIES:
+        return [f"ep={ep}: {_no_expert_parallel(adapter.name)}"]
+    reasons = [f"ep={ep} with {dim}={getattr(plan.layout, dim)}: {why}" for dim, why in _EP_DEGREES.items()
+               if getattr(plan.layout, dim) > 1]
+    return reasons + [f"ep={ep} with {option}: {why}" for option, why in _EP_OPTIONS.items()
+                      if getattr(plan.train, option)]
 
 
 def _is_moe(model: Any) -> bool:
@@ -126,8 +158,8 @@ def _is_mla(model: Any) -> bool:
 def _degrees_blocked(adapter: ModelAdapter, model: Any) -> dict[str, str]:
     """Degrees held at 1 for this family (and, with the model's spec, for its architecture)."""
     blocked = {**runtime_unexecuted_degrees(), **adapter.unsupported_degrees}
-    if _is_moe(model):  # only a MoE model has an ep > 1 to hold back (a dense model's layout refuses it)
-        blocked["ep"] = _NO_EP
+    if _is_moe(model) and adapter.name not in EXPERT_PARALLEL_FAMILIES:  # a dense model's layout refuses ep itself
+        blocked["ep"] = _no_expert_parallel(adapter.name)
     if model is not None and (getattr(model, "hidden_dropout", 0) or getattr(model, "attention_dropout", 0)):
         blocked.setdefault("tp", _TP_DROPOUT)
     if _is_mla(model):
@@ -183,10 +215,11 @@ def unsupported_reasons(plan: Any, family: Family = "llama") -> list[str]:
     train: TrainSpec = plan.train
     layout: Layout = plan.layout
     reasons = []
-    for dim, why in {**_degrees_blocked(adapter, getattr(plan, "model", None)), "ep": _NO_EP}.items():
+    for dim, why in _degrees_blocked(adapter, getattr(plan, "model", None)).items():
         degree = getattr(layout, dim, 1)  # ``ep``: a layout field, 1 on layouts written before it
-        if degree > 1:
+        if degree > 1 and dim != "ep":
             reasons.append(f"{dim}={degree}: {why}")
+    reasons += expert_parallel_reasons(plan, adapter)
     for option, why in _options_blocked(adapter, getattr(plan, "model", None)).items():
         if getattr(train, option):
             reasons.append(f"{option}: {why}")
@@ -208,8 +241,24 @@ def planner_constraints(family: Family = "llama", model: Any = None) -> tuple[di
     ModelSpec, when given)."""
     adapter = adapter_named(family)
     fixed_layout = {dim: 1 for dim in _degrees_blocked(adapter, model)}
+    if _is_moe(model):  # expert parallelism runs when asked for (a pinned ep: merge_constraints), never by default
+        fixed_layout.setdefault("ep", 1)
     fixed_options: dict[str, Any] = {option: False for option in _options_blocked(adapter, model)}
     return fixed_layout, fixed_options
+
+
+def _expert_pins(user_layout: Mapping[str, int], user_options: Mapping[str, Any]
+                 ) -> tuple[dict[str, int], dict[str, Any]]:
+    """What a user-pinned ``ep > 1`` needs pinned besides (see :func:`expert_parallel_reasons`); refuses a pin
+    against it."""
+    ep = user_layout["ep"]
+    for dim, why in _EP_DEGREES.items():
+        if user_layout.get(dim, 1) > 1:
+            raise RuntimeConfigError(f"ep={ep} with {dim}={user_layout[dim]}: {why}")
+    for option, why in _EP_OPTIONS.items():
+        if user_options.get(option):
+            raise RuntimeConfigError(f"ep={ep} with {option}: {why}")
+    return {"ep": ep, **dict.fromkeys(_EP_DEGREES, 1)}, dict.fromkeys(_EP_OPTIONS, False)
 
 
 def _pipeline_pins(user_layout: Mapping[str, int], user_options: Mapping[str, Any]
@@ -245,6 +294,10 @@ def merge_constraints(user_layout: Mapping[str, int], user_options: Mapping[str,
     blocked = _degrees_blocked(adapter, model)
     if user_layout.get("pp", 1) > 1 and "pp" not in blocked:
         layout_pins, option_pins = _pipeline_pins(user_layout, user_options)
+        fixed_layout.update(layout_pins)
+        fixed_options.update(option_pins)
+    if user_layout.get("ep", 1) > 1 and "ep" not in blocked and _is_moe(model):
+        layout_pins, option_pins = _expert_pins(user_layout, user_options)
         fixed_layout.update(layout_pins)
         fixed_options.update(option_pins)
     for dim, value in user_layout.items():

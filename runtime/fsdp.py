@@ -64,6 +64,17 @@ def data_parallel_mesh(mesh) -> Any:
     return mesh["fsdp"]
 
 
+def expert_data_parallel_mesh(mesh) -> Any:
+    """The mesh FSDP2 shards a rank's experts over under expert parallelism: ``expert_data``, the shard group's
+    ranks that hold the same experts. HSDP (a replicate dim above it) is not wired for the experts yet."""
+    replicas = [dim for dim in degrees.replicate_dims() if getattr(mesh.layout, dim) > 1]
+    if replicas:
+        dim = replicas[0]
+        raise RuntimeConfigError(f"expert parallelism with {dim}={getattr(mesh.layout, dim)} (HSDP) is not "
+                                 f"implemented: the experts would need their own replicate dim; use --{dim.replace('_', '-')} 1")
+    return mesh["expert_data"]
+
+
 def needs_compute_dtype_params(train: TrainSpec) -> bool:
     """Whether the model's parameters must already be in the compute dtype before ``fully_shard``.
 
@@ -112,11 +123,42 @@ def fully_shard_kwargs(train: TrainSpec, mesh, *, params_in_compute_dtype: bool 
     }
 
 
+def sharded_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The total norm of gradients that FSDP2 shards over one mesh or several (expert parallelism shards the
+    experts over (expert_data, ep), the rest over the data dims): one partial norm per mesh, made whole over
+    it, then combined. Plain tensors count as they are."""
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_mesh.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if len(norms) == 1:
+        return norms[0]
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+
+
+def clip_sharded_grads_(parameters: Iterable[nn.Parameter], max_norm: float, total: torch.Tensor) -> float:
+    """Scale the gradients by ``max_norm / total`` when below 1, one mesh at a time (a foreach over DTensors
+    needs them on one mesh); ``total`` is :func:`sharded_grad_norm`'s. Returns ``total``."""
+    by_mesh: dict[Any, list[nn.Parameter]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.dtype))
+    return float(total)
+
+
 def fully_shard_units(root: nn.Module, blocks: Iterable[nn.Module], embedding: nn.Module | None,
-                      kwargs: dict[str, Any], *, sum_gradients: bool = False) -> nn.Module:
+                      kwargs: dict[str, Any], *, sum_gradients: bool = False,
+                      experts: Iterable[nn.Module] = (), expert_mesh: Any = None) -> nn.Module:
     """``fully_shard`` in the units the comm model assumes; returns ``root``.
 
-    Each block; an untied input ``embedding`` on its own (resharded after forward like the blocks,
+    Under expert parallelism, first each block's ``experts`` module on its own over ``expert_mesh``
+    (:func:`expert_data_parallel_mesh`: its parameters are already split over ``ep``); each block; an untied
+    input ``embedding`` on its own (resharded after forward like the blocks,
     gathered again for its gradient; None when tied); the root with the final norm and the lm_head
     (and a tied embedding), which backward uses first, so it stays gathered after forward.
     ``sum_gradients``: reduce gradients by a plain sum (divide factor 1) instead of FSDP2's mean, for
@@ -125,6 +167,8 @@ def fully_shard_units(root: nn.Module, blocks: Iterable[nn.Module], embedding: n
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    for module in experts:
+        fully_shard(module, **{**kwargs, "mesh": expert_mesh})
     if embedding is not None:
         fully_shard(embedding, **kwargs)
     for block in blocks:

@@ -13,6 +13,11 @@ Two flattened dims are added on top, from the degrees' roles:
   parameters over
   (:attr:`sp_plan.cost_models.layout.Layout.shard_group`).
 
+With expert parallelism (``Layout.ep > 1``) the ``fsdp`` dim is unflattened into ``expert_data`` x ``ep``
+(:attr:`RuntimeMesh.expert_mesh`): ``ep`` is the innermost ``ep`` ranks of the shard group (the token dispatch
+group the planner prices, :func:`sp_plan.cost_models.placement.expert_group_shapes`), ``expert_data`` the
+ranks ``ep`` apart that hold the same experts (torchtitan's ``efsdp``).
+
 Before creating any group, the launch is checked against the plan: world size, and on CUDA the
 processes per node against the visible GPUs, each mismatch with a one-line fix.
 """
@@ -40,6 +45,9 @@ from sp_plan.cost_models.yaml_io import safe_load
 PLAN_FILE_MAX_BYTES = 4 << 20
 SP_DIM = "sp"
 FSDP_DIM = "fsdp"
+#: The expert-parallel dims (named like the planner's process groups), present when ``Layout.ep > 1``.
+EP_DIM = "ep"
+EXPERT_DATA_DIM = "expert_data"
 
 
 # ----- plan -> Layout ----------------------------------------------------------------------------
@@ -158,13 +166,21 @@ class RuntimeMesh:
     sp_mesh: dist.device_mesh.DeviceMesh
     fsdp_mesh: dist.device_mesh.DeviceMesh
     device: torch.device
+    #: The ``fsdp`` dim unflattened into (``expert_data``, ``ep``) when the plan has ``ep > 1``, else None.
+    expert_mesh: dist.device_mesh.DeviceMesh | None = None
 
     def __getitem__(self, name: str):
-        """The 1-D mesh of a mesh dim (``dp_replicate`` ... ``tp``) or a flattened dim (``sp``, ``fsdp``)."""
+        """The 1-D mesh of a mesh dim (``dp_replicate`` ... ``tp``), a flattened dim (``sp``, ``fsdp``) or, with
+        expert parallelism, an expert dim (``ep``, ``expert_data``)."""
         if name == SP_DIM:
             return self.sp_mesh
         if name == FSDP_DIM:
             return self.fsdp_mesh
+        if name in (EP_DIM, EXPERT_DATA_DIM):
+            if self.expert_mesh is None:
+                raise RuntimeConfigError(f"the {name} mesh dim exists only under expert parallelism; this plan has "
+                                         "ep=1")
+            return self.expert_mesh[name]
         if name not in degrees.mesh_dims():
             raise RuntimeConfigError(
                 f"unknown mesh dim {name!r}; use one of {', '.join(degrees.mesh_dims() + (SP_DIM, FSDP_DIM))}"
@@ -243,4 +259,17 @@ def build_mesh(plan: Layout | Mapping | str | os.PathLike, *, device_type: str |
     device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=dims)
     sp_mesh = _flatten(device_mesh[degrees.with_role("sequence")], SP_DIM)
     fsdp_mesh = _flatten(device_mesh[degrees.with_role("shards_state")], FSDP_DIM)
-    return RuntimeMesh(layout=layout, device_mesh=device_mesh, sp_mesh=sp_mesh, fsdp_mesh=fsdp_mesh, device=device)
+    return RuntimeMesh(layout=layout, device_mesh=device_mesh, sp_mesh=sp_mesh, fsdp_mesh=fsdp_mesh, device=device,
+                       expert_mesh=expert_mesh(fsdp_mesh, layout))
+
+
+def expert_mesh(fsdp_mesh: dist.device_mesh.DeviceMesh, layout: Layout) -> dist.device_mesh.DeviceMesh | None:
+    """The (``expert_data``, ``ep``) mesh: the shard group's rank order split with ``ep`` innermost (None at
+    ``ep=1``). Derived from the root mesh, so FSDP2 can combine its dims with the others (HSDP)."""
+    if layout.ep == 1:
+        return None
+    # DeviceMesh._unflatten is private too (torch >= 2.9); torchtitan builds its ep/efsdp dims with it.
+    if layout.shard_group % layout.ep:
+        raise RuntimeConfigError(f"ep={layout.ep} does not divide the {layout.shard_group} ranks of the shard group "
+                                 "(dp_shard x ring x ulysses) it is taken from; use an ep that divides it")
+    return fsdp_mesh._unflatten(0, (layout.expert_data_parallel, layout.ep), (EXPERT_DATA_DIM, EP_DIM))

@@ -8,7 +8,10 @@
 3. :func:`apply_checkpointing`: the plan's checkpointing mode per block, with the checkpointed block
    inputs offloaded to host memory when the plan says ``offload_checkpoints``;
 4. :func:`apply_tiled_mlp`: the MLP runs over sequence tiles when the plan says ``tiled_mlp``;
-5. :func:`apply_fsdp`: FSDP2 per block, the untied embedding and the root.
+5. :func:`apply_expert_parallel`: with ``ep > 1``, each MoE block's experts split over the ``ep`` dim, tokens
+   dispatched to them (:mod:`sp_plan.runtime.expert_parallel`);
+6. :func:`apply_fsdp`: FSDP2 per experts module (over the expert data dim), per block, the untied embedding and
+   the root.
 
 Each step asks the part's :class:`~sp_plan.runtime.models.base.ModelAdapter` to do the family-specific
 work, so the order lives here once (torchtitan's ``parallelize_<family>``, without one per family).
@@ -24,7 +27,8 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 
 from sp_plan.cost_models.train_spec import TrainSpec
 from sp_plan.runtime.context import SequenceParallel
-from sp_plan.runtime.fsdp import DTYPES, fully_shard_kwargs, fully_shard_units, needs_compute_dtype_params
+from sp_plan.runtime.fsdp import (DTYPES, expert_data_parallel_mesh, fully_shard_kwargs, fully_shard_units,
+                                  needs_compute_dtype_params)
 from sp_plan.runtime.mesh import RuntimeMesh
 from sp_plan.runtime.models.base import ModelAdapter
 from sp_plan.runtime.planning import refuse_unsupported
@@ -67,7 +71,16 @@ def apply_tiled_mlp(part: nn.Module, adapter: ModelAdapter, plan) -> None:
         adapter.apply_tiled_mlp(part)
 
 
-def apply_fsdp(part: nn.Module, adapter: ModelAdapter, plan, mesh: RuntimeMesh) -> nn.Module:
+def apply_expert_parallel(part: nn.Module, adapter: ModelAdapter, plan, mesh: RuntimeMesh) -> list[nn.Module]:
+    """Split the part's experts over the ``ep`` dim (``ep > 1`` only); returns the experts modules."""
+    if plan.layout.ep == 1:
+        return []
+    refuse_unsupported(plan, adapter)
+    return adapter.apply_expert_parallel(part, mesh["ep"])
+
+
+def apply_fsdp(part: nn.Module, adapter: ModelAdapter, plan, mesh: RuntimeMesh,
+               experts: list[nn.Module] | None = None) -> nn.Module:
     """FSDP2 per block, untied input embedding, and root (:func:`sp_plan.runtime.fsdp.fully_shard_units`), with
     the plan's mixed precision, ZeRO stage and parameter offload; the tiled loss's hidden-states method
     registered as an FSDP forward method (so the root's norm and lm_head are gathered around it)."""
@@ -82,7 +95,8 @@ def apply_fsdp(part: nn.Module, adapter: ModelAdapter, plan, mesh: RuntimeMesh) 
     embedding = None if plan.model.tied_embeddings else adapter.input_embedding(part)
     if embedding is not None and not any(True for _ in embedding.parameters()):
         embedding = None  # a later pipeline stage's stand-in (nn.Identity): nothing to shard
-    fully_shard_units(part, adapter.blocks(part), embedding, kwargs, sum_gradients=True)
+    fully_shard_units(part, adapter.blocks(part), embedding, kwargs, sum_gradients=True, experts=experts or (),
+                      expert_mesh=expert_data_parallel_mesh(mesh) if experts else None)
     if train.tiled_loss:
         register_fsdp_forward_method(part, adapter.hidden_states_method)
     return part
@@ -91,10 +105,11 @@ def apply_fsdp(part: nn.Module, adapter: ModelAdapter, plan, mesh: RuntimeMesh) 
 def parallelize(part: nn.Module, adapter: ModelAdapter, plan, mesh: RuntimeMesh,
                 sp: SequenceParallel) -> ParallelizedPart:
     """Apply the plan to one model part, in place, in the order above (TP, SP attention, checkpointing,
-    tiled MLP, FSDP2). The part's weights must already be the same on every rank."""
+    tiled MLP, EP, FSDP2). The part's weights must already be the same on every rank."""
     tp = apply_tp(part, adapter, plan, mesh)
     apply_sp_attention(part, adapter, sp, plan.train.seq_len)
     offload = apply_checkpointing(part, adapter, plan.train)
     apply_tiled_mlp(part, adapter, plan)
-    module = apply_fsdp(part, adapter, plan, mesh)
+    experts = apply_expert_parallel(part, adapter, plan, mesh)
+    module = apply_fsdp(part, adapter, plan, mesh, experts)
     return ParallelizedPart(module=module, tensor_parallel=tp, checkpoint_offload=offload)

@@ -119,6 +119,6 @@ class TrainRunOptions:
 
     def __getattr__(self, name: str) -> int | None:
         # ``options.ulysses`` and the like: a registered degree's pin, None when the planner decides
-        if name in degrees.registered():
+        if name in (*degrees.registered(), "ep"):
             return self.layout_pins.get(name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

@@ -226,23 +226,28 @@ def test_ep_is_a_moving_part_for_near_ties():
 # ----- runtime capabilities ---------------------------------------------------------------------------------------
 
 
-def test_the_runtime_refuses_expert_parallel_plans_and_asks_for_ep_1():
+def test_the_runtime_runs_expert_parallel_hf_plans_and_refuses_the_others_with_ep_1():
+    """The runtime splits HF MoE experts over ep ranks (tests/test_ep_runtime.py), only when ep is pinned; a
+    family without expert parallelism (the runtime's own Llama) is refused with the reason and --ep 1."""
     from types import SimpleNamespace
 
     from sp_plan.runtime.capabilities import merge_constraints, planner_constraints, unsupported_reasons
     from sp_plan.runtime.errors import RuntimeConfigError
 
     moe = tiny_moe()
-    assert planner_constraints("hf", moe)[0]["ep"] == 1
+    assert planner_constraints("hf", moe)[0]["ep"] == 1  # never chosen unless pinned
+    assert planner_constraints("llama", moe)[0]["ep"] == 1
     assert "ep" not in planner_constraints("llama", dense())[0]  # nothing to hold back on a dense model
     plan = SimpleNamespace(model=moe, train=TrainSpec(seq_len=1024), layout=Layout(dp_shard=8, ep=4))
-    reasons = unsupported_reasons(plan, "hf")
-    assert any(r.startswith("ep=4: this runtime does not implement expert parallelism") and "--ep 1" in r
-               for r in reasons)
-    plan.layout = Layout(dp_shard=8)
     assert not any(r.startswith("ep=") for r in unsupported_reasons(plan, "hf"))
-    with pytest.raises(RuntimeConfigError, match="expert parallelism"):
-        merge_constraints({"ep": 2}, {}, "hf", moe)
+    reasons = unsupported_reasons(plan, "llama")
+    assert any(r.startswith("ep=4: this runtime splits experts over ep ranks for the hf family only, not llama")
+               and "--ep 1" in r for r in reasons)
+    plan.layout = Layout(dp_shard=8)
+    assert not any(r.startswith("ep=") for r in unsupported_reasons(plan, "llama"))
+    assert merge_constraints({"ep": 2}, {}, "hf", moe)[0]["ep"] == 2
+    with pytest.raises(RuntimeConfigError, match="expert"):
+        merge_constraints({"ep": 2}, {}, "llama", moe)
 
 
 # ----- the console script ---------------------------------------------------------------------------------------

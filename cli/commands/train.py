@@ -167,6 +167,8 @@ def _pin_options(func):
               help="Train the Hugging Face architecture of this config.json (or its folder), e.g. a DeepSeek (MLA, "
                    "MoE) or Qwen3-MoE one, with random weights (no download; needs the [hf] extra); replaces "
                    "--layers/--hidden/--heads/--kv-heads/--ffn/--hf.")
+@click.option("--ep", "ep", type=click.IntRange(1, MAX_DEGREE), default=None,
+              help="Pin the expert-parallel degree (MoE models given with --model; Qwen3-MoE and Mixtral; default: 1).")
 @click.option("--sp-only/--no-sp-only", default=True, show_default=True,
               help="Split every sequence over all ranks (no data parallelism); --no-sp-only lets the planner "
                    "choose any layout (ignored with --plan).")
@@ -249,7 +251,7 @@ def command(ctx: click.Context, **params: Any) -> None:
 def options_from_params(ctx: click.Context, params: dict[str, Any]) -> TrainRunOptions:
     """The run's options from the parsed command line; a combination that cannot run is a usage error."""
     params = {k: v for k, v in params.items() if k not in ("nproc_per_node", "log_level")}
-    pins = {dim: params.pop(dim) for dim in degrees.registered() if dim in params}
+    pins = {dim: params.pop(dim) for dim in (*degrees.registered(), "ep") if dim in params}
     options = TrainRunOptions(**params, layout_pins={k: v for k, v in pins.items() if v is not None})
     problems = options.conflicts()
     if problems:

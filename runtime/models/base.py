@@ -160,6 +160,12 @@ class ModelAdapter(ABC):
         ``unsupported_options = {"tiled_mlp": why}``."""
         raise RuntimeConfigError(f"the {self.name} model family has no tiled MLP")
 
+    def apply_expert_parallel(self, model: nn.Module, ep_mesh: Any) -> list[nn.Module]:
+        """Split the model's experts over ``ep_mesh`` and dispatch tokens to them; returns the experts modules
+        (FSDP2 shards them over the expert data dim). Families without it are refused by
+        :mod:`sp_plan.runtime.capabilities` (:data:`~sp_plan.runtime.capabilities.EXPERT_PARALLEL_FAMILIES`)."""
+        raise RuntimeConfigError(f"the {self.name} model family has no expert parallelism")
+
     def part_paths(self, model: nn.Module) -> PartPaths:
         """Where ``model`` keeps its blocks, embedding, final norm and lm_head, so that it can be split
         into model parts (:func:`sp_plan.runtime.model_parts.split_model`). A model part's forward takes

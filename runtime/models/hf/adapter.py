@@ -92,6 +92,11 @@ class HFAdapter(ModelAdapter):
 
         apply_hf_tiled_mlp(model)
 
+    def apply_expert_parallel(self, model: nn.Module, ep_mesh: Any) -> list[nn.Module]:
+        from sp_plan.runtime.models.hf.moe import apply_hf_expert_parallel
+
+        return apply_hf_expert_parallel(model, ep_mesh)
+
     def model_from_spec(self, spec: ModelSpec, seq_len: int, seed: int) -> nn.Module:
         from sp_plan.runtime.models.hf.model import hf_model_from_spec
 
