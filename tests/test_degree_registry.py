@@ -5,7 +5,6 @@ exactly what the same split priced as ``dp_replicate`` gives."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
