@@ -174,10 +174,6 @@ def command(plan_path: Path | None, model_name: str | None, seq_len: str | None,
     reasons = unsupported_reasons(plan, family)
     if reasons:
         raise CostModelError("the runtime cannot execute this plan: " + " | ".join(reasons))
-    if plan.layout.pp > 1:
-        raise CostModelError(f"validate does not measure pipelined plans yet (pp={plan.layout.pp}: its meters run a "
-                             "micro-batch outside the pipeline schedule); validate with --pp 1, or train the plan "
-                             "with sp-plan train / train_step, which run pp")
     world = plan.layout.world
     if "WORLD_SIZE" not in os.environ:  # the launcher checks once for all the ranks it will start
         check_host_memory(plan, world, family=family)
