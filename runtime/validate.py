@@ -18,6 +18,11 @@ Every rank measures (one micro-batch, or one optimizer step, of :func:`sp_plan.r
 - **step time**: median of the timed steps vs the time model on the prediction topology (on CPU a
   probed CPU topology, so the prediction is for this machine).
 
+A pipelined plan (``pp > 1``) runs every step through its torch.distributed.pipelining schedule and is compared
+stage by stage (:mod:`sp_plan.runtime.validate_pipeline`): each rank's parameter, gradient and optimizer bytes,
+the activations its stage saves per micro-batch and holds at its peak (metered inside the schedule), the
+micro-batches in flight, and the bytes it sends, the pipeline's P2P transfers included.
+
 Rank 0 gathers everything; :func:`render` prints the table. ``sp-plan validate`` drives this.
 """
 

@@ -157,7 +157,9 @@ def command(plan_path: Path | None, model_name: str | None, seq_len: str | None,
             time_topology: str | None, hf: bool, as_json: bool, result_file: Path | None, **options: Any) -> None:
     """Run a few steps of the planned configuration and compare with the cost models, per rank:
     activation bytes saved for backward, communication bytes by collective, peak memory (CUDA) and
-    step time. On a CPU-only machine the ranks are CPU processes over gloo."""
+    step time; a pipelined plan (--pp) runs through its pipeline schedule and is compared stage by stage
+    (parameters, gradients, optimizer states, activations in flight, P2P bytes). On a CPU-only machine the
+    ranks are CPU processes over gloo."""
     from sp_plan.cost_models.units import parse_seq_len
     from sp_plan.planner.plan import load_plan
     from sp_plan.runtime.capabilities import unsupported_reasons
