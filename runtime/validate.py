@@ -367,6 +367,11 @@ def pipeline_notes(plan, stages: list[StagePrediction]) -> list[str]:
                  f"stage saves and the labels a last stage saves keep all {m} micro-batches' ids alive: "
                  f"{(m - 1) * tokens * INDEX_BYTES:,} B more per micro-batch on each than the model's inputs; the last "
                  "stage's nll_loss also saves a 4-byte scalar no memory model counts")
+    v = plan.train.virtual_stages
+    if v > 1 and plan.model.position_embedding == "rope":
+        rope = rope_table_bytes(tokens, plan.model.head_dim, plan.train.dtype_bytes)
+        notes.append(f"activations: each of a rank's {v} model chunks builds its own RoPE cos/sin, {(v - 1) * rope:,} B "
+                     "more per micro-batch than the one set the model counts")
     if plan.train.zero_stage < 3 and plan.layout.shard_group > 1:
         notes.append(f"parameters: under ZeRO-{plan.train.zero_stage} the memory model counts the gathered "
                      "parameters a stage keeps through the step; FSDP2 keeps them sharded between steps, which is "

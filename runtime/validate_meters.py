@@ -96,6 +96,20 @@ class ParameterAwareMeter(SavedTensorMeter):
         self._running: dict[int, int] = {}
         self._by_module: dict[int, list[int]] = {}
 
+    def _parameter_storages(self) -> set[int]:
+        return {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in self._model.parameters()}
+
+    def _record(self, tensor: torch.Tensor, source: str) -> None:
+        # A parameter that was gathered when the meter started (under pipeline parallelism FSDP2 keeps a stage's
+        # root parameters gathered between micro-batches) may be resharded meanwhile and its storage reused by an
+        # activation: an exclusion holds only while the storage still is a parameter's (or a running module's).
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            ptr = tensor.untyped_storage().data_ptr()
+            if ptr in self._permanent and ptr not in self._running and ptr not in self._parameter_storages():
+                self._permanent.discard(ptr)
+                self._excluded.discard(ptr)
+        super()._record(tensor, source)
+
     def _pre(self, module, _args) -> None:
         # Remembered per module: after the forward FSDP2 has freed (resharded) these parameters.
         ptrs = [p.untyped_storage().data_ptr() for p in module.parameters(recurse=False)]

@@ -151,15 +151,17 @@ def predict_stages(plan, memory_detail, assumptions, unseen: Callable[[bool, boo
         chunks = stage_indices(plan, s)
         first, last = 0 in chunks, total_chunks - 1 in chunks
         states = model_states(model, train, layout, assumptions, stage=(layers, first, last))
-        activations = (layers * memory_detail.per_layer.saved_bytes + memory_detail.inputs_bytes
-                       + (memory_detail.output_layer.saved_bytes if last else 0)
-                       - unseen(first, last))
+        output = memory_detail.output_layer.saved_bytes if last else 0
+        activations = layers * memory_detail.per_layer.saved_bytes + memory_detail.inputs_bytes + output - unseen(first, last)
         in_flight = memory_detail.pipeline.in_flight_microbatches[s]
+        # As the memory model stashes them: the other micro-batches' blocks and inputs; the output layer's only for
+        # the micro-batch whose loss is being computed.
+        held = round(in_flight * (activations - output)) + output
         out.append(StagePrediction(stage=s, layers=layers, first=first, last=last, comm_bytes=stage_comm_bytes(plan, s),
                                    parameter_bytes=states.weights_device,
                                    gradient_bytes=states.grads_device(states.params.total),
                                    optimizer_bytes=states.optimizer_device, activation_bytes=activations,
-                                   in_flight=in_flight, held_activation_bytes=round(in_flight * activations)))
+                                   in_flight=in_flight, held_activation_bytes=held))
     return out
 
 

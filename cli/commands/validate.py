@@ -22,6 +22,7 @@ from sp_plan.cost_models.atomic_io import atomic_write_text
 from sp_plan.cost_models.errors import CostModelError
 
 from .common import (
+    PIPELINE_OPTIONS,
     build_layout,
     build_model,
     build_topology,
@@ -58,6 +59,13 @@ def _plan_from_flags(model_name: str | None, gpus: int | None, gpus_per_node: in
                         topology=topology_ref or topology.name)
     return Plan(model=model, train=train, layout=layout, hardware=hardware, estimate=est.to_json_dict(),
                 explanation=["layout and options given on the command line"])
+
+
+def pipeline_options(func):
+    """--schedule, --virtual-stages and --stage-layers: the pipelined plan to run, as ``sp-plan estimate`` takes them."""
+    for option in reversed(PIPELINE_OPTIONS):
+        func = option(func)
+    return func
 
 
 #: Bytes per parameter of the model validate builds on every rank before sharding it (fp32 init).
@@ -136,6 +144,7 @@ def _launch(plan_path: Path, world: int, steps: int, time_topology: str | None, 
 @click.option("--optimizer", type=click.Choice(["adamw", "adamw_bf16"]), default="adamw", show_default=True)
 @click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=3, show_default=True)
 @memory_technique_options
+@pipeline_options
 @click.option("--gpus", type=click.IntRange(1, 1 << 20), default=None, help="Ranks to run (the plan's world).")
 @click.option("--gpus-per-node", type=click.IntRange(1, 1 << 10), default=None)
 @click.option("--gpu", "gpu_name", default="h100-80gb", show_default=True, help="GPU preset (planning only).")
