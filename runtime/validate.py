@@ -302,6 +302,11 @@ def run_validation(plan, *, steps: int = 3, topology: Any = None, seed: int = 0,
                      "measured saved-tensor total")
     if pipelined:
         notes += pipeline_notes(plan, stages)
+        held_longer = any(r.stage is not None and r.stage.in_flight > stages[r.stage.stage].in_flight for r in gathered)
+        if plan.train.pipeline_schedule == "zero_bubble" and held_longer:
+            notes.append("in flight under zero_bubble: torch's input-gradient pass keeps the graph (retain_graph=True) "
+                         "until the micro-batch's weight-gradient pass, so its saved tensors stay alive until then; "
+                         "the cost model gives ZB-H1 1F1B's count")
     if adapter.checkpoint_binds_rope_tables and plan.train.checkpointing != "none":
         notes.append("activations: HF keeps the RoPE cos/sin in its checkpoint closures (on the device, not saved "
                      "tensors the meter sees): left out of the prediction too")
@@ -360,8 +365,8 @@ def pipeline_notes(plan, stages: list[StagePrediction]) -> list[str]:
          "alive at once (the cost model's count: stage 0 holds the most under 1F1B)"),
     ]
     if any(s.comm_bytes.get(TP_ROW) is None for s in stages):
-        notes.append("tp: the cost model's embedding, LM-head and vocab-parallel loss collectives are priced for "
-                     "the whole model, not per stage: measured, not predicted per stage")
+        notes.append("tp: some of the cost model's whole-model TP collectives could not be attributed to a stage: "
+                     "measured, not predicted per stage")
     tokens = plan.train.micro_batch * plan.train.seq_len // plan.layout.sp
     notes.append(f"activations: the schedule cuts the step's batch into micro-batch views, so the token ids a first "
                  f"stage saves and the labels a last stage saves keep all {m} micro-batches' ids alive: "

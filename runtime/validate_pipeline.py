@@ -15,9 +15,10 @@ Stages hold different things, so a pipelined plan is compared stage by stage (ea
   attributed to the stage: per-layer ops times the stage's layers, FSDP's embedding/head ops by the stage's
   share of those parameters, the loss reduction on every stage, and the ``pipeline`` strategy's transfers as
   the stage makes them: it sends an activation forward unless it holds the last model chunk and a gradient
-  back unless it holds the first (the cost model prices every stage as an interior one, both ways). TP's
-  embedding, LM-head and vocab-parallel loss collectives are not attributed to stages (no per-stage
-  prediction; the report says so).
+  back unless it holds the first (the cost model prices every stage as an interior one, both ways); TP's
+  embedding collectives on the first stage, its LM-head and vocab-parallel loss ones on the last, its
+  replicated-gradient all-reduces by the stage's share of those parameters. An op this attribution does not know
+  leaves its row unpredicted per stage (the report says so).
 
 The step measured is the second one (the first infers the stages' shapes and sends that metadata), run
 through :func:`sp_plan.runtime.step.train_step` and so through the plan's torch.distributed.pipelining
@@ -37,6 +38,7 @@ from sp_plan.cost_models.memory.states import model_states, stage_params, tp_par
 from sp_plan.cost_models.memory.timeline import INDEX_BYTES
 from sp_plan.cost_models.pipeline import stage_layers
 from sp_plan.cost_models.placement import group_shapes
+from sp_plan.cost_models.strategies.tp import tp_replicated_layer_params
 from sp_plan.runtime.comm_counter import CommCounter
 from sp_plan.runtime.pipeline import stage_indices
 from sp_plan.runtime.pipeline_meter import ScheduleActivationMeter
@@ -105,6 +107,23 @@ def _row(op) -> str | None:
     return None
 
 
+def _tp_model_share(op, model, layers: int, first: bool, last: bool) -> float | None:
+    """The share of a whole-model TP op (the embedding's, the LM head's, the vocab-parallel loss's, the
+    replicated-gradient all-reduces) that a stage issues, told by the op's label; None for an op not known here
+    (the row is then not predicted per stage rather than guessed)."""
+    label = op.label
+    if label.startswith("embedding output"):
+        return float(first)
+    if label.startswith(("LM head input", "vocab-parallel cross-entropy")):
+        return float(last)
+    if label.startswith("replicated-parameter gradient"):  # every layer's norms, and the final norm
+        per_layer, final = tp_replicated_layer_params(model), model.norm_params()
+        return (per_layer * layers + final * last) / (per_layer * model.num_layers + final)
+    if label.startswith("replicated K/V-head gradient"):
+        return layers / model.num_layers
+    return None
+
+
 def stage_comm_bytes(plan, stage: int) -> dict[str, float | None]:
     """Bytes stage ``stage`` sends per step by report row, from the cost model's ops (module docstring)."""
     model, train, layout = plan.model, plan.train, plan.layout
@@ -132,6 +151,8 @@ def stage_comm_bytes(plan, stage: int) -> dict[str, float | None]:
             times = op.count * per * (all_share if op.phase == "step" else other_share)
         elif op.strategy == "loss":
             times = op.count * per
+        elif row == TP_ROW and (share := _tp_model_share(op, model, layers, first, last)) is not None:
+            times = op.count * per * share
         else:
             rows[row] = None
             continue

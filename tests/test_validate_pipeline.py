@@ -1,12 +1,13 @@
 """``sp-plan validate`` measures pipelined plans through the console script (CPU gloo ranks, tiny Llama, fp32).
 
-Every step runs through the plan's torch.distributed.pipelining schedule. Per stage: the P2P bytes a stage sends
-equal the cost model's pipeline transfers exactly (and ``micro-batches x local tokens x hidden x 4 B``, the
-arithmetic written out here), parameter, gradient and optimizer-state bytes equal the memory model's stage states,
-the micro-batches in flight at the stage's peak equal the 1F1B count (stage 0 holds 2, stage 1 one), the
-activations one micro-batch saves and those a stage holds at its peak differ from the model only by the explained
-bytes (the schedule's views of the step's ids/labels, nll_loss's scalar), and Ulysses' all-to-alls and FSDP2's reduce-scatters equal the per-stage
-prediction. The time prediction uses a preset topology, so no probe runs.
+Every step runs through the plan's torch.distributed.pipelining schedule. Per stage (pp=2 x tp=2 as a table,
+pp=2 x ulysses=2 as JSON): the P2P bytes a stage sends equal the cost model's pipeline transfers exactly (and
+``micro-batches x local tokens x hidden x 4 B``, the arithmetic written out here), parameter, gradient and
+optimizer-state bytes equal the memory model's stage states, the micro-batches in flight at the stage's peak equal
+the 1F1B count (stage 0 holds 2, stage 1 one), the activations one micro-batch saves and those a stage holds at its
+peak differ from the model only by the explained bytes (the schedule's views of the step's ids/labels, nll_loss's
+scalar), and TP's collectives, Ulysses' all-to-alls and FSDP2's reduce-scatters equal the per-stage prediction. The
+time prediction uses a preset topology, so no probe runs.
 """
 
 from __future__ import annotations
@@ -50,19 +51,20 @@ def _row(table: str, label: str) -> tuple[list[str], list[str]]:
 
 
 @pytest.mark.timeout(300)
-def test_validate_prints_a_pipelined_table_with_exact_p2p_and_parameter_rows(tmp_path):
-    table = _validate(tmp_path, "--gpus", "2", "--pp", "2").stdout
-    assert "plan: pp=2 on 2 rank(s)" in table
+def test_validate_prints_a_pipelined_table_with_exact_p2p_parameter_and_tp_rows(tmp_path):
+    """pp=2 x tp=2 (Megatron sequence parallelism: a stage boundary carries a TP rank's sequence shard)."""
+    table = _validate(tmp_path, "--gpus", "4", "--pp", "2", "--tp", "2").stdout
+    assert "plan: pp=2 x tp=2 on 4 rank(s)" in table
     stages = next(line for line in table.splitlines() if line.startswith("pipeline stage")).split()[2:]
-    assert stages == ["0", "1"]
+    assert stages == ["0", "0", "1", "1"]
     predicted, measured = _row(table, "comm pipeline (P2P sends) MB/step (predicted)")
-    p2p_mb = MICRO_BATCHES * SEQ * HIDDEN * 4 / 1e6
-    assert predicted == measured[:2] == [f"{p2p_mb:.3f}"] * 2 and measured[2] == "exact"
+    p2p_mb = MICRO_BATCHES * SEQ // 2 * HIDDEN * 4 / 1e6
+    assert predicted == measured[:4] == [f"{p2p_mb:.3f}"] * 4 and measured[4] == "exact"
     for label in ("parameters MB (predicted)", "gradients MB (predicted)", "optimizer states MB (predicted)",
-                  "micro-batches in flight (predicted)"):
+                  "micro-batches in flight (predicted)", "comm tp (all collectives) MB/step (predicted)"):
         predicted, measured = _row(table, label)
-        assert predicted == measured[:2] and measured[2] == "exact", label
-    assert _row(table, "micro-batches in flight (predicted)")[1][:2] == ["2.00", "1.00"]  # 1F1B: stage 0 holds more
+        assert predicted == measured[:4] and measured[4] == "exact" and "n/a" not in predicted, label
+    assert _row(table, "micro-batches in flight (predicted)")[1][:4] == ["2.00", "2.00", "1.00", "1.00"]  # 1F1B
     assert "note: pipeline P2P:" in table and "Traceback" not in table
 
 
