@@ -1,8 +1,8 @@
-"""Saved activations of a pipelined step, metered inside its schedule, micro-batch by micro-batch.
+"""A pipelined step metered inside its schedule: saved activations micro-batch by micro-batch, and P2P sends.
 
 Under pipeline parallelism a stage runs the forward of several micro-batches before their backwards (1F1B's
 warm-up: stage ``s`` of ``p`` holds up to ``min(p - s, m)`` of them), so what a stage holds at its peak is
-what the schedule keeps alive, not one micro-batch's forward run on its own. :class:`ScheduleActivationMeter`
+what the schedule keeps alive, not one micro-batch's forward run on its own. :class:`ScheduleMeter`
 wraps each of this rank's :class:`~torch.distributed.pipelining.PipelineStage` objects while the ``with``
 block runs (their ``forward_one_chunk``, ``backward_one_chunk`` and ``backward_weight_one_chunk``, and the
 schedule's loss function) and, for every (stage, micro-batch):
@@ -14,6 +14,10 @@ schedule's loss function) and, for every (stage, micro-batch):
   backward, or under zero-bubble schedules the input-gradient part and then the weight-gradient part);
 - records the peak of the live bytes (a storage two micro-batches share counted once) and the most
   micro-batch chunks alive at once.
+
+It also sums the tensors the stages hand to their point-to-point sends (``get_fwd_send_ops`` /
+``get_bwd_send_ops``: every activation sent forward and gradient sent back), which the schedule posts right
+after; ring attention's own sends, inside the stages' compute, are not among them.
 
 The wrappers are instance attributes removed on exit; the schedule and the stages run unchanged.
 """
@@ -32,9 +36,9 @@ Chunk = tuple[int, int]
 
 
 @dataclass
-class ScheduleActivationMeter:
-    """``with ScheduleActivationMeter(setup.pipeline) as meter: train_step(setup, ...)``; then
-    :meth:`microbatch_bytes`, :attr:`peak_bytes` and :attr:`peak_chunks`."""
+class ScheduleMeter:
+    """``with ScheduleMeter(setup.pipeline) as meter: train_step(setup, ...)``; then :meth:`microbatch_bytes`,
+    :attr:`peak_bytes`, :attr:`peak_chunks`, :attr:`send_bytes` and :attr:`sends`."""
 
     pipeline: Any
     #: Bytes of every storage each chunk saved (its forward and, on the last stage, its loss).
@@ -43,6 +47,9 @@ class ScheduleActivationMeter:
     peak_bytes: int = 0
     #: Most chunks whose saved activations were alive at once (a chunk: one micro-batch on one stage).
     peak_chunks: int = 0
+    #: Bytes of the tensors this rank's stages sent to their neighbours, and how many sends.
+    send_bytes: int = 0
+    sends: int = 0
 
     def __post_init__(self) -> None:
         self._live: dict[Chunk, dict[int, int]] = {}
@@ -111,6 +118,16 @@ class ScheduleActivationMeter:
                 return out
             return run
 
+        def send_ops(original):
+            def run(*args, **kwargs):
+                ops = original(*args, **kwargs)
+                self.send_bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+                self.sends += len(ops)
+                return ops
+            return run
+
+        self._wrap(stage, "get_fwd_send_ops", send_ops)
+        self._wrap(stage, "get_bwd_send_ops", send_ops)
         self._wrap(stage, "forward_one_chunk", forward)
         self._wrap(stage, "backward_one_chunk", backward)
         self._wrap(stage, "backward_weight_one_chunk", weight_backward)
@@ -128,7 +145,7 @@ class ScheduleActivationMeter:
 
         self._wrap(self.pipeline.schedule, "_loss_fn", loss)
 
-    def __enter__(self) -> ScheduleActivationMeter:
+    def __enter__(self) -> ScheduleMeter:
         for stage in self.pipeline.stages:
             self._wrap_stage(stage)
         self._wrap_loss()

@@ -1,8 +1,7 @@
 """Meters ``sp-plan validate`` reads on every rank, beyond :class:`~sp_plan.runtime.comm_counter.CommCounter`.
 
-- :class:`C10dTrace`: the bytes this rank sends through c10d ops, seen at the dispatcher (FSDP2's
-  all-gathers and reduce-scatters, which run inside FSDP2's hooks where no runtime call site can report
-  them, and the point-to-point sends of torch.distributed.pipelining's stages);
+- :class:`C10dTrace`: the bytes this rank sends in FSDP2's all-gathers and reduce-scatters, seen at the
+  dispatcher (they run inside FSDP2's hooks, where no runtime call site can report them);
 - :class:`ParameterAwareMeter`: activation bytes saved for backward, FSDP2's gathered parameters excluded.
 """
 
@@ -19,7 +18,7 @@ FSDP_COLLECTIVES = ("all_gather", "reduce_scatter")
 LOSS_ROW = "all_reduce (loss)"
 #: Tensor parallelism's traffic (all-gathers, reduce-scatters, all-reduces) as one row.
 TP_ROW = "tp (all collectives)"
-#: Pipeline stages' point-to-point sends (activations forward, gradients back), from C10dTrace.
+#: Pipeline stages' point-to-point sends (activations forward, gradients back), from the schedule meter.
 PIPELINE_ROW = "pipeline (P2P sends)"
 
 
@@ -33,18 +32,12 @@ class C10dTrace(TorchDispatchMode):
     (``_allgather_base_``, ``_reduce_scatter_base_`` and coalesced variants), where this mode sees them.
     All-gather: the local shard goes to P-1 peers; reduce-scatter: (P-1)/P of the full input. P follows
     from the output/input sizes, so no process group lookup is needed.
-
-    Point-to-point sends (``c10d::send``: a pipeline stage's activations and gradients, and ring attention's
-    K/V blocks, which :class:`~sp_plan.runtime.comm_counter.CommCounter` also counts) are summed apart, in
-    ``send_bytes``: every byte handed to a send leaves this rank.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.bytes = dict.fromkeys(FSDP_COLLECTIVES, 0)
         self.calls = dict.fromkeys(FSDP_COLLECTIVES, 0)
-        self.send_bytes = 0
-        self.send_calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.name()
@@ -53,10 +46,6 @@ class C10dTrace(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def _record(self, name: str, args: tuple) -> None:
-        if name == "c10d::send":
-            self.send_bytes += sum(t.numel() * t.element_size() for t in args[0])
-            self.send_calls += 1
-            return
         tensors = [a for a in args[:2]]
         outs = tensors[0] if isinstance(tensors[0], (list, tuple)) else [tensors[0]]
         ins = tensors[1] if isinstance(tensors[1], (list, tuple)) else [tensors[1]]

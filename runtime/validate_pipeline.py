@@ -41,7 +41,7 @@ from sp_plan.cost_models.placement import group_shapes
 from sp_plan.cost_models.strategies.tp import tp_replicated_layer_params
 from sp_plan.runtime.comm_counter import CommCounter
 from sp_plan.runtime.pipeline import stage_indices
-from sp_plan.runtime.pipeline_meter import ScheduleActivationMeter
+from sp_plan.runtime.pipeline_meter import ScheduleMeter
 from sp_plan.runtime.step import train_step
 from sp_plan.runtime.validate_meters import (
     FSDP_COLLECTIVES,
@@ -229,26 +229,26 @@ def measure_pipelined(setup, batches: Callable[[], list[torch.Tensor]], timed_st
     states after), then ``timed_steps`` timed steps, all through the pipeline schedule."""
     optimizer = setup.make_optimizer(lr=1e-4)
     train_step(setup, batches(), optimizer)  # shape inference (its metadata sends), first allocations
-    with CommCounter() as counter, C10dTrace() as trace, ScheduleActivationMeter(setup.pipeline) as acts:
+    with CommCounter() as counter, C10dTrace() as trace, ScheduleMeter(setup.pipeline) as schedule:
         result = train_step(setup, batches(), None)
     gradients = _local_bytes(p.grad for p in setup.parameters())
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     comm = {name: counter.bytes(name) for name in SP_COLLECTIVES}
     calls = {name: counter.calls(name) for name in SP_COLLECTIVES}
-    comm[PIPELINE_ROW] = trace.send_bytes - counter.bytes("send_recv")
-    calls[PIPELINE_ROW] = trace.send_calls - counter.calls("send_recv")
+    comm[PIPELINE_ROW] = schedule.send_bytes
+    calls[PIPELINE_ROW] = schedule.sends
     comm[LOSS_ROW] = counter.bytes("all_reduce", strategy="loss")
     calls[LOSS_ROW] = counter.calls("all_reduce", strategy="loss")
     comm[TP_ROW] = counter.bytes(strategy="tp")
     calls[TP_ROW] = counter.calls(strategy="tp")
     comm.update({name: trace.bytes[name] - counter.bytes(name, strategy="tp") for name in FSDP_COLLECTIVES})
     calls.update({name: trace.calls[name] - counter.calls(name, strategy="tp") for name in FSDP_COLLECTIVES})
-    per_microbatch = acts.microbatch_bytes(0)
+    per_microbatch = schedule.microbatch_bytes(0)
     measured = StageMeasurement(
         stage=stage, parameter_bytes=_local_bytes(setup.parameters()), gradient_bytes=gradients,
         optimizer_bytes=_optimizer_bytes(optimizer), activation_bytes=per_microbatch,
-        in_flight=acts.peak_chunks / setup.train.virtual_stages, held_activation_bytes=acts.peak_bytes)
+        in_flight=schedule.peak_chunks / setup.train.virtual_stages, held_activation_bytes=schedule.peak_bytes)
     seconds = [train_step(setup, batches(), optimizer).seconds for _ in range(timed_steps)]
     return PipelinedMeasurement(comm_bytes=comm, comm_calls=calls, stage=measured, step_seconds=seconds,
                                 loss=result.loss)
