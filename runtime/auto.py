@@ -43,7 +43,8 @@ surgery in :func:`sp_plan.runtime.parallelize.parallelize`, through the model fa
 ZeRO stages with FSDP2 (what :func:`sp_plan.runtime.step.train_step` toggles per micro-batch):
 
 - 3: ``reshard_after_forward=True``: parameters gathered for forward and again for backward,
-  gradients reduce-scattered every micro-batch;
+  gradients reduce-scattered every micro-batch (under pipeline stages the schedule drives FSDP2 instead:
+  gathered once per stage and step, reduced after the last micro-batch, as torchtitan runs it);
 - 2: ``reshard_after_forward=False`` and no resharding between micro-batches of a step: parameters
   gathered once per step, gradients reduce-scattered every micro-batch;
 - 1: as 2, but gradients accumulate unsharded and are reduce-scattered once per step.

@@ -6,7 +6,8 @@ the root, the standard FSDP2 recipe). What the plan's options mean here:
 
 - the mesh is the ``fsdp`` dim (dp_shard x ring x ulysses, ``Layout.shard_group``); with
   ``dp_replicate > 1`` it is the 2-D (dp_replicate, fsdp) mesh, i.e. HSDP;
-- ``zero_stage=3``: parameters resharded after forward (gathered again in backward);
+- ``zero_stage=3``: parameters resharded after forward (gathered again in backward), except under
+  pipeline stages, where a stage keeps them gathered through the step (as torchtitan; the cost model too);
   ``zero_stage`` 1 or 2: kept gathered from forward to backward (``reshard_after_forward=False``);
   FSDP2 always shards gradients and optimizer states, so 1 behaves as 2 (for ZeRO-1's single
   reduce-scatter per step, skip gradient sync on all but the last micro-batch:
@@ -119,7 +120,10 @@ def fully_shard_kwargs(train: TrainSpec, mesh, *, params_in_compute_dtype: bool 
         "mesh": data_parallel_mesh(mesh),
         "mp_policy": mp,
         "offload_policy": offload,
-        "reshard_after_forward": train.zero_stage == 3,
+        # Under pipeline stages a stage's micro-batches interleave forwards and backwards; torchtitan keeps its
+        # parameters gathered through the step (no reshard after forward under PP), and so does the cost model
+        # (one gather per stage and step). Resharding would gather again for every micro-batch and backward.
+        "reshard_after_forward": train.zero_stage == 3 and mesh.layout.pp == 1,
     }
 
 

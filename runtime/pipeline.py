@@ -34,6 +34,7 @@ from torch.distributed.pipelining import (
 )
 
 from sp_plan.cost_models.pipeline import stage_layers
+from sp_plan.runtime import comm_counter
 from sp_plan.runtime.data import DOCUMENTS_KEY, IGNORE_INDEX
 from sp_plan.runtime.errors import RuntimeConfigError
 from sp_plan.runtime.loss import LOSS_REDUCTION_DTYPE, cross_entropy_sum
@@ -174,6 +175,9 @@ class Pipeline:
             for i, (local_sum, count) in enumerate(self.loss.take(self.micro_batches)):
                 stats[i, 0], stats[i, 1] = local_sum.to(device), float(count)
         if data_group is not None and dist.get_world_size(data_group) > 1:
+            # The loss reduction the cost model prices (two fp32 values per micro-batch over the data group),
+            # here for all the step's micro-batches at once; metered as such for sp-plan validate.
+            comm_counter.record_all_reduce(stats, dist.get_world_size(data_group), "forward", "loss")
             dist.all_reduce(stats, group=data_group)
         dist.all_reduce(stats, group=self.group)  # only the last stage's ranks hold non-zeros
         return [(float(s) / float(c) if c else 0.0, int(c)) for s, c in stats.tolist()]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -251,8 +252,13 @@ def configure(options: TrainRunOptions, model: nn.Module, plan: Plan | None, pad
                           fixed_options=fixed, pad_token_id=pad)
 
 
-def run_training(options: TrainRunOptions) -> int:
+def run_training(options: TrainRunOptions,
+                 on_finish: Callable[[AutoConfigured, FitResult, int], None] | None = None) -> int:
     """Run the training; the process exit code (0, or :data:`DIVERGED_EXIT_CODE` on a non-finite loss).
+
+    ``on_finish(setup, result, code)``, when given, is called on every rank once the run ended (the plan that ran,
+    the trainer's :class:`~sp_plan.runtime.trainer.FitResult` and the exit code): ``sp-plan train --json`` prints
+    its summary from there.
 
     Raises :class:`~sp_plan.runtime.errors.RuntimeConfigError` (and the planner's errors) for runs that
     cannot start; the caller ends the torchrun worker (:func:`~sp_plan.runtime.distributed.finish_worker`).
@@ -287,11 +293,20 @@ def run_training(options: TrainRunOptions) -> int:
                       progress=options.progress, live_bytes_every=options.live_bytes_every,
                       async_save=options.async_save, handle_signals=True, wandb_project=options.wandb_project)
     result = trainer.fit()
+    code = exit_code(result)
+    if result.stopped_by in ("SIGTERM", "SIGINT") and rank0:
+        LOG.info(stopped_line(result, options))
+    if on_finish is not None:
+        on_finish(setup, result, code)
+    return code
+
+
+def exit_code(result: FitResult) -> int:
+    """The process exit code of a finished run: 0, :data:`DIVERGED_EXIT_CODE` after non-finite losses, or
+    128 + the signal that stopped it."""
     if result.stopped_by == "non-finite":
         return DIVERGED_EXIT_CODE
     if result.stopped_by in ("SIGTERM", "SIGINT"):
-        if rank0:
-            LOG.info(stopped_line(result, options))
         return SIGNAL_EXIT_BASE + signal.Signals[result.stopped_by].value
     return 0
 

@@ -18,6 +18,11 @@ Every rank measures (one micro-batch, or one optimizer step, of :func:`sp_plan.r
 - **step time**: median of the timed steps vs the time model on the prediction topology (on CPU a
   probed CPU topology, so the prediction is for this machine).
 
+A pipelined plan (``pp > 1``) runs every step through its torch.distributed.pipelining schedule and is compared
+stage by stage (:mod:`sp_plan.runtime.validate_pipeline`): each rank's parameter, gradient and optimizer bytes,
+the activations its stage saves per micro-batch and holds at its peak (metered inside the schedule), the
+micro-batches in flight, and the bytes it sends, the pipeline's P2P transfers included.
+
 Rank 0 gathers everything; :func:`render` prints the table. ``sp-plan validate`` drives this.
 """
 
@@ -31,9 +36,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from sp_plan.cost_models.collectives import bytes_sent
 from sp_plan.cost_models.comm_volume import comm_estimate, comm_ops, multiplier
 from sp_plan.cost_models.errors import CostModelError
@@ -50,13 +52,24 @@ from sp_plan.runtime.models.base import ModelAdapter, adapter_named, refuse_unbu
 from sp_plan.runtime.planning import describe_plan
 from sp_plan.runtime.probe.run import run_probe
 from sp_plan.runtime.step import synchronize, train_step
-from sp_plan.runtime.saved_tensor_meter import SavedTensorMeter
+from sp_plan.runtime.validate_meters import (
+    FSDP_COLLECTIVES,
+    LOSS_ROW,
+    SP_COLLECTIVES,
+    TP_ROW,
+    C10dTrace,
+    ParameterAwareMeter,
+)
+from sp_plan.runtime.validate_pipeline import (
+    PIPELINE_COMM_ROWS,
+    StageMeasurement,
+    StagePrediction,
+    measure_pipelined,
+    predict_stages,
+    stage_from_dict,
+    unsaved_index_bytes,
+)
 
-#: Collectives compared with the cost model. SP and loss ones come from CommCounter, FSDP ones from C10dTrace.
-SP_COLLECTIVES = ("all_to_all", "send_recv")
-FSDP_COLLECTIVES = ("all_gather", "reduce_scatter")
-#: Tensor parallelism's traffic (all-gathers, reduce-scatters, all-reduces) as one row.
-TP_ROW = "tp (all collectives)"
 #: Step-time measurement: one warm-up step, then at least this many timed steps.
 MIN_TIMED_STEPS = 2
 #: Agreement bounds shown as verdicts (the tests enforce them on CPU).
@@ -66,99 +79,6 @@ ACTIVATION_TOLERANCE = 0.05
 #: timed right after it and a 50 ms measurement window on cores shared by ranks (and other jobs) is a
 #: lottery; still about 2 s, against the several seconds the timed steps take.
 CPU_PROBE_BUDGETS = (0.2, 1.0)
-
-
-# ----- FSDP traffic at the dispatcher ---------------------------------------------------------------------
-
-
-class C10dTrace(TorchDispatchMode):
-    """Bytes this rank sends in c10d all-gathers and reduce-scatters (FSDP2's), by the project's conventions.
-
-    FSDP2 issues them from its hooks through ``torch.distributed``; they reach the dispatcher as c10d ops
-    (``_allgather_base_``, ``_reduce_scatter_base_`` and coalesced variants), where this mode sees them.
-    All-gather: the local shard goes to P-1 peers; reduce-scatter: (P-1)/P of the full input. P follows
-    from the output/input sizes, so no process group lookup is needed.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = dict.fromkeys(FSDP_COLLECTIVES, 0)
-        self.calls = dict.fromkeys(FSDP_COLLECTIVES, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.name()
-        if name.startswith("c10d::"):
-            self._record(name, args)
-        return func(*args, **(kwargs or {}))
-
-    def _record(self, name: str, args: tuple) -> None:
-        tensors = [a for a in args[:2]]
-        outs = tensors[0] if isinstance(tensors[0], (list, tuple)) else [tensors[0]]
-        ins = tensors[1] if isinstance(tensors[1], (list, tuple)) else [tensors[1]]
-        if not all(isinstance(t, torch.Tensor) for t in [*outs, *ins]):
-            return
-        out_bytes = sum(t.numel() * t.element_size() for t in outs)
-        in_bytes = sum(t.numel() * t.element_size() for t in ins)
-        if "allgather" in name and in_bytes:
-            world = out_bytes // in_bytes
-            self.bytes["all_gather"] += in_bytes * (world - 1)
-            self.calls["all_gather"] += 1
-        elif "reduce_scatter" in name and out_bytes:
-            world = in_bytes // out_bytes
-            self.bytes["reduce_scatter"] += in_bytes * (world - 1) // world
-            self.calls["reduce_scatter"] += 1
-
-
-# ----- saved activations under FSDP2 ----------------------------------------------------------------------
-
-
-class ParameterAwareMeter(SavedTensorMeter):
-    """A SavedTensorMeter that also skips the parameters FSDP2 gathers for a module's forward.
-
-    FSDP2 swaps each module's sharded parameters for freshly gathered full ones just before the
-    module runs and frees them after, so their storages are unknown in advance and their addresses are
-    reused later: a forward pre-hook excludes a module's parameter storages while the module runs and a
-    forward hook lifts the exclusion (parameters a linear layer saves for backward are the weights,
-    not activations).
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        # FSDP2's sharded parameters are DTensors: their local shards own the storage.
-        super().__init__(exclude=[getattr(p, "_local_tensor", p) for p in model.parameters()])
-        self._model = model
-        self._module_hooks: list = []
-        self._permanent = set(self._excluded)
-        self._running: dict[int, int] = {}
-        self._by_module: dict[int, list[int]] = {}
-
-    def _pre(self, module, _args) -> None:
-        # Remembered per module: after the forward FSDP2 has freed (resharded) these parameters.
-        ptrs = [p.untyped_storage().data_ptr() for p in module.parameters(recurse=False)]
-        self._by_module[id(module)] = ptrs
-        for ptr in ptrs:
-            self._running[ptr] = self._running.get(ptr, 0) + 1
-            self._excluded.add(ptr)
-
-    def _post(self, module, _args, _output) -> None:
-        for ptr in self._by_module.pop(id(module), []):
-            self._running[ptr] -= 1
-            if self._running[ptr] == 0:
-                del self._running[ptr]
-                if ptr not in self._permanent:
-                    self._excluded.discard(ptr)
-
-    def __enter__(self) -> ParameterAwareMeter:
-        for module in self._model.modules():
-            if any(True for _ in module.parameters(recurse=False)):
-                self._module_hooks.append(module.register_forward_pre_hook(self._pre))
-                self._module_hooks.append(module.register_forward_hook(self._post))
-        return super().__enter__()  # type: ignore[return-value]
-
-    def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)
-        for hook in self._module_hooks:
-            hook.remove()
-        self._module_hooks.clear()
 
 
 # ----- results --------------------------------------------------------------------------------------------
@@ -173,6 +93,9 @@ class RankMeasurement:
     peak_allocated: int | None
     step_seconds: list[float]
     loss: float
+    #: With pp > 1: this rank's stage, measured inside the pipeline schedule (``activation_bytes`` is then one
+    #: micro-batch's on this stage).
+    stage: StageMeasurement | None = None
 
 
 @dataclass
@@ -202,6 +125,9 @@ class ValidationReport:
     kind: str = "llama"
     #: The memory-assumption overrides the prediction used for this model family.
     memory_overrides: dict[str, Any] = field(default_factory=dict)
+    #: With pp > 1: every pipeline stage's prediction, by ``pp`` coordinate (each rank is compared with its
+    #: stage's; ``prediction`` then holds the busiest stage's activation and communication figures).
+    stages: list[StagePrediction] = field(default_factory=list)
 
     def to_json_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -227,6 +153,11 @@ def _rope_tables_unseen(adapter: ModelAdapter, train, model) -> bool:
 def predict(plan, topology, family: Family = "llama") -> Prediction:
     """Memory, communication and time predicted for ``plan``'s configuration on ``topology``, with the
     memory assumptions of the model ``family`` that runs it (:func:`sp_plan.runtime.capabilities.memory_assumptions`)."""
+    return predict_with_stages(plan, topology, family)[0]
+
+
+def predict_with_stages(plan, topology, family: Family = "llama") -> tuple[Prediction, list[StagePrediction]]:
+    """:func:`predict`, and with pp > 1 every pipeline stage's prediction (else an empty list)."""
     model, train, layout = plan.model, plan.train, plan.layout
     adapter = adapter_named(family)
     est = estimate(model, train, layout, topology, memory_assumptions(adapter), with_placement=False)
@@ -246,10 +177,26 @@ def predict(plan, topology, family: Family = "llama") -> Prediction:
     by_collective["all_reduce (loss)"] = comm.per_step_by_strategy.get("loss", 0.0)
     # Everything on the TP group: the blocks' collectives and the embedding / LM head / vocab-parallel loss.
     by_collective[TP_ROW] = _step_bytes(model, train, layout, lambda op: op.group == "tp")
-    return Prediction(activation_bytes=activations, per_layer_saved_bytes=detail.per_layer.saved_bytes,
-                      comm_bytes=by_collective, peak_allocated=est.memory.peak_allocated,
-                      step_seconds=est.time.step_s, tokens_per_s=est.time.tokens_per_s, topology=topology.name,
-                      topology_note="")
+    prediction = Prediction(activation_bytes=activations, per_layer_saved_bytes=detail.per_layer.saved_bytes,
+                            comm_bytes=by_collective, peak_allocated=est.memory.peak_allocated,
+                            step_seconds=est.time.step_s, tokens_per_s=est.time.tokens_per_s,
+                            topology=topology.name, topology_note="")
+    stages: list[StagePrediction] = []
+    if layout.pp > 1:
+        stages = pipeline_stage_predictions(plan, detail, adapter, local_tokens)
+        prediction.activation_bytes = max(s.activation_bytes for s in stages)
+        prediction.comm_bytes = {row: max((s.comm_bytes[row] or 0.0) for s in stages) for row in PIPELINE_COMM_ROWS}
+    return prediction, stages
+
+
+def pipeline_stage_predictions(plan, detail, adapter: ModelAdapter, local_tokens: int) -> list[StagePrediction]:
+    """Every pipeline stage's prediction (:func:`sp_plan.runtime.validate_pipeline.predict_stages`), with what the
+    saved-tensor meter cannot see on each stage taken out as for an unpipelined plan."""
+    model, train = plan.model, plan.train
+    rope = (rope_table_bytes(local_tokens, model.head_dim, train.dtype_bytes)
+            if _rope_tables_unseen(adapter, train, model) else 0)
+    return predict_stages(plan, detail, memory_assumptions(adapter),
+                          lambda first, last: unsaved_index_bytes(local_tokens, first, last) + rope)
 
 
 # ----- measurement (every rank) ---------------------------------------------------------------------------
@@ -296,6 +243,20 @@ def measure(setup, steps: int, seed: int = 0) -> RankMeasurement:
                            comm_calls=calls, peak_allocated=peak, step_seconds=seconds, loss=result.loss)
 
 
+def measure_pipeline_stage(setup, steps: int, seed: int = 0) -> RankMeasurement:
+    """:func:`measure` for a pipelined plan: every step runs through the plan's schedule
+    (:func:`sp_plan.runtime.validate_pipeline.measure_pipelined`), one warm-up step more than unpipelined."""
+    generator = torch.Generator().manual_seed(seed + setup.dp_rank)
+    if setup.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(setup.device)
+    result = measure_pipelined(setup, lambda: _micro_batches(setup, generator), max(steps - 1, MIN_TIMED_STEPS),
+                               setup.mesh.local_rank("pp"))
+    peak = torch.cuda.max_memory_allocated(setup.device) if setup.device.type == "cuda" else None
+    return RankMeasurement(rank=dist.get_rank(), activation_bytes=result.stage.activation_bytes,
+                           comm_bytes=result.comm_bytes, comm_calls=result.comm_calls, peak_allocated=peak,
+                           step_seconds=result.step_seconds, loss=result.loss, stage=result.stage)
+
+
 def prediction_topology(plan, topology: Any, device_type: str):
     """The topology step time is predicted on: the given one, the plan's on GPUs, a quick probe on CPU."""
     world = plan.layout.world
@@ -327,28 +288,103 @@ def run_validation(plan, *, steps: int = 3, topology: Any = None, seed: int = 0,
     torch.manual_seed(seed)
     model = adapter.model_from_spec(plan.model, plan.train.seq_len, seed)
     setup = auto_configure(model, plan=plan)
-    mine = measure(setup, steps, seed)
+    pipelined = plan.layout.pp > 1
+    mine = measure_pipeline_stage(setup, steps, seed) if pipelined else measure(setup, steps, seed)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() != 0:
         return None
-    prediction = predict(plan, topo, adapter)
+    prediction, stages = predict_with_stages(plan, topo, adapter)
     prediction.topology_note = note
     notes = []
     if device_type == "cpu":
         notes.append("peak memory: not measured on CPU (no allocator statistics); the activation row is the "
                      "measured saved-tensor total")
+    if pipelined:
+        notes += pipeline_notes(plan, stages)
+        held_longer = any(r.stage is not None and r.stage.in_flight > stages[r.stage.stage].in_flight for r in gathered)
+        if plan.train.pipeline_schedule == "zero_bubble" and held_longer:
+            notes.append("in flight under zero_bubble: torch's input-gradient pass keeps the graph (retain_graph=True) "
+                         "until the micro-batch's weight-gradient pass, so its saved tensors stay alive until then; "
+                         "the cost model gives ZB-H1 1F1B's count")
     if adapter.checkpoint_binds_rope_tables and plan.train.checkpointing != "none":
         notes.append("activations: HF keeps the RoPE cos/sin in its checkpoint closures (on the device, not saved "
                      "tensors the meter sees): left out of the prediction too")
-    fsdp_differs = any(r.comm_bytes[c] != prediction.comm_bytes[c] for r in gathered for c in FSDP_COLLECTIVES)
-    if fsdp_differs:
+    regathers = fsdp_regather_note(plan, stages, gathered) if pipelined else None
+    if regathers:
+        notes.append(regathers)
+    fsdp_differs = any(r.comm_bytes[c] != _predicted_comm(prediction, stages, r, c)
+                       for r in gathered for c in FSDP_COLLECTIVES)
+    if fsdp_differs and not regathers:
         notes.append("FSDP2 bytes differ from the model where FSDP2 pads a parameter's first dim to a multiple of "
                      "the shard count")
     return ValidationReport(plan_lines=describe_plan(plan), prediction=prediction, ranks=gathered,
                             device=device_type, notes=notes, plan=plan.model_dump(mode="json"),
                             time_topology=topo.spec.model_dump(mode="json"), kind=adapter.name,
-                            memory_overrides=dict(adapter.memory_assumptions))
+                            memory_overrides=dict(adapter.memory_assumptions), stages=stages)
+
+
+def _predicted_comm(prediction: Prediction, stages: list[StagePrediction], rank: RankMeasurement, row: str) -> float | None:
+    """The bytes ``rank`` is predicted to send in ``row``: its stage's under pp > 1, else the plan's."""
+    if rank.stage is not None and stages:
+        return stages[rank.stage.stage].comm_bytes.get(row)
+    return prediction.comm_bytes.get(row, 0.0)
+
+
+def fsdp_regather_note(plan, stages: list[StagePrediction], ranks: list[RankMeasurement]) -> str | None:
+    """Under pp with ZeRO-3: how many times the cost model's once-per-step parameter all-gathers each stage made
+    (None when they agree)."""
+    if plan.train.zero_stage != 3:
+        return None
+    ratios: dict[int, float] = {}
+    for r in ranks:
+        predicted = stages[r.stage.stage].comm_bytes.get("all_gather") if r.stage is not None else None
+        if predicted and r.comm_bytes.get("all_gather", 0) > predicted:
+            ratios[r.stage.stage] = max(ratios.get(r.stage.stage, 0.0), r.comm_bytes["all_gather"] / predicted)
+    if not ratios:
+        return None
+    each = ", ".join(f"stage {s} {ratio:.2f}x" for s, ratio in sorted(ratios.items()))
+    return (f"FSDP2 all-gathers under the pipeline: {each} the cost model's, which gathers each stage's parameters "
+            "once per step (torch pipelining with FSDP2 kept unsharded through the step, as torchtitan runs it); "
+            "the runtime's ZeRO-3 reshards after every forward (reshard_after_forward=True), so a stage gathers "
+            "again for later micro-batches and for backward")
+
+
+def pipeline_notes(plan, stages: list[StagePrediction]) -> list[str]:
+    """What a pipelined report's rows mean and which it cannot predict per stage."""
+    p, m = plan.layout.pp, plan.train.grad_accum
+    notes = [
+        (f"pipeline: pp={p}, {plan.train.pipeline_schedule}, {m} micro-batch(es) per step; each rank is compared "
+         "with its stage (parameters, gradients, optimizer states, activations, bytes it sends); the step ran "
+         "through the torch.distributed.pipelining schedule (after one warm-up step)"),
+        ("pipeline P2P: the cost model prices every stage as an interior one (an activation forward and a "
+         "gradient back per micro-batch and model chunk); the first stage sends no gradient and the last no "
+         "activation, so their predictions count only the transfers they make"),
+        ("activations per micro-batch: one micro-batch's saved tensors on the rank's stages, metered inside the "
+         "schedule; held at peak: the most saved bytes alive at once, in flight: the most micro-batches "
+         "alive at once (the cost model's count: stage 0 holds the most under 1F1B)"),
+    ]
+    if any(s.comm_bytes.get(TP_ROW) is None for s in stages):
+        notes.append("tp: some of the cost model's whole-model TP collectives could not be attributed to a stage: "
+                     "measured, not predicted per stage")
+    tokens = plan.train.micro_batch * plan.train.seq_len // plan.layout.sp
+    notes.append(f"activations: the schedule cuts the step's batch into micro-batch views, so the token ids a first "
+                 f"stage saves and the labels a last stage saves keep all {m} micro-batches' ids alive: "
+                 f"{(m - 1) * tokens * INDEX_BYTES:,} B more per micro-batch on each than the model's inputs; the last "
+                 "stage's nll_loss also saves a 4-byte scalar no memory model counts")
+    v = plan.train.virtual_stages
+    if v > 1 and plan.model.position_embedding == "rope":
+        rope = rope_table_bytes(tokens, plan.model.head_dim, plan.train.dtype_bytes)
+        notes.append(f"activations: each of a rank's {v} model chunks builds its own RoPE cos/sin, {(v - 1) * rope:,} B "
+                     "more per micro-batch than the one set the model counts")
+    if plan.train.zero_stage < 3 and plan.layout.shard_group > 1:
+        notes.append(f"parameters: under ZeRO-{plan.train.zero_stage} the memory model counts the gathered "
+                     "parameters a stage keeps through the step; FSDP2 keeps them sharded between steps, which is "
+                     "when they are measured")
+    notes.append("loss: the row is the data-group reduction the cost model prices; the runtime also all-reduces the "
+                 f"micro-batches' (sum, count) over the pp group once per step ({m} x 2 fp32 values), which the cost "
+                 "model does not price and the row leaves out")
+    return notes
 
 
 # ----- rendering ------------------------------------------------------------------------------------------
@@ -361,10 +397,16 @@ def _ratio(measured: float, predicted: float) -> str:
     return "exact" if measured == predicted else f"{error:+.2%}"
 
 
+def _worst(errors: list[str]) -> str:
+    return max(errors, key=lambda e: 0 if e == "exact" else abs(float(e.rstrip("%"))) if e != "n/a" else 1e9)
+
+
 def render(report: ValidationReport | dict) -> str:
     """The comparison table: one column per rank, predicted first, worst relative error last."""
     if isinstance(report, dict):
         report = _from_dict(report)
+    if report.stages:
+        return render_pipelined(report)
     p = report.prediction
     ranks = report.ranks
     header = f"{'':34}{'predicted':>14}" + "".join(f"{'rank ' + str(r.rank):>14}" for r in ranks) + f"{'worst':>10}"
@@ -374,8 +416,7 @@ def render(report: ValidationReport | dict) -> str:
         cells = "".join(f"{'n/a' if m is None else format(m / scale, fmt):>14}" for m in measured)
         worst = "n/a"
         if predicted is not None and all(m is not None for m in measured):
-            errors = [_ratio(m, predicted) for m in measured]  # type: ignore[arg-type]
-            worst = max(errors, key=lambda e: 0 if e == "exact" else abs(float(e.rstrip("%"))) if e != "n/a" else 1e9)
+            worst = _worst([_ratio(m, predicted) for m in measured])  # type: ignore[arg-type]
         pred = "n/a" if predicted is None else format(predicted / scale, fmt)
         rows.append(f"{label:34}{pred:>14}{cells}{worst:>10}")
 
@@ -391,9 +432,55 @@ def render(report: ValidationReport | dict) -> str:
     return "\n".join(rows)
 
 
+def render_pipelined(report: ValidationReport) -> str:
+    """The table of a pipelined plan: one column per rank, each row predicted (the rank's stage's) over measured,
+    worst relative error last."""
+    p, ranks = report.prediction, report.ranks
+    stage_of = [report.stages[r.stage.stage] if r.stage is not None else None for r in ranks]
+    header = f"{'':50}" + "".join(f"{'rank ' + str(r.rank):>14}" for r in ranks) + f"{'worst':>10}"
+    rows = [*report.plan_lines, f"time prediction: {p.topology} ({p.topology_note})", header,
+            f"{'pipeline stage':50}" + "".join(f"{'n/a' if s is None else s.stage:>14}" for s in stage_of)]
+
+    def pair(label: str, predicted: list[float | None], measured: list[float | None], scale: float, fmt: str) -> None:
+        def cells(values: list[float | None]) -> str:
+            return "".join(f"{'n/a' if v is None else format(v / scale, fmt):>14}" for v in values)
+
+        worst = "n/a"
+        if all(v is not None for v in [*predicted, *measured]):
+            worst = _worst([_ratio(m, q) for m, q in zip(measured, predicted)])  # type: ignore[arg-type]
+        rows.append(f"{label:50}{cells(predicted)}")
+        rows.append(f"{'  measured':50}{cells(measured)}{worst:>10}")
+
+    def stage_values(name: str) -> tuple[list, list]:
+        return ([None if s is None else getattr(s, name) for s in stage_of],
+                [None if r.stage is None else getattr(r.stage, name) for r in ranks])
+
+    for label, name, scale, fmt in (("parameters MB", "parameter_bytes", 1e6, ".3f"),
+                                    ("gradients MB", "gradient_bytes", 1e6, ".3f"),
+                                    ("optimizer states MB", "optimizer_bytes", 1e6, ".3f"),
+                                    ("activations / micro-batch MB", "activation_bytes", 1e6, ".3f"),
+                                    ("micro-batches in flight", "in_flight", 1.0, ".2f"),
+                                    ("activations held at peak MB", "held_activation_bytes", 1e6, ".3f")):
+        pair(f"{label} (predicted)", *stage_values(name), scale, fmt)
+    for name in PIPELINE_COMM_ROWS:
+        scale, fmt, unit = (1.0, ",.0f", "B") if name == LOSS_ROW else (1e6, ".3f", "MB")
+        predicted = [None if s is None else s.comm_bytes.get(name) for s in stage_of]
+        pair(f"comm {name} {unit}/step (predicted)", predicted, [r.comm_bytes.get(name) for r in ranks], scale, fmt)
+    if any(r.peak_allocated is not None for r in ranks):
+        pair("peak allocated GB (predicted, worst stage)", [p.peak_allocated] * len(ranks),
+             [r.peak_allocated for r in ranks], GB, ".3f")
+    pair("step time s (median) (predicted)", [p.step_seconds] * len(ranks),
+         [statistics.median(r.step_seconds) for r in ranks], 1.0, ".4f")
+    rows += [f"note: {n}" for n in report.notes]
+    return "\n".join(rows)
+
+
 def _from_dict(data: dict) -> ValidationReport:
+    ranks = [RankMeasurement(**{**r, "stage": stage_from_dict(r.get("stage"), StageMeasurement)})
+             for r in data["ranks"]]
     return ValidationReport(plan_lines=data["plan_lines"], prediction=Prediction(**data["prediction"]),
-                            ranks=[RankMeasurement(**r) for r in data["ranks"]], device=data["device"],
+                            ranks=ranks, device=data["device"],
                             notes=data.get("notes", []), plan=data.get("plan", {}),
                             time_topology=data.get("time_topology", {}), kind=data.get("kind", "llama"),
-                            memory_overrides=data.get("memory_overrides", {}))
+                            memory_overrides=data.get("memory_overrides", {}),
+                            stages=[StagePrediction(**s) for s in data.get("stages", [])])

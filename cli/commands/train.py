@@ -10,6 +10,10 @@ in-process): then a SIGTERM (preemption) or SIGINT to the launcher stops every r
 step, saves a checkpoint (with ``--checkpoint-dir``) and exits 143 (130) with the ranks' one line and no
 launcher traceback (torchrun itself ends such a run in a ``SignalException`` traceback).
 
+With ``--json`` the run's summary (:func:`run_summary`: the plan, the steps, their losses, tokens/s, the checkpoint
+and why the run ended) is the only thing on stdout, one JSON object printed by rank 0 at the end; the log lines
+go to stderr.
+
 Without ``--plan``, rank 0 plans for the probed machine (or ``--topology``) under the layout and option
 pins, and every rank checks it holds the same plan. The run itself is
 :func:`sp_plan.runtime.train_run.run_training`; torch and the runtime are imported only when the command
@@ -20,8 +24,10 @@ once per rank.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -222,6 +228,9 @@ def _pin_options(func):
 @click.option("--wandb-project", default=None, metavar="NAME",
               help="Also report every step (loss, tokens/s, step time and the plan's prediction, memory) to this "
                    "Weights & Biases project, from rank 0 (WANDB_MODE=offline works; needs the [wandb] extra).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the run's summary (plan, steps, losses, tokens/s, checkpoint, exit reason) as one JSON "
+                   "object on stdout at the end, and nothing else there: the log lines go to stderr.")
 @click.option("--nproc-per-node", type=click.IntRange(1, 1024), default=None, metavar="N",
               help="Launch N ranks on this machine (torchrun --standalone, in this process) instead of running "
                    "under torchrun: a SIGTERM or SIGINT then stops every rank after its step, saves a checkpoint "
@@ -234,10 +243,15 @@ def command(ctx: click.Context, **params: Any) -> None:
     telemetry: docs/training.md."""
     nproc = params.pop("nproc_per_node")
     level = params.pop("log_level")
+    as_json = params.pop("as_json")
     if level is not None:
         from sp_plan.cli.main import set_log_level
 
         set_log_level(level)
+    if as_json:  # stdout carries the summary alone
+        from sp_plan.runtime.log import configure_logging
+
+        configure_logging(level, stream=sys.stderr)
     options = options_from_params(ctx, params)
     check_data_sources(options)
     if nproc is not None:
@@ -245,12 +259,48 @@ def command(ctx: click.Context, **params: Any) -> None:
     from sp_plan.runtime.distributed import finish_worker  # torch: only when the command runs
     from sp_plan.runtime.train_run import run_training
 
-    finish_worker(run_training(options))
+    finish_worker(run_training(options, on_finish=print_summary if as_json else None))
+
+
+def run_summary(setup: Any, result: Any, code: int) -> dict[str, Any]:
+    """What ``--json`` prints: the plan that ran (as a plan file holds it), the steps this run took and their
+    losses, throughput (all ranks' tokens per second over the steps after this run's first, as the run's ``done:``
+    line counts it), the last checkpoint and why the run ended (``completed``, ``non-finite``, ``SIGTERM``,
+    ``SIGINT``) with the exit code."""
+    records = result.records
+    timed = records[1:] or records  # as the run's "done:" line: the first step includes the warm-up
+    timed_tokens, timed_seconds = sum(r.tokens for r in timed), sum(r.seconds for r in timed)
+    return {
+        "plan": setup.plan.model_dump(mode="json"),
+        "layout": setup.layout.describe(),
+        "world_size": setup.layout.world,
+        "start_step": result.start_step,
+        "step": result.step,
+        "steps_run": len(records),
+        "losses": [r.loss for r in records],
+        "skipped_steps": result.skipped_steps,
+        "tokens": sum(r.tokens for r in records),
+        "seconds": result.seconds,
+        "tokens_per_s": timed_tokens / timed_seconds if timed_seconds > 0 else None,
+        "tokens_per_s_steps": [timed[0].step, timed[-1].step] if timed else None,
+        "checkpoint": None if result.checkpoint is None else str(result.checkpoint),
+        "resumed_from": None if result.resumed_from is None else str(result.resumed_from),
+        "exit_reason": result.stopped_by or "completed",
+        "exit_code": code,
+    }
+
+
+def print_summary(setup: Any, result: Any, code: int) -> None:
+    """Rank 0 prints :func:`run_summary` as one JSON line on stdout."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        click.echo(json.dumps(run_summary(setup, result, code)))
 
 
 def options_from_params(ctx: click.Context, params: dict[str, Any]) -> TrainRunOptions:
     """The run's options from the parsed command line; a combination that cannot run is a usage error."""
-    params = {k: v for k, v in params.items() if k not in ("nproc_per_node", "log_level")}
+    params = {k: v for k, v in params.items() if k not in ("nproc_per_node", "log_level", "as_json")}
     pins = {dim: params.pop(dim) for dim in (*degrees.registered(), "ep") if dim in params}
     options = TrainRunOptions(**params, layout_pins={k: v for k, v in pins.items() if v is not None})
     problems = options.conflicts()

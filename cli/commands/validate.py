@@ -22,6 +22,7 @@ from sp_plan.cost_models.atomic_io import atomic_write_text
 from sp_plan.cost_models.errors import CostModelError
 
 from .common import (
+    PIPELINE_OPTIONS,
     build_layout,
     build_model,
     build_topology,
@@ -58,6 +59,13 @@ def _plan_from_flags(model_name: str | None, gpus: int | None, gpus_per_node: in
                         topology=topology_ref or topology.name)
     return Plan(model=model, train=train, layout=layout, hardware=hardware, estimate=est.to_json_dict(),
                 explanation=["layout and options given on the command line"])
+
+
+def pipeline_options(func):
+    """--schedule, --virtual-stages and --stage-layers: the pipelined plan to run, as ``sp-plan estimate`` takes them."""
+    for option in reversed(PIPELINE_OPTIONS):
+        func = option(func)
+    return func
 
 
 #: Bytes per parameter of the model validate builds on every rank before sharding it (fp32 init).
@@ -136,6 +144,7 @@ def _launch(plan_path: Path, world: int, steps: int, time_topology: str | None, 
 @click.option("--optimizer", type=click.Choice(["adamw", "adamw_bf16"]), default="adamw", show_default=True)
 @click.option("--zero", "zero_stage", type=click.IntRange(0, 3), default=3, show_default=True)
 @memory_technique_options
+@pipeline_options
 @click.option("--gpus", type=click.IntRange(1, 1 << 20), default=None, help="Ranks to run (the plan's world).")
 @click.option("--gpus-per-node", type=click.IntRange(1, 1 << 10), default=None)
 @click.option("--gpu", "gpu_name", default="h100-80gb", show_default=True, help="GPU preset (planning only).")
@@ -157,7 +166,9 @@ def command(plan_path: Path | None, model_name: str | None, seq_len: str | None,
             time_topology: str | None, hf: bool, as_json: bool, result_file: Path | None, **options: Any) -> None:
     """Run a few steps of the planned configuration and compare with the cost models, per rank:
     activation bytes saved for backward, communication bytes by collective, peak memory (CUDA) and
-    step time. On a CPU-only machine the ranks are CPU processes over gloo."""
+    step time; a pipelined plan (--pp) runs through its pipeline schedule and is compared stage by stage
+    (parameters, gradients, optimizer states, activations in flight, P2P bytes). On a CPU-only machine the
+    ranks are CPU processes over gloo."""
     from sp_plan.cost_models.units import parse_seq_len
     from sp_plan.planner.plan import load_plan
     from sp_plan.runtime.capabilities import unsupported_reasons
@@ -174,10 +185,6 @@ def command(plan_path: Path | None, model_name: str | None, seq_len: str | None,
     reasons = unsupported_reasons(plan, family)
     if reasons:
         raise CostModelError("the runtime cannot execute this plan: " + " | ".join(reasons))
-    if plan.layout.pp > 1:
-        raise CostModelError(f"validate does not measure pipelined plans yet (pp={plan.layout.pp}: its meters run a "
-                             "micro-batch outside the pipeline schedule); validate with --pp 1, or train the plan "
-                             "with sp-plan train / train_step, which run pp")
     world = plan.layout.world
     if "WORLD_SIZE" not in os.environ:  # the launcher checks once for all the ranks it will start
         check_host_memory(plan, world, family=family)
