@@ -7,6 +7,10 @@ with that compute, and is off wherever the stack or the plan's options do not en
 from __future__ import annotations
 
 import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -19,6 +23,7 @@ from sp_plan.cost_models.stack import prior_stack, stack_names
 from sp_plan.cost_models.strategies.overlap import a2a_pair_exposure, pipelined_exposure, unpaired_fraction
 from sp_plan.cost_models.topology import default_topology
 
+SP_PLAN = Path(sys.executable).with_name("sp-plan")
 LLAMA8 = get_model_preset("llama3-8b")
 MOE = get_model_preset("qwen3-30b-a3b")
 seconds = st.floats(min_value=0.0, max_value=10.0, allow_nan=False)
@@ -145,3 +150,25 @@ def test_moe_all_to_all_overlap_needs_two_micro_batches_and_no_full_recompute():
         if previous is not None:
             assert share <= previous + 1e-12  # more micro-batches in flight: a smaller unpaired share
         previous = share
+
+
+def _explain(stack: str) -> str:
+    """``sp-plan estimate --explain-time`` through the console script, for llama3-8b at 8K on 8 GPUs, tp 8."""
+    run = subprocess.run([str(SP_PLAN), "estimate", "--model", "llama3-8b", "--seq-len", "8K", "--gpus", "8", "--tp",
+                          "8", "--stack", stack, "--explain-time"], check=False, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_explain_time_shows_hidden_and_exposed_parts_and_their_origin():
+    out = _explain("megatron")
+    line = next(x for x in out.splitlines() if x.strip().startswith("tp communication:"))
+    exposed, hidden = (float(v) for v in re.findall(r"([\d.]+) s (?:exposed|hidden)", line))
+    assert 0 < exposed < hidden
+    assert "userbuffers" in line and "stack file megatron-core" in line and "first chunk" in line
+    row = next(x for x in out.splitlines() if "exposed communication: tp" in x)
+    assert float(row.split()[3]) == pytest.approx(exposed, abs=1e-4)
+
+    eager = _explain("torchtitan")
+    assert "0.0000 s hidden" in eager and "AsyncTP needs torch.compile" in eager
