@@ -299,7 +299,8 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
                  "streaming": layers * stream_f, "fp8_casts": layers * cast_f,
                  **{part: layers * f for part, (f, _) in extra.items()},
                  "stack_overhead": (gaps - 1) * (layers * kernels_f + head_gemm_f) + layers * overhead}
-        return ComputeTime(layer_f, 0.0, 0.0, attn_f, 0.0, step_f, 0.0, head_f, 0.0, _report(fr), _parts(parts))
+        return ComputeTime(layer_f, 0.0, 0.0, attn_f, 0.0, step_f, 0.0, head_f, 0.0, _report(fr), _parts(parts),
+                           layer_gemm_forward=proj_f + mlp_f, layer_ffn_forward=mlp_f)
 
     scores_s = 0.0 if flash else MATERIALIZED_FORWARD_PASSES * b * heads_local * seq_ring * s * d / hbm
     recompute = _recompute_seconds(train, profile, layer_f, attn_f, proj_f + mlp_f + cast_f, scores_s)
@@ -326,7 +327,8 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
         + 2 * layers * overhead,
     }
     return ComputeTime(layer_f, layer_b, recompute, attn_f, attn_b, step_f, step_b, head_f, head_b, _report(fr),
-                       _parts(parts))
+                       _parts(parts), layer_gemm_forward=proj_f + mlp_f, layer_gemm_backward=proj_b + mlp_b,
+                       layer_ffn_forward=mlp_f, layer_ffn_backward=mlp_b)
 
 
 def _gemm_timer(topology: Topology, fr: Fractions, gemm: GemmParams, sms: int,

@@ -170,6 +170,49 @@ class StackTime(BaseModel):
             "input and weight per GEMM for the dynamic-scaling amax and the cast to float8."
         ),
     )
+    tp_comm_overlap: Literal["none", "userbuffers", "async_tp"] = Field(
+        default="none",
+        description=(
+            "How the stack hides sequence-parallel TP all-gathers and reduce-scatters behind the GEMMs they "
+            "feed (cost_models/strategies/overlap.py prices it): 'none' (exposed), 'userbuffers' (Transformer "
+            "Engine's comm+GEMM overlap, Megatron-Core --tp-comm-overlap: each collective split into chunks, "
+            "a chunk's transfer running while the previous chunk's GEMM computes; Megatron asserts sequence "
+            "parallelism), 'async_tp' (torch symmetric-memory micro-pipelining, torchtitan "
+            "compile.enable_async_tensor_parallel: tp chunks; needs torch.compile, TrainSpec.compiled). Only "
+            "with TrainSpec.tp_sequence_parallel: without it TP all-reduces stay exposed."
+        ),
+    )
+    tp_overlap_reduce_scatter_chunks: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description=(
+            "Chunks an overlapped forward reduce-scatter is split into (0: the TP degree, a ring exchange). "
+            "Transformer Engine runs proj_fprop and fc2_fprop with its 'pipeline' method, num_splits 4 "
+            "(transformer_engine/pytorch/module/base.py get_default_config); all-gathers always use tp chunks."
+        ),
+    )
+    tp_overlap_sm_margin: int = Field(
+        default=0,
+        ge=0,
+        le=256,
+        description=(
+            "SMs an overlapped forward reduce-scatter takes from the GEMM it hides behind (Transformer "
+            "Engine's 'pipeline' method: num_sm 16 with set_sm_margin, the GEMM runs on the rest); 0: the "
+            "copy-engine transfers only slow the GEMM by the kernel model's nccl_compute_slowdown."
+        ),
+    )
+    moe_a2a_overlap: bool = Field(
+        default=False,
+        description=(
+            "Whether the MoE dispatch/combine all-to-alls of one micro-batch run while another micro-batch's "
+            "layer computes (Megatron-Core --overlap-moe-expert-parallel-comm, the combined 1F1B schedule: "
+            "combine-backward behind the other's attention forward, dispatch forward + backward behind the "
+            "expert MLPs' backward and forward, combine-forward behind attention backward). Needs ep > 1, "
+            "two micro-batches per step and no full recompute (transformer_config.py asserts); the first "
+            "forward and last backward of a step (and a pipeline's warm-up and cool-down) run alone."
+        ),
+    )
 
 
 #: TrainSpec options the planner searches over (:mod:`sp_plan.planner.options`) and the values each may take;

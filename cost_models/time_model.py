@@ -13,15 +13,18 @@ Communication: every op of :func:`sp_plan.cost_models.comm_volume.comm_ops` (eac
 on the span of its process group (:mod:`sp_plan.cost_models.placement`). The overlap rules, applied here
 once to every strategy's ops by their ``overlap`` class:
 
-- ``exposed`` (Ulysses all-to-alls, TP collectives, embedding/LM-head collectives, the loss reduction,
-  and every op outside the layers): on the critical path, the next kernel needs their result.
+- ``exposed`` (Ulysses all-to-alls, embedding/LM-head collectives, the loss reduction, and every op
+  outside the layers): on the critical path, the next kernel needs their result.
 - ``prefetch`` (FSDP all-gathers and, in backward, reduce-scatters) and ``grad`` (DDP buckets, ZeRO-1/2
   reduce-scatters, HSDP all-reduces): all strategies' traffic of one layer hides behind that layer's
   compute, layer i+1's behind layer i's; what exceeds it is exposed, plus one pipeline fill per pass
   (min(comm, compute)). Once-per-step reductions hide only behind the last micro-batch's backward. The
   exposed time is attributed to strategies in proportion to their traffic.
 - Any other class is priced by the strategy that claims it (``Strategy.overlap_classes``): ring
-  attention's hops each hide behind one ring step's compute (:mod:`sp_plan.cost_models.strategies.ring`).
+  attention's hops each hide behind one ring step's compute (:mod:`sp_plan.cost_models.strategies.ring`);
+  TP's layer collectives (``tp``) and MoE dispatch/combine all-to-alls (``ep``) are exposed unless the
+  stack overlaps them (:mod:`sp_plan.cost_models.strategies.overlap`: chunked inside their GEMMs, or
+  behind another micro-batch), reported as ``hidden_comm_s_by_strategy``.
 
 Strategies add the terms no op covers (``Strategy.exposed``): the ring hops' exposed time, PCIe traffic
 of offloading (:mod:`~sp_plan.cost_models.strategies.offload`: each pass's transfers hide behind that
@@ -58,6 +61,7 @@ from .profile import CostProfile, default_profile
 from .strategies import implementing, on_change, registered, report_buckets
 from .strategies.offload import OffloadTraffic, saved_activation_bytes
 from .strategies.optimizer import OPTIMIZER_STATE_BYTES, optimizer_step_traffic
+from .strategies.overlap import overlap_sources
 from .strategies.terms import ComputeTime, PricedOp, TimeContext
 from .topology.topology import Topology
 from .train_spec import TrainSpec
@@ -88,6 +92,11 @@ class TimeEstimate(BaseModel):
     peak_flops: float = Field(description="per GPU, dense, for the training dtype")
     comm_s_by_strategy: dict[str, float]
     exposed_comm_s_by_strategy: dict[str, float]
+    hidden_comm_s_by_strategy: dict[str, float] = Field(
+        default_factory=dict,
+        description=("communication a stack overlap hid behind compute, by strategy (TP inside its GEMMs, MoE "
+                     "all-to-alls behind another micro-batch; sp_plan.cost_models.strategies.overlap), seconds "
+                     "per step; not part of step_s"))
     fabric_bytes_per_step: float = Field(description="bytes per GPU per step that cross nodes")
     breakdown: dict[str, float] = Field(description="per-layer / per-micro-batch components, seconds")
     efficiencies: dict[str, float] = Field(description="calibration in effect")
@@ -281,6 +290,7 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
             peak_flops=peak,
             comm_s_by_strategy=comm_by,
             exposed_comm_s_by_strategy=exposed,
+            hidden_comm_s_by_strategy={k: v * layers * accum for k, v in st.hidden_layer_by.items()},
             fabric_bytes_per_step=accum * cp.fabric_mb + cp.fabric_step,
             breakdown={
                 "layer_forward_compute_s": c_fwd,
@@ -298,7 +308,8 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
                           "compute_overhead_fraction": profile.stack.time.compute_overhead_fraction},
             components=_components(ct, accum, exposed, interference_s, offload_s, optimizer_s, overhead_s, pipe,
                                    step_s),
-            efficiency_sources=efficiency_sources(topology, profile),
+            efficiency_sources={**efficiency_sources(topology, profile),
+                                **overlap_sources(profile.stack, model, train, layout)},
         )
 
     if pipe is None:
@@ -477,6 +488,7 @@ class _StrategyTerms(NamedTuple):
     layer_by: dict[str, float]
     microbatch_by: dict[str, float]
     step_by: dict[str, float]
+    hidden_layer_by: dict[str, float]
 
 
 def _strategy_terms(ctx: TimeContext) -> _StrategyTerms:
@@ -486,6 +498,7 @@ def _strategy_terms(ctx: TimeContext) -> _StrategyTerms:
     layer_by: dict[str, float] = {}
     microbatch_by: dict[str, float] = {}
     step_by: dict[str, float] = {}
+    hidden_layer_by: dict[str, float] = {}
     buckets = report_buckets()
     for strategy in implementing("exposed"):
         for kind, t, at, bucket in strategy.exposed(ctx):
@@ -505,6 +518,10 @@ def _strategy_terms(ctx: TimeContext) -> _StrategyTerms:
                 else:
                     exposed_step += t
                     step_by[bucket] = step_by.get(bucket, 0.0) + t
+            elif kind == "hidden_comm":
+                if at not in ("layer_forward", "layer_backward"):
+                    raise CostModelError(f"strategy {strategy.name!r}: hidden communication is reported per layer")
+                hidden_layer_by[bucket] = hidden_layer_by.get(bucket, 0.0) + t
             elif kind == "interference":
                 if at == "layer_forward":
                     slow_f += t
@@ -525,7 +542,7 @@ def _strategy_terms(ctx: TimeContext) -> _StrategyTerms:
             else:
                 raise CostModelError(f"strategy {strategy.name!r} returned a term of unknown kind {kind!r}")
     return _StrategyTerms(exposed_f, exposed_b, slow_f, slow_b, exposed_mb, slow_mb, exposed_step, slow_step,
-                          offload, optimizer, layer_by, microbatch_by, step_by)
+                          offload, optimizer, layer_by, microbatch_by, step_by, hidden_layer_by)
 
 
 #: TrainSpec fields the collectives of a step depend on: comm_volume.comm_ops reads only these (a test

@@ -223,6 +223,11 @@ _EXPLAINED = (
 )
 
 
+#: (strategy, efficiency_sources key) of the communication a stack may hide behind compute
+#: (sp_plan.cost_models.strategies.overlap): each gets a line with its exposed and hidden seconds and its origin.
+_OVERLAPPED = (("tp", "tp_overlap"), ("ep", "ep_overlap"))
+
+
 def render_time_explanation(est: Estimate) -> str:
     """The step split into what it is spent on, each part's efficiency and that value's origin, so a
     user can see why a step takes what it takes and which figure a ``calibrate`` run on their own
@@ -261,8 +266,18 @@ def render_time_explanation(est: Estimate) -> str:
         row(label, seconds, text, source)
     for name, seconds in parts.items():
         if name.startswith("exposed_comm_") and seconds > 0:
-            row(f"exposed communication: {name.removeprefix('exposed_comm_')}", seconds,
-                "link bandwidth x efficiency", f"topology ({det.topology})")
+            strategy = name.removeprefix("exposed_comm_")
+            row(f"exposed communication: {strategy}", seconds, "link bandwidth x efficiency",
+                f"topology ({det.topology})")
+    notes = []
+    for strategy, note_key in _OVERLAPPED:
+        hidden = t.hidden_comm_s_by_strategy.get(strategy, 0.0)
+        note = sources.get(note_key)
+        if note is None:
+            continue
+        exposed = parts.get(f"exposed_comm_{strategy}", 0.0)
+        notes.append(f"  {strategy} communication: {exposed:.4f} s exposed, {hidden:.4f} s hidden (not in the step); "
+                     f"{note}")
     if parts.get("interference", 0.0) > 0:
         row("compute slowed by overlapped collectives", parts["interference"], "", "kernel model")
     if parts.get("offload", 0.0) > 0:
@@ -275,6 +290,7 @@ def render_time_explanation(est: Estimate) -> str:
     total = sum(parts.values())
     table.append(["= step", f"{total:.4f}", f"{total / t.step_s if t.step_s > 0 else 0.0:.1%}"])
     rows += format_table(EXPLAIN_COLUMNS, table, indent="  ")
+    rows += notes
     rows.append(f"  {t.tokens_per_s:,.0f} tokens/s | MFU {t.mfu:.1%} (HFU {t.hfu:.1%}); efficiencies are the "
                 "asymptotic fractions, each kernel's shape lowers them (GEMM tiles and waves, attention length)")
     if sources.get("kernel_data_sources"):

@@ -10,7 +10,9 @@ ranks are the innermost ranks of the ZeRO/FSDP shard group (process group ``ep``
   the forward. The buffer is the busiest rank's rows (:meth:`MoESpec.rank_routed_rows`: ``load_imbalance`` x
   ``tokens x top_k`` dropless, every local expert at its capacity with a capacity factor) of ``hidden``
   elements in the compute dtype; the all-to-all sends ``(ep - 1) / ep`` of it
-  (:meth:`MoESpec.dispatch_bytes` at the mean). The next op needs its result: exposed.
+  (:meth:`MoESpec.dispatch_bytes` at the mean). The next op of the same micro-batch needs its result:
+  exposed, unless the stack runs another micro-batch's compute beside it (``StackTime.moe_a2a_overlap``,
+  overlap class ``ep``; :mod:`.overlap` prices the combined 1F1B schedule's slots and its unpaired passes).
   Ops are per layer, so their bytes are scaled by the MoE layers' share of the layers (DeepSeek-V3's 3 dense
   layers send nothing), as the cost model averages a mixed stack elsewhere.
 - **Expert data parallelism** (bucket ``fsdp``): the routed experts' ZeRO/FSDP traffic over the
@@ -24,6 +26,7 @@ ranks are the innermost ranks of the ZeRO/FSDP shard group (process group ``ep``
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from .. import degrees
 from ..layout import Layout
@@ -32,7 +35,8 @@ from ..moe import expert_layer_params
 from ..train_spec import TrainSpec
 from .base import Strategy
 from .gradients import fsdp_grad_bytes
-from .terms import CommOp
+from .overlap import a2a_overlap_blocker, a2a_pair_exposure, unpaired_fraction
+from .terms import CommOp, PricedOp, Term, TimeContext
 
 
 def dispatch_buffer_bytes(model: ModelSpec, train: TrainSpec, layout: Layout) -> float:
@@ -43,22 +47,66 @@ def dispatch_buffer_bytes(model: ModelSpec, train: TrainSpec, layout: Layout) ->
     return rows * model.hidden_size * train.dtype_bytes * model.moe_layer_count / model.num_layers
 
 
+class DispatchComm(NamedTuple):
+    """Seconds of one dispatch (or combine) all-to-all of a mean layer, and one layer's all-to-alls per
+    micro-batch: forward, backward (recompute included)."""
+
+    one: float = 0.0
+    forward: float = 0.0
+    backward: float = 0.0
+
+
 class ExpertParallel(Strategy):
     name = "expert"
     layer_buckets = ("ep",)
+    overlap_classes = ("ep",)
 
     def comm_ops(self, model: ModelSpec, train: TrainSpec, layout: Layout) -> Iterator[CommOp]:
         if layout.ep == 1 or model.moe is None:
             return
         buf = dispatch_buffer_bytes(model, train, layout)
-        yield CommOp("ep", "all_to_all", "ep", buf, "forward", count=2, label="token dispatch + combine")
+        yield CommOp("ep", "all_to_all", "ep", buf, "forward", count=2, overlap="ep", label="token dispatch + combine")
         if train.is_training:
-            yield CommOp("ep", "all_to_all", "ep", buf, "backward", count=2,
+            yield CommOp("ep", "all_to_all", "ep", buf, "backward", count=2, overlap="ep",
                          label="combine gradient + dispatch gradient")
             if train.checkpointing == "full":
-                yield CommOp("ep", "all_to_all", "ep", buf, "backward", count=2, recompute=True,
+                yield CommOp("ep", "all_to_all", "ep", buf, "backward", count=2, recompute=True, overlap="ep",
                              label="token dispatch + combine (recompute)")
         yield from _expert_sharding_ops(model, train, layout)
+
+    def condense(self, overlap_class: str, ops: tuple[PricedOp, ...]) -> DispatchComm:
+        one = forward = backward = 0.0
+        for priced in ops:
+            t = priced.seconds * priced.op.count
+            one = priced.seconds
+            if priced.op.phase == "forward":
+                forward += t
+            else:
+                backward += t
+        return DispatchComm(one, forward, backward)
+
+    def exposed(self, ctx: TimeContext) -> Iterator[Term]:
+        comm = ctx.priced.get("ep")
+        if not isinstance(comm, DispatchComm):
+            return
+        if a2a_overlap_blocker(ctx.stack, ctx.model, ctx.train, ctx.layout) is not None:
+            yield Term("exposed_comm", comm.forward, "layer_forward", "ep")
+            if ctx.training:
+                yield Term("exposed_comm", comm.backward, "layer_backward", "ep")
+            return
+        # Paired passes: one forward and one backward of different micro-batches share the layer's slots.
+        ct = ctx.compute
+        ffn_f, ffn_b = ct.layer_ffn_forward, ct.layer_ffn_backward
+        attention_f, attention_b = max(0.0, ct.layer_forward - ffn_f), max(0.0, ct.layer_backward - ffn_b)
+        paired = a2a_pair_exposure(comm.one, attention_f, ffn_f, attention_b, ffn_b)
+        alone = unpaired_fraction(ctx.layout.pp, ctx.train.grad_accum)
+        exposed_f = alone * comm.forward + (1 - alone) * paired / 2
+        exposed_b = alone * comm.backward + (1 - alone) * paired / 2
+        for exposed, total, at in ((exposed_f, comm.forward, "layer_forward"),
+                                   (exposed_b, comm.backward, "layer_backward")):
+            yield Term("exposed_comm", exposed, at, "ep")
+            yield Term("hidden_comm", total - exposed, at, "ep")
+            yield Term("interference", ctx.slowdown * (total - exposed), at)
 
 
 def _expert_sharding_ops(model: ModelSpec, train: TrainSpec, layout: Layout) -> Iterator[CommOp]:
@@ -93,4 +141,4 @@ def _expert_sharding_ops(model: ModelSpec, train: TrainSpec, layout: Layout) -> 
                          label="expert gradient shard all-reduce across replicas")
 
 
-__all__ = ["ExpertParallel", "dispatch_buffer_bytes"]
+__all__ = ["DispatchComm", "ExpertParallel", "dispatch_buffer_bytes"]

@@ -82,6 +82,15 @@ class ComputeTime:
     #: split into what ``sp-plan estimate --explain-time`` shows (``compute_time.COMPUTE_PARTS``, then
     #: any part a registered strategy adds).
     parts: dict[str, float]
+    #: One layer's linear-layer GEMM kernels (projections and MLP or experts), forward and backward (input
+    #: and weight gradients, recompute excluded): what overlapped TP collectives hide behind.
+    layer_gemm_forward: float = 0.0
+    layer_gemm_backward: float = 0.0
+    #: Of those, the MLP's (a MoE layer's router, experts and shared experts; the mean layer): what the
+    #: MoE dispatch/combine all-to-alls of another micro-batch hide behind (the rest of the layer is the
+    #: attention side).
+    layer_ffn_forward: float = 0.0
+    layer_ffn_backward: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +172,7 @@ class TimeContext(NamedTuple):
 
 
 #: Which step-time figure a :class:`Term` adds to.
-TermKind = Literal["exposed_comm", "interference", "offload", "optimizer"]
+TermKind = Literal["exposed_comm", "hidden_comm", "interference", "offload", "optimizer"]
 #: How often a :class:`Term`'s seconds occur: per layer and micro-batch in the forward or backward pass,
 #: per micro-batch, or once per step.
 TermAt = Literal["layer_forward", "layer_backward", "microbatch", "step"]
@@ -172,9 +181,10 @@ TermAt = Literal["layer_forward", "layer_backward", "microbatch", "step"]
 class Term(NamedTuple):
     """Seconds a strategy adds to the step, beyond its ops that the generic overlap rules price.
 
-    ``kind="exposed_comm"`` needs ``bucket`` (the report bucket the time counts under); ``interference``
-    is compute slowed by overlapped collectives. Layer and micro-batch terms are part of a micro-batch's
-    time (``breakdown.microbatch_s``); ``offload`` and ``optimizer`` terms are counted once per step
+    ``kind="exposed_comm"`` needs ``bucket`` (the report bucket the time counts under); ``hidden_comm``
+    (with its bucket) is communication a strategy hid behind compute: reported, not added to the step;
+    ``interference`` is compute slowed by overlapped collectives. Layer and micro-batch terms are part of a
+    micro-batch's time (``breakdown.microbatch_s``); ``offload`` and ``optimizer`` terms are counted once per step
     (``at="step"``), so a per-micro-batch transfer is passed already multiplied by the accumulation.
     (A tuple: the planner builds a few per evaluation.)
     """

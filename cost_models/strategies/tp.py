@@ -15,6 +15,11 @@ all-gathers the last token's logits. Once per step, the gradients of weights eve
 summed over TP: replicated norms and biases under sequence parallelism, and replicated K/V heads when
 tp exceeds the KV heads.
 
+Time (overlap class ``tp``, the layer ops): exposed, unless the stack overlaps them with the GEMMs they
+feed (``StackTime.tp_comm_overlap``; :mod:`.overlap` prices the chunked pipeline: each collective's first
+chunk exposed, the rest hidden behind the pass's GEMMs as far as they last, slowing them). The ops outside
+the layers stay exposed.
+
 No other strategy issues TP traffic; the rest of the cost model sees TP through the TP-local parameter
 counts here and the TP-local widths of the kernels.
 """
@@ -22,6 +27,7 @@ counts here and the TP-local widths of the kernels.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from ..layout import Layout
 from ..model_spec import ModelSpec
@@ -29,7 +35,8 @@ from ..moe import mean_layer_params_tp
 from ..train_spec import TrainSpec
 from .base import Strategy
 from .gradients import reduced_gradients
-from .terms import CommOp
+from .overlap import pipelined_exposure, tp_overlap_blocker
+from .terms import CommOp, PricedOp, Term, TimeContext
 
 #: The vocab-parallel cross-entropy all-reduces three fp32 values per token (max, target, sum-exp).
 VOCAB_PARALLEL_CE_REDUCTIONS = 3
@@ -86,10 +93,21 @@ def merged(strategy: str, group: str, phase: str, entries: list[tuple[str, float
         yield CommOp(strategy, coll, group, float(size), phase, count=len(labels), label=" + ".join(labels), **kw)
 
 
+class TPLayerComm(NamedTuple):
+    """One layer's TP collectives priced (seconds per micro-batch, counts included): forward all-gathers,
+    reduce-scatters and all-reduces, and everything in backward (recompute included)."""
+
+    forward_gather: float = 0.0
+    forward_scatter: float = 0.0
+    forward_reduce: float = 0.0
+    backward: float = 0.0
+
+
 class TensorParallel(Strategy):
     name = "tp"
     layer_buckets = ("tp",)
     model_buckets = ("embedding",)
+    overlap_classes = ("tp",)
 
     def comm_ops(self, model: ModelSpec, train: TrainSpec, layout: Layout) -> Iterator[CommOp]:
         if layout.tp == 1:
@@ -98,6 +116,59 @@ class TensorParallel(Strategy):
         if train.is_training:
             yield from _replicated_gradient_ops(model, train, layout)
         yield from _embedding_ops(model, train, layout)
+
+    def condense(self, overlap_class: str, ops: tuple[PricedOp, ...]) -> TPLayerComm:
+        gather = scatter = reduce = backward = 0.0
+        for priced in ops:
+            t = priced.seconds * priced.op.count
+            if priced.op.phase != "forward":
+                backward += t
+            elif priced.op.collective == "all_gather":
+                gather += t
+            elif priced.op.collective == "reduce_scatter":
+                scatter += t
+            else:
+                reduce += t
+        return TPLayerComm(gather, scatter, reduce, backward)
+
+    def exposed(self, ctx: TimeContext) -> Iterator[Term]:
+        comm = ctx.priced.get("tp")
+        if not isinstance(comm, TPLayerComm):
+            return
+        forward = comm.forward_gather + comm.forward_scatter + comm.forward_reduce
+        if tp_overlap_blocker(ctx.stack, ctx.train, ctx.layout) is not None:
+            yield Term("exposed_comm", forward, "layer_forward", "tp")
+            if ctx.training:
+                yield Term("exposed_comm", comm.backward, "layer_backward", "tp")
+            return
+        tp, stack, ct = ctx.layout.tp, ctx.stack, ctx.compute
+        rs_chunks = stack.tp_overlap_reduce_scatter_chunks or tp
+        exposed_f = comm.forward_reduce + pipelined_exposure(
+            ((comm.forward_gather, tp), (comm.forward_scatter, rs_chunks)), ct.layer_gemm_forward)
+        hidden_f = forward - exposed_f
+        yield Term("exposed_comm", exposed_f, "layer_forward", "tp")
+        yield Term("hidden_comm", hidden_f, "layer_forward", "tp")
+        yield Term("interference", _forward_interference(ctx, comm, hidden_f, rs_chunks), "layer_forward")
+        if not ctx.training:
+            return
+        exposed_b = pipelined_exposure(((comm.backward, tp),), ct.layer_gemm_backward)
+        yield Term("exposed_comm", exposed_b, "layer_backward", "tp")
+        yield Term("hidden_comm", comm.backward - exposed_b, "layer_backward", "tp")
+        yield Term("interference", ctx.slowdown * (comm.backward - exposed_b), "layer_backward")
+
+
+def _forward_interference(ctx: TimeContext, comm: TPLayerComm, hidden: float, rs_chunks: int) -> float:
+    """Compute slowed by the hidden forward transfers: the kernel model's NCCL slowdown per hidden second,
+    except where the stack takes SMs from the GEMM for the reduce-scatter (its share of the hidden time then
+    runs on the remaining SMs)."""
+    margin, sms = ctx.stack.tp_overlap_sm_margin, ctx.kernels.sms
+    if margin <= 0 or margin >= sms:
+        return ctx.slowdown * hidden
+    tp = ctx.layout.tp
+    # The hidden time in proportion to the chunks each collective can hide (all but the first).
+    gather, scatter = comm.forward_gather * (tp - 1) / tp, comm.forward_scatter * (rs_chunks - 1) / rs_chunks
+    scatter_hidden = hidden * scatter / (gather + scatter) if gather + scatter > 0 else 0.0
+    return ctx.slowdown * (hidden - scatter_hidden) + scatter_hidden * margin / (sms - margin)
 
 
 def _activation_bytes(model: ModelSpec, train: TrainSpec, layout: Layout) -> float:
@@ -116,16 +187,17 @@ def _layer_ops(model: ModelSpec, train: TrainSpec, layout: Layout) -> Iterator[C
     else:
         fwd = [(ar, x, "attention output"), (ar, x, "MLP output")]
         bwd = [(ar, x, "attention input grad"), (ar, x, "MLP input grad")]
-    yield from merged("tp", "tp", "forward", fwd)
+    yield from merged("tp", "tp", "forward", fwd, overlap="tp")
     if not train.is_training:
         return
-    yield from merged("tp", "tp", "backward", bwd)
+    yield from merged("tp", "tp", "backward", bwd, overlap="tp")
     # Recompute re-runs the block's TP collectives except the last one (the MLP output's reduce-scatter /
     # all-reduce): PyTorch's non-reentrant checkpoint stops recomputing once the last tensor backward
     # needs is rebuilt, and nothing in backward needs the block's output. Selective and full therefore
     # repeat the same TP traffic.
     again = fwd[:-1] if train.checkpointing in ("selective", "full") else []
-    yield from merged("tp", "tp", "backward", [(c, n, f"{lb} (recompute)") for c, n, lb in again], recompute=True)
+    yield from merged("tp", "tp", "backward", [(c, n, f"{lb} (recompute)") for c, n, lb in again], recompute=True,
+                      overlap="tp")
 
 
 def _replicated_gradient_ops(model: ModelSpec, train: TrainSpec, layout: Layout) -> Iterator[CommOp]:
@@ -169,5 +241,15 @@ def _embedding_ops(model: ModelSpec, train: TrainSpec, layout: Layout) -> Iterat
              count=VOCAB_PARALLEL_CE_REDUCTIONS)
 
 
-__all__ = ["FP32_BYTES", "TensorParallel", "VOCAB_PARALLEL_CE_REDUCTIONS", "merged", "tp_local_layer_params",
-           "tp_local_embedding_params", "tp_local_other_params", "tp_local_params", "tp_replicated_layer_params"]
+__all__ = [
+    "FP32_BYTES",
+    "VOCAB_PARALLEL_CE_REDUCTIONS",
+    "TPLayerComm",
+    "TensorParallel",
+    "merged",
+    "tp_local_embedding_params",
+    "tp_local_layer_params",
+    "tp_local_other_params",
+    "tp_local_params",
+    "tp_replicated_layer_params",
+]
