@@ -74,6 +74,10 @@ PLANS = {
     # latent attention, shared expert and three dense layers under pipeline stages Megatron can split
     "moe-ep": lambda: make_plan(model="qwen3-30b-a3b", gpus=16, ulysses=4, dp_shard=4, ep=8, seq_len=32768,
                                 checkpointing="full"),
+    # the overlaps the megatron stack prices: MoE all-to-alls behind another micro-batch (no full recompute, two
+    # micro-batches), TP communication inside the GEMMs
+    "moe-a2a-overlap": lambda: make_plan(model="qwen3-30b-a3b", gpus=16, tp=2, ulysses=2, dp_shard=4, ep=8,
+                                         seq_len=32768, checkpointing="selective", grad_accum=2),
     "mla-moe-pp": lambda: make_plan(model="deepseek-v3", gpus=64, pp=8, ulysses=8, ep=8, seq_len=32768,
                                     grad_accum=8, pipeline_schedule="1f1b", stage_layers=(6, 8, 8, 8, 8, 8, 8, 7),
                                     checkpointing="full"),
@@ -386,6 +390,7 @@ def test_megatron_core_parses_and_validates_the_exported_arguments(name):
         assert len(moe_layers) == model.moe_layer_count and not set(moe.dense_layers) & set(moe_layers)
         assert tc.moe_grouped_gemm and tc.moe_token_dispatcher_type == "alltoall"
     assert tc.gated_linear_unit and not tc.add_bias_linear and tc.normalization == "RMSNorm"
+    assert tc.tp_comm_overlap == (layout.tp > 1)  # every test plan with TP has sequence parallelism
     assert tc.tensor_model_parallel_size == layout.tp and tc.pipeline_model_parallel_size == layout.pp
     assert tc.virtual_pipeline_model_parallel_size == (plan.train.virtual_stages if layout.pp > 1 and
                                                        plan.train.virtual_stages > 1 else None)
@@ -492,6 +497,19 @@ def test_experts_and_latent_attention_map_to_megatrons_moe_and_mla_flags():
     argv = list(megatron_arguments(plan.model_copy(update={"model": capped})).argv)
     assert argv[argv.index("--moe-expert-capacity-factor") + 1] == "1.25" and "--moe-pad-expert-input-to-capacity" in argv
     assert any("router's score function" in note for note in to_megatron(PLANS["moe-ep"]()).notes)
+
+
+def test_the_overlaps_the_megatron_stack_prices_are_exported():
+    argv = list(megatron_arguments(PLANS["moe-a2a-overlap"]()).argv)
+    assert "--overlap-moe-expert-parallel-comm" in argv and "--tp-comm-overlap" in argv
+    full = list(megatron_arguments(PLANS["moe-ep"]()).argv)  # full recompute: Megatron refuses the a2a overlap
+    assert "--overlap-moe-expert-parallel-comm" not in full and "--tp-comm-overlap" not in full  # and tp = 1
+    # pp > 1 without virtual stages: priced with the overlap, which Megatron runs only with virtual stages
+    plan = make_plan(model="qwen3-30b-a3b", gpus=32, pp=2, ulysses=4, dp_shard=4, ep=8, seq_len=32768,
+                     checkpointing="selective", grad_accum=4, pipeline_schedule="1f1b", stage_layers=(24, 24))
+    exported = to_megatron(plan)
+    assert "--overlap-moe-expert-parallel-comm" not in exported.data["argv"]
+    assert any("re-plan with --virtual-stages 2" in note for note in exported.notes)
 
 
 def test_pipeline_plans_megatron_cannot_express_are_refused_with_a_split_it_can():
