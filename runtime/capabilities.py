@@ -82,9 +82,6 @@ _PIPELINE_SCHEDULE_REASON = ("the runtime wires torch's Schedule1F1B, ScheduleIn
                              "ScheduleInterleavedZeroBubble only")
 #: The zero-bubble schedule splits each backward into an input-gradient and a later weight-gradient pass.
 _ZERO_BUBBLE_REASONS: dict[str, tuple[Any, str]] = {
-    "zero_stage": (3, ("ZeRO-3 reshards the parameters between the input- and the weight-gradient pass, which "
-                       "gave wrong gradients (first-step norm 1.315 vs 1.336 in one process); re-plan with "
-                       "--zero 2 or --schedule 1f1b")),
     "checkpointing": ("selective", ("selective activation checkpointing allows one backward per region and the "
                                     "split backward runs two; re-plan with --checkpointing full or none, or "
                                     "--schedule 1f1b")),
@@ -280,8 +277,7 @@ def _pipeline_pins(user_layout: Mapping[str, int], user_options: Mapping[str, An
         if user_options.get("tiled_loss"):
             raise RuntimeConfigError("zero_bubble with the tiled loss: its last stage runs inside a wrapper module, "
                                      "where the split backward is not tested; pin 1f1b")
-        pins.update({"zero_stage": user_options.get("zero_stage", 2),
-                     "checkpointing": user_options.get("checkpointing", "full"), "tiled_loss": False})
+        pins.update({"checkpointing": user_options.get("checkpointing", "full"), "tiled_loss": False})
     return {}, pins
 
 
