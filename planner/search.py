@@ -298,6 +298,8 @@ class _Searcher:
         self._branches: dict[tuple, tuple[OptionLattice, ...]] = {}
         #: Compute-only floors by what they depend on (see floor_bound).
         self._floors: dict[tuple, StepFloor] = {}
+        #: A branch's floor per token and its options' moving parts, by model degrees and branch (kept alive here).
+        self._branch_floors: dict[tuple, tuple[OptionLattice, float, int]] = {}
         self._pipeline_bottoms: dict[tuple, tuple[float, tuple[float, float, float], float] | None] = {}
         if base.is_training:
             self.batch_sequences = max(1, settings.global_batch_tokens // base.seq_len)
@@ -478,9 +480,21 @@ class _Searcher:
         (pipelined ones), and never above them: the same options' compute-only step
         (:func:`sp_plan.cost_models.step_floor.step_floor`), whose compute is shared by every layout with the
         same model degrees. Branches enter the search on it; the tighter bound is paid for when popped."""
+        # Layouts that split data parallelism differently share their branches (see lattices) and their
+        # floors: only the layout's own moving parts differ.
+        key = (layout.model_degrees(), id(lattice))
+        entry = self._branch_floors.get(key)
+        if entry is None or entry[0] is not lattice:
+            entry = self._branch_floors[key] = (lattice, *self._branch_floor(layout, lattice))
+        _, per_token, option_parts = entry
+        return per_token * (1.0 + self.settings.tie_penalty * (layout_moving_parts(layout) + option_parts))
+
+    def _branch_floor(self, layout: Layout, lattice: OptionLattice) -> tuple[float, int]:
+        """:meth:`floor_bound` before the moving-parts penalty (seconds per token), and the moving parts of
+        the options it is taken at."""
         options = lattice.values(lattice.repair_up(lattice.bottom))
         if invalid_reason(options):
-            return 0.0
+            return 0.0, 0
         if layout.pp > 1:
             bottom = {**options, "pipeline_schedule": "zero_bubble", "virtual_stages": 1}
             schedule, chunks = options["pipeline_schedule"], options["virtual_stages"]
@@ -496,8 +510,7 @@ class _Searcher:
             self.floor_evals += 1
             floor = self._floors[key] = step_floor(self.model, self.train_for(layout, bottom), layout, self.topology,
                                                    self.profile)
-        parts = layout_moving_parts(layout) + moving_parts(options)
-        return floor.step_s(schedule, chunks) / floor.tokens_per_step * (1.0 + self.settings.tie_penalty * parts)
+        return floor.step_s(schedule, chunks) / floor.tokens_per_step, moving_parts(options)
 
     # ----- per layout ---------------------------------------------------------------------------
     def most_saving_valid(self, lattice: OptionLattice) -> Combo:
