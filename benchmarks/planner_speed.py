@@ -9,8 +9,10 @@ the search warmed; "optimum" says whether both found the same best score (measur
 
 Each plan is timed cold in a fresh process (imports done, caches empty: what a CLI user waits for
 after start-up) and warm (best of 3 repeats in that process); ``--repeat N`` takes the minimum of each over
-N fresh processes (on a shared machine the minimum is the figure least disturbed by other load). The
-evaluation counts (time, memory and compute-only floor evaluations) do not depend on load.
+N fresh processes (on a shared machine the minimum is the figure least disturbed by other load). Beside the
+wall times, the process's CPU seconds (``time.process_time``): on a machine other jobs share, they move far
+less with its load than the wall time. The evaluation counts (time, memory and compute-only floor
+evaluations) do not depend on load at all.
 
 ``--against REV`` also plans every workload with the planner of git revision REV (its sources laid out
 as the ``sp_plan`` package in a temporary directory), interleaved with this tree's runs, and prints
@@ -70,20 +72,21 @@ def search_worker(gpus: int, model_name: str, seq: int, mode: str) -> dict:
     from sp_plan.planner.search import PlanSettings, search
 
     model, train, make_topology = _setup(gpus, model_name, seq, mode)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     topology = make_topology()
     result = search(model, train, topology, PlanSettings())
-    cold = time.perf_counter() - started
-    warm = math.inf
+    cold, cold_cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    warm = warm_cpu = math.inf
     for _ in range(3):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         search(model, train, topology, PlanSettings())
-        warm = min(warm, time.perf_counter() - t0)
+        warm, warm_cpu = min(warm, time.perf_counter() - t0), min(warm_cpu, time.process_time() - c0)
     best = result.plans[0] if result.plans else None
     return {
         "layouts": result.stats.layouts, "evaluations": result.stats.time_evaluations,
         "memory_evaluations": result.stats.memory_evaluations,
         "floor_evaluations": getattr(result.stats, "floor_evaluations", 0), "cold_s": cold, "warm_s": warm,
+        "cold_cpu_s": cold_cpu, "warm_cpu_s": warm_cpu,
         "source": str(Path(sys.modules[search.__module__].__file__).resolve()),
         "score": best.score if best else None, "best": best.layout.describe() if best else "none fits",
     }
@@ -180,8 +183,8 @@ def run_worker(kind: str, gpus: int, model: str, seq: int, mode: str, tree: Path
 def fastest(runs: list[dict]) -> dict:
     """Several fresh-process runs of one workload: the minimum cold and warm times (the counts agree)."""
     best = dict(runs[0])
-    best["cold_s"] = min(r["cold_s"] for r in runs)
-    best["warm_s"] = min(r["warm_s"] for r in runs)
+    for key in ("cold_s", "warm_s", "cold_cpu_s", "warm_cpu_s"):
+        best[key] = min(r[key] for r in runs)
     return best
 
 
@@ -223,8 +226,8 @@ def main() -> None:
                                                                             rel_tol=1e-12)
         rows.append(row)
     print(f"{'GPUs':>5} {'workload':<28} {'layouts':>7} {'evals':>7} {'floors':>6} {'mem':>6} {'cold s':>8} "
-          f"{'warm s':>8} {'target':>7} {'cold/target':>11} {'brute-force s':>15} {'speed-up':>9} {'optimum':>8}  "
-          "best layout")
+          f"{'warm s':>8} {'cold cpu':>8} {'warm cpu':>8} {'target':>7} {'cold/target':>11} {'brute-force s':>15} "
+          f"{'speed-up':>9} {'optimum':>8}  best layout")
     for r in rows:
         work = f"{r['model']} {r['mode']} {r['seq']:,}"
         target = f"{r['target']:.1f}" if r["target"] else "-"
@@ -232,20 +235,22 @@ def main() -> None:
         brute = f"{r['brute_s']:.2f} {r['brute_kind']}"
         same = {True: "same", False: "DIFFERS", None: "-"}[r["same_optimum"]]
         print(f"{r['gpus']:>5} {work:<28} {r['layouts']:>7} {r['evaluations']:>7} {r['floor_evaluations']:>6} "
-              f"{r['memory_evaluations']:>6} {r['cold_s']:>8.3f} {r['warm_s']:>8.3f} {target:>7} {ratio:>11} "
+              f"{r['memory_evaluations']:>6} {r['cold_s']:>8.3f} {r['warm_s']:>8.3f} {r['cold_cpu_s']:>8.3f} "
+              f"{r['warm_cpu_s']:>8.3f} {target:>7} {ratio:>11} "
               f"{brute:>15} {r['brute_s'] / r['cold_s']:>8.1f}x {same:>8}  {r['best']}")
     if tree:
         print(f"\nAgainst {args.against} (same run, interleaved; minimum of {max(1, args.repeat)} fresh processes "
               "each):")
         print(f"{'GPUs':>5} {'model':<14} {'cold before':>11} {'cold after':>10} {'ratio':>6} {'warm before':>11} "
-              f"{'warm after':>10} {'ratio':>6} {'evals before':>12} {'after':>6} {'mem before':>10} {'after':>6} "
-              "same best")
+              f"{'warm after':>10} {'ratio':>6} {'cold cpu before':>15} {'after':>6} {'ratio':>6} "
+              f"{'evals before':>12} {'after':>6} {'mem before':>10} {'after':>6} same best")
         for r in rows:
             b = r["before"]
             same = "yes" if b["score"] == r["score"] and b["best"] == r["best"] else "NO"
             print(f"{r['gpus']:>5} {r['model']:<14} {b['cold_s']:>11.3f} {r['cold_s']:>10.3f} "
                   f"{b['cold_s'] / r['cold_s']:>5.2f}x {b['warm_s']:>11.3f} {r['warm_s']:>10.3f} "
-                  f"{b['warm_s'] / r['warm_s']:>5.2f}x {b['evaluations']:>12} {r['evaluations']:>6} "
+                  f"{b['warm_s'] / r['warm_s']:>5.2f}x {b['cold_cpu_s']:>15.3f} {r['cold_cpu_s']:>6.3f} "
+                  f"{b['cold_cpu_s'] / r['cold_cpu_s']:>5.2f}x {b['evaluations']:>12} {r['evaluations']:>6} "
                   f"{b['memory_evaluations']:>10} {r['memory_evaluations']:>6} {same}")
     startup, torch_loaded = help_startup()
     print(f"\n`sp-plan --help`: {startup:.3f} s (target 0.5 s, ratio {startup / 0.5:.2f}); "
