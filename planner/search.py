@@ -299,12 +299,13 @@ class _Searcher:
         self.time_evals = 0
         #: Compute-only floors taken (sp_plan.cost_models.step_floor): far cheaper than a time evaluation.
         self.floor_evals = 0
-        #: A pipelined layout's bottom, timed once per micro-batch (see pipeline_bound).
+        #: The ZeRO (and pipeline schedule) branches, shared by layouts that split data parallelism differently.
         self._branches: dict[tuple, tuple[OptionLattice, ...]] = {}
         #: Compute-only floors by what they depend on (see floor_bound).
         self._floors: dict[tuple, StepFloor] = {}
         #: A branch's floor per token and its options' moving parts, by model degrees and branch (kept alive here).
         self._branch_floors: dict[tuple, tuple[OptionLattice, float, int]] = {}
+        #: A pipelined layout's bottom, timed once per micro-batch (see pipeline_bound).
         self._pipeline_bottoms: dict[tuple, tuple[float, tuple[float, float, float], float] | None] = {}
         if base.is_training:
             self.batch_sequences = max(1, settings.global_batch_tokens // base.seq_len)
