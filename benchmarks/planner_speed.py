@@ -147,11 +147,10 @@ def help_startup() -> tuple[float, bool]:
     return best, probe.stdout.strip() == "True"
 
 
-def baseline_tree(rev: str) -> Path:
+def baseline_tree(rev: str, tmp: Path) -> Path:
     """The sources of git revision ``rev`` laid out as an importable ``sp_plan`` package (the folder mapping
-    of its pyproject.toml) in a temporary directory; returns the directory to put on PYTHONPATH."""
+    of its pyproject.toml) under ``tmp``; returns the directory to put on PYTHONPATH."""
     archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True).stdout
-    tmp = Path(tempfile.mkdtemp(prefix="planner-speed-"))
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(tmp / "src", filter="data")
     mapping = tomllib.loads((tmp / "src" / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
@@ -201,7 +200,14 @@ def main() -> None:
         job = search_worker if kind == "search" else brute_worker
         print(json.dumps(job(int(gpus), model, int(seq), mode)))
         return
-    tree = baseline_tree(args.against) if args.against else None
+    with tempfile.TemporaryDirectory(prefix="planner-speed-") as tmp:
+        tree = baseline_tree(args.against, Path(tmp).resolve()) if args.against else None
+        rows = measure(args, tree)
+    report(args, rows)
+
+
+def measure(args: argparse.Namespace, tree: Path | None) -> list[dict]:
+    """Every workload's search (and, unless --no-brute, brute-force) figures; ``tree``: a baseline to time too."""
     rows = []
     for gpus, model, seq, mode, target in WORKLOADS:
         if args.quick and gpus > 64:
@@ -225,6 +231,10 @@ def main() -> None:
             row["same_optimum"] = row["score"] is not None and math.isclose(row["brute_score"], row["score"],
                                                                             rel_tol=1e-12)
         rows.append(row)
+    return rows
+
+
+def report(args: argparse.Namespace, rows: list[dict]) -> None:
     print(f"{'GPUs':>5} {'workload':<28} {'layouts':>7} {'evals':>7} {'floors':>6} {'mem':>6} {'cold s':>8} "
           f"{'warm s':>8} {'cold cpu':>8} {'warm cpu':>8} {'target':>7} {'cold/target':>11} {'brute-force s':>15} "
           f"{'speed-up':>9} {'optimum':>8}  best layout")
@@ -238,7 +248,7 @@ def main() -> None:
               f"{r['memory_evaluations']:>6} {r['cold_s']:>8.3f} {r['warm_s']:>8.3f} {r['cold_cpu_s']:>8.3f} "
               f"{r['warm_cpu_s']:>8.3f} {target:>7} {ratio:>11} "
               f"{brute:>15} {r['brute_s'] / r['cold_s']:>8.1f}x {same:>8}  {r['best']}")
-    if tree:
+    if args.against:
         print(f"\nAgainst {args.against} (same run, interleaved; minimum of {max(1, args.repeat)} fresh processes "
               "each):")
         print(f"{'GPUs':>5} {'model':<14} {'cold before':>11} {'cold after':>10} {'ratio':>6} {'warm before':>11} "
