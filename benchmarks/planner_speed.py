@@ -8,21 +8,33 @@ number of combinations (marked est.). It runs in a fresh process of its own, so 
 the search warmed; "optimum" says whether both found the same best score (measured rows only).
 
 Each plan is timed cold in a fresh process (imports done, caches empty: what a CLI user waits for
-after start-up) and warm (best of 3 repeats in that process).
+after start-up) and warm (best of 3 repeats in that process); ``--repeat N`` takes the minimum of each over
+N fresh processes (on a shared machine the minimum is the figure least disturbed by other load). Beside the
+wall times, the process's CPU seconds (``time.process_time``): on a machine other jobs share, they move far
+less with its load than the wall time. The evaluation counts (time, memory and compute-only floor
+evaluations) do not depend on load at all.
 
-    python benchmarks/planner_speed.py [--quick]
+``--against REV`` also plans every workload with the planner of git revision REV (its sources laid out
+as the ``sp_plan`` package in a temporary directory), interleaved with this tree's runs, and prints
+before/after times and counts from the same run: how a change to the search is measured.
+
+    python benchmarks/planner_speed.py [--quick] [--repeat N] [--against REV]
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import itertools
 import json
 import math
 import os
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,13 +50,17 @@ WORKLOADS = [
     # Llama 3 405B's own scale (TP8 x CP16 x PP16 x DP8 on 16,384 H100s at 128K): the pipeline degree and its
     # schedules multiply the layouts; the plan must stay interactive.
     (16384, "llama3-405b", 128 * 1024, "train", None),
+    # Mixture-of-experts: every expert-parallel degree is a layout of its own (issue 20).
+    (64, "qwen3-30b-a3b", 32 * 1024, "train", None),
+    (256, "deepseek-v3", 32 * 1024, "train", None),
 ]
 #: Brute force is run for real only up to this many combinations; beyond, it is extrapolated.
 BRUTE_FORCE_LIMIT = 4000
 
 
 def _setup(gpus: int, model_name: str, seq: int, mode: str):
-    sys.path.insert(0, str(ROOT))
+    if "PLANNER_SPEED_TREE" not in os.environ:  # a baseline tree comes on PYTHONPATH instead
+        sys.path.insert(0, str(ROOT))
     from sp_plan.cost_models import TrainSpec, get_model_preset
     from sp_plan.cost_models.topology import default_topology
 
@@ -56,19 +72,22 @@ def search_worker(gpus: int, model_name: str, seq: int, mode: str) -> dict:
     from sp_plan.planner.search import PlanSettings, search
 
     model, train, make_topology = _setup(gpus, model_name, seq, mode)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     topology = make_topology()
     result = search(model, train, topology, PlanSettings())
-    cold = time.perf_counter() - started
-    warm = math.inf
+    cold, cold_cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    warm = warm_cpu = math.inf
     for _ in range(3):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         search(model, train, topology, PlanSettings())
-        warm = min(warm, time.perf_counter() - t0)
+        warm, warm_cpu = min(warm, time.perf_counter() - t0), min(warm_cpu, time.process_time() - c0)
     best = result.plans[0] if result.plans else None
     return {
         "layouts": result.stats.layouts, "evaluations": result.stats.time_evaluations,
-        "memory_evaluations": result.stats.memory_evaluations, "cold_s": cold, "warm_s": warm,
+        "memory_evaluations": result.stats.memory_evaluations,
+        "floor_evaluations": getattr(result.stats, "floor_evaluations", 0), "cold_s": cold, "warm_s": warm,
+        "cold_cpu_s": cold_cpu, "warm_cpu_s": warm_cpu,
+        "source": str(Path(sys.modules[search.__module__].__file__).resolve()),
         "score": best.score if best else None, "best": best.layout.describe() if best else "none fits",
     }
 
@@ -128,9 +147,52 @@ def help_startup() -> tuple[float, bool]:
     return best, probe.stdout.strip() == "True"
 
 
+def baseline_tree(rev: str, tmp: Path) -> Path:
+    """The sources of git revision ``rev`` laid out as an importable ``sp_plan`` package (the folder mapping
+    of its pyproject.toml) under ``tmp``; returns the directory to put on PYTHONPATH."""
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(tmp / "src", filter="data")
+    mapping = tomllib.loads((tmp / "src" / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for package, folder in sorted(mapping.items()):
+        target = tmp / "pkg" / package.replace(".", "/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if package == "sp_plan":
+            target.mkdir(exist_ok=True)
+            (target / "__init__.py").write_bytes((tmp / "src" / folder / "__init__.py").read_bytes())
+        else:
+            target.symlink_to(tmp / "src" / folder, target_is_directory=True)
+    return tmp / "pkg"
+
+
+def run_worker(kind: str, gpus: int, model: str, seq: int, mode: str, tree: Path | None = None) -> dict:
+    """One worker in a fresh interpreter: this tree's code, or a baseline ``tree`` (run from inside it, so
+    the repository's own ``sp_plan`` folder cannot shadow it)."""
+    env = {**os.environ, "PYTHONPATH": str(tree if tree else ROOT)}
+    if tree:
+        env["PLANNER_SPEED_TREE"] = str(tree)
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", kind, str(gpus), model,
+                          str(seq), mode], cwd=tree or ROOT, check=True, capture_output=True, text=True, env=env)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    if kind == "search" and tree and not row["source"].startswith(str(tree.parent)):
+        raise RuntimeError(f"the baseline run imported {row['source']}, not the tree under {tree}")
+    return row
+
+
+def fastest(runs: list[dict]) -> dict:
+    """Several fresh-process runs of one workload: the minimum cold and warm times (the counts agree)."""
+    best = dict(runs[0])
+    for key in ("cold_s", "warm_s", "cold_cpu_s", "warm_cpu_s"):
+        best[key] = min(r[key] for r in runs)
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8 and 64 GPUs only")
+    parser.add_argument("--repeat", type=int, default=1, help="fresh processes per figure (the minimum is kept)")
+    parser.add_argument("--against", metavar="REV", help="also time the planner of this git revision")
+    parser.add_argument("--no-brute", action="store_true", help="skip the brute-force baseline")
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -138,33 +200,68 @@ def main() -> None:
         job = search_worker if kind == "search" else brute_worker
         print(json.dumps(job(int(gpus), model, int(seq), mode)))
         return
+    with tempfile.TemporaryDirectory(prefix="planner-speed-") as tmp:
+        tree = baseline_tree(args.against, Path(tmp).resolve()) if args.against else None
+        rows = measure(args, tree)
+    report(args, rows)
+
+
+def measure(args: argparse.Namespace, tree: Path | None) -> list[dict]:
+    """Every workload's search (and, unless --no-brute, brute-force) figures; ``tree``: a baseline to time too."""
     rows = []
     for gpus, model, seq, mode, target in WORKLOADS:
         if args.quick and gpus > 64:
             continue
         row = {"gpus": gpus, "model": model, "seq": seq, "mode": mode, "target": target}
-        for kind in ("search", "brute"):
-            out = subprocess.run([sys.executable, __file__, "--worker", kind, str(gpus), model, str(seq), mode],
-                                 cwd=ROOT, check=True, capture_output=True, text=True,
-                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
-            row.update(json.loads(out.stdout.strip().splitlines()[-1]))
+        runs, before = [], []
+        for _ in range(max(1, args.repeat)):  # interleaved, so both see the same machine load
+            if tree:
+                before.append(run_worker("search", gpus, model, seq, mode, tree))
+            runs.append(run_worker("search", gpus, model, seq, mode))
+        row.update(fastest(runs))
+        if tree:
+            row["before"] = fastest(before)
+        if args.no_brute:
+            row.update({"brute_s": math.nan, "brute_kind": "skipped", "brute_score": None})
+        else:
+            row.update(run_worker("brute", gpus, model, seq, mode))
         if row["brute_score"] is None:
             row["same_optimum"] = None
         else:
             row["same_optimum"] = row["score"] is not None and math.isclose(row["brute_score"], row["score"],
                                                                             rel_tol=1e-12)
         rows.append(row)
-    print(f"{'GPUs':>5} {'workload':<28} {'layouts':>7} {'evals':>7} {'cold s':>8} {'warm s':>8} {'target':>7} "
-          f"{'cold/target':>11} {'brute-force s':>15} {'speed-up':>9} {'optimum':>8}  best layout")
+    return rows
+
+
+def report(args: argparse.Namespace, rows: list[dict]) -> None:
+    print(f"{'GPUs':>5} {'workload':<28} {'layouts':>7} {'evals':>7} {'floors':>6} {'mem':>6} {'cold s':>8} "
+          f"{'warm s':>8} {'cold cpu':>8} {'warm cpu':>8} {'target':>7} {'cold/target':>11} {'brute-force s':>15} "
+          f"{'speed-up':>9} {'optimum':>8}  best layout")
     for r in rows:
         work = f"{r['model']} {r['mode']} {r['seq']:,}"
         target = f"{r['target']:.1f}" if r["target"] else "-"
         ratio = f"{r['cold_s'] / r['target']:.2f}" if r["target"] else "-"
         brute = f"{r['brute_s']:.2f} {r['brute_kind']}"
         same = {True: "same", False: "DIFFERS", None: "-"}[r["same_optimum"]]
-        print(f"{r['gpus']:>5} {work:<28} {r['layouts']:>7} {r['evaluations']:>7} {r['cold_s']:>8.3f} "
-              f"{r['warm_s']:>8.3f} {target:>7} {ratio:>11} {brute:>15} {r['brute_s'] / r['cold_s']:>8.1f}x "
-              f"{same:>8}  {r['best']}")
+        print(f"{r['gpus']:>5} {work:<28} {r['layouts']:>7} {r['evaluations']:>7} {r['floor_evaluations']:>6} "
+              f"{r['memory_evaluations']:>6} {r['cold_s']:>8.3f} {r['warm_s']:>8.3f} {r['cold_cpu_s']:>8.3f} "
+              f"{r['warm_cpu_s']:>8.3f} {target:>7} {ratio:>11} "
+              f"{brute:>15} {r['brute_s'] / r['cold_s']:>8.1f}x {same:>8}  {r['best']}")
+    if args.against:
+        print(f"\nAgainst {args.against} (same run, interleaved; minimum of {max(1, args.repeat)} fresh processes "
+              "each):")
+        print(f"{'GPUs':>5} {'model':<14} {'cold before':>11} {'cold after':>10} {'ratio':>6} {'warm before':>11} "
+              f"{'warm after':>10} {'ratio':>6} {'cold cpu before':>15} {'after':>6} {'ratio':>6} "
+              f"{'evals before':>12} {'after':>6} {'mem before':>10} {'after':>6} same best")
+        for r in rows:
+            b = r["before"]
+            same = "yes" if b["score"] == r["score"] and b["best"] == r["best"] else "NO"
+            print(f"{r['gpus']:>5} {r['model']:<14} {b['cold_s']:>11.3f} {r['cold_s']:>10.3f} "
+                  f"{b['cold_s'] / r['cold_s']:>5.2f}x {b['warm_s']:>11.3f} {r['warm_s']:>10.3f} "
+                  f"{b['warm_s'] / r['warm_s']:>5.2f}x {b['cold_cpu_s']:>15.3f} {r['cold_cpu_s']:>6.3f} "
+                  f"{b['cold_cpu_s'] / r['cold_cpu_s']:>5.2f}x {b['evaluations']:>12} {r['evaluations']:>6} "
+                  f"{b['memory_evaluations']:>10} {r['memory_evaluations']:>6} {same}")
     startup, torch_loaded = help_startup()
     print(f"\n`sp-plan --help`: {startup:.3f} s (target 0.5 s, ratio {startup / 0.5:.2f}); "
           f"torch imported: {torch_loaded}")

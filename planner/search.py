@@ -5,7 +5,10 @@ predicted seconds per token: because step time never decreases and memory never 
 lattice, the first combination popped that fits is the fastest one that fits. Across layouts the
 search is branch-and-bound: a layout's fastest conceivable combination (the lattice bottom, timed
 without checking memory) bounds everything it can do, so once K plans are known, layouts whose bound
-is worse are pruned without a memory evaluation (and reported as such).
+is worse are pruned without a memory evaluation (and reported as such). Most are pruned on a cheaper
+bound still, which holds below that one: the bottom's compute alone
+(:mod:`sp_plan.cost_models.step_floor`), shared by every layout with the same model degrees, so they are
+never timed at all.
 
 Objective: seconds per token for the same global token budget (every layout processes
 ``ceil(B / dp) x dp`` sequences per step, with B from ``global_batch_tokens``), multiplied by
@@ -14,11 +17,13 @@ Objective: seconds per token for the same global token budget (every layout proc
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import math
 import time as wallclock
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -35,6 +40,7 @@ from sp_plan.cost_models.model_spec import ModelSpec
 from sp_plan.cost_models.pipeline import bubble_seconds, stack_stage_layers
 from sp_plan.cost_models.profile import CostProfile, load_calibration, resolve_profile
 from sp_plan.cost_models.stack import DEFAULT_STACK, shipped_stack_name
+from sp_plan.cost_models.step_floor import StepFloor, step_floor
 from sp_plan.cost_models.time_model import OffloadTraffic, StepTime, step_time
 from sp_plan.cost_models.topology import Topology
 from sp_plan.cost_models.train_spec import TrainSpec
@@ -213,6 +219,9 @@ class SearchStats(BaseModel):
     structural_rejections: int
     memory_evaluations: int
     time_evaluations: int
+    #: Compute-only floors taken to bound branches (sp_plan.cost_models.step_floor; far cheaper than a time
+    #: evaluation, and not counted among them).
+    floor_evaluations: int = 0
     pruned_by_bound: int
     seconds: float
 
@@ -288,6 +297,16 @@ class _Searcher:
         self.memory_evals = 0
         self._trains: dict[tuple, TrainSpec] = {}
         self.time_evals = 0
+        #: Compute-only floors taken (sp_plan.cost_models.step_floor): far cheaper than a time evaluation.
+        self.floor_evals = 0
+        #: The ZeRO (and pipeline schedule) branches, shared by layouts that split data parallelism differently.
+        self._branches: dict[tuple, tuple[OptionLattice, ...]] = {}
+        #: Compute-only floors by what they depend on (see floor_bound).
+        self._floors: dict[tuple, StepFloor] = {}
+        #: A branch's floor per token and its options' moving parts, by model degrees and branch (kept alive here).
+        self._branch_floors: dict[tuple, tuple[OptionLattice, float, int]] = {}
+        #: A pipelined layout's bottom, timed once per micro-batch (see pipeline_bound).
+        self._pipeline_bottoms: dict[tuple, tuple[float, tuple[float, float, float], float] | None] = {}
         if base.is_training:
             self.batch_sequences = max(1, settings.global_batch_tokens // base.seq_len)
         else:
@@ -341,7 +360,18 @@ class _Searcher:
         all-gather is exposed while ZeRO-3's re-gathers hide behind compute, so either can be faster;
         and with a shard group of one it changes nothing but buffers. Searching each stage as its own
         branch keeps the lattice's monotone properties exact.
+
+        The branches depend on the layout only through its data-parallel degree (sequences per rank),
+        pipeline degree and whether it shards at all, so the layouts that differ only in how they split
+        data parallelism share them.
         """
+        key = (layout.dp, layout.pp, layout.shard_group == 1)
+        branches = self._branches.get(key)
+        if branches is None:
+            branches = self._branches[key] = tuple(self._build_branches(layout))
+        return list(branches)
+
+    def _build_branches(self, layout: Layout) -> list[OptionLattice]:
         full = self.lattice(layout)
         k = full.index("zero_stage")
         branches = [OptionLattice(full.axes[:k] + (Axis("zero_stage", (z,)),) + full.axes[k + 1:])
@@ -434,36 +464,75 @@ class _Searcher:
         return self.score(layout, options, step_time(self.model, train, layout, self.topology, _NO_OFFLOAD,
                                                      self.profile))
 
-    def pipeline_bounds(self, layout: Layout, branches: list[OptionLattice]) -> list[float]:
-        """A lower bound on every combination of each pipelined branch, one step time per layout and
-        micro-batch: the slowest stage's forward, backward and weight-gradient times at the bottom of the
-        lattice (zero-bubble, the fewest transfers) bound every ZeRO stage's and schedule's stage work
-        (ZeRO moves only once-per-step traffic under PP; interleaving adds transfers), and the bound is that
-        work times the micro-batches plus the branch's own bubble on those times (each bubble grows with
-        them). So a layout's (ZeRO, schedule, chunks) branches cost one time evaluation, not one each."""
-        timed: dict[tuple, tuple[float, tuple[float, float, float], float] | None] = {}
-        bounds = []
-        for lattice in branches:
-            options = lattice.values(lattice.repair_up(lattice.bottom))
-            key = tuple((k, v) for k, v in options.items() if k not in PIPELINE_AXES and k != "zero_stage")
-            if key not in timed:
-                bottom = {**options, "pipeline_schedule": "zero_bubble", "virtual_stages": 1}
-                if invalid_reason(bottom):
-                    timed[key] = None
-                else:
-                    train = self.train_for(layout, bottom)
-                    self.time_evals += 1
-                    t = step_time(self.model, train, layout, self.topology, _NO_OFFLOAD, self.profile)
-                    timed[key] = (t.tokens_per_step, t.stage_s, train.grad_accum)
-            if timed[key] is None:
-                bounds.append(0.0)  # no cheap bound: the floor decides
-                continue
-            tokens, (t_f, t_b, t_w), m = timed[key]
-            bubble = bubble_seconds(options["pipeline_schedule"], layout.pp, options["virtual_stages"], t_f, t_b - t_w,
-                                    t_w)
-            parts = layout_moving_parts(layout) + moving_parts(options)
-            bounds.append((m * (t_f + t_b) + bubble) / tokens * (1.0 + self.settings.tie_penalty * parts))
-        return bounds
+    def pipeline_bound(self, layout: Layout, lattice: OptionLattice) -> float:
+        """A lower bound on every combination of a pipelined branch, one step time per layout and micro-batch:
+        the slowest stage's forward, backward and weight-gradient times at the bottom of the lattice
+        (zero-bubble, the fewest transfers) bound every ZeRO stage's and schedule's stage work (ZeRO moves
+        only once-per-step traffic under PP; interleaving adds transfers), and the bound is that work times the
+        micro-batches plus the branch's own bubble on those times (each bubble grows with them). So a layout's
+        (ZeRO, schedule, chunks) branches cost one time evaluation, not one each."""
+        options = lattice.values(lattice.repair_up(lattice.bottom))
+        timed = self._pipeline_bottom(layout, options)
+        if timed is None:
+            return 0.0  # no cheap bound: the floor decides
+        tokens, (t_f, t_b, t_w), m = timed
+        bubble = bubble_seconds(options["pipeline_schedule"], layout.pp, options["virtual_stages"], t_f, t_b - t_w, t_w)
+        parts = layout_moving_parts(layout) + moving_parts(options)
+        return (m * (t_f + t_b) + bubble) / tokens * (1.0 + self.settings.tie_penalty * parts)
+
+    def _pipeline_bottom(self, layout: Layout, options: dict[str, Any]) -> tuple[float, tuple[float, float, float],
+                                                                                   float] | None:
+        """Tokens per step, the slowest stage's (forward, backward, weight-gradient) seconds and the
+        micro-batches at the options every branch of ``layout`` with these non-schedule options is bounded at
+        (zero-bubble, one chunk); timed once per layout and micro-batch, None when the options are invalid."""
+        key = (layout, tuple((k, v) for k, v in options.items() if k not in PIPELINE_AXES and k != "zero_stage"))
+        if key not in self._pipeline_bottoms:
+            bottom = {**options, "pipeline_schedule": "zero_bubble", "virtual_stages": 1}
+            if invalid_reason(bottom):
+                self._pipeline_bottoms[key] = None
+            else:
+                train = self.train_for(layout, bottom)
+                self.time_evals += 1
+                t = step_time(self.model, train, layout, self.topology, _NO_OFFLOAD, self.profile)
+                self._pipeline_bottoms[key] = (t.tokens_per_step, t.stage_s, train.grad_accum)
+        return self._pipeline_bottoms[key]
+
+    def floor_bound(self, layout: Layout, lattice: OptionLattice) -> float:
+        """A cheaper lower bound than :meth:`bottom_bound` (plain branches) or :meth:`pipeline_bound`
+        (pipelined ones), and never above them: the same options' compute-only step
+        (:func:`sp_plan.cost_models.step_floor.step_floor`), whose compute is shared by every layout with the
+        same model degrees. Branches enter the search on it; the tighter bound is paid for when popped."""
+        # Layouts that split data parallelism differently share their branches (see lattices) and their
+        # floors: only the layout's own moving parts differ.
+        key = (layout.model_degrees(), id(lattice))
+        entry = self._branch_floors.get(key)
+        if entry is None or entry[0] is not lattice:
+            entry = self._branch_floors[key] = (lattice, *self._branch_floor(layout, lattice))
+        _, per_token, option_parts = entry
+        return per_token * (1.0 + self.settings.tie_penalty * (layout_moving_parts(layout) + option_parts))
+
+    def _branch_floor(self, layout: Layout, lattice: OptionLattice) -> tuple[float, int]:
+        """:meth:`floor_bound` before the moving-parts penalty (seconds per token), and the moving parts of
+        the options it is taken at."""
+        options = lattice.values(lattice.repair_up(lattice.bottom))
+        if invalid_reason(options):
+            return 0.0, 0
+        if layout.pp > 1:
+            bottom = {**options, "pipeline_schedule": "zero_bubble", "virtual_stages": 1}
+            schedule, chunks = options["pipeline_schedule"], options["virtual_stages"]
+        else:
+            bottom, schedule, chunks = options, None, 1
+        # The floor reads the model degrees (compute), the data-parallel degree (tokens per step, micro-batches)
+        # and the options other than ZeRO (no compute term reads it): layouts that only split data parallelism
+        # differently, and a layout's ZeRO branches, share it.
+        key = (layout.model_degrees(), layout.dp,
+               tuple((k, v) for k, v in bottom.items() if k not in PIPELINE_AXES and k != "zero_stage"))
+        floor = self._floors.get(key)
+        if floor is None:
+            self.floor_evals += 1
+            floor = self._floors[key] = step_floor(self.model, self.train_for(layout, bottom), layout, self.topology,
+                                                   self.profile)
+        return floor.step_s(schedule, chunks) / floor.tokens_per_step, moving_parts(options)
 
     # ----- per layout ---------------------------------------------------------------------------
     def most_saving_valid(self, lattice: OptionLattice) -> Combo:
@@ -581,6 +650,30 @@ def _matches(layout: Layout, fixed: dict[str, int]) -> bool:
 def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: PlanSettings | None = None,
            assumptions: MemoryAssumptions | None = None, *, world: int | None = None) -> SearchResult:
     """Rank every feasible (layout, options) for ``model`` on ``topology`` (``world`` GPUs of it)."""
+    with collector_paused():
+        return _search(model, base, topology, settings, assumptions, world)
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """CPython's cyclic garbage collector off for the duration (as it was before, afterwards).
+
+    A search allocates hundreds of thousands of objects that live on in the cost model's memo tables, so
+    the collector's full passes keep re-traversing them while finding almost no cycles: measured with
+    ``gc.callbacks``, 15-18% of the CPU time of a 4,096- or 16,384-GPU plan. Reference counting still
+    frees everything acyclic at once; what cycles a search leaves are collected once it is re-enabled."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: PlanSettings | None,
+            assumptions: MemoryAssumptions | None, world: int | None) -> SearchResult:
     settings = settings or PlanSettings()
     started = wallclock.perf_counter()
     world = world or topology.num_gpus
@@ -607,12 +700,14 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
                            f"{sorted({r for r in refused.values() if r})[0]}; change the pinned degrees or --stack")
 
     # Branch and bound over the (layout, ZeRO stage) branches, visited best-first by a lower bound on
-    # what each can do. A branch enters with the cheapest bound there is, its lattice bottom timed
-    # without a memory check; when popped, its floor (see _Searcher.floor: memory evaluations) replaces
-    # that with the tighter bound of its fastest fitting start, and only when popped again is it
-    # walked. Branches whose bound already exceeds the K-th best plan are pruned at either stage, so
-    # most never pay for a floor. A layout's result is its best branch.
-    queue: list[tuple[float, int, int, Layout, OptionLattice, _Scored | None]] = []
+    # what each can do. A branch enters with the cheapest bound there is, the compute-only floor of its
+    # lattice bottom (_Searcher.floor_bound: one compute evaluation serves every layout with the same model
+    # degrees); when popped, the bottom timed without a memory check replaces it; when popped again, its
+    # floor (see _Searcher.floor: memory evaluations) replaces that with the tighter bound of its fastest
+    # fitting start, and only when popped a last time is it walked. Branches whose bound already exceeds
+    # the K-th best plan are pruned at any stage, so most never pay for a time evaluation, fewer still for
+    # a floor. A layout's result is its best branch.
+    queue: list[tuple[float, int, int, Layout, OptionLattice, object]] = []
     order = itertools.count()
     nearest_miss: dict[Layout, Rejection] = {}
     viable: set[Layout] = set()
@@ -625,14 +720,14 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
             # --- pipelined branches (several per layout: schedules, chunks, micro-batches) enter on their
             # time bound alone; whether their most saving options fit is asked when they are popped, so
             # the many a better plan's bound prunes never cost a memory evaluation.
-            for lattice, bound in zip(branches, s.pipeline_bounds(layout, branches)):
-                queue.append((bound, i, next(order), layout, lattice, _UNCHECKED))
+            for lattice in branches:
+                queue.append((s.floor_bound(layout, lattice), i, next(order), layout, lattice, _UNTIMED))
             continue
         for lattice in branches:
             if not _most_saving_fits(s, layout, lattice, nearest_miss):
                 continue
             viable.add(layout)
-            queue.append((s.bottom_bound(layout, lattice), i, next(order), layout, lattice, None))
+            queue.append((s.floor_bound(layout, lattice), i, next(order), layout, lattice, _UNTIMED))
     heapq.heapify(queue)
     rejected += [miss for layout, miss in nearest_miss.items() if layout not in viable]
 
@@ -643,12 +738,20 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
     while queue:
         bound, i, _, layout, lattice, start = heapq.heappop(queue)
         if len(best_of) >= settings.top_k and bound > kth_best:
+            if layout in pruned_reason:  # a layout's first reason stands (built once: most branches end here)
+                continue
             what = ("even its fastest fitting options" if isinstance(start, _Scored)
-                    else "even with no memory-saving option at all it")
-            pruned_reason.setdefault(layout, Rejection(
+                    else "even its compute alone, with no memory-saving option and no communication,"
+                    if start is _UNTIMED else "even with no memory-saving option at all it")
+            pruned_reason[layout] = Rejection(
                 layout=layout.as_dict(), kind="bound", score=bound,
                 reason=f"not evaluated: {what} could reach only {_per_token(bound)}, below the top "
-                       f"{settings.top_k} plans' cut-off of {_per_token(kth_best)}"))
+                       f"{settings.top_k} plans' cut-off of {_per_token(kth_best)}")
+            continue
+        if start is _UNTIMED:  # entered on its compute-only floor: replace it with the timed bound it stands for
+            timed = s.pipeline_bound(layout, lattice) if layout.pp > 1 else s.bottom_bound(layout, lattice)
+            heapq.heappush(queue, (max(bound, timed), i, next(order), layout, lattice,
+                                   _UNCHECKED if layout.pp > 1 else None))
             continue
         if start is _UNCHECKED:  # a pipelined branch: does anything fit? (as the loop above asks the others)
             if not _most_saving_fits(s, layout, lattice, late_miss):
@@ -700,13 +803,17 @@ def search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Plan
                                 f"({rate / best_rate - 1:+.1%}; ranked {score / best_score - 1:+.1%} behind it with "
                                 "the near-tie discount for moving parts)"))
     stats = SearchStats(layouts=len(layouts), structural_rejections=len(space.rejected),
-                        memory_evaluations=s.memory_evals, time_evaluations=s.time_evals, pruned_by_bound=pruned,
+                        memory_evaluations=s.memory_evals, time_evaluations=s.time_evals,
+                        floor_evaluations=s.floor_evals, pruned_by_bound=pruned,
                         seconds=wallclock.perf_counter() - started)
     return SearchResult(plans=plans, rejected=rejected, stats=stats, global_batch_sequences=s.batch_sequences,
                         usable_bytes=s.usable, stack=s.resolved.stack, calibration=s.resolved.calibration,
                         profile_name=s.profile.name)
 
 
+#: Queue marker of a branch that entered on its compute-only floor (_Searcher.floor_bound) and has not been
+#: timed yet.
+_UNTIMED = object()
 #: Queue marker of a pipelined branch whose most saving options have not been memory-checked yet.
 _UNCHECKED = object()
 
