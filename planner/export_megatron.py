@@ -30,8 +30,9 @@ checkout is importable. How sp-plan's plan maps onto Megatron:
   (every layer's input kept, the layer recomputed); ``selective`` -> ``--recompute-granularity selective``
   (Megatron's core-attention recompute, the stack's ``selective_policy``); ``none`` -> no flag.
 - the overlaps the megatron-core stack prices: ``--tp-comm-overlap`` (TP communication inside the GEMMs, with
-  sequence parallelism) and ``--overlap-moe-expert-parallel-comm`` (MoE all-to-alls behind another micro-batch;
-  Megatron-Core runs it with pp > 1 only under virtual stages: otherwise a note says the plan's price assumed it).
+  sequence parallelism) and ``--overlap-moe-expert-parallel-comm`` (MoE all-to-alls behind another micro-batch,
+  under the conditions Megatron-Core asserts: ep > 1, no full recompute, two micro-batches, virtual stages when
+  pp > 1; :func:`sp_plan.cost_models.strategies.overlap.a2a_overlap_blocker` prices exactly those).
 - optimizer offload -> ``--optimizer-cpu-offload --optimizer-offload-fraction 1.0`` (Megatron's hybrid device
   optimizer, which needs ``--use-precision-aware-optimizer``).
 
@@ -335,19 +336,6 @@ def _pipeline_args(plan: Plan) -> list[str]:
     return args
 
 
-def _moe_a2a_overlap(plan: Plan) -> tuple[bool, str | None]:
-    """(whether the plan's price hides the MoE all-to-alls behind another micro-batch, why Megatron-LM cannot run
-    that overlap for this plan or None). Megatron-Core asserts virtual pipeline stages with pp > 1."""
-    stack = prior_stack(MEGATRON_STACK).time
-    priced = a2a_overlap_blocker(stack, plan.model, plan.train, plan.layout) is None
-    if priced and plan.layout.pp > 1 and plan.train.virtual_stages == 1:
-        return True, ("the plan prices the MoE all-to-all overlap, which Megatron-Core runs with pp > 1 only under "
-                      "virtual pipeline stages (transformer_config.py asserts it): exported without "
-                      "--overlap-moe-expert-parallel-comm, so expect the all-to-alls exposed; re-plan with "
-                      "--virtual-stages 2 (or more) to run it")
-    return priced, None
-
-
 def _overlap_args(plan: Plan) -> list[str]:
     """The overlaps the megatron-core stack prices (its stack file's time section, as Megatron-Bridge's
     performance recipes run them): TP communication inside the GEMMs (Transformer Engine userbuffers), and the
@@ -356,8 +344,7 @@ def _overlap_args(plan: Plan) -> list[str]:
     args = []
     if tp_overlap_blocker(stack, plan.train, plan.layout) is None:
         args.append("--tp-comm-overlap")
-    priced, blocked = _moe_a2a_overlap(plan)
-    if priced and blocked is None:
+    if a2a_overlap_blocker(stack, plan.model, plan.train, plan.layout) is None:
         args.append("--overlap-moe-expert-parallel-comm")
     return args
 
@@ -432,9 +419,6 @@ def _notes(plan: Plan) -> list[str]:
                      "coefficient are the model recipe's (e.g. --moe-router-score-function sigmoid "
                      "--moe-router-enable-expert-bias for DeepSeek-V3): add them; the plan fixes only the expert "
                      "shapes, routing top-k, capacity and parallelism")
-    blocked = _moe_a2a_overlap(plan)[1]
-    if blocked:
-        notes.append(blocked)
     if plan.model.mla is not None:
         notes.append("latent attention: add the model's RoPE scaling (--rotary-scaling-factor, --mscale, "
                      "--mscale-all-dim for DeepSeek's YaRN); the plan does not record it")

@@ -494,8 +494,28 @@ class _Searcher:
                 train = self.train_for(layout, bottom)
                 self.time_evals += 1
                 t = step_time(self.model, train, layout, self.topology, _NO_OFFLOAD, self.profile)
-                self._pipeline_bottoms[key] = (t.tokens_per_step, t.stage_s, train.grad_accum)
+                stage_s = t.stage_s
+                if self._overlap_needs_chunks(layout):
+                    stage_s = self._with_two_chunks(layout, options, stage_s)
+                self._pipeline_bottoms[key] = (t.tokens_per_step, stage_s, train.grad_accum)
         return self._pipeline_bottoms[key]
+
+    def _overlap_needs_chunks(self, layout: Layout) -> bool:
+        """Whether the stack hides MoE all-to-alls only under virtual stages (Megatron-Core's combined 1F1B):
+        then one chunk is not the cheapest stage work, and the bound also times two."""
+        return bool(self.profile.stack.time.moe_a2a_overlap and self.model.moe is not None and layout.ep > 1)
+
+    def _with_two_chunks(self, layout: Layout, options: dict[str, Any],
+                         stage_s: tuple[float, float, float]) -> tuple[float, float, float]:
+        """The elementwise minimum of one chunk's stage times and two chunks' (interleaved 1F1B): more chunks
+        only add transfers, and the all-to-all overlap is priced the same for every chunk count above one, so
+        the two bound every branch's stage work."""
+        two = {**options, "pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2}
+        if invalid_reason(two) or self.pipeline_invalid(layout, two):
+            return stage_s
+        self.time_evals += 1
+        t = step_time(self.model, self.train_for(layout, two), layout, self.topology, _NO_OFFLOAD, self.profile)
+        return tuple(min(a, b) for a, b in zip(stage_s, t.stage_s))
 
     def floor_bound(self, layout: Layout, lattice: OptionLattice) -> float:
         """A cheaper lower bound than :meth:`bottom_bound` (plain branches) or :meth:`pipeline_bound`

@@ -152,6 +152,28 @@ def test_moe_all_to_all_overlap_needs_two_micro_batches_and_no_full_recompute():
         previous = share
 
 
+def test_moe_all_to_all_overlap_under_pipeline_stages_needs_virtual_stages_and_the_search_stays_exact():
+    """Megatron-Core asserts virtual stages for the overlap when pp > 1: one chunk runs the all-to-alls exposed.
+    The planner's pipelined bound then takes the faster of one and two chunks, so the search stays exact."""
+    from sp_plan.cost_models.strategies.overlap import a2a_overlap_blocker
+    from sp_plan.planner.search import PlanSettings, brute_force_best, search
+
+    stack = prior_stack("megatron-core").time
+    layout = Layout(pp=2, ulysses=2, dp_shard=4, ep=8)
+    one = TrainSpec(seq_len=8192, zero_stage=1, checkpointing="none", grad_accum=4, pipeline_schedule="1f1b")
+    two = one.model_copy(update={"pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2})
+    assert "virtual stages" in a2a_overlap_blocker(stack, MOE, one, layout)
+    assert a2a_overlap_blocker(stack, MOE, two, layout) is None
+    model = MOE.model_copy(update={"num_layers": 8})
+    topology = default_topology("h100-80gb", 16, 8)
+    settings = PlanSettings(top_k=3, stack="megatron", fixed_layout={"pp": 2, "ep": 8},
+                            global_batch_tokens=8192 * 32)
+    best, _, options, _ = brute_force_best(model, TrainSpec(seq_len=8192), topology, settings)
+    result = search(model, TrainSpec(seq_len=8192), topology, settings)
+    assert best < float("inf") and result.plans[0].score == pytest.approx(best, rel=1e-12)
+    assert options["virtual_stages"] > 1  # the overlap makes interleaving win here
+
+
 def _explain(stack: str) -> str:
     """``sp-plan estimate --explain-time`` through the console script, for llama3-8b at 8K on 8 GPUs, tp 8."""
     run = subprocess.run([str(SP_PLAN), "estimate", "--model", "llama3-8b", "--seq-len", "8K", "--gpus", "8", "--tp",

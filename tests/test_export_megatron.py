@@ -504,12 +504,16 @@ def test_the_overlaps_the_megatron_stack_prices_are_exported():
     assert "--overlap-moe-expert-parallel-comm" in argv and "--tp-comm-overlap" in argv
     full = list(megatron_arguments(PLANS["moe-ep"]()).argv)  # full recompute: Megatron refuses the a2a overlap
     assert "--overlap-moe-expert-parallel-comm" not in full and "--tp-comm-overlap" not in full  # and tp = 1
-    # pp > 1 without virtual stages: priced with the overlap, which Megatron runs only with virtual stages
+    # pp > 1: Megatron runs the overlap only under virtual stages, and the cost model prices it only there
     plan = make_plan(model="qwen3-30b-a3b", gpus=32, pp=2, ulysses=4, dp_shard=4, ep=8, seq_len=32768,
                      checkpointing="selective", grad_accum=4, pipeline_schedule="1f1b", stage_layers=(24, 24))
-    exported = to_megatron(plan)
-    assert "--overlap-moe-expert-parallel-comm" not in exported.data["argv"]
-    assert any("re-plan with --virtual-stages 2" in note for note in exported.notes)
+    assert "--overlap-moe-expert-parallel-comm" not in megatron_arguments(plan).argv
+    chunked = plan.model_copy(update={"train": plan.train.model_copy(update={
+        "pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2})})
+    assert "--overlap-moe-expert-parallel-comm" in megatron_arguments(chunked).argv
+    # (megatron-core's TransformerConfig accepts it: the interleaved case's VP size goes with the flag)
+    configs, _ = parse_with_megatron_core(list(megatron_arguments(chunked).argv))
+    assert configs["TransformerConfig"].overlap_moe_expert_parallel_comm
 
 
 def test_pipeline_plans_megatron_cannot_express_are_refused_with_a_split_it_can():

@@ -36,9 +36,10 @@ forward step before the 1f1b stages"), so ``min(1, (2p-1)/m)`` of the m micro-ba
 unpaired (:func:`unpaired_fraction`). Interleaved stages warm up ``p(v+1)-1`` of ``m v`` chunk passes,
 never a larger share, so the ``v = 1`` count is used for every schedule (a bound, which keeps the
 planner's lower bounds valid: more chunks never price more exposure). Conditions (``transformer_config.py``
-asserts): ep > 1, no full recompute, two micro-batches per step (one is nothing to pair with). Megatron
-also asserts virtual pipeline stages when pp > 1; that condition is not modelled (see
-:func:`a2a_overlap_blocker`). Its memory cost, one more micro-batch's activations in flight, is the memory
+asserts): ep > 1, no full recompute, two micro-batches per step (one is nothing to pair with), and with
+pp > 1 virtual pipeline stages ("If enabling EP A2A overlap, virtual_pipeline_model_parallel_size must be
+specified when pipeline_model_parallel_size > 1"): a one-chunk pipelined plan runs its all-to-alls exposed
+(the planner's pipelined bound therefore takes the faster of one and two chunks). Its memory cost, one more micro-batch's activations in flight, is the memory
 model's to price.
 
 Overlapped transfers slow the compute they run beside: the kernel model's ``nccl_compute_slowdown`` per
@@ -99,6 +100,8 @@ def a2a_overlap_blocker(stack: StackTime, model: ModelSpec, train: TrainSpec, la
         return "full recompute (Megatron-Core refuses it with the overlap)"
     if train.grad_accum < 2:
         return "one micro-batch per step: nothing to pair with"
+    if layout.pp > 1 and train.virtual_stages == 1:
+        return "pp > 1 without virtual stages (Megatron-Core asserts them for the overlap)"
     return None
 
 
