@@ -40,6 +40,7 @@ from sp_plan.cost_models import degrees
 from sp_plan.cost_models.layout import Layout
 from sp_plan.runtime.errors import RuntimeConfigError
 from sp_plan.cost_models.yaml_io import safe_load
+from sp_plan.runtime.cpu_affinity import pin_cpu_rank
 
 #: Plan files are a few KB; anything much larger is not a plan (and is not parsed).
 PLAN_FILE_MAX_BYTES = 4 << 20
@@ -216,6 +217,8 @@ def init_default_group(device_type: str) -> None:
     if "WORLD_SIZE" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     else:
+        if device_type == "cpu":
+            pin_cpu_rank()
         dist.init_process_group(backend)
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from sp_plan.cost_models.topology import TopologySpec, save_topology
+from sp_plan.runtime.cpu_affinity import pin_cpu_rank
 from sp_plan.runtime.errors import RuntimeConfigError
 
 from . import measure
@@ -47,6 +48,8 @@ def run_probe(out: Path, sizes: list[int] | None = None, compute_budget_s: float
         torch.cuda.set_device(device)
     started_here = False
     if world > 1 and not dist.is_initialized():
+        if not cuda:
+            pin_cpu_rank()  # as the runtime's ranks run, so the rates probed are theirs
         dist.init_process_group("nccl" if cuda else "gloo")
         started_here = True
     try:
