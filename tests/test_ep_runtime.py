@@ -26,18 +26,11 @@ pytest.importorskip("transformers")
 
 from sp_plan.cost_models import Layout  # noqa: E402
 from tests.distributed import error_of, run_ranks  # noqa: E402
+from tests.moe_checks import (  # noqa: E402
+    BATCH, LR, SEQ, STEPS, assert_matches_reference, moe_config, moe_model, reference_run, token_batches)
 
 pytestmark = pytest.mark.multiproc
 
-STEPS, BATCH, SEQ, VOCAB, LR = 2, 2, 16, 128, 1e-3
-COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-              vocab_size=VOCAB, max_position_embeddings=128, attention_dropout=0.0, tie_word_embeddings=False,
-              num_experts_per_tok=2)
-FAMILIES = {
-    "qwen3_moe": dict(num_experts=4, moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
-                      mlp_only_layers=[]),
-    "mixtral": dict(num_local_experts=4, intermediate_size=48),
-}
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 #: (family, layout, options) with ep=2 inside dp_shard x ulysses (the ep group: each data rank's Ulysses pair).
 SP_CASES = [
@@ -45,24 +38,7 @@ SP_CASES = [
 ]
 
 
-def _config(family: str):
-    import transformers
-
-    config_cls = {"qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}[family]
-    return config_cls(**{**COMMON, **FAMILIES[family]})
-
-
-def _model(family: str, attn: str = "sdpa"):
-    import transformers
-
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_config(family), attn_implementation=attn)
-    return model.float()
-
-
-def _data() -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(3)
-    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
+_config, _model = moe_config, moe_model
 
 
 def _record_routing(model) -> list[torch.Tensor]:
@@ -74,21 +50,9 @@ def _record_routing(model) -> list[torch.Tensor]:
 
 
 def _reference(family: str) -> tuple[list[float], list[dict], list[torch.Tensor]]:
-    import torch.nn.functional as F
-
     model = _model(family)
     routes = _record_routing(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], []
-    for ids in _data():
-        logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-        loss.backward()
-        losses.append(loss.item())
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-        optimizer.step()
-        optimizer.zero_grad()
-    return losses, grads, routes
+    return (*reference_run(model), routes)
 
 
 def _configure(family: str, layout: Layout, options: dict, micro_batch: int):
@@ -114,7 +78,7 @@ def _train(rank: int, world: int, family: str, layout: Layout, options: dict, sa
     optimizer = setup.make_optimizer(lr=LR)
     per_rank = BATCH // setup.dp_size
     losses, grads = [], []
-    for ids in _data():
+    for ids in token_batches():
         mine = ids[setup.dp_rank * per_rank:(setup.dp_rank + 1) * per_rank]
         result = train_step(setup, [mine], max_grad_norm=1e6)  # clipping computes the norm over both meshes
         losses.append(result.loss)
@@ -163,16 +127,11 @@ def _check_against_one_process(results: list, family: str, layout: Layout, optio
     from sp_plan.cost_models.placement import group_shapes
 
     ref_losses, ref_grads, ref_routes = _reference(family)
+    assert_matches_reference([(losses, grads) for losses, grads, *_ in results], ref_losses, ref_grads)
     planned = group_shapes(layout)
-    for rank, (losses, grads, routes, where, groups, _) in enumerate(results):
+    for rank, (_, _, routes, where, groups, _) in enumerate(results):
         for name in ("ep", "expert_data"):  # the groups the runtime built are the ones the planner priced
             assert groups[name] == _planned_group(rank, *planned[name]), name
-        assert losses == pytest.approx(ref_losses, abs=1e-5)
-        for step, (got, want) in enumerate(zip(grads, ref_grads)):
-            assert sorted(got) == sorted(want)
-            for name, grad in want.items():
-                torch.testing.assert_close(torch.from_numpy(got[name]), grad, rtol=0, atol=1e-5,
-                                           msg=f"step {step}: {name}")
         if options["checkpointing"] == "none":  # one router call per layer and step (recomputation adds calls)
             assert len(routes) == len(ref_routes)
             for got, want in zip(routes, ref_routes):

@@ -24,10 +24,11 @@ pytest.importorskip("transformers")
 
 from sp_plan.cost_models import Layout  # noqa: E402
 from tests.distributed import error_of, run_ranks  # noqa: E402
+from tests.moe_checks import (  # noqa: E402
+    BATCH, LR, SEQ, VOCAB, assert_matches_reference, full_grads, reference_run, token_batches)
 
 pytestmark = pytest.mark.multiproc
 
-STEPS, BATCH, SEQ, VOCAB, LR = 2, 2, 16, 128, 1e-3
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, kv_lora_rank=16, qk_rope_head_dim=8,
               qk_nope_head_dim=16, v_head_dim=12, n_group=4, topk_group=2, num_experts_per_tok=2,
@@ -68,26 +69,8 @@ def _model(family: str, attn: str = "eager", **overrides):
     return model.float()
 
 
-def _data() -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(3)
-    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
-
-
 def _reference(family: str) -> tuple[list[float], list[dict]]:
-    import torch.nn.functional as F
-
-    model = _model(family)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], []
-    for ids in _data():
-        logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-        loss.backward()
-        losses.append(loss.item())
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-        optimizer.step()
-        optimizer.zero_grad()
-    return losses, grads
+    return reference_run(_model(family))
 
 
 def _train(rank: int, world: int, family: str, layout: Layout, options: dict) -> tuple[list[float], list[dict]]:
@@ -103,12 +86,11 @@ def _train(rank: int, world: int, family: str, layout: Layout, options: dict) ->
     assert setup.plan.layout == layout
     optimizer = setup.make_optimizer(lr=LR)
     losses, grads = [], []
-    for ids in _data():
+    for ids in token_batches():
         rows = ids[setup.dp_rank * micro:(setup.dp_rank + 1) * micro]  # this data-parallel rank's sequences
         result = train_step(setup, [rows])  # gradients only: read them, then step
         losses.append(result.loss)
-        grads.append({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().numpy().copy()
-                      for n, p in setup.named_parameters()})
+        grads.append(full_grads(setup))
         optimizer.step()
         optimizer.zero_grad()
     return losses, grads
@@ -117,15 +99,7 @@ def _train(rank: int, world: int, family: str, layout: Layout, options: dict) ->
 @pytest.mark.parametrize(("family", "layout", "options"), CASES,
                          ids=[f"{f}-dp{lay.dp_shard}-ring{lay.ring}-ulysses{lay.ulysses}" for f, lay, _ in CASES])
 def test_mla_training_matches_one_process(family: str, layout: Layout, options: dict) -> None:
-    ref_losses, ref_grads = _reference(family)
-    results = run_ranks(layout.world, _train, family, layout, options)
-    for losses, grads in results:
-        assert losses == pytest.approx(ref_losses, abs=1e-5)
-        for step, (got, want) in enumerate(zip(grads, ref_grads)):
-            assert sorted(got) == sorted(want)
-            for name, grad in want.items():
-                torch.testing.assert_close(torch.from_numpy(got[name]), grad, rtol=0, atol=1e-5,
-                                           msg=f"step {step}: {name}")
+    assert_matches_reference(run_ranks(layout.world, _train, family, layout, options), *_reference(family))
 
 
 @pytest.mark.parametrize("v_dim", [12, 40])

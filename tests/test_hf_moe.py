@@ -18,24 +18,18 @@ tensor parallelism (the experts are not split) and the tiled MLP (a router, not 
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
 from sp_plan.cost_models import Layout, ModelSpec, TrainSpec  # noqa: E402
 from tests.distributed import error_of, run_ranks  # noqa: E402
+from tests.moe_checks import (  # noqa: E402
+    BATCH, LR, MOE_FAMILIES, SEQ, VOCAB, assert_matches_reference, full_grads, moe_config, moe_model, reference_run,
+    token_batches)
 
 pytestmark = pytest.mark.multiproc
 
-STEPS, BATCH, SEQ, VOCAB, LR = 2, 2, 16, 128, 1e-3
-COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-              vocab_size=VOCAB, max_position_embeddings=128, attention_dropout=0.0, tie_word_embeddings=False,
-              num_experts_per_tok=2)
-FAMILIES = {
-    "qwen3_moe": dict(num_experts=4, moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
-                      mlp_only_layers=[]),
-    "mixtral": dict(num_local_experts=4, intermediate_size=48),
-}
+FAMILIES = MOE_FAMILIES
 #: (family, layout, options): each family under Ulysses or Ring alone and under USP (Ring x Ulysses).
 CASES = [
     ("qwen3_moe", Layout(ulysses=2), {"zero_stage": 3, "checkpointing": "full"}),
@@ -45,19 +39,7 @@ CASES = [
 ]
 
 
-def _config(family: str, **overrides):
-    import transformers
-
-    config_cls = {"qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}[family]
-    return config_cls(**{**COMMON, **FAMILIES[family], **overrides})
-
-
-def _model(family: str, attn: str = "sdpa", **overrides):
-    import transformers
-
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_config(family, **overrides), attn_implementation=attn)
-    return model.float()
+_config, _model = moe_config, moe_model
 
 
 def _dense_stand_in(family: str) -> ModelSpec:
@@ -70,26 +52,8 @@ def _dense_stand_in(family: str) -> ModelSpec:
                      qk_norm=family == "qwen3_moe")
 
 
-def _data() -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(3)
-    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
-
-
 def _reference(family: str) -> tuple[list[float], list[dict]]:
-    import torch.nn.functional as F
-
-    model = _model(family)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], []
-    for ids in _data():
-        logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-        loss.backward()
-        losses.append(loss.item())
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-        optimizer.step()
-        optimizer.zero_grad()
-    return losses, grads
+    return reference_run(_model(family))
 
 
 def _train(rank: int, world: int, family: str, layout: Layout, options: dict) -> tuple[list[float], list[dict]]:
@@ -104,11 +68,10 @@ def _train(rank: int, world: int, family: str, layout: Layout, options: dict) ->
     assert setup.plan.layout == layout
     optimizer = setup.make_optimizer(lr=LR)
     losses, grads = [], []
-    for ids in _data():
+    for ids in token_batches():
         result = train_step(setup, [ids])  # gradients only: read them, then step
         losses.append(result.loss)
-        grads.append({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().numpy().copy()
-                      for n, p in setup.named_parameters()})
+        grads.append(full_grads(setup))
         optimizer.step()
         optimizer.zero_grad()
     return losses, grads
@@ -117,15 +80,7 @@ def _train(rank: int, world: int, family: str, layout: Layout, options: dict) ->
 @pytest.mark.parametrize(("family", "layout", "options"), CASES,
                          ids=[f"{f}-ring{lay.ring}-ulysses{lay.ulysses}" for f, lay, _ in CASES])
 def test_moe_training_matches_one_process(family: str, layout: Layout, options: dict) -> None:
-    ref_losses, ref_grads = _reference(family)
-    results = run_ranks(layout.world, _train, family, layout, options)
-    for losses, grads in results:
-        assert losses == pytest.approx(ref_losses, abs=1e-5)
-        for step, (got, want) in enumerate(zip(grads, ref_grads)):
-            assert sorted(got) == sorted(want)
-            for name, grad in want.items():
-                torch.testing.assert_close(torch.from_numpy(got[name]), grad, rtol=0, atol=1e-5,
-                                           msg=f"step {step}: {name}")
+    assert_matches_reference(run_ranks(layout.world, _train, family, layout, options), *_reference(family))
 
 
 def test_moe_refusals() -> None:
