@@ -64,6 +64,24 @@ def full_grads(setup) -> dict:
             for n, p in setup.named_parameters()}
 
 
+def sharded_run(setup, **step_options) -> tuple[list[float], list[dict], object]:
+    """``setup`` trained on :func:`token_batches` (each data-parallel rank its own sequences; AdamW, the
+    gradients read before each step): each step's loss and whole gradients, and the optimizer."""
+    from sp_plan.runtime.step import train_step
+
+    optimizer = setup.make_optimizer(lr=LR)
+    per_rank = BATCH // setup.dp_size
+    losses, grads = [], []
+    for ids in token_batches():
+        mine = ids[setup.dp_rank * per_rank:(setup.dp_rank + 1) * per_rank]
+        result = train_step(setup, [mine], **step_options)  # gradients only: read them, then step
+        losses.append(result.loss)
+        grads.append(full_grads(setup))
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, grads, optimizer
+
+
 def assert_matches_reference(results, ref_losses: list[float], ref_grads: list[dict]) -> None:
     """Every rank's ``(losses, grads)`` equal the reference's: losses and each gradient within 1e-5."""
     for losses, grads in results:

@@ -27,7 +27,7 @@ pytest.importorskip("transformers")
 from sp_plan.cost_models import Layout  # noqa: E402
 from tests.distributed import error_of, run_ranks  # noqa: E402
 from tests.moe_checks import (  # noqa: E402
-    BATCH, LR, SEQ, STEPS, assert_matches_reference, moe_config, moe_model, reference_run, token_batches)
+    BATCH, LR, SEQ, STEPS, assert_matches_reference, moe_config, moe_model, reference_run, sharded_run)
 
 pytestmark = pytest.mark.multiproc
 
@@ -68,23 +68,14 @@ def _configure(family: str, layout: Layout, options: dict, micro_batch: int):
 def _train(rank: int, world: int, family: str, layout: Layout, options: dict, save_to: str | None = None):
     from sp_plan.runtime.checkpoint import save_checkpoint
     from sp_plan.runtime.checkpoint.geometry import parameter_geometry
-    from sp_plan.runtime.step import train_step
 
     setup = _configure(family, layout, options, BATCH // layout.dp)
     routes = _record_routing(setup.model)
     experts = setup.model.model.layers[0].mlp.experts
     # 4 experts: 2 per ep rank, sharded again by FSDP2 over the expert data ranks; the parameter keeps all 4
     assert experts.gate_up_proj.shape[0] == 4 and experts.gate_up_proj.to_local().shape[0] == 4 // layout.shard_group
-    optimizer = setup.make_optimizer(lr=LR)
+    losses, grads, optimizer = sharded_run(setup, max_grad_norm=1e6)  # clipping: the norm over both meshes
     per_rank = BATCH // setup.dp_size
-    losses, grads = [], []
-    for ids in token_batches():
-        mine = ids[setup.dp_rank * per_rank:(setup.dp_rank + 1) * per_rank]
-        result = train_step(setup, [mine], max_grad_norm=1e6)  # clipping computes the norm over both meshes
-        losses.append(result.loss)
-        grads.append({n: p.grad.full_tensor().detach().numpy().copy() for n, p in setup.named_parameters()})
-        optimizer.step()
-        optimizer.zero_grad()
     sp_rank, sp = setup.mesh.local_rank("sp"), setup.mesh.size("sp")
     groups = {name: torch.distributed.get_process_group_ranks(setup.mesh.group(name)) for name in ("ep", "expert_data")}
     resumed = None

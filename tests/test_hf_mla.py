@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 from sp_plan.cost_models import Layout  # noqa: E402
 from tests.distributed import error_of, run_ranks  # noqa: E402
 from tests.moe_checks import (  # noqa: E402
-    BATCH, LR, SEQ, VOCAB, assert_matches_reference, full_grads, reference_run, token_batches)
+    BATCH, SEQ, VOCAB, assert_matches_reference, reference_run, sharded_run)
 
 pytestmark = pytest.mark.multiproc
 
@@ -75,7 +75,6 @@ def _reference(family: str) -> tuple[list[float], list[dict]]:
 
 def _train(rank: int, world: int, family: str, layout: Layout, options: dict) -> tuple[list[float], list[dict]]:
     from sp_plan.runtime.auto import auto_configure
-    from sp_plan.runtime.step import train_step
 
     model = _model(family)
     micro = BATCH // layout.dp
@@ -84,15 +83,7 @@ def _train(rank: int, world: int, family: str, layout: Layout, options: dict) ->
     assert setup.model.config._attn_implementation == "sp_plan"
     assert setup.plan.model.mla is not None and setup.plan.model.moe.num_experts == 8
     assert setup.plan.layout == layout
-    optimizer = setup.make_optimizer(lr=LR)
-    losses, grads = [], []
-    for ids in token_batches():
-        rows = ids[setup.dp_rank * micro:(setup.dp_rank + 1) * micro]  # this data-parallel rank's sequences
-        result = train_step(setup, [rows])  # gradients only: read them, then step
-        losses.append(result.loss)
-        grads.append(full_grads(setup))
-        optimizer.step()
-        optimizer.zero_grad()
+    losses, grads, _ = sharded_run(setup)
     return losses, grads
 
 

@@ -24,8 +24,8 @@ pytest.importorskip("transformers")
 from sp_plan.cost_models import Layout, ModelSpec, TrainSpec  # noqa: E402
 from tests.distributed import error_of, run_ranks  # noqa: E402
 from tests.moe_checks import (  # noqa: E402
-    BATCH, LR, MOE_FAMILIES, SEQ, VOCAB, assert_matches_reference, full_grads, moe_config, moe_model, reference_run,
-    token_batches)
+    BATCH, MOE_FAMILIES, SEQ, VOCAB, assert_matches_reference, moe_config, moe_model, reference_run,
+    sharded_run)
 
 pytestmark = pytest.mark.multiproc
 
@@ -58,7 +58,6 @@ def _reference(family: str) -> tuple[list[float], list[dict]]:
 
 def _train(rank: int, world: int, family: str, layout: Layout, options: dict) -> tuple[list[float], list[dict]]:
     from sp_plan.runtime.auto import auto_configure
-    from sp_plan.runtime.step import train_step
 
     model = _model(family, attn="eager")
     setup = auto_configure(model, seq_len=SEQ, micro_batch=BATCH, global_batch=BATCH, dtype="fp32",
@@ -66,14 +65,7 @@ def _train(rank: int, world: int, family: str, layout: Layout, options: dict) ->
     assert setup.model.config._attn_implementation == "sp_plan"
     assert setup.plan.model.moe is not None and setup.plan.model.moe.num_experts == 4
     assert setup.plan.layout == layout
-    optimizer = setup.make_optimizer(lr=LR)
-    losses, grads = [], []
-    for ids in token_batches():
-        result = train_step(setup, [ids])  # gradients only: read them, then step
-        losses.append(result.loss)
-        grads.append(full_grads(setup))
-        optimizer.step()
-        optimizer.zero_grad()
+    losses, grads, _ = sharded_run(setup)
     return losses, grads
 
 
