@@ -310,12 +310,9 @@ def run_validation(plan, *, steps: int = 3, topology: Any = None, seed: int = 0,
     if adapter.checkpoint_binds_rope_tables and plan.train.checkpointing != "none":
         notes.append("activations: HF keeps the RoPE cos/sin in its checkpoint closures (on the device, not saved "
                      "tensors the meter sees): left out of the prediction too")
-    regathers = fsdp_regather_note(plan, stages, gathered) if pipelined else None
-    if regathers:
-        notes.append(regathers)
     fsdp_differs = any(r.comm_bytes[c] != _predicted_comm(prediction, stages, r, c)
                        for r in gathered for c in FSDP_COLLECTIVES)
-    if fsdp_differs and not regathers:
+    if fsdp_differs:
         notes.append("FSDP2 bytes differ from the model where FSDP2 pads a parameter's first dim to a multiple of "
                      "the shard count")
     return ValidationReport(plan_lines=describe_plan(plan), prediction=prediction, ranks=gathered,
@@ -329,25 +326,6 @@ def _predicted_comm(prediction: Prediction, stages: list[StagePrediction], rank:
     if rank.stage is not None and stages:
         return stages[rank.stage.stage].comm_bytes.get(row)
     return prediction.comm_bytes.get(row, 0.0)
-
-
-def fsdp_regather_note(plan, stages: list[StagePrediction], ranks: list[RankMeasurement]) -> str | None:
-    """Under pp with ZeRO-3: how many times the cost model's once-per-step parameter all-gathers each stage made
-    (None when they agree)."""
-    if plan.train.zero_stage != 3:
-        return None
-    ratios: dict[int, float] = {}
-    for r in ranks:
-        predicted = stages[r.stage.stage].comm_bytes.get("all_gather") if r.stage is not None else None
-        if predicted and r.comm_bytes.get("all_gather", 0) > predicted:
-            ratios[r.stage.stage] = max(ratios.get(r.stage.stage, 0.0), r.comm_bytes["all_gather"] / predicted)
-    if not ratios:
-        return None
-    each = ", ".join(f"stage {s} {ratio:.2f}x" for s, ratio in sorted(ratios.items()))
-    return (f"FSDP2 all-gathers under the pipeline: {each} the cost model's, which gathers each stage's parameters "
-            "once per step (torch pipelining with FSDP2 kept unsharded through the step, as torchtitan runs it); "
-            "the runtime's ZeRO-3 reshards after every forward (reshard_after_forward=True), so a stage gathers "
-            "again for later micro-batches and for backward")
 
 
 def pipeline_notes(plan, stages: list[StagePrediction]) -> list[str]:

@@ -99,7 +99,6 @@ def test_validate_pp2_x_ulysses2_json_matches_the_cost_model_per_stage(tmp_path)
             views + NLL_SCALAR_BYTES if stage["last"] else 0)
         assert len(rank["step_seconds"]) >= 2 and all(s > 0 for s in rank["step_seconds"])
     assert [s["in_flight"] for s in stages] == [2.0, 1.0]
-    assert not any(note.startswith("FSDP2 all-gathers under the pipeline") for note in report["notes"])
     from sp_plan.runtime.validate import render
 
     assert "comm pipeline (P2P sends)" in render(report)
