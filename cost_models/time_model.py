@@ -235,7 +235,8 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
     )
     optimizer_s, offload_s = st.optimizer, st.offload
 
-    overhead_s = profile.stack.time.step_overhead_s
+    host_s = topology.spec.calibration.compute.host_step_overhead_s  # CPU ranks' measured host work (0 on GPUs)
+    overhead_s = profile.stack.time.step_overhead_s + host_s
     step_s = (accum * microbatch_s + (bwd_overlap_last - bwd_overlap_mb) + slow_last
               + model_step + optimizer_s + offload_s + overhead_s + st.exposed_step + st.slow_step)
     tokens_per_step = float(train.micro_batch * train.seq_len * accum * layout.dp)
@@ -306,8 +307,8 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
             },
             efficiencies={**ct.fractions, "pcie": eff.pcie, "host_memory": eff.host_memory,
                           "compute_overhead_fraction": profile.stack.time.compute_overhead_fraction},
-            components=_components(ct, accum, exposed, interference_s, offload_s, optimizer_s, overhead_s, pipe,
-                                   step_s),
+            components=_components(ct, accum, exposed, interference_s, offload_s, optimizer_s, overhead_s, host_s,
+                                   pipe),
             efficiency_sources={**efficiency_sources(topology, profile),
                                 **overlap_sources(profile.stack, model, train, layout)},
         )
@@ -318,10 +319,11 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
 
 
 def _components(ct: ComputeTime, accum: int, exposed: dict[str, float], interference_s: float, offload_s: float,
-                optimizer_s: float, overhead_s: float, pipe: "_PipelineStep | None", step_s: float) -> dict[str, float]:
-    """The step by component (they add up to ``step_s``). With pipeline stages: the slowest stage's compute
+                optimizer_s: float, overhead_s: float, host_s: float, pipe: "_PipelineStep | None") -> dict[str, float]:
+    """The step by component (they add up to the step). With pipeline stages: the slowest stage's compute
     parts, the bubble, and the exposed communication (the rest of the step, by strategy in proportion to
-    the stage's exposed traffic)."""
+    the stage's exposed traffic). ``overhead_s`` holds the stack's per-step overhead and the topology's
+    measured host overhead ``host_s``, listed apart."""
     if pipe is None:
         return {
             **{name: accum * seconds for name, seconds in ct.parts.items()},
@@ -329,13 +331,14 @@ def _components(ct: ComputeTime, accum: int, exposed: dict[str, float], interfer
             "interference": interference_s,
             "offload": offload_s,
             "optimizer": optimizer_s,
-            "step_overhead": overhead_s,
+            "step_overhead": overhead_s - host_s,
+            "host_overhead": host_s,
         }
     parts = {name: accum * seconds * pipe.compute_mb / max(pipe.compute_mb_parts, 1e-300)
              for name, seconds in ct.parts.items()}
     return {**parts, **{f"exposed_comm_{k}": v for k, v in exposed.items()}, "pipeline_bubble": pipe.bubble,
             "interference": interference_s, "offload": offload_s, "optimizer": optimizer_s,
-            "step_overhead": overhead_s}
+            "step_overhead": overhead_s - host_s, "host_overhead": host_s}
 
 
 class _PipelineStep(NamedTuple):

@@ -48,6 +48,7 @@ from sp_plan.runtime.auto import auto_configure
 from sp_plan.runtime.capabilities import Family, memory_assumptions
 from sp_plan.runtime.comm_counter import CommCounter
 from sp_plan.runtime.distributed import init_distributed
+from sp_plan.runtime.host_overhead import host_overhead, measure_step_seconds, short_length, with_host_overhead
 from sp_plan.runtime.models.base import ModelAdapter, adapter_named, refuse_unbuildable
 from sp_plan.runtime.planning import describe_plan
 from sp_plan.runtime.probe.run import run_probe
@@ -289,14 +290,26 @@ def run_validation(plan, *, steps: int = 3, topology: Any = None, seed: int = 0,
     model = adapter.model_from_spec(plan.model, plan.train.seq_len, seed)
     setup = auto_configure(model, plan=plan)
     pipelined = plan.layout.pp > 1
+    short = short_length(plan) if device_type == "cpu" and topology is None and not pipelined else None
+    short_s = None
+    if short is not None:  # CPU ranks: the host overhead, measured at a short length (runtime/host_overhead.py)
+        generator = torch.Generator().manual_seed(seed + 1_000_003 + setup.dp_rank)
+        short_s = measure_step_seconds(setup, short, generator, setup.make_optimizer(lr=1e-4))
     mine = measure_pipeline_stage(setup, steps, seed) if pipelined else measure(setup, steps, seed)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() != 0:
         return None
+    notes = []
+    if short_s is not None:
+        overhead = host_overhead(plan, topo, short, short_s, memory_assumptions(adapter))
+        topo = with_host_overhead(topo, overhead)
+        notes.append(f"step time: {overhead.note()}; added to the prediction (CPU ranks only)")
+    elif device_type == "cpu" and topology is None and not pipelined:
+        notes.append("step time: the plan is too short to measure its host overhead at 1/16 of its length; the "
+                     "prediction prices kernels and transfers only")
     prediction, stages = predict_with_stages(plan, topo, adapter)
     prediction.topology_note = note
-    notes = []
     if device_type == "cpu":
         notes.append("peak memory: not measured on CPU (no allocator statistics); the activation row is the "
                      "measured saved-tensor total")

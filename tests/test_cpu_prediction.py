@@ -1,10 +1,13 @@
 """The first prediction a CPU user sees: ``sp-plan validate`` on CPU ranks, with no calibration, predicts
-the step time it then measures within 25% (issue 21 item 7).
+the step time it then measures within 25% (issue 21 item 7), with as many ranks as cores and with more.
 
 Each configuration runs as a user would run it: ``sp-plan validate`` launches gloo ranks on this machine,
-they probe it quickly (compute with all ranks at once, gloo collectives) and predict the step from that
-probe, then time a few steps. Nothing here is fitted to these runs: the probe measures kernel rates, the
-kernel model (cpu.yaml) prices shapes, the time model adds them up.
+they probe it quickly (compute with all ranks at once, gloo collectives), run the plan for a few steps at a
+sixteenth of its length to measure the host overhead no kernel rate predicts (runtime/host_overhead.py),
+and predict the full-length step from that, then time a few steps. Nothing here is fitted to these runs:
+the probe measures kernel rates, the kernel model (cpu.yaml) prices shapes, the short run measures the
+per-step host cost, the time model adds them up; the full-length step has 16x the tokens and 256x the
+attention pairs of the short one.
 
 Robustness on a shared machine: the probe and the steps run back to back under whatever else loads the
 cores, so the ratio compares like with like, but ranks that wait on a collective can hand their core to
@@ -12,10 +15,9 @@ other jobs instead of to their peers, which a probe of busy ranks does not see. 
 measures how much CPU time other processes took while it ran (the machine's busy time from /proc/stat
 minus this test's children's); a run that misses is run once more (timing on a time-sliced machine varies
 by a third between runs even when nothing else runs).
-Runs on a quiet machine (as in CI) must be within 25% where every rank has a core (40% with more ranks
-than cores, a known miss) and agree with one another as closely (the relative costs the planner ranks by); runs that stayed loaded must still be within a factor of 2, which
-the 60x error of issue 21 (attention priced with bf16 efficiencies at the fp32 rate, ranks timed alone)
-fails by far.
+Runs on a quiet machine (as in CI) must be within 25% and agree with one another as closely (the relative
+costs the planner ranks by); runs that stayed loaded must still be within a factor of 2, which the 60x
+error of issue 21 (attention priced with bf16 efficiencies at the fp32 rate, ranks timed alone) fails by far.
 """
 
 from __future__ import annotations
@@ -42,18 +44,12 @@ CONFIGS = {
     "ring-4": ["--seq-len", "4K", "--gpus", "4", "--ring", "4"],
     "ulysses-2": ["--seq-len", "4K", "--gpus", "2", "--ulysses", "2"],
 }
-RANKS = {"usp-2x2": 4, "ring-4": 4, "ulysses-2": 2}
 
 
-def _tolerance(name: str) -> float:
-    return TOLERANCE if RANKS[name] <= (os.cpu_count() or 1) else OVERSUBSCRIBED_TOLERANCE
-#: The issue's bound on |predicted / measured - 1| before any calibration, met when every rank has a core.
+#: The issue's bound on |predicted / measured - 1| before any calibration, with or without more ranks than
+#: cores (4 ranks on this machine kind's 2 cores: USP 2x2 and ring 4 were -24..-36% before the host overhead
+#: was measured, 2026-11-25/27).
 TOLERANCE = 0.25
-#: With more ranks than cores (4 ranks on this machine kind's 2 cores) the model still predicts 16-36% too
-#: fast on a quiet machine (measured 2026-11-25: usp-2x2 -24..-31%, ring-4 -28..-36%; per-op dispatch
-#: measured at ~3 us x ~1,000 ops per layer explains only ~15 ms of the ~160 ms gap). A known miss of
-#: issue 21 item 7, documented in docs/topology_and_time.md; this bound keeps the 60x error from coming back.
-OVERSUBSCRIBED_TOLERANCE = 0.40
 #: One warm-up step (also measured for bytes), then three timed ones: their median per rank.
 STEPS = "4"
 #: Bound for runs that other jobs kept loading even on the retry (see the module docstring).
@@ -108,7 +104,7 @@ def test_cpu_step_time_predicted_within_25_percent(tmp_path):
     lines = []
     for name, flags in CONFIGS.items():
         predicted, measured, share = _validate(config, flags)
-        if abs(predicted / measured - 1) > _tolerance(name):
+        if abs(predicted / measured - 1) > TOLERANCE:
             # One more run for any miss: on an idle machine the same layout measured 0.70 s in one run and
             # 0.96 s in another (the probe and the steps are separate samples of a time-sliced machine).
             lines.append(f"{name}: predicted {predicted:.3f} s, measured {measured:.3f} s while other processes "
@@ -123,8 +119,6 @@ def test_cpu_step_time_predicted_within_25_percent(tmp_path):
     for name, ratio in loaded.items():
         assert 1 / LOADED_FACTOR <= ratio <= LOADED_FACTOR, f"{name} off by more than {LOADED_FACTOR}x:\n{summary}"
     for name, ratio in quiet.items():
-        bound = _tolerance(name)
-        assert abs(ratio - 1) <= bound, f"{name} off by more than {bound:.0%}:\n{summary}"
+        assert abs(ratio - 1) <= TOLERANCE, f"{name} off by more than {TOLERANCE:.0%}:\n{summary}"
     if len(quiet) >= 2:  # the relative costs of the layouts, which the planner ranks by, hold up too
-        bound = max(_tolerance(name) for name in quiet)
-        assert max(quiet.values()) / min(quiet.values()) <= 1 + bound, summary
+        assert max(quiet.values()) / min(quiet.values()) <= 1 + TOLERANCE, summary

@@ -152,6 +152,10 @@ class LinkCalibration(_Strict):
         return self
 
 
+#: Upper bound of a measured host overhead per step (seconds): beyond a minute it is a measurement error.
+MAX_HOST_STEP_OVERHEAD_S = 60.0
+
+
 class ComputeCalibration(_Strict):
     """Achievable fractions of peak, measured on this machine (``sp-plan probe``) or hand-tuned.
 
@@ -167,6 +171,15 @@ class ComputeCalibration(_Strict):
     memory: float | None = Field(default=None, ge=MIN_EFFICIENCY, le=1.5)
     pcie: float = Field(default=0.80, ge=MIN_EFFICIENCY, le=1.5)
     host_memory: float = Field(default=0.50, ge=MIN_EFFICIENCY, le=1.5)
+    #: CPU ranks only: host-side seconds per optimizer step that do not grow with the sequence.
+    host_step_overhead_s: float = Field(
+        default=0.0, ge=0.0, le=MAX_HOST_STEP_OVERHEAD_S,
+        description=("Seconds per optimizer step of host-side work that does not grow with the sequence (eager "
+                     "dispatch, autograd bookkeeping, FSDP2 hooks, the latency of each gloo collective as a "
+                     "step meets it), added once per step. On CPU ranks it is a large part of a short step and "
+                     "no kernel rate predicts it, so `sp-plan validate` measures it by running the plan at a "
+                     "sixteenth of its length (runtime/host_overhead.py); 0 elsewhere (GPUs launch kernels "
+                     "asynchronously, and the stack file's overheads cover what shows)."))
 
 
 class CalibrationSpec(_Strict):

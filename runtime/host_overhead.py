@@ -1,0 +1,97 @@
+"""The host-side cost of a CPU step that does not grow with the sequence, measured at a short length.
+
+A step on CPU ranks pays, besides its kernels, for eager dispatch, autograd bookkeeping, FSDP2's hooks and
+the latency of every gloo collective as the step meets it (ranks arriving a little apart, copies in and out
+of the communication buffers). Measured on a 2-core box with the README's tiny Llama at 256 tokens, these
+took 40-110 ms per step against 12-37 ms of priced kernels and transfers, and a torch profile of such a step
+spends most of it in gloo calls (0.6-1.3 ms each, two to four times the probe's per-step latency for the
+same collective timed alone) and in FSDP's pre/post hooks. No kernel rate predicts it, and at 4K tokens it is
+still a fifth to a third of a CPU step, which is why CPU predictions ran 20-35% fast (issue 21 item 7).
+
+So ``sp-plan validate`` on CPU runs the plan itself for a few steps at a sixteenth of its length, where
+the kernels are small, and keeps what the time model does not price there as a per-step constant
+(``calibration.compute.host_step_overhead_s`` of the probed topology); the kernels, which grow with the
+length, stay priced by the kernel model. The prediction at the full length is therefore still a
+prediction: 16x the tokens, the attention 256x the pairs. A plan too short to shrink 16x gets no
+measurement (the prediction would be the measurement itself).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from sp_plan.cost_models.estimate import estimate
+from sp_plan.cost_models.topology.topology import Topology
+from sp_plan.runtime.step import synchronize, train_step
+
+#: The short run is this many times shorter than the plan: its kernels are then a small part of its step.
+SHORT_FACTOR = 16
+#: Steps of the short run: one warm-up, then these, their median kept (the slowest rank's).
+SHORT_STEPS = 3
+
+
+@dataclass(frozen=True)
+class HostOverhead:
+    """What the short run measured and what it leaves the time model to add per step."""
+
+    seq_len: int
+    measured_s: float
+    predicted_s: float
+
+    @property
+    def per_step_s(self) -> float:
+        """Host seconds per step the time model does not price (never negative: a model that overprices
+        the short step keeps its own figure)."""
+        return max(0.0, self.measured_s - self.predicted_s)
+
+    def note(self) -> str:
+        return (f"host overhead {self.per_step_s * 1e3:.1f} ms per step: the plan at {self.seq_len:,} tokens ran "
+                f"{self.measured_s * 1e3:.1f} ms per step, the time model prices {self.predicted_s * 1e3:.1f} ms")
+
+
+def short_length(plan) -> int | None:
+    """The short run's sequence length: the plan's / :data:`SHORT_FACTOR`, down to the layout's sequence
+    multiple; None when that leaves nothing."""
+    multiple = plan.layout.seq_multiple(plan.train.tp_sequence_parallel)
+    short = plan.train.seq_len // SHORT_FACTOR // multiple * multiple
+    return short if short >= multiple else None
+
+
+def measure_step_seconds(setup, seq_len: int, generator: torch.Generator, optimizer) -> float:
+    """The median step time of ``setup`` at ``seq_len`` tokens over :data:`SHORT_STEPS` steps after one
+    warm-up, the slowest rank's (every rank calls this)."""
+    t = setup.train
+
+    def batches() -> list[torch.Tensor]:
+        vocab = setup.plan.model.vocab_size
+        return [torch.randint(0, vocab, (t.micro_batch, seq_len), generator=generator) for _ in range(t.grad_accum)]
+
+    train_step(setup, batches(), optimizer)
+    seconds = [train_step(setup, batches(), optimizer).seconds for _ in range(SHORT_STEPS)]
+    median = torch.tensor([statistics.median(seconds)], dtype=torch.float64)
+    synchronize(setup.device)
+    torch.distributed.all_reduce(median, op=torch.distributed.ReduceOp.MAX)
+    return float(median.item())
+
+
+def host_overhead(plan, topology: Topology, seq_len: int, measured_s: float, assumptions) -> HostOverhead:
+    """The host overhead the short run shows: its measured step less the time model's for the same plan at
+    ``seq_len`` on ``topology`` (the probed CPU topology)."""
+    short_train = plan.train.model_copy(update={"seq_len": seq_len})
+    predicted = estimate(plan.model, short_train, plan.layout, topology, assumptions, with_placement=False).time.step_s
+    return HostOverhead(seq_len=seq_len, measured_s=measured_s, predicted_s=predicted)
+
+
+def with_host_overhead(topology: Topology, overhead: HostOverhead) -> Topology:
+    """``topology`` with the measured host overhead in its compute calibration."""
+    spec = topology.spec
+    compute = spec.calibration.compute.model_copy(update={"host_step_overhead_s": overhead.per_step_s})
+    calibration = spec.calibration.model_copy(update={"compute": compute})
+    return Topology(spec.model_copy(update={"calibration": calibration}))
+
+
+__all__ = ["HostOverhead", "SHORT_FACTOR", "host_overhead", "measure_step_seconds", "short_length",
+           "with_host_overhead"]
