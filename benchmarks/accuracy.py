@@ -219,8 +219,9 @@ def _report(args: argparse.Namespace, runs: list[MeasuredRun], skipped: list, ti
                 r.held_out_error = flat[r.run.id]
                 r.held_out = r.run.value * (1 + flat[r.run.id])
     for r in results:
-        if r.run.stack != COMPARE_STACK:
-            alt = r.run.model_copy(update={"stack": COMPARE_STACK, "memory_overrides": {}})
+        if r.run.stack != COMPARE_STACK:  # the comparison stack as shipped: the source stack's own facts
+            # (memory_overrides, a row's stack_time such as Transformer Engine's attention kernel) stay out
+            alt = r.run.model_copy(update={"stack": COMPARE_STACK, "memory_overrides": {}, "time_overrides": {}})
             r.other_stack[COMPARE_STACK] = predict(alt, profile_for(alt))
 
     print()
