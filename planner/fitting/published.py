@@ -68,13 +68,13 @@ SOURCES: dict[str, SourceSetup] = {
     "llm-foundry-h100": SourceSetup(
         "dgx-h100", "torchtitan", {"zero_stage": 3}, {},
         "8 x H100 80GB; llm-foundry v0.3.0 + Composer 0.16 on torch 2.1.0 (submit_benchmarks.py at b2a43a1, "
-        "2023-10-19): FSDP1 FULL_SHARD (ZeRO-3), mixed precision DEFAULT (bf16 parameters; gradients reduced in "
-        "bf16 under Composer 0.16.3, in fp32 from 0.16.4 of 2023-10-11: which release ran is not stated, priced "
-        "fp32 as sp-plan's FSDP reduces), full non-reentrant activation checkpointing, no activation CPU offload, gradient accumulation as the table's "
-        "GradAccum column; the benchmark's MPT-7B (learned positions, biases, vocab 50368; no ALiBi); its attention "
-        "is attn_impl triton (flash_attn_triton.py on triton-pre-mlir), a kernel with no published H100 "
-        "kernel-level figures: priced as FlashAttention-2, the nearest kernel the kernel data pin; Composer + "
-        "FSDP1 priced with the torchtitan (FSDP) stack's overheads, the nearest shipped",
+        "2023-10-19): FSDP1 FULL_SHARD (ZeRO-3), mixed precision DEFAULT (bf16 parameters; gradients reduced in bf16 "
+        "under Composer 0.16.3, in fp32 from 0.16.4 of 2023-10-11: which release ran is not stated, priced fp32 as "
+        "sp-plan's FSDP reduces), full non-reentrant activation checkpointing, no activation CPU offload, gradient "
+        "accumulation as the table's GradAccum column; the benchmark's MPT-7B (learned positions, biases, vocab "
+        "50368; no ALiBi); its attention is attn_impl triton (flash_attn_triton.py on triton-pre-mlir), a kernel "
+        "with no published H100 kernel-level figures: priced as FlashAttention-2, the nearest kernel the kernel data "
+        "pin; Composer + FSDP1 priced with the torchtitan (FSDP) stack's overheads, the nearest shipped",
         time_overrides={"attention_kernel": "fa2"},
     ),
     "fpdt": SourceSetup(
