@@ -67,7 +67,15 @@ SOURCES: dict[str, SourceSetup] = {
     ),
     "llm-foundry-h100": SourceSetup(
         "dgx-h100", "torchtitan", {"zero_stage": 3}, {},
-        "8 x H100 80GB; FSDP FULL_SHARD (ZeRO-3) under Composer: the torchtitan (FSDP) stack is the nearest shipped",
+        "8 x H100 80GB; llm-foundry v0.3.0 + Composer 0.16 on torch 2.1.0 (submit_benchmarks.py at b2a43a1, "
+        "2023-10-19): FSDP1 FULL_SHARD (ZeRO-3), mixed precision DEFAULT (bf16 parameters; gradients reduced in bf16 "
+        "under Composer 0.16.3, in fp32 from 0.16.4 of 2023-10-11: which release ran is not stated, priced fp32 as "
+        "sp-plan's FSDP reduces), full non-reentrant activation checkpointing, no activation CPU offload, gradient "
+        "accumulation as the table's GradAccum column; the benchmark's MPT-7B (learned positions, biases, vocab "
+        "50368; no ALiBi); its attention is attn_impl triton (flash_attn_triton.py on triton-pre-mlir), a kernel "
+        "with no published H100 kernel-level figures: priced as FlashAttention-2, the nearest kernel the kernel data "
+        "pin; Composer + FSDP1 priced with the torchtitan (FSDP) stack's overheads, the nearest shipped",
+        time_overrides={"attention_kernel": "fa2"},
     ),
     "fpdt": SourceSetup(
         "dgx-a100", "hf-deepspeed", {"zero_stage": 3, "checkpointing": "none"},
@@ -204,8 +212,6 @@ MODEL_ALIASES = {
     "qwen3-235b-a22b": "qwen3-235b-a22b",
     "deepseek-v3": "deepseek-v3",
     "qwen3-4b": "qwen3-4b",
-    "mpt-7b": "mpt-7b",
-    "mpt-7b (32L, d4096, 32 heads, vocab 50368)": "mpt-7b",
     # Ring Attention's "LLaMA architecture" models: dimensions unpublished; LLaMA-1's are assumed.
     "llama-arch 7B": "llama-7b",
     "llama-arch 13B": "llama-13b",
@@ -225,6 +231,22 @@ SHAPED_MODELS: dict[str, ModelSpec] = {
     "gpt 30B dense (64L, d6144, 64 heads)": _gpt("gpt-30b (64L, d6144)", 64, 6144, 64),
     "gpt 22B layer (h6144, a64, s2048, TP8)": _gpt("gpt-22b (48L, d6144)", 48, 6144, 64),
 }
+
+
+def _mpt_benchmark(seq_len: int) -> ModelSpec:
+    """MPT-7B as llm-foundry's throughput benchmark built it, not the released checkpoint (ALiBi, no biases):
+    v0.3.0's scripts/train/yamls/pretrain/mpt-7b.yaml sets only d_model 4096, 32 heads, 32 layers, expansion 4,
+    vocab 50368 and max_seq_len, so MPTConfig's defaults apply (alibi False -> learned positions of max_seq_len,
+    no_bias False, LayerNorm with bias, tied embeddings). The table's NumParams column grows by 4096 per token
+    of length (6,658,859,008 at 2K, 6,918,905,856 at 64K): the position table, which this spec reproduces."""
+    return ModelSpec(name="mpt-7b-benchmark", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32,
+                     head_dim=128, ffn_hidden_size=4 * 4096, vocab_size=50368, tied_embeddings=True,
+                     activation="gelu", norm="layernorm", position_embedding="learned",
+                     max_position_embeddings=seq_len, qkv_bias=True, attn_out_bias=True, mlp_bias=True)
+
+
+#: Models whose parameters depend on the run's sequence length (a learned position table of max_seq_len).
+LENGTH_SHAPED_MODELS = {"mpt-7b (llm-foundry benchmark yaml, max_seq_len positions)": _mpt_benchmark}
 
 #: The USP report's attention benchmark: Llama-3-8B's attention shape, one layer.
 USP_ATTENTION_MODEL = ModelSpec(name="llama3-8b attention", num_layers=1, hidden_size=4096, num_heads=32,
@@ -259,7 +281,11 @@ def published_entries() -> dict[str, Any]:
     return safe_load(shipped_data.read_text("calibration", "published"))
 
 
-def _model(name: str) -> ModelSpec:
+def _model(name: str, seq_len: int | None = None) -> ModelSpec:
+    if name in LENGTH_SHAPED_MODELS:
+        if seq_len is None:
+            raise CostModelError(f"published model {name!r} is sized by the run's sequence length; give seq_len")
+        return LENGTH_SHAPED_MODELS[name](seq_len)
     if name in SHAPED_MODELS:
         return SHAPED_MODELS[name]
     alias = MODEL_ALIASES.get(name)
@@ -298,9 +324,11 @@ def _layout(entry: dict[str, Any]) -> Layout:
     return Layout.for_world(entry["gpus"], **degrees, ep=expert_degree(entry)[0])
 
 
-def _entry_model(entry: dict[str, Any]) -> ModelSpec:
-    """The entry's model, with the routing balance its source states."""
-    return with_load_imbalance(_model(entry["model"]), SOURCES[entry["source"]].moe_load_imbalance)
+def _entry_model(entry: dict[str, Any], seq_len: int | None = None) -> ModelSpec:
+    """The entry's model (sized for ``seq_len`` where its parameters depend on it), with the routing balance
+    its source states."""
+    model = _model(entry["model"], seq_len or entry.get("seq_len"))
+    return with_load_imbalance(model, SOURCES[entry["source"]].moe_load_imbalance)
 
 
 def _caveat_flags(entry: dict[str, Any]) -> dict[str, bool]:
@@ -311,7 +339,7 @@ def _caveat_flags(entry: dict[str, Any]) -> dict[str, bool]:
 
 def _parallel_train(entry: dict[str, Any]) -> dict[str, Any]:
     """Train options of the entry's pipeline (schedule, virtual stages, split) and its micro-batches per step."""
-    kw = pipeline_train(entry, _model(entry["model"]))
+    kw = pipeline_train(entry, _model(entry["model"], entry.get("seq_len")))
     if "grad_accum" in entry:  # micro-batches per step: what a pipeline's bubble depends on
         kw["grad_accum"] = entry["grad_accum"]
     return kw
@@ -333,7 +361,7 @@ def _run(id_: str, entry: dict[str, Any], metric: str, value: float, *, seq_len:
     train = TrainSpec(**kw)
     return MeasuredRun(
         id=id_, source=source, metric=metric, value=float(value), confidence=entry.get("confidence", "exact"),
-        caveat=entry.get("caveat", ""), group=group, model=model or _entry_model(entry), train=train,
+        caveat=entry.get("caveat", ""), group=group, model=model or _entry_model(entry, seq_len), train=train,
         layout=layout or _layout(entry), topology=topology or setup.topology, stack=setup.stack,
         memory_overrides=dict(setup.memory_overrides),
         time_overrides=dict(setup.time_overrides) | dict(entry.get("stack_time", {})),  # the entry's own recipe
@@ -389,7 +417,7 @@ def published_runs() -> tuple[list[MeasuredRun], list[Skipped]]:
         convention = {"ulysses-paper-figures": "megatron_deepspeed", "nemo-long-sequence": "nemo_llama"}.get(source,
                                                                                                           "model")
         topology = SYSTEM_TOPOLOGIES[entry["system"]] if "system" in entry else None
-        table = entry.get("table") or f"{source}: {_model(entry['model']).name}"
+        table = entry.get("table") or f"{source}: {_model(entry['model'], entry.get('seq_len')).name}"
         if "points" in entry:
             for seq, value in entry["points"].items():
                 runs.append(_run(_describe(entry, seq) + f" [{entry['metric']}]", entry, entry["metric"], value,
