@@ -158,6 +158,9 @@ class AutoConfigured:
     #: ``model_parts`` then hold this stage's part only, and :func:`sp_plan.runtime.step.train_step` runs the
     #: step through the schedule.
     pipeline: Any = None
+    #: The topology auto_configure probed to plan on (rank 0; None elsewhere, or when the plan or topology was
+    #: given): what :mod:`sp_plan.runtime.host_overhead` prices the short run on.
+    probed_topology: Any = None
     #: Set when TP-replicated gradients were all-reduced; cleared by every forward (new gradients).
     _grads_synced: bool = field(default=False, repr=False)
 
@@ -417,10 +420,14 @@ def auto_configure(
     options = {"pad_token_id": pad_token_id, "labels_shifted": labels_shifted,
                "cross_document_attention": cross_document_attention}
     if the_plan.layout.pp > 1:
-        return configure_pipeline(model, adapter, the_plan, device_type=device_type, sync_weights=sync_weights,
-                                  **options)
-    return configure_parts([model], adapter, the_plan, device_type=device_type, sync_weights=sync_weights,
-                           **options)
+        setup = configure_pipeline(model, adapter, the_plan, device_type=device_type, sync_weights=sync_weights,
+                                   **options)
+    else:
+        setup = configure_parts([model], adapter, the_plan, device_type=device_type, sync_weights=sync_weights,
+                                **options)
+    if plan is None and topology is None:
+        setup.probed_topology = probed
+    return setup
 
 
 def configure_pipeline(model: nn.Module, adapter: ModelAdapter, plan: Any, *, device_type: str | None = None,

@@ -22,13 +22,18 @@ import statistics
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from sp_plan.cost_models.estimate import estimate
 from sp_plan.cost_models.topology.topology import Topology
+from sp_plan.runtime.capabilities import memory_assumptions
 from sp_plan.runtime.step import synchronize, train_step
 
 #: The short run is this many times shorter than the plan: its kernels are then a small part of its step.
 SHORT_FACTOR = 16
+#: Plans predicted (kernels and transfers) at more than this many seconds per step are not measured: a host
+#: overhead of ~0.1 s moves them by a few percent, and their short run would take seconds per step.
+MEASURE_BELOW_STEP_S = 10.0
 #: Steps of the short run: one warm-up, then these, their median kept (the slowest rank's).
 SHORT_STEPS = 3
 
@@ -73,8 +78,20 @@ def measure_step_seconds(setup, seq_len: int, generator: torch.Generator, optimi
     seconds = [train_step(setup, batches(), optimizer).seconds for _ in range(SHORT_STEPS)]
     median = torch.tensor([statistics.median(seconds)], dtype=torch.float64)
     synchronize(setup.device)
-    torch.distributed.all_reduce(median, op=torch.distributed.ReduceOp.MAX)
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
     return float(median.item())
+
+
+def measure_without_updates(setup, seq_len: int, seed: int = 0) -> float:
+    """:func:`measure_step_seconds` for a setup about to train: forward and backward only, the gradients
+    dropped afterwards, so the weights, the optimizer and the data are as they were (the optimizer's own
+    host time, a few milliseconds, is left to the time model's optimizer term)."""
+    generator = torch.Generator().manual_seed(seed + 1_000_003 + setup.dp_rank)
+    try:
+        return measure_step_seconds(setup, seq_len, generator, None)
+    finally:
+        for part in setup.model_parts:
+            part.zero_grad(set_to_none=True)
 
 
 def host_overhead(plan, topology: Topology, seq_len: int, measured_s: float, assumptions) -> HostOverhead:
@@ -85,6 +102,48 @@ def host_overhead(plan, topology: Topology, seq_len: int, measured_s: float, ass
     return HostOverhead(seq_len=seq_len, measured_s=measured_s, predicted_s=predicted)
 
 
+def with_host_overhead_estimate(estimate_json: dict, overhead: HostOverhead) -> dict:
+    """A plan's estimate (its JSON form) with the host overhead added to the step: the step time, tokens/s
+    and the step's components (``host_overhead``)."""
+    timing = dict(estimate_json.get("time") or {})
+    step = timing.get("step_s")
+    if not step:
+        return estimate_json
+    tokens_per_step = timing.get("tokens_per_s", 0.0) * step
+    timing["step_s"] = step + overhead.per_step_s
+    timing["tokens_per_s"] = tokens_per_step / timing["step_s"]
+    components = dict(timing.get("components") or {})
+    if components:
+        components["host_overhead"] = components.get("host_overhead", 0.0) + overhead.per_step_s
+        timing["components"] = components
+    return {**estimate_json, "time": timing}
+
+
+def add_measured_host_overhead(setup, seed: int = 0) -> HostOverhead | None:
+    """Measure the host overhead of the plan ``setup`` runs (CPU ranks, a plan auto_configure made on the
+    topology it probed) and fold it into the plan's estimate on every rank, with a note; None when the plan is
+    too short to shrink or there is no probed topology to price the short run on. Collective."""
+    short = short_length(setup.plan)
+    step = ((setup.plan.estimate or {}).get("time") or {}).get("step_s") or 0.0
+    if short is None or setup.plan.layout.pp > 1 or step > MEASURE_BELOW_STEP_S:
+        return None
+    measured = measure_without_updates(setup, short, seed)
+    shared: list[HostOverhead | None] = [None]
+    if dist.get_rank() == 0 and setup.probed_topology is not None:
+        shared[0] = host_overhead(setup.plan, setup.probed_topology, short, measured,
+                                  memory_assumptions(setup.adapter))
+    dist.broadcast_object_list(shared, src=0)
+    overhead = shared[0]
+    if overhead is not None:
+        setup.plan = setup.plan.model_copy(update={"estimate": with_host_overhead_estimate(setup.plan.estimate,
+                                                                                          overhead)})
+        timing = setup.plan.estimate["time"]
+        setup.notes.append(f"predicted step with the host overhead: {timing['step_s']:.3g} s, "
+                           f"{timing['tokens_per_s']:,.0f} tokens/s ({overhead.note()}; the layouts were ranked "
+                           "without it)")
+    return overhead
+
+
 def with_host_overhead(topology: Topology, overhead: HostOverhead) -> Topology:
     """``topology`` with the measured host overhead in its compute calibration."""
     spec = topology.spec
@@ -93,5 +152,5 @@ def with_host_overhead(topology: Topology, overhead: HostOverhead) -> Topology:
     return Topology(spec.model_copy(update={"calibration": calibration}))
 
 
-__all__ = ["HostOverhead", "SHORT_FACTOR", "host_overhead", "measure_step_seconds", "short_length",
-           "with_host_overhead"]
+__all__ = ["HostOverhead", "SHORT_FACTOR", "add_measured_host_overhead", "host_overhead", "measure_step_seconds", "measure_without_updates",
+           "short_length", "with_host_overhead", "with_host_overhead_estimate"]

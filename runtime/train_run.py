@@ -28,6 +28,7 @@ from sp_plan.runtime.auto import AutoConfigured, auto_configure
 from sp_plan.runtime.checkpoint import list_checkpoints, read_verified_state
 from sp_plan.runtime.data import TokenWindows
 from sp_plan.runtime.errors import RuntimeConfigError
+from sp_plan.runtime.host_overhead import add_measured_host_overhead
 from sp_plan.runtime.log import ensure_logging, get_logger
 from sp_plan.runtime.models import LlamaModel
 from sp_plan.runtime.models.base import refuse_unbuildable
@@ -278,6 +279,10 @@ def run_training(options: TrainRunOptions,
         if reused is not None:
             LOG.info("  (the plan of the checkpoint being resumed)")
     check_predicted_duration(options, setup, planned_here=plan is None and reused is None)
+    if setup.device.type == "cpu" and plan is None and reused is None and options.topology is None:
+        # CPU ranks: the step's host cost, measured at a short length (runtime/host_overhead.py)
+        if add_measured_host_overhead(setup, options.seed) is not None and rank0:
+            LOG.info(f"note: {setup.notes[-1]}")
     data, data_line = make_data(options, setup)
     if rank0:
         LOG.info(data_line)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 from sp_plan.cost_models import Layout, TrainSpec, get_model_preset
@@ -113,3 +114,51 @@ def test_validate_on_cpu_measures_and_adds_the_host_overhead(tmp_path):
                      with_placement=False)
     assert again.time.step_s == pytest.approx(report["prediction"]["step_seconds"], rel=1e-9)
     assert again.time.components["host_overhead"] == pytest.approx(overhead, rel=1e-12)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_train_on_cpu_prints_a_prediction_with_the_measured_host_overhead(tmp_path):
+    exe = pathlib.Path(sys.executable).parent / "sp-plan"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([str(exe), "train", "--nproc-per-node", "2", "--seq-len", "512", "--steps", "2",
+                           "--dtype", "fp32", "--corpus-bytes", "100000", "--no-progress", "--yes", "--json"],
+                          capture_output=True, text=True, timeout=280, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)
+    timing = summary["plan"]["estimate"]["time"]
+    overhead = timing["components"]["host_overhead"]
+    assert overhead > 0
+    assert sum(timing["components"].values()) == pytest.approx(timing["step_s"], rel=1e-9)
+    # The line the user reads carries the step the summary's plan holds.
+    assert f"predicted step with the host overhead: {timing['step_s']:.3g} s" in done.stderr
+
+
+def _measure_rank(rank: int, world: int) -> dict:
+    from sp_plan.cost_models import Layout, ModelSpec
+    from sp_plan.planner.plan import Hardware, Plan
+    from sp_plan.runtime.auto import auto_configure
+    from sp_plan.runtime.host_overhead import measure_without_updates
+    from sp_plan.runtime.models import LlamaModel
+
+    spec = ModelSpec(name="tiny", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                     ffn_hidden_size=128, vocab_size=64)
+    model = LlamaModel(spec)
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    plan = Plan(model=spec, train=TrainSpec(seq_len=256, dtype="fp32"), layout=Layout(ulysses=2),
+                hardware=Hardware(num_gpus=2, gpus_per_node=2, gpu="h100-80gb", topology="dgx-h100"))
+    setup = auto_configure(model, plan=plan)
+    before = [p.to_local().clone() if hasattr(p, "to_local") else p.detach().clone() for p in setup.model.parameters()]
+    seconds = measure_without_updates(setup, short_length(plan))
+    after = [p.to_local() if hasattr(p, "to_local") else p.detach() for p in setup.model.parameters()]
+    return {"seconds": seconds, "same": all(torch.equal(a, b) for a, b in zip(before, after)),
+            "no_grads": all(p.grad is None for p in setup.model.parameters())}
+
+
+@pytest.mark.multiproc
+def test_the_short_run_before_training_leaves_weights_and_gradients_as_they_were():
+    from tests.distributed import run_ranks
+
+    results = run_ranks(2, _measure_rank, timeout=120)
+    assert results[0]["seconds"] == results[1]["seconds"] > 0  # the slowest rank's median, agreed
+    assert all(r["same"] and r["no_grads"] for r in results)
