@@ -48,7 +48,7 @@ from .flops import (
     sparse_matmul_weights,
     windowed_attention_seconds,
 )
-from .kernels import AttentionParams, GemmParams, gemm_seconds, kernel_family
+from .kernels import AttentionParams, GemmParams, gemm_seconds, grouped_gemm_seconds, kernel_family
 from .layout import Layout
 from .memo import Memo
 from .model_spec import ModelSpec
@@ -383,29 +383,15 @@ GroupedGemm = list[tuple[float, float, float, float]]
 
 def _grouped_gemm_timer(topology: Topology, fr: Fractions, gemm: GemmParams, sms: int,
                         peak: float) -> Callable[[GroupedGemm, bool], float]:
-    """``grouped_time(shapes, fp8=False)``: seconds of one grouped-GEMM launch (CUTLASS/cuBLAS grouped,
-    torch._grouped_mm, DeepGEMM) over the experts' GEMMs, on the kernel model's terms
-    (:mod:`sp_plan.cost_models.kernels`) extended to a group: every expert's ``m`` and ``n`` are cut into
-    the tile configuration's tiles, all experts' tiles share the waves over the SMs (so one expert's small
-    ``m`` costs its padding to the tile height, not a wave of its own), each expert's ``k`` pays the
-    per-tile prologue/epilogue, and the launch is paid once. The tile configuration is the fastest one for
-    the whole group. One GEMM is the group of one: ``grouped_time([(m, n, k, 1)])`` equals
-    :func:`~sp_plan.cost_models.kernels.gemm_seconds` (a test checks it)."""
+    """``grouped_time(shapes, fp8=False)``: seconds of one grouped-GEMM launch over the experts' GEMMs at
+    the training dtype's (or fp8's) rate, on the kernel model's grouped term
+    (:func:`~sp_plan.cost_models.kernels.grouped_gemm_seconds`: the experts' tiles share the waves, a small
+    per-expert ``m`` pays its padding to the tile height). One GEMM is the group of one:
+    ``grouped_time([(m, n, k, 1)])`` equals :func:`~sp_plan.cost_models.kernels.gemm_seconds` (a test checks it)."""
 
     def grouped_time(shapes: GroupedGemm, fp8: bool = False) -> float:
         p, f = _matmul_rate(topology, fr, peak, fp8)
-        shapes = [(max(1, round(m)), max(1, round(n)), max(1, round(k)), c, 2.0 * m * n * k)
-                  for m, n, k, c in shapes if m > 0 and n > 0 and k > 0 and c > 0]
-        if not shapes:
-            return 0.0
-        best = math.inf
-        for tile in gemm.tiles:
-            tiles = sum(c * math.ceil(m / tile.m) * math.ceil(n / tile.n) for m, n, _, c, _ in shapes)
-            waves = math.ceil(tiles / sms)
-            fill = sum(c * m * n for m, n, _, c, _ in shapes) / (waves * sms * tile.m * tile.n)
-            work = sum(c * flops * (k + gemm.k_half) / k for _, _, k, c, flops in shapes)
-            best = min(best, work / (p * f * tile.efficiency * fill))
-        return best + gemm.launch_s
+        return grouped_gemm_seconds(shapes, p, f, gemm, sms)
 
     return grouped_time
 
