@@ -48,7 +48,7 @@ from .flops import (
     sparse_matmul_weights,
     windowed_attention_seconds,
 )
-from .kernels import AttentionParams, GemmParams, gemm_seconds, kernel_family
+from .kernels import AttentionParams, GemmParams, gemm_seconds, grouped_gemm_seconds, kernel_family
 from .layout import Layout
 from .memo import Memo
 from .model_spec import ModelSpec
@@ -251,8 +251,7 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
                                                            fp8, (mlp_f, mlp_b), layout.ep)
     cast_f = cast_b = 0.0
     if fp8:  # amax + cast passes over each GEMM's activation and weight (forward), and the output grad
-        elems_f = sum(m * kk + kk * n for m, n, kk in attn_g) + tiles * sum(m * kk + kk * n for m, n, kk in mlp_g)
-        elems_b = sum(m * n for m, n, _ in attn_g) + tiles * sum(m * n for m, n, _ in mlp_g)
+        elems_f, elems_b = _fp8_cast_elements(model, tokens, tp, layout.ep, attn_g, mlp_g, tiles, mlp_tile)
         cast_f = stack.fp8_cast_passes * elems_f * (d + 1) / hbm
         cast_b = stack.fp8_cast_passes * elems_b * (d + 1) / hbm
 
@@ -383,29 +382,15 @@ GroupedGemm = list[tuple[float, float, float, float]]
 
 def _grouped_gemm_timer(topology: Topology, fr: Fractions, gemm: GemmParams, sms: int,
                         peak: float) -> Callable[[GroupedGemm, bool], float]:
-    """``grouped_time(shapes, fp8=False)``: seconds of one grouped-GEMM launch (CUTLASS/cuBLAS grouped,
-    torch._grouped_mm, DeepGEMM) over the experts' GEMMs, on the kernel model's terms
-    (:mod:`sp_plan.cost_models.kernels`) extended to a group: every expert's ``m`` and ``n`` are cut into
-    the tile configuration's tiles, all experts' tiles share the waves over the SMs (so one expert's small
-    ``m`` costs its padding to the tile height, not a wave of its own), each expert's ``k`` pays the
-    per-tile prologue/epilogue, and the launch is paid once. The tile configuration is the fastest one for
-    the whole group. One GEMM is the group of one: ``grouped_time([(m, n, k, 1)])`` equals
-    :func:`~sp_plan.cost_models.kernels.gemm_seconds` (a test checks it)."""
+    """``grouped_time(shapes, fp8=False)``: seconds of one grouped-GEMM launch over the experts' GEMMs at
+    the training dtype's (or fp8's) rate, on the kernel model's grouped term
+    (:func:`~sp_plan.cost_models.kernels.grouped_gemm_seconds`: the experts' tiles share the waves, a small
+    per-expert ``m`` pays its padding to the tile height). One GEMM is the group of one:
+    ``grouped_time([(m, n, k, 1)])`` equals :func:`~sp_plan.cost_models.kernels.gemm_seconds` (a test checks it)."""
 
     def grouped_time(shapes: GroupedGemm, fp8: bool = False) -> float:
         p, f = _matmul_rate(topology, fr, peak, fp8)
-        shapes = [(max(1, round(m)), max(1, round(n)), max(1, round(k)), c, 2.0 * m * n * k)
-                  for m, n, k, c in shapes if m > 0 and n > 0 and k > 0 and c > 0]
-        if not shapes:
-            return 0.0
-        best = math.inf
-        for tile in gemm.tiles:
-            tiles = sum(c * math.ceil(m / tile.m) * math.ceil(n / tile.n) for m, n, _, c, _ in shapes)
-            waves = math.ceil(tiles / sms)
-            fill = sum(c * m * n for m, n, _, c, _ in shapes) / (waves * sms * tile.m * tile.n)
-            work = sum(c * flops * (k + gemm.k_half) / k for _, _, k, c, flops in shapes)
-            best = min(best, work / (p * f * tile.efficiency * fill))
-        return best + gemm.launch_s
+        return grouped_gemm_seconds(shapes, p, f, gemm, sms)
 
     return grouped_time
 
@@ -475,6 +460,47 @@ def _sparse_layer_gemms(model: ModelSpec, tokens: float, tp: int, mlp_tile: floa
         mlp_f = ((layers - sparse) * mlp_f + sparse * moe_f) / layers
         mlp_b = ((layers - sparse) * mlp_b + sparse * moe_b) / layers
     return proj_f, proj_b, mlp_f, mlp_b
+
+
+def _fp8_cast_elements(model: ModelSpec, tokens: float, tp: int, ep: int, attn_g: list[Gemm], mlp_g: list[Gemm],
+                       tiles: float, mlp_tile: float | None) -> tuple[float, float]:
+    """Elements the fp8 casts pass over in the mean layer: forward, each fp8 GEMM's input and weight;
+    backward, its output gradient. The GEMMs are the ones that run: MLA's projections, and in MoE layers the
+    routed experts' grouped GEMMs on this rank's dispatched rows (``tokens x top_k`` for the ep group,
+    ``MoESpec.expert_row_groups``) with its ``num_experts / ep`` experts' weights, plus the shared experts on
+    every token (the router stays in bf16/fp32), averaged with the dense layers' MLP like the FFN time.
+    Why: a MoE layer casts top_k x the tokens at the experts' width, not a dense MLP of ``ffn_hidden_size``
+    (which Qwen3-MoE's all-MoE stack never runs)."""
+    def forward(gemms: list[Gemm]) -> float:
+        return sum(m * k + k * n for m, n, k in gemms)
+
+    def backward(gemms: list[Gemm]) -> float:
+        return sum(m * n for m, n, _ in gemms)
+
+    proj = attn_g
+    if model.mla is not None:
+        proj = [_mla_gemm_on_tp_rank(model, tokens, out, inp, tp)
+                for out, inp in model.mla.projection_gemms(model.hidden_size, model.num_heads)]
+    elems_f, elems_b = forward(proj), backward(proj)
+    mlp_f, mlp_b = tiles * forward(mlp_g), tiles * backward(mlp_g)
+    moe = model.moe
+    if moe is not None:
+        h, f = model.hidden_size, moe.expert_ffn_hidden_size / tp
+        rows = min(mlp_tile, tokens) if mlp_tile else tokens
+        groups = moe.expert_row_groups(rows, ep)
+        routed = sum(r * c for r, c in groups)
+        experts = sum(c for _, c in groups)
+        matrices = [(f, h), (f, h), (h, f)]  # gate, up (hidden -> f), down (f -> hidden): (n, k)
+        moe_f = sum(routed * k + experts * k * n for n, k in matrices)
+        moe_b = sum(routed * n for n, _ in matrices)
+        if moe.shared_width:
+            fs = moe.shared_width / tp
+            shared = [(rows, fs, h), (rows, fs, h), (rows, h, fs)]
+            moe_f, moe_b = moe_f + forward(shared), moe_b + backward(shared)
+        sparse, layers = model.moe_layer_count, model.num_layers
+        mlp_f = ((layers - sparse) * mlp_f + sparse * tiles * moe_f) / layers
+        mlp_b = ((layers - sparse) * mlp_b + sparse * tiles * moe_b) / layers
+    return elems_f + mlp_f, elems_b + mlp_b
 
 
 def _recompute_seconds(train: TrainSpec, profile: CostProfile, layer_f: float, attn_f: float, gemms_f: float,

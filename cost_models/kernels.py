@@ -39,6 +39,7 @@ fit or a calibration file sets it).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import cache, lru_cache
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -224,6 +225,30 @@ def gemm_seconds(m: float, n: float, k: float, peak: float, fraction: float, gem
     return 2.0 * m * n * k / (peak * eff) + gemm.launch_s
 
 
+def grouped_gemm_seconds(shapes: Sequence[tuple[float, float, float, float]], peak: float, fraction: float,
+                         gemm: GemmParams, sms: int) -> float:
+    """Seconds of one grouped-GEMM launch (CUTLASS/cuBLAS grouped, torch._grouped_mm, DeepGEMM) over
+    ``(m, n, k, count)`` expert GEMMs (``count`` experts of that shape) at ``peak`` x ``fraction``.
+
+    The single-GEMM terms of :func:`gemm_seconds` extended to a group: every expert's ``m`` and ``n`` are cut
+    into the tile configuration's tiles, all experts' tiles share the waves over the SMs (so one expert's
+    small ``m``, e.g. tokens x top_k / experts, costs its padding to the tile height, not a wave of its own),
+    each expert's ``k`` pays the per-tile prologue/epilogue, and the launch is paid once. The tile
+    configuration is the fastest one for the whole group. A group of one GEMM equals :func:`gemm_seconds`."""
+    items = [(max(1, round(m)), max(1, round(n)), max(1, round(k)), c, 2.0 * m * n * k)
+             for m, n, k, c in shapes if m > 0 and n > 0 and k > 0 and c > 0]
+    if not items:
+        return 0.0
+    best = math.inf
+    for tile in gemm.tiles:
+        tiles = sum(c * math.ceil(m / tile.m) * math.ceil(n / tile.n) for m, n, _, c, _ in items)
+        waves = math.ceil(tiles / sms)
+        fill = sum(c * m * n for m, n, _, c, _ in items) / (waves * sms * tile.m * tile.n)
+        work = sum(c * flops * (k + gemm.k_half) / k for _, _, k, c, flops in items)
+        best = min(best, work / (peak * fraction * tile.efficiency * fill))
+    return best + gemm.launch_s
+
+
 # ----- attention ------------------------------------------------------------------------------------------
 
 
@@ -269,6 +294,7 @@ __all__ = [
     "attention_shape_efficiency",
     "gemm_seconds",
     "gemm_shape_efficiency",
+    "grouped_gemm_seconds",
     "kernel_family",
     "prior_kernel_model",
     "kernel_gpus",

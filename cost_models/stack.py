@@ -202,6 +202,17 @@ class StackTime(BaseModel):
             "copy-engine transfers only slow the GEMM by the kernel model's nccl_compute_slowdown."
         ),
     )
+    moe_dispatcher: Literal["alltoall", "deepep", "hybridep"] = Field(
+        default="alltoall",
+        description=(
+            "How MoE tokens reach their experts across nodes. 'alltoall': one pairwise all-to-all of the "
+            "permuted rows (Megatron-Core's alltoall dispatcher, NCCL): a token routed to j experts on a "
+            "remote node crosses the fabric j times. 'deepep' / 'hybridep' (Megatron-Core's flex dispatcher): "
+            "hierarchical kernels that send each token once per remote node over RDMA and fan it out to that "
+            "node's GPUs over NVLink (DeepEP get_dispatch_layout counts num_tokens_per_rdma_rank; the combine "
+            "reduces on the expert node before sending back), so fewer bytes cross nodes; the same within a node."
+        ),
+    )
     moe_a2a_overlap: bool = Field(
         default=False,
         description=(

@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .collectives import collective_cost
+from .collectives import collective_cost, node_dedup_fabric_fraction
 from .comm_volume import LAYER_STRATEGIES, CommEstimate, comm_estimate, comm_ops
 from .compute_time import compute_time, efficiency_sources
 from .errors import CostModelError
@@ -213,7 +213,7 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
     compute_s = accum * compute_mb
 
     # ----- communication: the generic overlap classes, then each strategy's own terms ---------------------
-    cp = _comm_profile(model, train, layout, topology)
+    cp = _comm_profile(model, train, layout, topology, profile.stack.time.moe_dispatcher != "alltoall")
     lf_exposed, lb_exposed = cp.layer_fwd_exposed, cp.layer_bwd_exposed
     model_mb, model_step = cp.model_mb, cp.model_step
     st = _strategy_terms(_context(model, train, layout, topology, profile, ct, offload, cp))
@@ -415,7 +415,7 @@ def attention_forward_seconds(model: ModelSpec, train: TrainSpec, layout: Layout
         raise CostModelError("attention_forward_seconds times a forward pass: use mode='prefill'")
     profile = profile or default_profile(topology.gpu.name)
     ct = compute_time(model, train, layout, topology, profile)
-    cp = _comm_profile(model, train, layout, topology)
+    cp = _comm_profile(model, train, layout, topology, profile.stack.time.moe_dispatcher != "alltoall")
     ctx = _context(model, train, layout, topology, profile, ct, OffloadTraffic(), cp)
     seconds = ct.attention_forward
     for strategy in registered():
@@ -588,19 +588,23 @@ _PROFILES: Memo[_CommProfile] = Memo()
 on_change(_PROFILES.clear)
 
 
-def _comm_profile(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology) -> _CommProfile:
+def _comm_profile(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
+                  node_dedup: bool = False) -> _CommProfile:
     # The topology is keyed by identity (it is mutable and unhashable by value), which also keeps it
     # alive as long as its entries.
-    key = (model, layout, topology, *(getattr(train, f) for f in COMM_FIELDS))
-    return _PROFILES.get(key, lambda: _price_comm(model, train, layout, topology))
+    key = (model, layout, topology, node_dedup, *(getattr(train, f) for f in COMM_FIELDS))
+    return _PROFILES.get(key, lambda: _price_comm(model, train, layout, topology, node_dedup))
 
 
-def _price_comm(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology) -> _CommProfile:
-    """Every collective of a step priced on ``topology`` and classified (see :class:`_CommProfile`)."""
+def _price_comm(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
+                node_dedup: bool = False) -> _CommProfile:
+    """Every collective of a step priced on ``topology`` and classified (see :class:`_CommProfile`);
+    ``node_dedup``: the stack's MoE dispatcher sends a token once per remote node (DeepEP, Hybrid-EP), so
+    the dispatch ops that name their fan-out (``CommOp.node_dedup``) cross nodes with fewer bytes."""
     spans = group_spans(layout, topology)
     layers = model.num_layers
     owners = {c: s for s in registered() for c in s.overlap_classes}
-    memo: dict[tuple[str, float, str], object] = {}
+    memo: dict[tuple[str, float, str, tuple[int, int]], object] = {}
     zero = dict.fromkeys(report_buckets(), 0.0)
     comm_mb, comm_step, exposed_layer = dict(zero), dict(zero), dict(zero)
     model_mb_by, model_step_by = dict(zero), dict(zero)
@@ -613,10 +617,12 @@ def _price_comm(model: ModelSpec, train: TrainSpec, layout: Layout, topology: To
     grad_step_by: dict[str, float] = {}
     priced: dict[str, list[PricedOp]] = {}
     for op in comm_ops(model, train, layout):
-        key = (op.collective, op.nbytes, op.group)
+        key = (op.collective, op.nbytes, op.group, op.node_dedup)
         cost = memo.get(key)
         if cost is None:
-            cost = memo[key] = collective_cost(op.collective, op.nbytes, spans[op.group])
+            span = spans[op.group]
+            share = node_dedup_fabric_fraction(*op.node_dedup, span.nodes) if node_dedup and op.node_dedup[0] else 1.0
+            cost = memo[key] = collective_cost(op.collective, op.nbytes, span, share)
         t = cost.time_s
         times = op.count * (layers if op.scope == "layer" else 1)
         if op.per == "microbatch":

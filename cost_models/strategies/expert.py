@@ -10,9 +10,16 @@ ranks are the innermost ranks of the ZeRO/FSDP shard group (process group ``ep``
   the forward. The buffer is the busiest rank's rows (:meth:`MoESpec.rank_routed_rows`: ``load_imbalance`` x
   ``tokens x top_k`` dropless, every local expert at its capacity with a capacity factor) of ``hidden``
   elements in the compute dtype; the all-to-all sends ``(ep - 1) / ep`` of it
-  (:meth:`MoESpec.dispatch_bytes` at the mean). The next op of the same micro-batch needs its result:
-  exposed, unless the stack runs another micro-batch's compute beside it (``StackTime.moe_a2a_overlap``,
-  overlap class ``ep``; :mod:`.overlap` prices the combined 1F1B schedule's slots and its unpaired passes).
+  (:meth:`MoESpec.dispatch_bytes` at the mean). Under TP with sequence parallelism a rank dispatches its
+  1/tp shard of the tokens, and the experts split over TP get the TP ranks' rows by an all-gather over TP
+  (the combine reduce-scatters them back; :func:`sequence_parallel_dispatch`), as Megatron-Core does.
+  Across nodes, a stack whose dispatcher sends each token once per remote node (``StackTime.moe_dispatcher``
+  deepep/hybridep) moves only :func:`~sp_plan.cost_models.collectives.node_dedup_fabric_fraction` of the
+  pairwise exchange's node-crossing bytes (the ops carry their ``(top_k, experts)`` fan-out; the NVLink part
+  is priced as the pairwise exchange's, leaving out the fan-out forwarding inside the receiving node). The
+  next op of the same micro-batch needs its result: exposed, unless the stack runs another micro-batch's
+  compute beside it (``StackTime.moe_a2a_overlap``, overlap class ``ep``; :mod:`.overlap` prices the
+  combined 1F1B schedule's slots and its unpaired passes).
   Ops are per layer, so their bytes are scaled by the MoE layers' share of the layers (DeepSeek-V3's 3 dense
   layers send nothing), as the cost model averages a mixed stack elsewhere.
 - **Expert data parallelism** (bucket ``fsdp``): the routed experts' ZeRO/FSDP traffic over the
@@ -39,10 +46,21 @@ from .overlap import a2a_overlap_blocker, a2a_pair_exposure, unpaired_fraction
 from .terms import CommOp, PricedOp, Term, TimeContext
 
 
+def sequence_parallel_dispatch(train: TrainSpec, layout: Layout) -> bool:
+    """Whether each TP rank dispatches only its 1/tp sequence shard: under TP with sequence parallelism the
+    MoE block's input is that shard (Megatron-Core's MoELayer refuses TP without it in training), and the
+    rows the TP ranks receive are all-gathered over TP for the experts split over it (``token_dispatcher.py``
+    MoEAlltoAllTokenDispatcher: ``gather_from_sequence_parallel_region`` over the expert-TP group after the
+    all-to-all, ``reduce_scatter_to_sequence_parallel_region`` before the combine)."""
+    return layout.tp > 1 and train.tp_sequence_parallel
+
+
 def dispatch_buffer_bytes(model: ModelSpec, train: TrainSpec, layout: Layout) -> float:
     """One dispatch (or combine) all-to-all's buffer on the busiest rank, per mean layer (bytes)."""
     moe = model.moe
     tokens = train.micro_batch * train.seq_len / layout.sp
+    if sequence_parallel_dispatch(train, layout):
+        tokens /= layout.tp
     rows = moe.rank_routed_rows(tokens, layout.ep)
     return rows * model.hidden_size * train.dtype_bytes * model.moe_layer_count / model.num_layers
 
@@ -65,25 +83,39 @@ class ExpertParallel(Strategy):
         if layout.ep == 1 or model.moe is None:
             return
         buf = dispatch_buffer_bytes(model, train, layout)
-        yield CommOp("ep", "all_to_all", "ep", buf, "forward", count=2, overlap="ep", label="token dispatch + combine")
+        fan = (model.moe.top_k, model.moe.num_experts)  # what a per-node deduplicating dispatcher saves on
+        yield CommOp("ep", "all_to_all", "ep", buf, "forward", count=2, overlap="ep", label="token dispatch + combine",
+                     node_dedup=fan)
         if train.is_training:
             yield CommOp("ep", "all_to_all", "ep", buf, "backward", count=2, overlap="ep",
-                         label="combine gradient + dispatch gradient")
+                         label="combine gradient + dispatch gradient", node_dedup=fan)
             if train.checkpointing == "full":
                 yield CommOp("ep", "all_to_all", "ep", buf, "backward", count=2, recompute=True, overlap="ep",
-                             label="token dispatch + combine (recompute)")
+                             label="token dispatch + combine (recompute)", node_dedup=fan)
+        if sequence_parallel_dispatch(train, layout):
+            # The received rows gathered over TP (forward dispatch; backward: the combine's gradient) and the
+            # expert outputs reduce-scattered back (forward combine; backward: the dispatch's gradient).
+            gathered = buf * layout.tp
+            passes = [("forward", False)] + ([("backward", False)] if train.is_training else [])
+            if train.is_training and train.checkpointing == "full":
+                passes.append(("backward", True))
+            for phase, recompute in passes:
+                for collective in ("all_gather", "reduce_scatter"):
+                    yield CommOp("ep", collective, "tp", gathered, phase, recompute=recompute, overlap="ep",
+                                 label=f"expert rows {collective.replace('_', '-')} over TP")
         yield from _expert_sharding_ops(model, train, layout)
 
     def condense(self, overlap_class: str, ops: tuple[PricedOp, ...]) -> DispatchComm:
-        one = forward = backward = 0.0
+        forward = backward = 0.0
         for priced in ops:
             t = priced.seconds * priced.op.count
-            one = priced.seconds
             if priced.op.phase == "forward":
                 forward += t
             else:
                 backward += t
-        return DispatchComm(one, forward, backward)
+        # One slot of the combined schedule: a dispatch (all-to-all, then its TP gather) or a combine
+        # (TP reduce-scatter, then the all-to-all); the forward has two.
+        return DispatchComm(forward / 2, forward, backward)
 
     def exposed(self, ctx: TimeContext) -> Iterator[Term]:
         comm = ctx.priced.get("ep")
@@ -141,4 +173,4 @@ def _expert_sharding_ops(model: ModelSpec, train: TrainSpec, layout: Layout) -> 
                          label="expert gradient shard all-reduce across replicas")
 
 
-__all__ = ["DispatchComm", "ExpertParallel", "dispatch_buffer_bytes"]
+__all__ = ["DispatchComm", "ExpertParallel", "dispatch_buffer_bytes", "sequence_parallel_dispatch"]

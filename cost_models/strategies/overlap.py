@@ -127,15 +127,22 @@ def tp_overlap_note(stack: StackTime, stack_name: str, train: TrainSpec, layout:
             f"chunks, reduce-scatters in {rs}{margin}; the first chunk of each is exposed")
 
 
+#: How each ``StackTime.moe_dispatcher`` moves tokens across nodes (for reports).
+DISPATCHER_NAMES = {"alltoall": "NCCL all-to-all of the permuted rows (a copy per remote expert)",
+                    "deepep": "DeepEP (a token crosses to each remote node once, NVLink fan-out there)",
+                    "hybridep": "Hybrid-EP (a token crosses to each remote node once, NVLink fan-out there)"}
+
+
 def a2a_overlap_note(stack: StackTime, stack_name: str, model: ModelSpec, train: TrainSpec, layout: Layout) -> str:
-    """Where the MoE all-to-all overlap comes from, for ``--explain-time``."""
+    """Where the MoE all-to-all overlap comes from, and which dispatcher moves the tokens, for ``--explain-time``."""
+    dispatcher = f"; dispatcher: {DISPATCHER_NAMES[stack.moe_dispatcher]}"
     blocker = a2a_overlap_blocker(stack, model, train, layout)
     if blocker is not None:
-        return f"exposed: {blocker} (stack file {stack_name})"
+        return f"exposed: {blocker} (stack file {stack_name}){dispatcher}"
     share = unpaired_fraction(layout.pp, train.grad_accum)
     return (f"combined 1F1B EP overlap (stack file {stack_name}: moe_a2a_overlap): behind another micro-batch's "
             f"attention and expert MLPs; {share:.0%} of passes unpaired (first forward, last backward"
-            f"{', pipeline warm-up/cool-down' if layout.pp > 1 else ''})")
+            f"{', pipeline warm-up/cool-down' if layout.pp > 1 else ''}){dispatcher}")
 
 
 def overlap_sources(stack: StackProfile, model: ModelSpec, train: TrainSpec, layout: Layout) -> dict[str, str]:
@@ -149,6 +156,6 @@ def overlap_sources(stack: StackProfile, model: ModelSpec, train: TrainSpec, lay
     return out
 
 
-__all__ = ["TP_OVERLAP_NAMES", "a2a_overlap_blocker", "a2a_overlap_note", "a2a_pair_exposure", "overlap_sources",
+__all__ = ["DISPATCHER_NAMES", "TP_OVERLAP_NAMES", "a2a_overlap_blocker", "a2a_overlap_note", "a2a_pair_exposure", "overlap_sources",
            "pipelined_exposure",
            "tp_overlap_blocker", "tp_overlap_note", "unpaired_fraction"]

@@ -49,6 +49,9 @@ class CommOp(NamedTuple):
     recompute: bool = False
     overlap: str = "exposed"
     label: str = ""
+    #: (top_k, experts) for a MoE dispatch whose dispatcher sends each token once per remote node
+    #: (:func:`~sp_plan.cost_models.collectives.node_dedup_fabric_fraction`); (0, 0): a plain collective.
+    node_dedup: tuple[int, int] = (0, 0)
 
 
 class PricedOp(NamedTuple):

@@ -29,7 +29,8 @@ from sp_plan.cost_models.collectives import collective_cost
 from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.flops import FLASH_BACKWARD_RATIO
 from sp_plan.cost_models.gpu_spec import GPUSpec, get_gpu_preset
-from sp_plan.cost_models.kernels import KernelModel, attention_seconds, gemm_seconds, kernel_family, prior_kernel_model
+from sp_plan.cost_models.kernels import (KernelModel, attention_seconds, gemm_seconds, grouped_gemm_seconds,
+                                          kernel_family, prior_kernel_model)
 from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.placement import group_spans
 from sp_plan.cost_models.topology import default_topology
@@ -37,7 +38,8 @@ from sp_plan.cost_models.yaml_io import safe_load
 
 KERNEL_DATA_FILE = "kernels.yaml"
 #: Weight of a kernel figure by confidence: printed numbers, bar labels and figures derived from printed
-#: numbers count fully; a figure whose setting or GPU variant is unstated is evaluated, not fitted.
+#: numbers count fully; a figure whose setting or GPU variant is unstated is evaluated, not fitted (and so is
+#: an entry marked ``evaluation_only``: a kernel no priced stack runs, e.g. DeepGEMM's block-scaled FP8).
 CONFIDENCE_WEIGHT = {"exact": 1.0, "label": 1.0, "derived": 1.0, "ambiguous": 0.0}
 #: Residual (log) beyond which the robust loss grows linearly (a figure's transcription error, not signal).
 ROBUST_SCALE = 0.1
@@ -61,6 +63,13 @@ class KernelFigure:
     unit: str
     #: Predicts ``value`` (same unit) from a kernel model and the GPU spec.
     predict: Callable[[KernelModel, GPUSpec], float] = field(compare=False, repr=False)
+    #: Why the figure is compared but never fitted (its entry's ``evaluation_only``); empty: fitted by confidence.
+    evaluation_only: str = ""
+
+    @property
+    def weight(self) -> float:
+        """The figure's weight in a kernel fit (0: evaluated only)."""
+        return 0.0 if self.evaluation_only else CONFIDENCE_WEIGHT.get(self.confidence, 0.0)
 
 
 @dataclass(frozen=True)
@@ -123,10 +132,19 @@ def _single_gpu_rate(kernel: str, pass_: str, causal: bool, head_dim: int, seqle
     return predict
 
 
-def _gemm_tflops(m: int, n: int, k: int) -> Callable[[KernelModel, GPUSpec], float]:
+def _gemm_tflops(m: int, n: int, k: int, fp8: bool = False, groups: int = 1) -> Callable[[KernelModel, GPUSpec], float]:
+    """A GEMM figure's TFLOP/s (2mnk per GEMM, ``groups`` GEMMs of m rows each in one grouped launch for a
+    MoE grouped GEMM) at the bf16 or the fp8 peak and the kernel model's fraction for that dtype."""
     def predict(model: KernelModel, gpu: GPUSpec) -> float:
-        t = gemm_seconds(m, n, k, _peak(gpu), model.gemm.peak_fraction, model.gemm, model.sms)
-        return 2.0 * m * n * k / t / 1e12
+        if fp8:
+            peak, fraction = gpu.flops_for("fp8") * gpu.clock_factor, model.gemm.fp8_peak_fraction
+        else:
+            peak, fraction = _peak(gpu), model.gemm.peak_fraction
+        if groups == 1:
+            t = gemm_seconds(m, n, k, peak, fraction, model.gemm, model.sms)
+        else:
+            t = grouped_gemm_seconds([(m, n, k, groups)], peak, fraction, model.gemm, model.sms)
+        return 2.0 * m * n * k * groups / t / 1e12
 
     return predict
 
@@ -142,7 +160,7 @@ def kernel_figures(data: dict[str, Any] | None = None) -> list[KernelFigure]:
             raise CostModelError(f"kernel figure {id_}: source {entry['source']!r} is not described under sources:")
         gpu = get_gpu_preset(entry["gpu"]).name
         out.append(KernelFigure(id_, entry["source"], gpu, kernel_family(gpu), entry.get("confidence", "exact"),
-                                float(value), unit, predict))
+                                float(value), unit, predict, entry.get("evaluation_only", "")))
 
     for e in data.get("attention", []):
         shape = sources.get(e["source"], {})
@@ -161,8 +179,13 @@ def kernel_figures(data: dict[str, Any] | None = None) -> list[KernelFigure]:
         add(id_, e, rate, "iter/s",
             _single_gpu_rate(e["kernel"], e["pass"], e["causal"], e["head_dim"], e["seq_len"], e["heads"]))
     for e in data.get("gemm", []):
-        for m, n, k, tflops in e["shapes"]:
-            add(f"{e['source']}: {e['gpu']} gemm {m}x{n}x{k}", e, tflops, "TFLOP/s", _gemm_tflops(m, n, k))
+        fp8 = e.get("dtype", "bf16") == "fp8"
+        label = "fp8 gemm" if fp8 else "gemm"
+        for m, n, k, tflops in e.get("shapes", []):
+            add(f"{e['source']}: {e['gpu']} {label} {m}x{n}x{k}", e, tflops, "TFLOP/s", _gemm_tflops(m, n, k, fp8))
+        for groups, m, n, k, tflops in e.get("grouped_shapes", []):  # [groups, m per group, n, k, TFLOP/s]
+            add(f"{e['source']}: {e['gpu']} {label} {e.get('layout', 'grouped')} {groups}x{m}x{n}x{k}", e, tflops,
+                "TFLOP/s", _gemm_tflops(m, n, k, fp8, groups))
     return out
 
 
@@ -248,7 +271,7 @@ def fit_kernels(figures: Sequence[KernelFigure] | None = None,
 
     figures = list(kernel_figures() if figures is None else figures)
     params = list(kernel_fit_parameters() if params is None else params)
-    fitted_on = [f for f in figures if CONFIDENCE_WEIGHT.get(f.confidence, 0.0) > 0]
+    fitted_on = [f for f in figures if f.weight > 0]
     if not fitted_on:
         raise CostModelError("no kernel-level figures to fit")
     depends = _depends(fitted_on, params)
@@ -257,7 +280,7 @@ def fit_kernels(figures: Sequence[KernelFigure] | None = None,
     for f in fitted_on:
         per_source[f.source] = per_source.get(f.source, 0) + 1
     mean_n = len(fitted_on) / len(per_source)
-    weights = np.array([CONFIDENCE_WEIGHT[f.confidence] * math.sqrt(mean_n / per_source[f.source])
+    weights = np.array([f.weight * math.sqrt(mean_n / per_source[f.source])
                         for f in fitted_on])
     measured = np.array([f.value for f in fitted_on])
     x0 = np.log([p.prior for p in used])
@@ -277,7 +300,7 @@ def fit_kernels(figures: Sequence[KernelFigure] | None = None,
     values = [float(v) for v in np.exp(x)]
     preds = predict_figures(figures, used, values)
     logs = [math.log(p / f.value) for p, f in zip(preds, figures)]
-    scored = [v for v, f in zip(logs, figures) if CONFIDENCE_WEIGHT.get(f.confidence, 0.0) > 0]
+    scored = [v for v, f in zip(logs, figures) if f.weight > 0]
     return KernelFitResult(
         params=used, values=values, sources=sorted(per_source),
         rms_log_residual=math.sqrt(sum(v * v for v in scored) / len(scored)),

@@ -70,8 +70,9 @@ def expert_degree(entry: dict[str, Any]) -> tuple[int, str]:
 
     sp-plan takes ``ep`` from the shard group (dp_shard x ring x ulysses); Megatron-Core folds its EP group
     over TP x DP with expert-tensor-parallel 1, so an EP of shard group x TP is priced as ``ep`` = shard group
-    with the experts split over TP: the same expert weights and FLOPs per rank, but every TP rank dispatches
-    the whole micro-batch instead of its sequence-parallel share (twice the all-to-all bytes at TP 2)."""
+    with the experts split over TP: the same expert weights and FLOPs per rank and the same all-to-all bytes
+    (each TP rank dispatches its sequence-parallel shard either way), plus an all-gather of the received rows
+    over TP and a reduce-scatter of the outputs (NVLink) that expert-tensor-parallel 1 does not run."""
     ep = entry.get("ep", 1)
     shard = entry.get("dp_shard", 1) * entry.get("ring", 1) * entry.get("ulysses", 1)
     tp = entry.get("tp", 1)
@@ -79,8 +80,9 @@ def expert_degree(entry: dict[str, Any]) -> tuple[int, str]:
         return ep, ""
     if ep == shard * tp:
         return shard, (f"published EP {ep} spans TP x DP (expert tensor parallel 1); priced as ep={shard} over the "
-                       f"data-parallel ranks with the experts split over TP {tp}: the same expert weights and FLOPs "
-                       f"per rank, {tp}x the dispatch bytes (each TP rank sends the whole micro-batch)")
+                       f"data-parallel ranks with the experts split over TP {tp}: the same expert weights, FLOPs "
+                       f"and all-to-all bytes per rank (each TP rank dispatches its sequence-parallel shard), plus "
+                       f"a TP all-gather/reduce-scatter of the expert rows that expert-TP 1 does not run")
     raise CostModelError(f"published EP {ep} is neither within the shard group ({shard} ranks) nor shard group x TP "
                          f"({shard * tp}); add its mapping to planner/fitting/published_parallel.py")
 
