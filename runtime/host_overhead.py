@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.estimate import estimate
 from sp_plan.cost_models.topology.topology import Topology
 from sp_plan.runtime.capabilities import memory_assumptions
@@ -97,7 +98,9 @@ def measure_without_updates(setup, seq_len: int, seed: int = 0) -> float:
 def host_overhead(plan, topology: Topology, seq_len: int, measured_s: float, assumptions) -> HostOverhead:
     """The host overhead the short run shows: its measured step less the time model's for the same plan at
     ``seq_len`` on ``topology`` (the probed CPU topology)."""
-    short_train = plan.train.model_copy(update={"seq_len": seq_len})
+    document = plan.train.document_length
+    short_train = plan.train.model_copy(update={"seq_len": seq_len,
+                                                "document_length": min(document, seq_len) if document else None})
     predicted = estimate(plan.model, short_train, plan.layout, topology, assumptions, with_placement=False).time.step_s
     return HostOverhead(seq_len=seq_len, measured_s=measured_s, predicted_s=predicted)
 
@@ -130,9 +133,12 @@ def add_measured_host_overhead(setup, seed: int = 0) -> HostOverhead | None:
     measured = measure_without_updates(setup, short, seed)
     shared: list[HostOverhead | None] = [None]
     if dist.get_rank() == 0 and setup.probed_topology is not None:
-        shared[0] = host_overhead(setup.plan, setup.probed_topology, short, measured,
-                                  memory_assumptions(setup.adapter))
-    dist.broadcast_object_list(shared, src=0)
+        try:
+            shared[0] = host_overhead(setup.plan, setup.probed_topology, short, measured,
+                                      memory_assumptions(setup.adapter))
+        except CostModelError as exc:  # the short plan is one the cost model refuses: keep the plan's figure
+            setup.notes.append(f"host overhead not priced: {exc}")
+    dist.broadcast_object_list(shared, src=0)  # every rank holds the same plan estimate
     overhead = shared[0]
     if overhead is not None:
         setup.plan = setup.plan.model_copy(update={"estimate": with_host_overhead_estimate(setup.plan.estimate,

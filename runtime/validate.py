@@ -302,9 +302,13 @@ def run_validation(plan, *, steps: int = 3, topology: Any = None, seed: int = 0,
         return None
     notes = []
     if short_s is not None:
-        overhead = host_overhead(plan, topo, short, short_s, memory_assumptions(adapter))
-        topo = with_host_overhead(topo, overhead)
-        notes.append(f"step time: {overhead.note()}; added to the prediction (CPU ranks only)")
+        try:
+            overhead = host_overhead(plan, topo, short, short_s, memory_assumptions(adapter))
+        except CostModelError as exc:
+            notes.append(f"step time: the host overhead measured at {short:,} tokens is not priced ({exc})")
+        else:
+            topo = with_host_overhead(topo, overhead)
+            notes.append(f"step time: {overhead.note()}; added to the prediction (CPU ranks only)")
     elif device_type == "cpu" and topology is None and not pipelined:
         notes.append("step time: the plan is too short to measure its host overhead at 1/16 of its length; the "
                      "prediction prices kernels and transfers only")
