@@ -568,6 +568,21 @@ class _Searcher:
                                                    self.profile)
         return floor.step_s(schedule, chunks) / floor.tokens_per_step
 
+    def combination_floor(self, layout: Layout, options: dict[str, Any]) -> float:
+        """The compute-only floor of exactly ``options`` (valid) on ``layout``, seconds per token: at most their
+        step per token (tests/test_step_floor.py). Without pipeline stages it is :meth:`floor_per_token`'s
+        (shared); with them it is taken on the options' own schedule and chunks, whose stage split and bubble
+        are what the step is priced with (a zero-bubble, one-chunk floor can exceed an interleaved step)."""
+        if layout.pp == 1:
+            return self.floor_per_token(layout, options)
+        key = (layout.model_degrees(), layout.dp, tuple((k, v) for k, v in options.items() if k != "zero_stage"))
+        floor = self._floors.get(key)
+        if floor is None:
+            self.floor_evals += 1
+            floor = self._floors[key] = step_floor(self.model, self.train_for(layout, options), layout, self.topology,
+                                                   self.profile)
+        return floor.step_s(options["pipeline_schedule"], options["virtual_stages"]) / floor.tokens_per_step
+
     # ----- per layout ---------------------------------------------------------------------------
     def most_saving_valid(self, lattice: OptionLattice) -> Combo:
         """The top of the lattice, stepped down on axes that would make it invalid."""
@@ -601,19 +616,17 @@ class _Searcher:
             return self.device_fits(self.memory(layout, self.train_for(layout, {**options, "tiled_mlp": False})))
         return False
 
-    def floor(self, layout: Layout, lattice: OptionLattice, top: Combo, every_axis: bool = False) -> Combo:
+    def floor(self, layout: Layout, lattice: OptionLattice, top: Combo) -> Combo:
         """Per expensive axis, the least value that fits with every other axis at its most saving (valid)
         value; cheap axes (:data:`sp_plan.planner.options.CHEAP_AXES`) start at their fastest value, which the
-        walk's cheap closures explore at little cost, and so do the :data:`UNFLOORED_AXES` unless
-        ``every_axis``.
+        walk's cheap closures explore at little cost.
 
         Memory is monotone, so no fitting combination lies below this floor on any axis: it is where
-        the walk starts, and its time bounds everything the layout can do. An axis left at its fastest value
-        keeps that true (the start is only lower), so the walk from it is as exact.
+        the walk starts, and its time bounds everything the layout can do.
         """
         start = []
         for k, axis in enumerate(lattice.axes):
-            if axis.name in CHEAP_AXES or (not every_axis and axis.name in UNFLOORED_AXES):
+            if axis.name in CHEAP_AXES:
                 start.append(0)
                 continue
             chosen = top[k]
@@ -634,7 +647,7 @@ class _Searcher:
         so far): nothing this layout can still offer would make the top K. Sets ``self.exhausted`` when
         the walk ran out of combinations instead (none fits device and host memory together).
 
-        Successors enter the queue untimed, keyed on their compute-only floor (:meth:`floor_per_token`, with
+        Successors enter the queue untimed, keyed on their compute-only floor (:meth:`combination_floor`, with
         their moving parts: a lower bound on their score whatever the time model's monotonicity, and cheap,
         its compute shared by every layout with the same model degrees), and are timed only when popped;
         about half never are (a walk ends at its first fitting pop or at ``bound``). Timed, a combination goes
@@ -661,7 +674,7 @@ class _Searcher:
                     push(deeper)
                 return
             parts = layout_parts + moving_parts(options)
-            key = self.floor_per_token(layout, options) * (1.0 + penalty * parts)
+            key = self.combination_floor(layout, options) * (1.0 + penalty * parts)
             heapq.heappush(queue, (key, next(tiebreak), combo))
 
         while queue:
@@ -685,12 +698,6 @@ class _Searcher:
         self.exhausted = True
         return None
 
-
-#: Expensive axes the walk's start is not floored on (:meth:`_Searcher.floor`). Parameter offload is the last
-#: resort, needed by few branches: probing it cost every ZeRO-3 branch a memory evaluation, while a walk that
-#: needs it reaches it through its successors. Measured on benchmarks/planner_speed.py's workloads: 9-12% fewer
-#: memory evaluations, the same time evaluations, the same plans.
-UNFLOORED_AXES = frozenset({"offload_params"})
 
 #: Command-line flags whose name is not the option's (for messages about pins).
 _FLAG_NAMES = {"zero_stage": "zero", "pipeline_schedule": "schedule"}
@@ -824,11 +831,7 @@ def _search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Pla
         limit = min(kth_best, best_of[layout][0]) if layout in best_of else kth_best
         best = s.best_for(layout, lattice, start, limit)
         if best is None and s.exhausted:  # device memory fits somewhere, but never with the host RAM too
-            # The miss reports the host bytes at the floor of every expensive axis (rare: paid for here only).
-            full = s.floor(layout, lattice, s.most_saving_valid(lattice), every_axis=True)
-            floor_core = (start.report if full == start.combo
-                          else s.memory(layout, s.train_for(layout, lattice.values(full))))
-            miss = _memory_rejection(layout, lattice.values(lattice.top), floor_core, s, host_bound=True)
+            miss = _memory_rejection(layout, lattice.values(lattice.top), start.report, s, host_bound=True)
             pruned_reason.setdefault(layout, miss)
             continue
         if best is None:  # every fitting option set is slower than the top K (or this layout's best)
