@@ -9,16 +9,16 @@ the search warmed; "optimum" says whether both found the same best score (measur
 
 Each plan is timed cold in a fresh process (imports done, caches empty: what a CLI user waits for
 after start-up) and warm (best of 3 repeats in that process); ``--repeat N`` takes the minimum of each over
-N fresh processes (on a shared machine the minimum is the figure least disturbed by other load). Beside the
-wall times, the process's CPU seconds (``time.process_time``): on a machine other jobs share, they move far
-less with its load than the wall time. The evaluation counts (time, memory and compute-only floor
-evaluations) do not depend on load at all.
+N fresh processes (on a shared machine the minimum is the figure least disturbed by other load), or with
+``--statistic median`` their median. Beside the wall times, the process's CPU seconds
+(``time.process_time``): on a machine other jobs share, they move far less with its load than the wall time.
+The evaluation counts (time, memory and compute-only floor evaluations) do not depend on load at all.
 
 ``--against REV`` also plans every workload with the planner of git revision REV (its sources laid out
 as the ``sp_plan`` package in a temporary directory), interleaved with this tree's runs, and prints
 before/after times and counts from the same run: how a change to the search is measured.
 
-    python benchmarks/planner_speed.py [--quick] [--repeat N] [--against REV]
+    python benchmarks/planner_speed.py [--quick] [--repeat N] [--statistic min|median] [--against REV]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import itertools
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -179,11 +180,13 @@ def run_worker(kind: str, gpus: int, model: str, seq: int, mode: str, tree: Path
     return row
 
 
-def fastest(runs: list[dict]) -> dict:
-    """Several fresh-process runs of one workload: the minimum cold and warm times (the counts agree)."""
+def fastest(runs: list[dict], statistic: str = "min") -> dict:
+    """Several fresh-process runs of one workload: the minimum (or the median) of the cold and warm times
+    (the counts agree)."""
+    pick = min if statistic == "min" else statistics.median
     best = dict(runs[0])
     for key in ("cold_s", "warm_s", "cold_cpu_s", "warm_cpu_s"):
-        best[key] = min(r[key] for r in runs)
+        best[key] = pick([r[key] for r in runs])
     return best
 
 
@@ -193,6 +196,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="fresh processes per figure (the minimum is kept)")
     parser.add_argument("--against", metavar="REV", help="also time the planner of this git revision")
     parser.add_argument("--no-brute", action="store_true", help="skip the brute-force baseline")
+    parser.add_argument("--statistic", choices=("min", "median"), default="min",
+                        help="how the --repeat processes' times combine (default: the minimum)")
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -218,9 +223,9 @@ def measure(args: argparse.Namespace, tree: Path | None) -> list[dict]:
             if tree:
                 before.append(run_worker("search", gpus, model, seq, mode, tree))
             runs.append(run_worker("search", gpus, model, seq, mode))
-        row.update(fastest(runs))
+        row.update(fastest(runs, args.statistic))
         if tree:
-            row["before"] = fastest(before)
+            row["before"] = fastest(before, args.statistic)
         if args.no_brute:
             row.update({"brute_s": math.nan, "brute_kind": "skipped", "brute_score": None})
         else:
@@ -249,8 +254,8 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
               f"{r['warm_cpu_s']:>8.3f} {target:>7} {ratio:>11} "
               f"{brute:>15} {r['brute_s'] / r['cold_s']:>8.1f}x {same:>8}  {r['best']}")
     if args.against:
-        print(f"\nAgainst {args.against} (same run, interleaved; minimum of {max(1, args.repeat)} fresh processes "
-              "each):")
+        print(f"\nAgainst {args.against} (same run, interleaved; {args.statistic} of {max(1, args.repeat)} fresh "
+              "processes each):")
         print(f"{'GPUs':>5} {'model':<14} {'cold before':>11} {'cold after':>10} {'ratio':>6} {'warm before':>11} "
               f"{'warm after':>10} {'ratio':>6} {'cold cpu before':>15} {'after':>6} {'ratio':>6} "
               f"{'evals before':>12} {'after':>6} {'mem before':>10} {'after':>6} same best")

@@ -9,7 +9,7 @@ on, which the caller names, so the thousands of option combinations a search sco
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -35,3 +35,18 @@ class Memo(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._table)
+
+
+def hash_once(model: Any) -> int:
+    """The hash of a frozen pydantic model (no extra fields), computed on its first use and kept in the
+    model's ``_hash`` slot: the memo tables key on specs thousands of times per search, and pydantic's own
+    hash re-hashes every field each time. The value is pydantic's (the fields' values, in order), so equal
+    models still hash equal. A class opts in with ``__slots__ = ("_hash",)`` and ``__hash__ = hash_once``;
+    a slot, not a private attribute, which would take part in equality. Copies and unpickled models do not
+    carry it and compute it again."""
+    try:
+        return model._hash
+    except AttributeError:
+        value = hash(tuple(model.__dict__.values()))
+        object.__setattr__(model, "_hash", value)
+        return value

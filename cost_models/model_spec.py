@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, Validation
 from . import data
 from .errors import CostModelError, explain_validation_error
 from .hf_config import parse_config_text, spec_fields
+from .memo import hash_once
 from .moe import MLASpec, MoESpec
 
 #: ``swiglu``: a gated MLP (gate, up and down matrices), whatever its gate's nonlinearity: SiLU (Llama) or
@@ -34,6 +35,9 @@ class ModelSpec(BaseModel):
     """A decoder-only transformer, as far as memory, FLOPs and communication are concerned."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    #: Hashed once: the cost model's memo tables key on the model (:func:`sp_plan.cost_models.memo.hash_once`).
+    __slots__ = ("_hash",)
+    __hash__ = hash_once
 
     name: str = Field(min_length=1, max_length=200)
     num_layers: int = Field(ge=1, le=10_000)

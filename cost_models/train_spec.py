@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .memo import hash_once
 from .units import MAX_SEQ_LEN, parse_seq_len
 
 Mode = Literal["train", "prefill"]
@@ -90,6 +91,10 @@ class TrainSpec(BaseModel):
         if self.stage_layers is not None and min(self.stage_layers) < 1:
             raise ValueError(f"stage_layers {list(self.stage_layers)}: every stage needs at least one layer")
         return self
+
+    #: Hashed once: the cost model's memo tables key on TrainSpecs (:func:`sp_plan.cost_models.memo.hash_once`).
+    __slots__ = ("_hash",)
+    __hash__ = hash_once
 
     @property
     def dtype_bytes(self) -> int:

@@ -307,6 +307,8 @@ class _Searcher:
         self._branch_floors: dict[tuple, tuple[OptionLattice, float, int]] = {}
         #: A pipelined layout's bottom, timed once per micro-batch (see pipeline_bound).
         self._pipeline_bottoms: dict[tuple, tuple[float, tuple[float, float, float], float] | None] = {}
+        #: Each layout's moving parts (see layout_parts).
+        self._layout_parts: dict[Layout, int] = {}
         if base.is_training:
             self.batch_sequences = max(1, settings.global_batch_tokens // base.seq_len)
         else:
@@ -432,8 +434,15 @@ class _Searcher:
         this is not monotone; the search prunes on :meth:`device_fits` and filters on this)."""
         return self.device_fits(core) and core.host_total <= self.host_capacity
 
+    def layout_parts(self, layout: Layout) -> int:
+        """:func:`layout_moving_parts`, once per layout (every score of the layout reads it)."""
+        parts = self._layout_parts.get(layout)
+        if parts is None:
+            parts = self._layout_parts[layout] = layout_moving_parts(layout)
+        return parts
+
     def score(self, layout: Layout, options: dict[str, Any], t: StepTime) -> float:
-        parts = layout_moving_parts(layout) + moving_parts(options)
+        parts = self.layout_parts(layout) + moving_parts(options)
         return t.step_s / t.tokens_per_step * (1.0 + self.settings.tie_penalty * parts)
 
     def timed(self, layout: Layout, combo: Combo, lattice: OptionLattice) -> _Scored | None:
@@ -477,7 +486,7 @@ class _Searcher:
             return 0.0  # no cheap bound: the floor decides
         tokens, (t_f, t_b, t_w), m = timed
         bubble = bubble_seconds(options["pipeline_schedule"], layout.pp, options["virtual_stages"], t_f, t_b - t_w, t_w)
-        parts = layout_moving_parts(layout) + moving_parts(options)
+        parts = self.layout_parts(layout) + moving_parts(options)
         return (m * (t_f + t_b) + bubble) / tokens * (1.0 + self.settings.tie_penalty * parts)
 
     def _pipeline_bottom(self, layout: Layout, options: dict[str, Any]) -> tuple[float, tuple[float, float, float],
@@ -529,7 +538,7 @@ class _Searcher:
         if entry is None or entry[0] is not lattice:
             entry = self._branch_floors[key] = (lattice, *self._branch_floor(layout, lattice))
         _, per_token, option_parts = entry
-        return per_token * (1.0 + self.settings.tie_penalty * (layout_moving_parts(layout) + option_parts))
+        return per_token * (1.0 + self.settings.tie_penalty * (self.layout_parts(layout) + option_parts))
 
     def _branch_floor(self, layout: Layout, lattice: OptionLattice) -> tuple[float, int]:
         """:meth:`floor_bound` before the moving-parts penalty (seconds per token), and the moving parts of
@@ -537,6 +546,11 @@ class _Searcher:
         options = lattice.values(lattice.repair_up(lattice.bottom))
         if invalid_reason(options):
             return 0.0, 0
+        return self.floor_per_token(layout, options), moving_parts(options)
+
+    def floor_per_token(self, layout: Layout, options: dict[str, Any]) -> float:
+        """The compute-only floor (:func:`sp_plan.cost_models.step_floor.step_floor`) of ``options`` (valid) on
+        ``layout``, in seconds per token: at most their step time per token."""
         if layout.pp > 1:
             bottom = {**options, "pipeline_schedule": "zero_bubble", "virtual_stages": 1}
             schedule, chunks = options["pipeline_schedule"], options["virtual_stages"]
@@ -552,7 +566,22 @@ class _Searcher:
             self.floor_evals += 1
             floor = self._floors[key] = step_floor(self.model, self.train_for(layout, bottom), layout, self.topology,
                                                    self.profile)
-        return floor.step_s(schedule, chunks) / floor.tokens_per_step, moving_parts(options)
+        return floor.step_s(schedule, chunks) / floor.tokens_per_step
+
+    def combination_floor(self, layout: Layout, options: dict[str, Any]) -> float:
+        """The compute-only floor of exactly ``options`` (valid) on ``layout``, seconds per token: at most their
+        step per token (tests/test_step_floor.py). Without pipeline stages it is :meth:`floor_per_token`'s
+        (shared); with them it is taken on the options' own schedule and chunks, whose stage split and bubble
+        are what the step is priced with (a zero-bubble, one-chunk floor can exceed an interleaved step)."""
+        if layout.pp == 1:
+            return self.floor_per_token(layout, options)
+        key = (layout.model_degrees(), layout.dp, tuple((k, v) for k, v in options.items() if k != "zero_stage"))
+        floor = self._floors.get(key)
+        if floor is None:
+            self.floor_evals += 1
+            floor = self._floors[key] = step_floor(self.model, self.train_for(layout, options), layout, self.topology,
+                                                   self.profile)
+        return floor.step_s(options["pipeline_schedule"], options["virtual_stages"]) / floor.tokens_per_step
 
     # ----- per layout ---------------------------------------------------------------------------
     def most_saving_valid(self, lattice: OptionLattice) -> Combo:
@@ -617,28 +646,45 @@ class _Searcher:
         Returns None once every remaining combination scores worse than ``bound`` (the K-th best plan
         so far): nothing this layout can still offer would make the top K. Sets ``self.exhausted`` when
         the walk ran out of combinations instead (none fits device and host memory together).
+
+        Successors enter the queue untimed, keyed on their compute-only floor (:meth:`combination_floor`, with
+        their moving parts: a lower bound on their score whatever the time model's monotonicity, and cheap,
+        its compute shared by every layout with the same model degrees), and are timed only when popped;
+        about half never are (a walk ends at its first fitting pop or at ``bound``). Timed, a combination goes
+        back with its score and the tie-break number it was given on entry. Since no key exceeds its score,
+        the timed combinations pop in exactly the (score, entry) order of a walk that timed every successor
+        on entry, and the walk returns the same combination (tests/test_walk_keys.py).
         """
         self.exhausted = False
         tiebreak = itertools.count()
-        queue: list[tuple[float, int, _Scored]] = [(start.score, next(tiebreak), start)]
+        queue: list[tuple[float, int, _Scored | Combo]] = [(start.score, next(tiebreak), start)]
         seen = {start.combo}
         closure_fits: dict[Combo, bool] = {}
+        layout_parts = self.layout_parts(layout)
+        penalty = self.settings.tie_penalty
 
         def push(combo: Combo) -> None:
             if combo in seen:
                 return
             seen.add(combo)
-            scored = self.timed(layout, combo, lattice)
-            if scored is None:  # invalid combination: walk through it to its successors
+            options = lattice.values(combo)
+            if invalid_reason(options) or self.pipeline_invalid(layout, options):
+                # invalid combination: walk through it to its successors
                 for deeper in lattice.successors(combo):
                     push(deeper)
                 return
-            heapq.heappush(queue, (scored.score, next(tiebreak), scored))
+            parts = layout_parts + moving_parts(options)
+            key = self.combination_floor(layout, options) * (1.0 + penalty * parts)
+            heapq.heappush(queue, (key, next(tiebreak), combo))
 
         while queue:
-            score, _, item = heapq.heappop(queue)
+            score, order, item = heapq.heappop(queue)
             if score > bound:
                 return None
+            if not isinstance(item, _Scored):  # entered untimed: time it, and queue it again on its score
+                scored = self.timed(layout, item, lattice)
+                heapq.heappush(queue, (scored.score, order, scored))
+                continue
             if self.fits(item.report):
                 return item
             # If even the cheap axes at their most saving values do not fit, no combination that

@@ -16,6 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..memo import hash_once
 from ..units import MiB
 
 SelectivePolicy = Literal["attention_outputs", "attention_core_recompute", "op_sac"]
@@ -41,6 +42,10 @@ class MemoryAssumptions(BaseModel):
     """Implementation choices and hardware constants behind the per-GPU memory model."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    #: Hashed once: the memory model's memo tables key on the assumptions
+    #: (:func:`sp_plan.cost_models.memo.hash_once`).
+    __slots__ = ("_hash",)
+    __hash__ = hash_once
 
     # ----- what the transformer block saves for backward ------------------------------------------
     selective_policy: SelectivePolicy = Field(

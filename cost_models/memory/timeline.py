@@ -206,14 +206,11 @@ def memory_core(model: ModelSpec, train: TrainSpec, layout: Layout,
     if a.allocator == "fraction":
         # The overheads grow with the allocated peak alone (context, NCCL, a fraction of the peak), so the
         # stage with the largest peak has the largest total: only its report is built.
-        worst = max(candidates, key=lambda st: _stage_peak(model, train, layout, a, st))
-        return _memory_core(model, train, layout, a, worst)
+        # Each candidate's phases are built once: the worst one's go on into its report.
+        built = [(st, _phases(model, train, layout, a, st)) for st in candidates]
+        worst, phased = max(built, key=lambda item: max(p.allocated for p in item[1][-1]))
+        return _memory_core(model, train, layout, a, worst, phased)
     return max((_memory_core(model, train, layout, a, st) for st in candidates), key=lambda core: core.total)
-
-
-def _stage_peak(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions, stage: StageView) -> int:
-    """The allocated peak of one pipeline stage (the phases of :func:`_memory_core`, without the report)."""
-    return max(p.allocated for p in _phases(model, train, layout, a, stage)[-1])
 
 
 def pipeline_stages(model: ModelSpec, train: TrainSpec, layout: Layout) -> tuple[StageView, ...]:
@@ -252,8 +249,12 @@ def _phases(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumpt
 
 
 def _memory_core(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions,
-                 stage: StageView | None) -> MemoryCore:
-    d, states, block, head, inputs, offloaded, mode, mlp_grads, phases = _phases(model, train, layout, a, stage)
+                 stage: StageView | None, phased: tuple | None = None) -> MemoryCore:
+    """The core of one stage (``stage`` None: the whole model); ``phased``: its :func:`_phases`, when the
+    caller already built them."""
+    if phased is None:
+        phased = _phases(model, train, layout, a, stage)
+    d, states, block, head, inputs, offloaded, mode, mlp_grads, phases = phased
     training = train.is_training
     row_offset = row_kernel_last_offset(model, d, a)
     peak = max(phases, key=lambda p: p.allocated)
