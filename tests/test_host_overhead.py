@@ -71,19 +71,37 @@ def test_host_overhead_subtracts_the_model_at_the_short_length():
     assert f"{short:,} tokens" in got.note()
 
 
-def test_explain_time_shows_a_measured_host_overhead(tmp_path):
+def _explain(topology: pathlib.Path, model: str, *flags: str) -> str:
+    done = subprocess.run([str(pathlib.Path(sys.executable).parent / "sp-plan"), "estimate", "--model", model,
+                           *flags, "--topology", str(topology), "--explain-time"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_explain_time_shows_a_measured_host_overhead_or_says_it_is_missing(tmp_path):
     from sp_plan.cost_models.topology.presets import get_preset_spec
 
     spec = get_preset_spec("dgx-h100").model_dump(mode="json")
     spec["calibration"]["compute"]["host_step_overhead_s"] = 0.05
     path = tmp_path / "topo.yaml"
     path.write_text(yaml.safe_dump(spec))
-    done = subprocess.run([str(pathlib.Path(sys.executable).parent / "sp-plan"), "estimate", "--model", "llama3-8b",
-                           "--seq-len", "8K", "--gpus", "8", "--ulysses", "8", "--topology", str(path),
-                           "--explain-time"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    row = next(line for line in done.stdout.splitlines() if "host overhead per step" in line)
+    out = _explain(path, "llama3-8b", "--seq-len", "8K", "--gpus", "8", "--ulysses", "8")
+    row = next(line for line in out.splitlines() if "host overhead per step" in line)
     assert "0.0500" in row and "measured" in row
+    # CPU ranks without a measured overhead: the explanation says what it leaves out (GPU ones do not).
+    cpu = {"name": "cpu-box", "gpu": {"name": "cpu", "memory_bytes": 8 << 30, "peak_flops": {"fp32": 1e11, "bf16": 5e10},
+                                      "memory_bandwidth": 2e10},
+           "node": {"gpus": 4, "interconnect": {"kind": "loopback", "bandwidth": 5e9, "latency": 2e-5},
+                    "host": {"sockets": 1, "cpu_cores": 4, "ram_bytes": 32 << 30, "memory_bandwidth": 2e10}}}
+    cpu_path = tmp_path / "cpu.yaml"
+    cpu_path.write_text(yaml.safe_dump(cpu))
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_LLAMA))
+    out = _explain(cpu_path, str(config), "--seq-len", "4K", "--gpus", "4", "--ring", "4", "--dtype", "fp32")
+    assert "CPU ranks: not in this step: the host overhead" in out and "sp-plan validate" in out
+    assert "host overhead per step" not in out
+    assert "CPU ranks: not in this step" not in _explain(path, "llama3-8b", "--seq-len", "8K", "--gpus", "8")
 
 
 @pytest.mark.multiproc

@@ -290,6 +290,10 @@ def render_time_explanation(est: Estimate) -> str:
     if parts.get("host_overhead", 0.0) > 0:
         row("host overhead per step (CPU ranks)", parts["host_overhead"], "measured",
             f"topology ({det.topology}): the plan run at a short length")
+    elif str(det.gpu).startswith("cpu"):
+        notes.append("  CPU ranks: not in this step: the host overhead of each step (gloo calls as the step meets "
+                     "them, FSDP2 hooks, eager dispatch; 40-150 ms per step for the README's tiny Llama on 2 cores), "
+                     "which no kernel rate predicts; `sp-plan validate` measures it by running the plan short")
     total = sum(parts.values())
     table.append(["= step", f"{total:.4f}", f"{total / t.step_s if t.step_s > 0 else 0.0:.1%}"])
     rows += format_table(EXPLAIN_COLUMNS, table, indent="  ")
