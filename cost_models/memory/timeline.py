@@ -261,7 +261,7 @@ def _memory_core(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAs
     reserve = cached = None
     if a.allocator != "fraction":
         frag = _step_fragmentation(model, d, a, training, train.attention_kernel, train.tiled_mlp, train.tiled_loss,
-                                   mode, mlp_grads, bool(offloaded))
+                                   mode, mlp_grads, bool(offloaded), stage is None or stage.last)
         slack = int(a.allocator_slack_fraction * peak.allocated)
         # What the allocator holds at its high-water mark vs what it cannot hand back when an allocation
         # would fail (release_cached_blocks: free blocks of every stream's pool are released, and with
@@ -484,19 +484,24 @@ SMALL_TENSOR_BYTES = 1 << 20
 
 @lru_cache(maxsize=2048)
 def _step_fragmentation(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, training: bool, attention_kernel: str,
-                        tiled_mlp: bool, tiled_loss: bool, mode: str, mlp_param_grads: int, offloaded: bool) -> int:
+                        tiled_mlp: bool, tiled_loss: bool, mode: str, mlp_param_grads: int, offloaded: bool,
+                        with_head: bool = True) -> int:
     """Reserved bytes above the live peak when the allocator (:mod:`.allocator`, ``a.allocator``) replays
     a step in miniature: ``REPLAY_BLOCKS`` blocks forward (each block's input is the previous one's output,
     saved tensors stay allocated, an offloaded checkpoint leaves the device when its block returns), the
     output layer forward and backward, and the blocks' recompute + backward in reverse (each starting from
     the gradient the later one produced, the offloaded checkpoint brought back). Tensors allocated before
     the step and kept through it (weights, buffers) sit below and are left out; the reserve the replay
-    leaves above its own live peak is the fragmentation. Cached: one replay per distinct local shape."""
+    leaves above its own live peak is the fragmentation. Cached: one replay per distinct local shape.
+    ``with_head`` False: a pipeline stage without the output layer (not the last): its blocks' output goes to
+    the next stage and their gradient arrives from it, one hidden-sized tensor, so the output layer's tensors
+    (logits, their chunks under a tiled loss) are not in its replay; they were, and made a first stage's
+    reserve depend on a loss it never computes."""
     reentrant = a.checkpoint_implementation == "reentrant"
     graph = _block_graph(model, d, a, training, attention_kernel, tiled_mlp, mlp_param_grads)
     blk = simulate(graph, mode, a.selective_policy, reentrant=reentrant, trace=True)
-    head_graph = output_graph(model, d, a, training=training, tiled_loss=tiled_loss)
-    head = simulate(head_graph, "none" if training else "inference", trace=True)
+    head_graph = output_graph(model, d, a, training=training, tiled_loss=tiled_loss) if with_head else None
+    head = simulate(head_graph, "none" if training else "inference", trace=True) if with_head else None
     inp, out = graph.inputs[0].name, graph.outputs[0]
     kept = set(blk.saved_tensors)
     events: list = []
@@ -526,16 +531,22 @@ def _step_fragmentation(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, tr
     if first_input in live and (offloaded or inp not in kept):
         emit("f", first_input, 0)  # HF keeps inputs_embeds referenced until the model's forward returns
 
-    head_in = head_graph.inputs[0].name
+    if with_head:
+        head_in = head_graph.inputs[0].name
 
-    def hkey(name: object) -> object:
-        return inputs[-1] if name == head_in else ("h", name)
-    for kind, name, nbytes in head.forward_trace:
-        emit(kind, hkey(name), nbytes)
-    if training:
-        for kind, name, nbytes in head.backward_trace or ():
+        def hkey(name: object) -> object:
+            return inputs[-1] if name == head_in else ("h", name)
+        for kind, name, nbytes in head.forward_trace:
             emit(kind, hkey(name), nbytes)
-        carried = hkey(head.grad_keys[1][0]) if head.grad_keys[1] else None
+    # Without the head the last block's output stays: the schedule keeps a stage's output for its backward.
+    if training:
+        if with_head:
+            for kind, name, nbytes in head.backward_trace or ():
+                emit(kind, hkey(name), nbytes)
+            carried = hkey(head.grad_keys[1][0]) if head.grad_keys[1] else None
+        else:  # the output's gradient is received from the next stage
+            carried = ("received gradient",)
+            emit("a", carried, graph.inputs[0].nbytes)
         out_grad, in_grad = blk.grad_keys[0][0], blk.grad_keys[1][0]
         for j in reversed(range(REPLAY_BLOCKS)):
             incoming = carried
