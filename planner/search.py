@@ -475,11 +475,11 @@ class _Searcher:
 
     def pipeline_bound(self, layout: Layout, lattice: OptionLattice) -> float:
         """A lower bound on every combination of a pipelined branch, one step time per layout and micro-batch:
-        the slowest stage's forward, backward and weight-gradient times at the bottom of the lattice
-        (zero-bubble, the fewest transfers) bound every ZeRO stage's and schedule's stage work (ZeRO moves
-        only once-per-step traffic under PP; interleaving adds transfers), and the bound is that work times the
-        micro-batches plus the branch's own bubble on those times (each bubble grows with them). So a layout's
-        (ZeRO, schedule, chunks) branches cost one time evaluation, not one each."""
+        the slowest stage's forward, backward and weight-gradient times at the bottom of the lattice, on the
+        branch's own chunks (one chunk: zero-bubble, the fewest transfers), bound every ZeRO stage's and
+        schedule's stage work with those chunks (ZeRO moves only once-per-step traffic under PP), and the bound
+        is that work times the micro-batches plus the branch's own bubble on those times (each bubble grows with
+        them). So a layout's (ZeRO, schedule) branches of one chunk count cost one time evaluation."""
         options = lattice.values(lattice.repair_up(lattice.bottom))
         timed = self._pipeline_bottom(layout, options)
         if timed is None:
@@ -492,39 +492,27 @@ class _Searcher:
     def _pipeline_bottom(self, layout: Layout, options: dict[str, Any]) -> tuple[float, tuple[float, float, float],
                                                                                    float] | None:
         """Tokens per step, the slowest stage's (forward, backward, weight-gradient) seconds and the
-        micro-batches at the options every branch of ``layout`` with these non-schedule options is bounded at
-        (zero-bubble, one chunk); timed once per layout and micro-batch, None when the options are invalid."""
-        key = (layout, tuple((k, v) for k, v in options.items() if k not in PIPELINE_AXES and k != "zero_stage"))
+        micro-batches at the options every branch of ``layout`` with these non-schedule options and chunks is
+        bounded at; timed once per layout, chunk count and micro-batch, None when the options are invalid."""
+        chunks = options["virtual_stages"]
+        key = (layout, chunks,
+               tuple((k, v) for k, v in options.items() if k not in PIPELINE_AXES and k != "zero_stage"))
         if key not in self._pipeline_bottoms:
-            bottom = {**options, "pipeline_schedule": "zero_bubble", "virtual_stages": 1}
-            if invalid_reason(bottom):
+            # One chunk: zero-bubble, the fewest transfers, bounds 1F1B and zero-bubble alike. More chunks: the
+            # branch's own interleaved split (layers dealt to chunks can leave the slowest stage lighter than
+            # one chunk's split: llama3-8b 4K, pp=2 x dp_shard=4, 2 chunks, megatron-core, 9.29e-6 s per token
+            # against a one-chunk bound of 9.80e-6), which also carries the MoE all-to-all overlap that
+            # Megatron-Core runs only under virtual stages.
+            schedule = "zero_bubble" if chunks == 1 else "interleaved_1f1b"
+            bottom = {**options, "pipeline_schedule": schedule, "virtual_stages": chunks}
+            if invalid_reason(bottom) or (chunks > 1 and self.pipeline_invalid(layout, bottom)):
                 self._pipeline_bottoms[key] = None
             else:
                 train = self.train_for(layout, bottom)
                 self.time_evals += 1
                 t = step_time(self.model, train, layout, self.topology, _NO_OFFLOAD, self.profile)
-                stage_s = t.stage_s
-                if self._overlap_needs_chunks(layout):
-                    stage_s = self._with_two_chunks(layout, options, stage_s)
-                self._pipeline_bottoms[key] = (t.tokens_per_step, stage_s, train.grad_accum)
+                self._pipeline_bottoms[key] = (t.tokens_per_step, t.stage_s, train.grad_accum)
         return self._pipeline_bottoms[key]
-
-    def _overlap_needs_chunks(self, layout: Layout) -> bool:
-        """Whether the stack hides MoE all-to-alls only under virtual stages (Megatron-Core's combined 1F1B):
-        then one chunk is not the cheapest stage work, and the bound also times two."""
-        return bool(self.profile.stack.time.moe_a2a_overlap and self.model.moe is not None and layout.ep > 1)
-
-    def _with_two_chunks(self, layout: Layout, options: dict[str, Any],
-                         stage_s: tuple[float, float, float]) -> tuple[float, float, float]:
-        """The elementwise minimum of one chunk's stage times and two chunks' (interleaved 1F1B): more chunks
-        only add transfers, and the all-to-all overlap is priced the same for every chunk count above one, so
-        the two bound every branch's stage work."""
-        two = {**options, "pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2}
-        if invalid_reason(two) or self.pipeline_invalid(layout, two):
-            return stage_s
-        self.time_evals += 1
-        t = step_time(self.model, self.train_for(layout, two), layout, self.topology, _NO_OFFLOAD, self.profile)
-        return tuple(min(a, b) for a, b in zip(stage_s, t.stage_s))
 
     def floor_bound(self, layout: Layout, lattice: OptionLattice) -> float:
         """A cheaper lower bound than :meth:`bottom_bound` (plain branches) or :meth:`pipeline_bound`
@@ -550,23 +538,24 @@ class _Searcher:
 
     def floor_per_token(self, layout: Layout, options: dict[str, Any]) -> float:
         """The compute-only floor (:func:`sp_plan.cost_models.step_floor.step_floor`) of ``options`` (valid) on
-        ``layout``, in seconds per token: at most their step time per token."""
+        ``layout``, in seconds per token: at most their step time per token. With pipeline stages it is taken
+        on the options' own schedule and chunks (:meth:`combination_floor`): a zero-bubble, one-chunk floor,
+        shared across a layout's schedules, can exceed an interleaved step, whose chunked stage split is
+        better balanced (llama3-8b 32K, pp=16 x ring=2, 2 chunks, hf-fsdp2: 8.64e-6 s per token against a step
+        of 8.61e-6; tests/test_step_floor.py), which would prune a branch holding a better plan."""
         if layout.pp > 1:
-            bottom = {**options, "pipeline_schedule": "zero_bubble", "virtual_stages": 1}
-            schedule, chunks = options["pipeline_schedule"], options["virtual_stages"]
-        else:
-            bottom, schedule, chunks = options, None, 1
+            return self.combination_floor(layout, options)
         # The floor reads the model degrees (compute), the data-parallel degree (tokens per step, micro-batches)
         # and the options other than ZeRO (no compute term reads it): layouts that only split data parallelism
         # differently, and a layout's ZeRO branches, share it.
         key = (layout.model_degrees(), layout.dp,
-               tuple((k, v) for k, v in bottom.items() if k not in PIPELINE_AXES and k != "zero_stage"))
+               tuple((k, v) for k, v in options.items() if k not in PIPELINE_AXES and k != "zero_stage"))
         floor = self._floors.get(key)
         if floor is None:
             self.floor_evals += 1
-            floor = self._floors[key] = step_floor(self.model, self.train_for(layout, bottom), layout, self.topology,
+            floor = self._floors[key] = step_floor(self.model, self.train_for(layout, options), layout, self.topology,
                                                    self.profile)
-        return floor.step_s(schedule, chunks) / floor.tokens_per_step
+        return floor.step_s() / floor.tokens_per_step
 
     def combination_floor(self, layout: Layout, options: dict[str, Any]) -> float:
         """The compute-only floor of exactly ``options`` (valid) on ``layout``, seconds per token: at most their
