@@ -105,6 +105,11 @@ def main() -> None:
     })
     with open(os.path.join(os.environ.get("TINY_OUT", "."), f"rank{rank}.json"), "w") as f:
         f.write(result)
+    # Leave together and tear gloo down before the interpreter exits: a rank that exits while its peer's gloo
+    # pair is still open aborted now and then ("terminate called without an active exception", SIGABRT).
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
