@@ -6,15 +6,15 @@ import itertools
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from sp_plan.cost_models import TrainSpec, get_model_preset
 from sp_plan.cost_models.stack import stack_names
 from sp_plan.cost_models.step_floor import step_floor
-from sp_plan.cost_models.time_model import step_time
 from sp_plan.cost_models.topology import default_topology
 from sp_plan.planner.options import invalid_reason
 from sp_plan.planner.search import PlanSettings, _Searcher
 from sp_plan.planner.space import layout_space
+
+from tests.search_checks import searcher_and_layouts
 
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -24,16 +24,6 @@ CLUSTERS = [(8, 8), (16, 8), (32, 8)]
 SEQ_LENS = [4096, 32 * 1024, 128 * 1024]
 
 
-def _searcher(name: str, gpus: int, seq: int, stack: str) -> tuple[_Searcher, list]:
-    model = get_model_preset(name)
-    topology = default_topology("h100-80gb", gpus, min(8, gpus))
-    train = TrainSpec(seq_len=seq)
-    s = _Searcher(model, train, topology, PlanSettings(stack=stack), None)
-    layouts = [layout for layout in layout_space(gpus, model, train, topology.gpus_per_node).layouts
-               if not s.stack_refusal(layout)]
-    return s, layouts
-
-
 @SETTINGS
 @given(name=st.sampled_from(MODELS), cluster=st.sampled_from(CLUSTERS), seq=st.sampled_from(SEQ_LENS),
        stack=st.sampled_from(stack_names()), pick=st.randoms(use_true_random=False))
@@ -41,7 +31,7 @@ def test_the_floor_never_exceeds_the_full_step(name, cluster, seq, stack, pick):
     """For a random layout and random valid options (schedule and chunks included under PP): the floor under
     the options' own schedule is at most the step the full time model gives them."""
     gpus, _ = cluster
-    s, layouts = _searcher(name, gpus, seq, stack)
+    s, layouts = searcher_and_layouts(name, gpus, seq, stack)
     for layout in pick.sample(layouts, min(4, len(layouts))):
         lattice = s.lattice(layout)
         combos = [c for c in itertools.product(*(range(len(a.values)) for a in lattice.axes))
@@ -62,7 +52,7 @@ def test_a_branch_floor_bounds_every_combination_of_the_branch(name, cluster, se
     """What the search prunes on: a branch's floor is at most its timed bound (the bottom's step, or the
     pipelined layout's bound) and at most the score of every valid combination in the branch."""
     gpus, _ = cluster
-    s, layouts = _searcher(name, gpus, seq, stack)
+    s, layouts = searcher_and_layouts(name, gpus, seq, stack)
     for layout in pick.sample(layouts, min(3, len(layouts))):
         branches = s.lattices(layout)
         for lattice in pick.sample(branches, min(3, len(branches))):

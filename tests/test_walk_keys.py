@@ -10,29 +10,17 @@ import math
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from sp_plan.cost_models import TrainSpec, get_model_preset
 from sp_plan.cost_models.stack import stack_names
-from sp_plan.cost_models.topology import default_topology
 from sp_plan.planner.options import invalid_reason, moving_parts
-from sp_plan.planner.search import PlanSettings, _Searcher
-from sp_plan.planner.space import layout_space
+from sp_plan.planner.search import _Searcher
+
+from tests.search_checks import searcher_and_layouts
 
 SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 MODELS = ["llama3-8b", "qwen3-4b", "qwen3-30b-a3b"]
 CLUSTERS = [8, 16]
 SEQ_LENS = [4096, 32 * 1024, 128 * 1024]
-
-
-def _searcher(name: str, gpus: int, seq: int, stack: str) -> tuple[_Searcher, list]:
-    model = get_model_preset(name)
-    topology = default_topology("h100-80gb", gpus, min(8, gpus))
-    train = TrainSpec(seq_len=seq)
-    s = _Searcher(model, train, topology, PlanSettings(stack=stack), None)
-    layouts = [layout for layout in layout_space(gpus, model, train, topology.gpus_per_node).layouts
-               if not s.stack_refusal(layout)]
-    return s, layouts
 
 
 def _valid(s: _Searcher, layout, lattice) -> list[tuple[int, ...]]:
@@ -78,7 +66,7 @@ def _eager_walk(s: _Searcher, layout, lattice, start, bound: float):
 def test_walk_keys_never_exceed_the_scores_they_stand_for(name, gpus, seq, stack, pick):
     """A combination's key (its compute-only floor per token, with its moving parts) is at most its score,
     for every valid combination of sampled branches, pipelined ones included."""
-    s, layouts = _searcher(name, gpus, seq, stack)
+    s, layouts = searcher_and_layouts(name, gpus, seq, stack)
     penalty = s.settings.tie_penalty
     for layout in pick.sample(layouts, min(3, len(layouts))):
         branches = s.lattices(layout)
@@ -97,7 +85,7 @@ def test_walk_keys_never_exceed_the_scores_they_stand_for(name, gpus, seq, stack
 def test_the_lazy_walk_returns_what_the_eager_walk_returns(name, gpus, seq, stack, pick, cut):
     """From the same start and under the same bound (none, or a cut-off ``cut`` times the start's score),
     the same combination, or None for the same reason."""
-    s, layouts = _searcher(name, gpus, seq, stack)
+    s, layouts = searcher_and_layouts(name, gpus, seq, stack)
     for layout in pick.sample(layouts, min(3, len(layouts))):
         for lattice in s.lattices(layout):
             top = s.most_saving_valid(lattice)
