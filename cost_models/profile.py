@@ -27,7 +27,7 @@ from .errors import CostModelError
 from .fitted import FittedParameters, forget_shipped, replaced
 from .kernels import KernelModel, kernel_model
 from .memory.assumptions import MemoryAssumptions
-from .stack import StackProfile, load_stack
+from .stack import StackProfile, load_stack, synced_memory
 from .yaml_io import parse_mapping, read_small_text, validated
 
 MAX_CALIBRATION_FILE_BYTES = 1 << 22
@@ -135,7 +135,10 @@ class CostProfile:
 
     def with_assumptions(self, assumptions: MemoryAssumptions | None) -> "CostProfile":
         """This profile with its memory assumptions replaced (``--assume`` / an explicit argument)."""
-        if assumptions is None or assumptions == self.stack.memory:
+        if assumptions is None:
+            return self
+        assumptions = synced_memory(assumptions, self.stack.time)
+        if assumptions == self.stack.memory:
             return self
         return CostProfile(self.stack.model_copy(update={"memory": assumptions}), self.kernels, self.overridden)
 

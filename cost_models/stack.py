@@ -23,7 +23,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from . import data
 from .errors import explain_validation_error
@@ -345,6 +345,16 @@ class StackProfile(BaseModel):
     time: StackTime = StackTime()
     search: StackSearch = StackSearch()
 
+    @model_validator(mode="after")
+    def _memory_follows_offload_semantics(self) -> "StackProfile":
+        """The memory model's ``checkpoint_offload_keeps_activations`` is the time section's
+        ``checkpoint_offload_recomputes`` negated: one switch decides what the offload moves (PCIe time) and
+        what the host then holds (host memory), so the two models cannot disagree."""
+        synced = synced_memory(self.memory, self.time)
+        if synced is not self.memory:
+            object.__setattr__(self, "memory", synced)  # frozen: set once, while validating
+        return self
+
     def with_overrides(self, memory: dict[str, Any] | None = None, time: dict[str, Any] | None = None,
                        name: str | None = None) -> "StackProfile":
         """This profile with some memory/time fields replaced (validated like a file)."""
@@ -353,7 +363,15 @@ class StackProfile(BaseModel):
             tim = StackTime(**{**self.time.model_dump(), **(time or {})})
         except ValidationError as exc:
             raise explain_validation_error(exc, f"overrides of stack {self.name}") from exc
-        return self.model_copy(update={"memory": mem, "time": tim, "name": name or self.name})
+        return self.model_copy(update={"memory": synced_memory(mem, tim), "time": tim, "name": name or self.name})
+
+
+def synced_memory(memory: MemoryAssumptions, time: StackTime) -> MemoryAssumptions:
+    """``memory`` with the checkpoint-offload semantics of ``time`` (see StackProfile)."""
+    keeps = not time.checkpoint_offload_recomputes
+    if memory.checkpoint_offload_keeps_activations == keeps:
+        return memory
+    return memory.model_copy(update={"checkpoint_offload_keeps_activations": keeps})
 
 
 def stack_names() -> tuple[str, ...]:

@@ -389,6 +389,15 @@ class MemoryAssumptions(BaseModel):
             "resident for a CUDA PyTorch process), the data loader and its prefetched batches."
         ),
     )
+    checkpoint_offload_keeps_activations: bool = Field(
+        default=False,
+        description=(
+            "`offload_checkpoints` keeps every activation autograd saves and moves it to host memory instead of "
+            "recomputing (torch's save_on_cpu, TRL's activation offloading): the host then holds each layer's "
+            "saved activations, not only its checkpointed input. Not set in stack files: a stack profile derives "
+            "it from its time section's `checkpoint_offload_recomputes` (one switch for both models)."
+        ),
+    )
     checkpoint_offload_in_flight: int = Field(
         default=2,
         ge=1,

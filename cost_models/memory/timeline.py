@@ -277,7 +277,8 @@ def _memory_core(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAs
         offloaded_per_layer=offloaded, inputs=inputs, mode=mode,
         host_weights=states.weights_host, host_gradients=states.gradients_host,
         host_optimizer=states.optimizer_host,
-        host_checkpoints=(model.num_layers if stage is None else stage.layers) * offloaded,
+        host_checkpoints=(model.num_layers if stage is None else stage.layers) * _host_checkpoint_bytes(
+            model, d, a, train),
         row_kernel_offset=row_offset, row_kernel_offset_limit=a.row_kernel_offset_limit, stage=stage,
     )
 
@@ -314,6 +315,18 @@ def _offloaded_checkpoint_bytes(d: LocalDims, train: TrainSpec) -> int:
     return d.norm_tokens * d.hidden * d.compute_bytes
 
 
+def _host_checkpoint_bytes(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, train: TrainSpec) -> int:
+    """Per layer, what checkpoint offload keeps in host memory: the checkpointed input, or, when the stack's
+    offload keeps the activations instead of recomputing them (``a.checkpoint_offload_keeps_activations``),
+    everything the layer saves for backward without checkpointing: the bytes the time model moves over PCIe
+    for it. Counting only the input there let hf-fsdp2 plans at 256K tokens need ~700 GB of host memory per
+    GPU while the report said 34 GB."""
+    offloaded = _offloaded_checkpoint_bytes(d, train)
+    if not offloaded or not a.checkpoint_offload_keeps_activations:
+        return offloaded
+    return _layers_block(model, d, a, True, train.attention_kernel, train.tiled_mlp, "none").saved["activation"]
+
+
 def host_memory(model: ModelSpec, train: TrainSpec, layout: Layout,
                 assumptions: MemoryAssumptions | None = None) -> HostMemory:
     """Bytes per GPU kept in host memory, the same figures :func:`memory_core` reports, without
@@ -322,7 +335,7 @@ def host_memory(model: ModelSpec, train: TrainSpec, layout: Layout,
     if layout.pp > 1:  # the stage whose device memory is the largest (the one the estimate reports)
         return memory_core(model, train, layout, a).host
     states = model_states(model, train, layout, a)
-    checkpoints = model.num_layers * _offloaded_checkpoint_bytes(local_dims(model, train, layout), train)
+    checkpoints = model.num_layers * _host_checkpoint_bytes(model, local_dims(model, train, layout), a, train)
     return HostMemory.model_construct(
         weights=states.weights_host, gradients=states.gradients_host, optimizer=states.optimizer_host,
         checkpoints=checkpoints,
