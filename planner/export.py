@@ -107,11 +107,11 @@ def _refuse_accelerate(plan: Plan) -> None:
             "the parallelism config has no dimension for FSDP to shard across'); export --to deepspeed (AutoTP) or "
             "--to torchrun, or re-plan with --tp below the GPU count"
         )
-    if plan.train.offload_checkpoints:
+    if plan.train.offload_checkpoints and layout.ulysses > 1:
         raise PlannerError(
-            "train.offload_checkpoints: neither Accelerate nor transformers can offload checkpointed activations "
-            "to the host; re-plan with --no-offload-checkpoints, or export --to torchrun (sp-plan's runtime "
-            "offloads them)"
+            "train.offload_checkpoints: Accelerate's DeepSpeed sequence parallelism has no checkpoint offload for "
+            "transformers models (ALST's lives in ArcticTraining); re-plan with --no-offload-checkpoints, or "
+            "export --to torchrun (sp-plan's runtime offloads them)"
         )
 
 
@@ -138,8 +138,9 @@ def to_accelerate(plan: Plan) -> Export:
     Ulysses maps to Accelerate's ``sp`` (DeepSpeed ALST backend), Ring to ``cp`` (torch context
     parallel with FSDP2). Accelerate treats the two as mutually exclusive and does not combine DeepSpeed
     SP with TP, so USP plans and Ulysses x TP plans are refused with the alternative; so are plans that
-    leave FSDP2 nothing to shard across (``dp_shard`` = ``cp`` = 1, e.g. TP over every GPU) and plans that
-    offload checkpointed activations (no transformers/Accelerate equivalent).
+    leave FSDP2 nothing to shard across (``dp_shard`` = ``cp`` = 1, e.g. TP over every GPU) and Ulysses plans
+    that offload checkpointed activations (no equivalent under its DeepSpeed backend). Under FSDP2 the
+    offload is TRL's activation offloading, which keeps the activations (a note says how to switch it on).
     """
     _refuse_accelerate(plan)
     _refuse_unmapped_degrees(plan, "accelerate", "Accelerate")
@@ -211,8 +212,17 @@ def to_accelerate(plan: Plan) -> Export:
             "fsdp_offload_params": train.offload_params or train.offload_optimizer,
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
             "fsdp_cpu_ram_efficient_loading": True,
-            "fsdp_activation_checkpointing": train.checkpointing != "none",
+            # An offload that keeps the activations replaces checkpointing (hf-fsdp2 prices no recompute).
+            "fsdp_activation_checkpointing": train.checkpointing != "none" and not train.offload_checkpoints,
         }
+        if train.offload_checkpoints:
+            notes.append(
+                "activation offload: the plan keeps every saved activation in host memory instead of recomputing "
+                "it (how the hf-fsdp2 stack prices offload_checkpoints), which Accelerate's config cannot switch "
+                "on: use TRL's SFTConfig(activation_offloading=True, gradient_checkpointing=False), or run the "
+                "forward and loss inside trl.models.get_act_offloading_ctx_manager(model); activation "
+                "checkpointing stays off"
+            )
         if layout.ring > 1:
             parallelism.update(
                 {

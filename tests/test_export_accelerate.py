@@ -130,9 +130,28 @@ def test_tp_only_plan_is_refused_before_accelerate_refuses_it(tmp_path, monkeypa
         ParallelismConfig(tp_size=2)._validate_accelerator(accelerator)
 
 
-def test_accelerate_refuses_checkpoint_offload_naming_the_field():
+def test_accelerate_refuses_checkpoint_offload_under_ulysses_naming_the_field():
     with pytest.raises(PlannerError, match=r"train\.offload_checkpoints.*--no-offload-checkpoints"):
-        to_accelerate(make_plan(dp_shard=2, offload_checkpoints=True))
+        to_accelerate(make_plan(ulysses=2, checkpointing="full", offload_checkpoints=True))
+
+
+def test_fsdp2_checkpoint_offload_is_trl_activation_offloading(tmp_path):
+    """hf-fsdp2 prices offload_checkpoints as keeping every saved activation on the host without recompute:
+    TRL's activation offloading with checkpointing off, which the note names (its real fields, checked here)."""
+    from trl import SFTConfig
+    from trl.models import get_act_offloading_ctx_manager
+
+    export = to_accelerate(make_plan(dp_shard=2, checkpointing="full", offload_checkpoints=True))
+    assert export.content["fsdp_config"]["fsdp_activation_checkpointing"] is False
+    note = next(n for n in export.notes if n.startswith("activation offload"))
+    assert "SFTConfig(activation_offloading=True, gradient_checkpointing=False)" in note
+    assert "get_act_offloading_ctx_manager(model)" in note and callable(get_act_offloading_ctx_manager)
+    config = SFTConfig(output_dir=str(tmp_path), activation_offloading=True, gradient_checkpointing=False,
+                       report_to=[], use_cpu=True, bf16=False)  # CPU here; the fields are what the note names
+    assert config.activation_offloading and not config.gradient_checkpointing
+    plain = to_accelerate(make_plan(dp_shard=2, checkpointing="full"))
+    assert plain.content["fsdp_config"]["fsdp_activation_checkpointing"] is True
+    assert not any(n.startswith("activation offload") for n in plain.notes)
 
 
 def _launch(plan, tmp_path, **env_extra: str) -> list[dict]:
