@@ -4,7 +4,6 @@ Llama rows run with the layout, batch and sharding its table and recipe state, a
 import math
 
 import pytest
-
 from sp_plan.planner.fitting.fit import predict_all, profile_for
 from sp_plan.planner.fitting.published import published_entries, published_runs
 from sp_plan.planner.fitting.runs import predict
