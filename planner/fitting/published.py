@@ -395,7 +395,7 @@ def _describe(entry: dict[str, Any], seq_len: int | None = None) -> str:
     extra += f" {entry['schedule']}" if "schedule" in entry else ""
     extra += f" vp{entry['virtual_stages']}" if entry.get("virtual_stages", 1) > 1 else ""
     # a table archived per release repeats a layout across releases and precisions: both tell its rows apart
-    extra += f" {entry['precision']} r{entry['release']}" if "release" in entry else ""
+    extra += f" {entry.get('precision', 'bf16')} r{entry['release']}" if "release" in entry else ""
     return f"{entry['source']}: {entry['model'].split(' (')[0]} {entry['gpus']}gpu {layout}{seq}{opts}{extra}"
 
 
