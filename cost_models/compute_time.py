@@ -185,9 +185,16 @@ def compute_time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: T
     # Checkpoint offload changes compute only where the stack offloads instead of recomputing: keying on
     # that (not on the flag) keeps one entry for both values of the planner's offload axis elsewhere.
     # The data-parallel degrees change no kernel: the key holds the degrees that shape one.
-    key = (model, *layout.model_degrees(), topology, profile,
-           _keeps_activations(train, profile.stack.time), *(getattr(train, f) for f in COMPUTE_FIELDS))
+    key = (model, *layout.model_degrees(), topology, profile, _keeps_activations(train, profile.stack.time),
+           _fp8_weight_share(train, profile.stack.time), *(getattr(train, f) for f in COMPUTE_FIELDS))
     return _COMPUTE.get(key, lambda: _compute(model, train, layout, topology, profile))
+
+
+def _fp8_weight_share(train: TrainSpec, stack: StackTime) -> float:
+    """The part of a step's FP8 weight casts one micro-batch pays: 1 / micro-batches where the stack casts
+    each weight once per step (``StackTime.fp8_weight_cache``), else 1 (also without Float8 linears, so the
+    memo key does not split on the micro-batch count where it changes nothing)."""
+    return 1.0 / train.grad_accum if train.fp8_linears and stack.fp8_weight_cache else 1.0
 
 
 def _keeps_activations(train: TrainSpec, stack: StackTime) -> bool:
@@ -251,7 +258,8 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
                                                            fp8, (mlp_f, mlp_b), layout.ep)
     cast_f = cast_b = 0.0
     if fp8:  # amax + cast passes over each GEMM's activation and weight (forward), and the output grad
-        elems_f, elems_b = _fp8_cast_elements(model, tokens, tp, layout.ep, attn_g, mlp_g, tiles, mlp_tile)
+        elems_f, elems_b = _fp8_cast_elements(model, tokens, tp, layout.ep, attn_g, mlp_g, tiles, mlp_tile,
+                                              _fp8_weight_share(train, stack))
         cast_f = stack.fp8_cast_passes * elems_f * (d + 1) / hbm
         cast_b = stack.fp8_cast_passes * elems_b * (d + 1) / hbm
 
@@ -463,16 +471,17 @@ def _sparse_layer_gemms(model: ModelSpec, tokens: float, tp: int, mlp_tile: floa
 
 
 def _fp8_cast_elements(model: ModelSpec, tokens: float, tp: int, ep: int, attn_g: list[Gemm], mlp_g: list[Gemm],
-                       tiles: float, mlp_tile: float | None) -> tuple[float, float]:
+                       tiles: float, mlp_tile: float | None, weight_share: float = 1.0) -> tuple[float, float]:
     """Elements the fp8 casts pass over in the mean layer: forward, each fp8 GEMM's input and weight;
     backward, its output gradient. The GEMMs are the ones that run: MLA's projections, and in MoE layers the
     routed experts' grouped GEMMs on this rank's dispatched rows (``tokens x top_k`` for the ep group,
     ``MoESpec.expert_row_groups``) with its ``num_experts / ep`` experts' weights, plus the shared experts on
     every token (the router stays in bf16/fp32), averaged with the dense layers' MLP like the FFN time.
     Why: a MoE layer casts top_k x the tokens at the experts' width, not a dense MLP of ``ffn_hidden_size``
-    (which Qwen3-MoE's all-MoE stack never runs)."""
+    (which Qwen3-MoE's all-MoE stack never runs). ``weight_share`` is the part of a step's weight casts one
+    micro-batch pays (1 / micro-batches where the stack caches the FP8 weights, ``StackTime.fp8_weight_cache``)."""
     def forward(gemms: list[Gemm]) -> float:
-        return sum(m * k + k * n for m, n, k in gemms)
+        return sum(m * k + weight_share * k * n for m, n, k in gemms)
 
     def backward(gemms: list[Gemm]) -> float:
         return sum(m * n for m, n, _ in gemms)
@@ -491,7 +500,7 @@ def _fp8_cast_elements(model: ModelSpec, tokens: float, tp: int, ep: int, attn_g
         routed = sum(r * c for r, c in groups)
         experts = sum(c for _, c in groups)
         matrices = [(f, h), (f, h), (h, f)]  # gate, up (hidden -> f), down (f -> hidden): (n, k)
-        moe_f = sum(routed * k + experts * k * n for n, k in matrices)
+        moe_f = sum(routed * k + weight_share * experts * k * n for n, k in matrices)
         moe_b = sum(routed * n for n, _ in matrices)
         if moe.shared_width:
             fs = moe.shared_width / tp

@@ -170,6 +170,15 @@ class StackTime(BaseModel):
             "input and weight per GEMM for the dynamic-scaling amax and the cast to float8."
         ),
     )
+    fp8_weight_cache: bool = Field(
+        default=False,
+        description=(
+            "With Float8 linears: each weight is quantized once per step, on the step's first micro-batch, "
+            "and the step's other micro-batches reuse that FP8 copy (Transformer Engine's weight workspace "
+            "cache, which Megatron-Core enables through is_first_microbatch), so the weight casts are paid "
+            "once per step rather than per micro-batch. False: every micro-batch casts the weights again."
+        ),
+    )
     tp_comm_overlap: Literal["none", "userbuffers", "async_tp"] = Field(
         default="none",
         description=(

@@ -150,6 +150,17 @@ SOURCES: dict[str, SourceSetup] = {
         "routing force-balanced (load imbalance 1.0), dropless, expert parallelism over the data-parallel ranks",
         moe_load_imbalance=1.0,
     ),
+    "megatron-bridge-archive": SourceSetup(
+        "dgx-h100", "megatron-core",
+        {"zero_stage": 1, "checkpointing": "none", "fp8_linears": True, "tp_sequence_parallel": True},
+        {},
+        "DGX-H100 (FP8 current scaling) / DGX-B200 (FP8 current scaling or MXFP8, both priced as the fp8 tensor "
+        "cores); Megatron-Core + Transformer Engine performance recipes of each row's release (Megatron-Bridge "
+        "v0.1.0rc3 perf_matrix YAMLs for 25.09, v0.2.0-v0.5.0 scripts/performance/configs after): distributed "
+        "optimizer (ZeRO-1 over DP) unless the table's FSDP column is set (Megatron-FSDP optim_grads_params: "
+        "ZeRO-3), no activation recompute, TP with sequence parallelism and TE userbuffers TP overlap (the 70B and "
+        "405B recipes), interleaved 1F1B where VP is given, the planner's balanced layer split",
+    ),
     "ulysses-paper-figures": SourceSetup(
         "dgx-a100", "hf-deepspeed", {"micro_batch": 1}, {},
         "8 DGX-A100 nodes (IB HDR); Megatron-DeepSpeed GPT; TFLOP/s by Megatron-DeepSpeed's formula",
@@ -383,6 +394,8 @@ def _describe(entry: dict[str, Any], seq_len: int | None = None) -> str:
     extra += f" ep{entry['ep']}" if entry.get("ep", 1) > 1 else ""
     extra += f" {entry['schedule']}" if "schedule" in entry else ""
     extra += f" vp{entry['virtual_stages']}" if entry.get("virtual_stages", 1) > 1 else ""
+    # a table archived per release repeats a layout across releases and precisions: both tell its rows apart
+    extra += f" {entry.get('precision', 'bf16')} r{entry['release']}" if "release" in entry else ""
     return f"{entry['source']}: {entry['model'].split(' (')[0]} {entry['gpus']}gpu {layout}{seq}{opts}{extra}"
 
 
