@@ -42,7 +42,7 @@ _TAIL_GROUPS: dict[str, tuple[str, ...]] = {
     "compute slowed by comm": ("interference",),
     "offload": ("offload",),
     "optimizer": ("optimizer",),
-    "overhead": ("stack_overhead", "step_overhead"),
+    "overhead": ("stack_overhead", "step_overhead", "moe_host_sync"),
 }
 _EXPOSED = "exposed_comm_"
 #: Step-time parts below this fraction of the longest step in every plan are drawn as one series.

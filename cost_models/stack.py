@@ -234,6 +234,34 @@ class StackTime(BaseModel):
         ),
     )
 
+    moe_host_sync_s: float = Field(
+        default=0.0,
+        ge=0,
+        le=0.1,
+        description=(
+            "GPU idle per MoE layer pass (one micro-batch's forward and backward through one MoE layer) beyond "
+            "layer_overhead_s: a dropless dispatcher copies the token counts to the host and waits for them "
+            "every MoE layer (Megatron-Core's alltoall dispatcher _maybe_dtoh_and_synchronize, Hybrid-EP's "
+            "tokens_per_expert.sum() when no upper bound is set, DeepEP's CPU wait for the receive counts), "
+            "so the GPU drains and then waits while Python launches the layer's next kernels. Priced with "
+            "ep > 1 in training when no other micro-batch's work fills the gap (moe_a2a_overlap off or not "
+            "running; with it, only the unpaired passes) and the MoE layer is not in a CUDA graph "
+            "(cuda_graph_scope without 'moe' or 'full_iteration'); cost_models/strategies/moe_host.py."
+        ),
+    )
+    cuda_graph_scope: tuple[Literal["attn", "mlp", "moe", "moe_router", "moe_preprocess", "full_iteration"], ...] = Field(
+        default=(),
+        max_length=6,
+        description=(
+            "What the stack captures in CUDA graphs (Megatron-Core --cuda-graph-impl transformer_engine with "
+            "--cuda-graph-scope, or local full_iteration); empty: none (Megatron-Core's default "
+            "cuda_graph_impl none). Only 'moe' (a static-shape, drop-and-pad MoE layer) and 'full_iteration' "
+            "(sync-free MoE) take the MoE layer's host synchronisation off the step (moe_host_sync_s); the "
+            "partial scopes of dropless recipes (attn, moe_router, moe_preprocess) leave it, as the published "
+            "measurements do not separate them (docs/accuracy.md)."
+        ),
+    )
+
 
 #: TrainSpec options the planner searches over (:mod:`sp_plan.planner.options`) and the values each may take;
 #: a stack's ``search.options`` narrows these to what the stack can run.

@@ -59,6 +59,7 @@ from .pipeline import bubble_seconds, check_pipeline, stage_layers
 from .placement import Placement, group_spans, place
 from .profile import CostProfile, default_profile
 from .strategies import implementing, on_change, registered, report_buckets
+from .strategies.moe_host import moe_host_sync_note
 from .strategies.offload import OffloadTraffic, saved_activation_bytes
 from .strategies.optimizer import OPTIMIZER_STATE_BYTES, optimizer_step_traffic
 from .strategies.overlap import overlap_sources
@@ -222,8 +223,9 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
     fwd_overlap, bwd_overlap_mb, bwd_overlap_last = ov.fwd, ov.bwd_mb, ov.bwd_last
     overlap_slow_mb, slow_last = ov.slow_mb, ov.slow_last
 
-    layer_f = c_fwd + lf_exposed + st.exposed_f + st.slow_f
-    layer_b = c_bwd + lb_exposed + st.exposed_b + st.slow_b if training else 0.0
+    layer_f = c_fwd + lf_exposed + st.exposed_f + st.slow_f + st.host_f
+    layer_b = c_bwd + lb_exposed + st.exposed_b + st.slow_b + st.host_b if training else 0.0
+    host_sync_s = accum * layers * (st.host_f + st.host_b)  # GPU idle on the host (strategies.moe_host)
     microbatch_s = (layers * (layer_f + layer_b) + fwd_overlap + bwd_overlap_mb + head_f + head_b + model_mb
                     + overlap_slow_mb + st.exposed_mb + st.slow_mb)
     interference_s = (accum * (layers * (st.slow_f + st.slow_b) + overlap_slow_mb + st.slow_mb) + slow_last
@@ -247,7 +249,9 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
             + offload_s + overhead_s
         compute_s = accum * pipe.compute_mb
         interference_s = accum * pipe.slow_mb + st.slow_step
-        step_comm_exposed = step_s - compute_s - pipe.bubble - optimizer_s - offload_s - overhead_s - interference_s
+        host_sync_s = accum * split[pipe.stage] * (st.host_f + st.host_b)  # the slowest stage's layers
+        step_comm_exposed = (step_s - compute_s - pipe.bubble - optimizer_s - offload_s - overhead_s - interference_s
+                             - host_sync_s)
         w = microbatch_work(whole_model, train, layout)
 
     def build() -> TimeEstimate:
@@ -308,9 +312,10 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
             efficiencies={**ct.fractions, "pcie": eff.pcie, "host_memory": eff.host_memory,
                           "compute_overhead_fraction": profile.stack.time.compute_overhead_fraction},
             components=_components(ct, accum, exposed, interference_s, offload_s, optimizer_s, overhead_s, host_s,
-                                   pipe),
+                                   pipe, host_sync_s),
             efficiency_sources={**efficiency_sources(topology, profile),
-                                **overlap_sources(profile.stack, model, train, layout)},
+                                **overlap_sources(profile.stack, model, train, layout),
+                                **_host_sync_source(profile, model, train, layout)},
         )
 
     if pipe is None:
@@ -318,12 +323,21 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
     return StepTime(step_s, tokens_per_step, build, pipe.bubble, (pipe.forward_s, pipe.backward_s, pipe.weight_grad_s))
 
 
+def _host_sync_source(profile: CostProfile, model: ModelSpec, train: TrainSpec, layout: Layout) -> dict[str, str]:
+    """Where the MoE layers' host-sync idle comes from (or why there is none), for plans with experts split."""
+    if model.moe is None or layout.ep == 1:
+        return {}
+    return {"moe_host_sync": moe_host_sync_note(profile.stack.time, profile.stack.name, model, train, layout)}
+
+
 def _components(ct: ComputeTime, accum: int, exposed: dict[str, float], interference_s: float, offload_s: float,
-                optimizer_s: float, overhead_s: float, host_s: float, pipe: "_PipelineStep | None") -> dict[str, float]:
+                optimizer_s: float, overhead_s: float, host_s: float, pipe: "_PipelineStep | None",
+                host_sync_s: float = 0.0) -> dict[str, float]:
     """The step by component (they add up to the step). With pipeline stages: the slowest stage's compute
     parts, the bubble, and the exposed communication (the rest of the step, by strategy in proportion to
     the stage's exposed traffic). ``overhead_s`` holds the stack's per-step overhead and the topology's
-    measured host overhead ``host_s``, listed apart."""
+    measured host overhead ``host_s``, listed apart; ``moe_host_sync`` (only where it is not 0) is the GPU idle
+    of MoE layers waiting on the host (:mod:`sp_plan.cost_models.strategies.moe_host`)."""
     if pipe is None:
         return {
             **{name: accum * seconds for name, seconds in ct.parts.items()},
@@ -333,12 +347,18 @@ def _components(ct: ComputeTime, accum: int, exposed: dict[str, float], interfer
             "optimizer": optimizer_s,
             "step_overhead": overhead_s - host_s,
             "host_overhead": host_s,
+            **_host_sync_part(host_sync_s),
         }
     parts = {name: accum * seconds * pipe.compute_mb / max(pipe.compute_mb_parts, 1e-300)
              for name, seconds in ct.parts.items()}
     return {**parts, **{f"exposed_comm_{k}": v for k, v in exposed.items()}, "pipeline_bubble": pipe.bubble,
             "interference": interference_s, "offload": offload_s, "optimizer": optimizer_s,
-            "step_overhead": overhead_s - host_s, "host_overhead": host_s}
+            "step_overhead": overhead_s - host_s, "host_overhead": host_s, **_host_sync_part(host_sync_s)}
+
+
+def _host_sync_part(host_sync_s: float) -> dict[str, float]:
+    """The ``moe_host_sync`` component, listed only where a plan has it (MoE layers waiting on the host)."""
+    return {"moe_host_sync": host_sync_s} if host_sync_s > 0 else {}
 
 
 class _PipelineStep(NamedTuple):
@@ -476,7 +496,8 @@ class _StrategyTerms(NamedTuple):
     """The registered strategies' :class:`Term` s summed by kind and by where they occur: exposed
     communication and interference per layer (forward, backward), per micro-batch and per step; offload
     and optimizer seconds per step; exposed communication by report bucket (layer terms per layer and
-    micro-batch, micro-batch terms per micro-batch, step terms per step)."""
+    micro-batch, micro-batch terms per micro-batch, step terms per step); GPU idle on host synchronisation
+    per layer (forward, backward)."""
 
     exposed_f: float
     exposed_b: float
@@ -492,12 +513,14 @@ class _StrategyTerms(NamedTuple):
     microbatch_by: dict[str, float]
     step_by: dict[str, float]
     hidden_layer_by: dict[str, float]
+    host_f: float = 0.0
+    host_b: float = 0.0
 
 
 def _strategy_terms(ctx: TimeContext) -> _StrategyTerms:
     """Sum every strategy's terms (local accumulators: this runs once per combination the planner times)."""
     exposed_f = exposed_b = slow_f = slow_b = exposed_mb = slow_mb = exposed_step = slow_step = 0.0
-    offload = optimizer = 0.0
+    offload = optimizer = host_f = host_b = 0.0
     layer_by: dict[str, float] = {}
     microbatch_by: dict[str, float] = {}
     step_by: dict[str, float] = {}
@@ -534,6 +557,13 @@ def _strategy_terms(ctx: TimeContext) -> _StrategyTerms:
                     slow_mb += t
                 else:
                     slow_step += t
+            elif kind == "host_sync":
+                if at == "layer_forward":
+                    host_f += t
+                elif at == "layer_backward":
+                    host_b += t
+                else:
+                    raise CostModelError(f"strategy {strategy.name!r}: host synchronisation is reported per layer")
             elif kind in ("offload", "optimizer"):
                 if at != "step":
                     raise CostModelError(f"strategy {strategy.name!r}: an {kind} term is counted once per step, "
@@ -545,7 +575,7 @@ def _strategy_terms(ctx: TimeContext) -> _StrategyTerms:
             else:
                 raise CostModelError(f"strategy {strategy.name!r} returned a term of unknown kind {kind!r}")
     return _StrategyTerms(exposed_f, exposed_b, slow_f, slow_b, exposed_mb, slow_mb, exposed_step, slow_step,
-                          offload, optimizer, layer_by, microbatch_by, step_by, hidden_layer_by)
+                          offload, optimizer, layer_by, microbatch_by, step_by, hidden_layer_by, host_f, host_b)
 
 
 #: TrainSpec fields the collectives of a step depend on: comm_volume.comm_ops reads only these (a test

@@ -287,6 +287,9 @@ def render_time_explanation(est: Estimate) -> str:
         row("optimizer step", parts["optimizer"], "HBM / host CPU", "kernel model, stack file")
     if parts.get("step_overhead", 0.0) > 0:
         row("stack overhead per step", parts["step_overhead"], "", sources.get("step_overhead_s", ""))
+    if parts.get("moe_host_sync", 0.0) > 0:
+        row("MoE layers waiting on the host (dispatcher sync)", parts["moe_host_sync"], "per MoE layer pass",
+            sources.get("moe_host_sync", ""))
     if parts.get("host_overhead", 0.0) > 0:
         row("host overhead per step (CPU ranks)", parts["host_overhead"], "measured",
             f"topology ({det.topology}): the plan run at a short length")

@@ -22,6 +22,9 @@ ranks are the innermost ranks of the ZeRO/FSDP shard group (process group ``ep``
   combined 1F1B schedule's slots and its unpaired passes).
   Ops are per layer, so their bytes are scaled by the MoE layers' share of the layers (DeepSeek-V3's 3 dense
   layers send nothing), as the cost model averages a mixed stack elsewhere.
+- **Host synchronisation** (``StackTime.moe_host_sync_s``, :mod:`.moe_host`): the GPU idle a dropless
+  dispatcher's wait for the token counts leaves per MoE layer pass, a ``host_sync`` term of the forward
+  (scaled by the MoE layers' share the same way).
 - **Expert data parallelism** (bucket ``fsdp``): the routed experts' ZeRO/FSDP traffic over the
   ``expert_data`` group (shard group / ep ranks, ``ep x tp`` apart), the same ops
   :mod:`.fsdp` issues for the dense weights over the shard group (which leaves the experts out when ep > 1):
@@ -42,6 +45,7 @@ from ..moe import expert_layer_params
 from ..train_spec import TrainSpec
 from .base import Strategy
 from .gradients import fsdp_grad_bytes
+from .moe_host import moe_host_sync_seconds
 from .overlap import a2a_overlap_blocker, a2a_pair_exposure, unpaired_fraction
 from .terms import CommOp, PricedOp, Term, TimeContext
 
@@ -118,6 +122,9 @@ class ExpertParallel(Strategy):
         return DispatchComm(forward / 2, forward, backward)
 
     def exposed(self, ctx: TimeContext) -> Iterator[Term]:
+        idle = moe_host_sync_seconds(ctx.stack, ctx.model, ctx.train, ctx.layout)
+        if idle > 0:  # the dispatcher's host synchronisation, in the forward where the host waits
+            yield Term("host_sync", idle, "layer_forward")
         comm = ctx.priced.get("ep")
         if not isinstance(comm, DispatchComm):
             return

@@ -175,7 +175,7 @@ class TimeContext(NamedTuple):
 
 
 #: Which step-time figure a :class:`Term` adds to.
-TermKind = Literal["exposed_comm", "hidden_comm", "interference", "offload", "optimizer"]
+TermKind = Literal["exposed_comm", "hidden_comm", "interference", "offload", "optimizer", "host_sync"]
 #: How often a :class:`Term`'s seconds occur: per layer and micro-batch in the forward or backward pass,
 #: per micro-batch, or once per step.
 TermAt = Literal["layer_forward", "layer_backward", "microbatch", "step"]
@@ -186,7 +186,8 @@ class Term(NamedTuple):
 
     ``kind="exposed_comm"`` needs ``bucket`` (the report bucket the time counts under); ``hidden_comm``
     (with its bucket) is communication a strategy hid behind compute: reported, not added to the step;
-    ``interference`` is compute slowed by overlapped collectives. Layer and micro-batch terms are part of a
+    ``interference`` is compute slowed by overlapped collectives; ``host_sync`` is GPU idle while the host
+    waits on a device-to-host synchronisation (per layer: :mod:`.moe_host`). Layer and micro-batch terms are part of a
     micro-batch's time (``breakdown.microbatch_s``); ``offload`` and ``optimizer`` terms are counted once per step
     (``at="step"``), so a per-micro-batch transfer is passed already multiplied by the accumulation.
     (A tuple: the planner builds a few per evaluation.)
