@@ -28,7 +28,7 @@ from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.estimate import estimate
 from sp_plan.cost_models.topology.topology import Topology
 from sp_plan.runtime.capabilities import memory_assumptions
-from sp_plan.runtime.step import synchronize, train_step
+from sp_plan.runtime.step import random_micro_batches, synchronize, train_step
 
 #: The short run is this many times shorter than the plan: its kernels are then a small part of its step.
 SHORT_FACTOR = 16
@@ -69,14 +69,9 @@ def short_length(plan) -> int | None:
 def measure_step_seconds(setup, seq_len: int, generator: torch.Generator, optimizer) -> float:
     """The median step time of ``setup`` at ``seq_len`` tokens over :data:`SHORT_STEPS` steps after one
     warm-up, the slowest rank's (every rank calls this)."""
-    t = setup.train
-
-    def batches() -> list[torch.Tensor]:
-        vocab = setup.plan.model.vocab_size
-        return [torch.randint(0, vocab, (t.micro_batch, seq_len), generator=generator) for _ in range(t.grad_accum)]
-
-    train_step(setup, batches(), optimizer)
-    seconds = [train_step(setup, batches(), optimizer).seconds for _ in range(SHORT_STEPS)]
+    train_step(setup, random_micro_batches(setup, generator, seq_len), optimizer)
+    seconds = [train_step(setup, random_micro_batches(setup, generator, seq_len), optimizer).seconds
+               for _ in range(SHORT_STEPS)]
     median = torch.tensor([statistics.median(seconds)], dtype=torch.float64)
     synchronize(setup.device)
     dist.all_reduce(median, op=dist.ReduceOp.MAX)
@@ -158,5 +153,14 @@ def with_host_overhead(topology: Topology, overhead: HostOverhead) -> Topology:
     return Topology(spec.model_copy(update={"calibration": calibration}))
 
 
-__all__ = ["HostOverhead", "SHORT_FACTOR", "add_measured_host_overhead", "host_overhead", "measure_step_seconds", "measure_without_updates",
-           "short_length", "with_host_overhead", "with_host_overhead_estimate"]
+__all__ = [
+    "SHORT_FACTOR",
+    "HostOverhead",
+    "add_measured_host_overhead",
+    "host_overhead",
+    "measure_step_seconds",
+    "measure_without_updates",
+    "short_length",
+    "with_host_overhead",
+    "with_host_overhead_estimate",
+]

@@ -60,6 +60,16 @@ def set_micro_batch_flags(setup, last: bool) -> None:
             part.set_requires_gradient_sync(last)  # accumulate unsharded; reduce-scatter once per step
 
 
+def random_micro_batches(setup, generator: torch.Generator, seq_len: int | None = None) -> list[torch.Tensor]:
+    """One step's micro-batches of random token ids (the plan's micro-batch x ``seq_len``, by default the plan's
+    length), for runs that measure a step rather than learn: validate's, and the host-overhead probe's at a
+    shorter length."""
+    t = setup.train
+    length = t.seq_len if seq_len is None else seq_len
+    vocab = setup.plan.model.vocab_size
+    return [torch.randint(0, vocab, (t.micro_batch, length), generator=generator) for _ in range(t.grad_accum)]
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

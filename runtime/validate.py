@@ -52,7 +52,7 @@ from sp_plan.runtime.host_overhead import host_overhead, measure_step_seconds, s
 from sp_plan.runtime.models.base import ModelAdapter, adapter_named, refuse_unbuildable
 from sp_plan.runtime.planning import describe_plan
 from sp_plan.runtime.probe.run import run_probe
-from sp_plan.runtime.step import synchronize, train_step
+from sp_plan.runtime.step import random_micro_batches, synchronize, train_step
 from sp_plan.runtime.validate_meters import (
     FSDP_COLLECTIVES,
     LOSS_ROW,
@@ -203,19 +203,13 @@ def pipeline_stage_predictions(plan, detail, adapter: ModelAdapter, local_tokens
 # ----- measurement (every rank) ---------------------------------------------------------------------------
 
 
-def _micro_batches(setup, generator: torch.Generator) -> list[torch.Tensor]:
-    t = setup.train
-    vocab = setup.plan.model.vocab_size
-    return [torch.randint(0, vocab, (t.micro_batch, t.seq_len), generator=generator) for _ in range(t.grad_accum)]
-
-
 def measure(setup, steps: int, seed: int = 0) -> RankMeasurement:
     """Run ``steps`` optimizer steps (the first one measured for bytes, the rest timed) on random tokens."""
     generator = torch.Generator().manual_seed(seed + setup.dp_rank)  # same sample on the SP ranks
     optimizer = setup.make_optimizer(lr=1e-4)
 
     # Activations: one micro-batch forward under the meter, then its backward (the saved tensors are used).
-    shard = setup.shard(_micro_batches(setup, generator)[0])
+    shard = setup.shard(random_micro_batches(setup, generator)[0])
     with ParameterAwareMeter(setup.model) as meter:
         out = setup.compute_loss(shard)
     out.loss.backward()
@@ -226,7 +220,7 @@ def measure(setup, steps: int, seed: int = 0) -> RankMeasurement:
         torch.cuda.reset_peak_memory_stats(setup.device)
     synchronize(setup.device)
     with CommCounter() as counter, C10dTrace() as trace:
-        result = train_step(setup, _micro_batches(setup, generator), optimizer)
+        result = train_step(setup, random_micro_batches(setup, generator), optimizer)
     peak = torch.cuda.max_memory_allocated(setup.device) if setup.device.type == "cuda" else None
     comm = {name: counter.bytes(name) for name in SP_COLLECTIVES}
     comm["all_reduce (loss)"] = counter.bytes("all_reduce", strategy="loss")
@@ -238,7 +232,7 @@ def measure(setup, steps: int, seed: int = 0) -> RankMeasurement:
     calls.update({name: trace.calls[name] - counter.calls(name, strategy="tp") for name in FSDP_COLLECTIVES})
 
     # Time: the remaining steps (the step above was the warm-up).
-    seconds = [train_step(setup, _micro_batches(setup, generator), optimizer).seconds
+    seconds = [train_step(setup, random_micro_batches(setup, generator), optimizer).seconds
                for _ in range(max(steps - 1, MIN_TIMED_STEPS))]
     return RankMeasurement(rank=dist.get_rank(), activation_bytes=meter.total_bytes, comm_bytes=comm,
                            comm_calls=calls, peak_allocated=peak, step_seconds=seconds, loss=result.loss)
@@ -250,7 +244,7 @@ def measure_pipeline_stage(setup, steps: int, seed: int = 0) -> RankMeasurement:
     generator = torch.Generator().manual_seed(seed + setup.dp_rank)
     if setup.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(setup.device)
-    result = measure_pipelined(setup, lambda: _micro_batches(setup, generator), max(steps - 1, MIN_TIMED_STEPS),
+    result = measure_pipelined(setup, lambda: random_micro_batches(setup, generator), max(steps - 1, MIN_TIMED_STEPS),
                                setup.mesh.local_rank("pp"))
     peak = torch.cuda.max_memory_allocated(setup.device) if setup.device.type == "cuda" else None
     return RankMeasurement(rank=dist.get_rank(), activation_bytes=result.stage.activation_bytes,
