@@ -389,6 +389,11 @@ class StackProfile(BaseModel):
         what the host then holds (host memory), so the two models cannot disagree."""
         synced = synced_memory(self.memory, self.time)
         if synced is not self.memory:
+            if "checkpoint_offload_keeps_activations" in self.memory.model_fields_set:
+                raise ValueError(
+                    "memory.checkpoint_offload_keeps_activations follows time.checkpoint_offload_recomputes (it is "
+                    f"its negation, {not self.time.checkpoint_offload_recomputes} here); drop it and set "
+                    "time.checkpoint_offload_recomputes instead")
             object.__setattr__(self, "memory", synced)  # frozen: set once, while validating
         return self
 

@@ -84,3 +84,14 @@ def test_one_switch_sets_both_models():
     profile = resolve_profile("h100-80gb", STACK)
     replaced = profile.with_assumptions(load_stack("sp-plan").memory)  # --assume from another stack's values
     assert replaced.memory.checkpoint_offload_keeps_activations
+
+
+def test_a_stack_file_cannot_set_the_memory_side_against_the_time_side():
+    from sp_plan.cost_models.errors import CostModelError
+    from sp_plan.cost_models.stack import parse_stack
+
+    with pytest.raises(CostModelError, match=r"follows time\.checkpoint_offload_recomputes.*set "
+                                             r"time\.checkpoint_offload_recomputes instead"):
+        parse_stack("name: x\nmemory:\n  checkpoint_offload_keeps_activations: true\n", "x.yaml")
+    derived = parse_stack("name: x\ntime:\n  checkpoint_offload_recomputes: false\n", "x.yaml")
+    assert derived.memory.checkpoint_offload_keeps_activations
