@@ -316,6 +316,25 @@ class StackSearch(BaseModel):
                 raise ValueError(f"option {name} takes distinct values among {list(allowed)}, got {list(values)}")
         return options
 
+    unsupported_degrees: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Parallel dimensions the stack has no implementation of -> why (the degree must stay 1): e.g. "
+            "torch context parallel is ring attention only, so FSDP2 stacks list ulysses."
+        ),
+    )
+
+    @field_validator("unsupported_degrees")
+    @classmethod
+    def _known_dimensions(cls, unsupported: dict[str, str]) -> dict[str, str]:
+        known = ("dp_replicate", "dp_shard", "tp", "ulysses", "ring", "pp", "ep")
+        for dim, why in unsupported.items():
+            if dim not in known:
+                raise ValueError(f"unknown parallel dimension {dim!r}: one of {', '.join(known)}")
+            if not why.strip():
+                raise ValueError(f"unsupported_degrees.{dim}: say why the stack cannot run it")
+        return unsupported
+
     cp_chunks_per_rank: int = Field(
         default=1,
         ge=1,
@@ -347,6 +366,9 @@ class StackSearch(BaseModel):
 
     def refusal(self, model: ModelSpec, layout: Layout, seq_len: int) -> str | None:
         """Why the stack cannot run ``layout`` for ``model`` at ``seq_len`` tokens, or None when it can."""
+        for dim, why in self.unsupported_degrees.items():
+            if getattr(layout, dim) > 1:
+                return f"{dim}={getattr(layout, dim)}: {why}"
         cp = layout.ulysses * layout.ring
         if cp > 1 and seq_len % (self.cp_chunks_per_rank * cp):
             return (f"sequence {seq_len} does not divide into {self.cp_chunks_per_rank} x {cp} chunks (this "

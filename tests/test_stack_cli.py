@@ -70,7 +70,8 @@ def test_estimate_plan_and_capacity_accept_every_shipped_stack(stack):
     assert est["detail"]["stack"] == stack
     plan = ok_json("plan", *PLAN, "--stack", stack)
     assert plan["stack"] == stack and plan["calibration"] is None and plan["plans"]
-    cap = ok_json("capacity", "--model", "llama3-8b", "--gpus", "8", "--ulysses", "8", "--zero", "3",
+    # ring: the sequence degree every shipped stack runs (torch context parallel has no Ulysses)
+    cap = ok_json("capacity", "--model", "llama3-8b", "--gpus", "8", "--ring", "8", "--zero", "3",
                   "--checkpointing", "full", "--stack", stack, "--json")
     assert cap["stack"] == stack and cap["max_seq_len"] > 0
 
@@ -519,3 +520,11 @@ def test_export_of_a_plan_whose_topology_cannot_be_rebuilt_still_exports_with_a_
     # A missing topology file with a known GPU falls back to that GPU's natural machine.
     known = plan.model_copy(update={"hardware": plan.hardware.model_copy(update={"topology": str(tmp_path / "gone.yaml")})})
     assert "predicted to need" in check_under_stack(known, "deepspeed")[0]
+
+
+@pytest.mark.parametrize("stack", ["torchtitan", "hf-fsdp2"])
+def test_stacks_without_ulysses_never_plan_it_and_say_why_when_pinned(stack):
+    plan = ok_json("plan", *PLAN, "--stack", stack)
+    assert plan["plans"] and all(p["layout"].get("ulysses", 1) == 1 for p in plan["plans"])
+    code, err = run_main(["plan", *PLAN[:-1], "--stack", stack, "--ulysses", "2"])
+    assert code != 0 and "ulysses=2" in err and "ring" in err and "Traceback" not in err
