@@ -29,9 +29,11 @@ def _valid(s: _Searcher, layout, lattice) -> list[tuple[int, ...]]:
 
 
 def _eager_walk(s: _Searcher, layout, lattice, start, bound: float):
-    """The walk as it was before successors were timed lazily: every successor timed when pushed."""
+    """The walk as it was before successors were timed lazily: every successor timed when pushed (queued on the
+    bound of it and its descendants; a fitting selective combination waits, at its own score, for its full-
+    checkpointing successors, which the near-tie rule can rank ahead of it)."""
     tiebreak = itertools.count()
-    queue = [(start.score, next(tiebreak), start)]
+    queue = [(s.descendant_bound(layout, lattice, start), next(tiebreak), False, start)]
     seen = {start.combo}
     closure_fits = {}
 
@@ -44,14 +46,18 @@ def _eager_walk(s: _Searcher, layout, lattice, start, bound: float):
             for deeper in lattice.successors(combo):
                 push(deeper)
             return
-        heapq.heappush(queue, (scored.score, next(tiebreak), scored))
+        heapq.heappush(queue, (s.descendant_bound(layout, lattice, scored), next(tiebreak), False, scored))
 
     while queue:
-        score, _, item = heapq.heappop(queue)
+        score, order, final, item = heapq.heappop(queue)
         if score > bound:
             return None, False
-        if s.fits(item.report):
+        if final:
             return item, False
+        if s.fits(item.report):
+            if score == item.score:
+                return item, False
+            heapq.heappush(queue, (item.score, order, True, item))
         closure = lattice.cheap_closure(item.combo)
         if closure not in closure_fits:
             closure_fits[closure] = s.saving_fits(layout, lattice.values(closure))
@@ -73,7 +79,7 @@ def test_walk_keys_never_exceed_the_scores_they_stand_for(name, gpus, seq, stack
         for lattice in pick.sample(branches, min(2, len(branches))):
             for combo in _valid(s, layout, lattice):
                 options = lattice.values(combo)
-                parts = s.layout_parts(layout) + moving_parts(options)
+                parts = s.layout_parts(layout) + moving_parts(options) - s.near_tie_parts(lattice, options)
                 key = s.combination_floor(layout, options) * (1 + penalty * parts)
                 assert key <= s.timed(layout, combo, lattice).score, (layout.describe(), options)
 
