@@ -660,8 +660,13 @@ class _Searcher:
 
         Memory is monotone, so no fitting combination lies below this floor on any axis: it is where
         the walk starts, and its time bounds everything the layout can do.
+
+        The same monotony answers some probes from earlier ones without a memory evaluation
+        (:func:`implied_fit`): the optimizer-offload probe drops the parameter offload too (one needs the
+        other), so when it fits, the parameter-offload probe above it fits as well.
         """
         start = []
+        decided: list[tuple[Combo, bool]] = []
         for k, axis in enumerate(lattice.axes):
             if axis.name in CHEAP_AXES:
                 start.append(0)
@@ -671,7 +676,11 @@ class _Searcher:
                 probe = lattice.repair_down(top[:k] + (v,) + top[k + 1:], keep=k)
                 if invalid_reason(lattice.values(probe)):
                     continue
-                if self.saving_fits(layout, lattice.values(probe)):
+                fits = implied_fit(lattice, probe, decided)
+                if fits is None:
+                    fits = self.saving_fits(layout, lattice.values(probe))
+                    decided.append((probe, fits))
+                if fits:
                     chosen = v
                     break
             start.append(chosen)
@@ -771,6 +780,30 @@ class _Searcher:
             expand(item.combo)
         self.exhausted = True
         return None
+
+
+#: Axes along which :meth:`_Searcher.saving_fits` is not known to be monotone: the tiled MLP (DeepSpeed's
+#: TiledMLP can cost memory, which saving_fits answers by trying it off too) and the pipeline schedule axes
+#: (one value per branch in the search; no monotone order is claimed for them). Combinations compared by
+#: :func:`implied_fit` must agree on these.
+_NON_MONOTONE_AXES = frozenset({"tiled_mlp", *PIPELINE_AXES})
+
+
+def implied_fit(lattice: OptionLattice, combo: Combo, decided: list[tuple[Combo, bool]]) -> bool | None:
+    """Whether ``combo`` passes :meth:`_Searcher.saving_fits`, as far as combinations already decided on the
+    same layout and ``lattice`` tell (None: they do not). Device memory never grows up the lattice, so a
+    combination at or above one that fits fits too, and one at or below one that does not fit does not
+    either; saving_fits keeps that order between combinations that agree on the tiled MLP (it tries the one
+    given and, with the tiled MLP on, the same one with it off), so only those are compared."""
+    fixed = [k for k, axis in enumerate(lattice.axes) if axis.name in _NON_MONOTONE_AXES]
+    for other, fits in decided:
+        if any(other[k] != combo[k] for k in fixed):
+            continue
+        if fits and all(c >= o for c, o in zip(combo, other)):
+            return True
+        if not fits and all(c <= o for c, o in zip(combo, other)):
+            return False
+    return None
 
 
 @dataclass(frozen=True)
