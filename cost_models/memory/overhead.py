@@ -30,6 +30,7 @@ from functools import lru_cache
 
 from .. import degrees as registry
 from ..layout import Layout
+from ..memo import Memo
 KiB = 1 << 10
 from .assumptions import NCCL_LL128_BYTES, NCCL_LL_BYTES, NCCL_SIMPLE_BYTES, MemoryAssumptions
 
@@ -185,13 +186,30 @@ class Overhead:
         return self.cuda_context + self.nccl + self.fragmentation
 
 
+def communicators(layout: Layout, a: MemoryAssumptions, zero_stage: int = 0) -> tuple[tuple[ProcessGroup, ...],
+                                                                                    tuple[int, ...]]:
+    """The communicators one rank of ``layout`` holds and their device bytes. Memoized on what they read (the
+    layout, the assumptions, and the ZeRO stage where DeepSpeed's groups depend on it): every memory evaluation
+    of the planner asks, thousands per search, for a few dozen layouts."""
+    key = (layout, a, zero_stage >= 1 if a.nccl_groups != "mesh" else None)
+    return _COMMUNICATORS.get(key, lambda: _communicators(layout, a, zero_stage))
+
+
+def _communicators(layout: Layout, a: MemoryAssumptions, zero_stage: int) -> tuple[tuple[ProcessGroup, ...],
+                                                                                   tuple[int, ...]]:
+    groups = process_groups(layout) if a.nccl_groups == "mesh" else purpose_groups(layout, zero_stage)
+    return groups, tuple(communicator_bytes(g, layout, a) for g in groups)
+
+
+_COMMUNICATORS: Memo[tuple[tuple[ProcessGroup, ...], tuple[int, ...]]] = Memo()
+
+
 def overhead(layout: Layout, peak_allocated: int, a: MemoryAssumptions, *, zero_stage: int = 0,
              fragmentation: int | None = None, cached: int | None = None) -> Overhead:
     """Context, NCCL and the allocator's reserve above ``peak_allocated``: ``fragmentation`` (kept) and
     ``cached`` (returned under pressure) when the timeline computed them (allocator replay), else
     ``fragmentation_fraction`` of the peak."""
-    groups = process_groups(layout) if a.nccl_groups == "mesh" else purpose_groups(layout, zero_stage)
-    sizes = tuple(communicator_bytes(g, layout, a) for g in groups)
+    groups, sizes = communicators(layout, a, zero_stage)
     return Overhead(
         cuda_context=a.cuda_context_bytes,
         nccl=sum(sizes),
