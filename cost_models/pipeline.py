@@ -36,8 +36,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .errors import CostModelError
-from .flops import microbatch_work
+from .flops import WORK_FIELDS, microbatch_work
 from .layout import Layout
+from .memo import Memo
 from .model_spec import ModelSpec
 from .train_spec import TrainSpec
 
@@ -149,7 +150,18 @@ _SPLIT_IGNORES = {"checkpointing": "none", "tiled_loss": False, "tiled_mlp": Fal
 def head_layer_equivalents(model: ModelSpec, train: TrainSpec, layout: Layout) -> float:
     """The LM head and loss in units of one layer's FLOPs (per micro-batch, forward + backward), what the stage
     splits balance: taken without recompute or tiling (:data:`_SPLIT_IGNORES`), so one layout and schedule keep
-    one split whatever memory options a plan adds."""
+    one split whatever memory options a plan adds. Memoized on what it reads (every pipelined memory and time
+    evaluation asks, and the copy without the options costs more than the answer)."""
+    ignore = train.is_training
+    key = (model, layout.tp, layout.ulysses, layout.ring, ignore,
+           *(getattr(train, f) for f in WORK_FIELDS if not (ignore and f in _SPLIT_IGNORES)))
+    return _HEAD_LAYERS.get(key, lambda: _head_layer_equivalents(model, train, layout))
+
+
+_HEAD_LAYERS: Memo[float] = Memo()
+
+
+def _head_layer_equivalents(model: ModelSpec, train: TrainSpec, layout: Layout) -> float:
     if train.is_training and any(getattr(train, k) != v for k, v in _SPLIT_IGNORES.items()):
         train = train.model_copy(update=_SPLIT_IGNORES)
     w = microbatch_work(model, train, layout)
