@@ -9,7 +9,7 @@ Megatron sequence parallelism (``tp_sequence_parallel``) also splits the norm/re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ..layout import Layout
 from ..memo import Memo
@@ -23,7 +23,9 @@ def ceil_div(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class LocalDims:
-    """Element counts one GPU works on. Token counts include the micro-batch."""
+    """Element counts one GPU works on. Token counts include the micro-batch.
+
+    Hashed once (:meth:`__hash__`): the simulation caches key on it several times per memory evaluation."""
 
     tokens: int
     """T: tokens of the local sequence shard (micro_batch x seq / (ulysses x ring))."""
@@ -62,6 +64,15 @@ class LocalDims:
     ceil(attention sequence / document_length)); sizes flash-attn varlen's per-sequence padding."""
     ep: int = 1
     """Expert-parallel degree: this rank runs ``num_experts / ep`` experts on the rows dispatched to them."""
+
+    def __hash__(self) -> int:
+        # The fields' hash (equal dims hash equal), kept outside the fields so equality ignores it.
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            value = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", value)
+            return value
 
     @property
     def attn_tokens(self) -> int:
