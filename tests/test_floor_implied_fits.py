@@ -75,3 +75,42 @@ def test_the_floor_infers_the_parameter_offload_probe():
             assert floor == _every_probe_floor(s, layout, lattice, top)
             inferred += (s.memory_evals - before) - evaluated
     assert inferred > 0
+
+
+def _walks(s, layouts, pick):
+    """Every sampled branch's floor and walk result (combination and score, or None and whether it ran out)."""
+    out = []
+    for layout in layouts:
+        for lattice in pick.sample(s.lattices(layout), min(3, len(s.lattices(layout)))):
+            top = s.most_saving_valid(lattice)
+            if not s.device_fits(s.memory(layout, s.train_for(layout, lattice.values(top)))):
+                continue
+            start = s.timed(layout, s.floor(layout, lattice, top), lattice)
+            best = s.best_for(layout, lattice, start, float("inf"))
+            out.append((layout, start.combo, None if best is None else (best.combo, best.score), s.exhausted))
+    return out
+
+
+@SETTINGS
+@given(name=st.sampled_from(MODELS), gpus=st.sampled_from(CLUSTERS), seq=st.sampled_from(SEQ_LENS),
+       stack=st.sampled_from(stack_names()), pick=st.randoms(use_true_random=False))
+def test_the_walk_returns_what_it_returns_without_inference(name, gpus, seq, stack, pick):
+    """The walk also infers (a popped combination below a closure that does not fit is not evaluated, a
+    closure above a fitting pop is not either): the same starts and results as with every one evaluated."""
+    import random
+
+    from sp_plan.planner import search as search_module
+
+    s, layouts = searcher_and_layouts(name, gpus, seq, stack)
+    layouts = pick.sample(layouts, min(4, len(layouts)))
+    seed = pick.random()
+    inferred = _walks(s, layouts, random.Random(seed))
+    plain, _ = searcher_and_layouts(name, gpus, seq, stack)
+    original = search_module.implied_fit
+    search_module.implied_fit = lambda *args: None
+    try:
+        evaluated = _walks(plain, layouts, random.Random(seed))
+    finally:
+        search_module.implied_fit = original
+    assert inferred == evaluated
+    assert s.memory_evals <= plain.memory_evals
