@@ -304,6 +304,23 @@ def build_model(model_name: str) -> ModelSpec:
     return load_model(model_name)
 
 
+#: Pipeline schedules that only mean something with pipeline stages (1f1b is also the no-pipeline default).
+PIPELINED_SCHEDULES = frozenset({"interleaved_1f1b", "zero_bubble"})
+
+
+def check_pipeline_flags_need_pp(pp: int, pipeline_schedule: str | None, virtual_stages: int) -> None:
+    """Refuse --virtual-stages N > 1 or --schedule interleaved_1f1b|zero_bubble on a layout without pipeline
+    stages (pp=1): the estimate would silently price a plain run and drop what was asked for."""
+    if pp != 1:
+        return
+    if virtual_stages > 1:
+        raise CostModelError(f"--virtual-stages {virtual_stages} splits pipeline stages into chunks, but pp=1 (no "
+                             "pipeline); add --pp N with N > 1, or drop --virtual-stages")
+    if pipeline_schedule in PIPELINED_SCHEDULES:
+        raise CostModelError(f"--schedule {pipeline_schedule} is a pipeline schedule, but pp=1 (no pipeline); add "
+                             "--pp N with N > 1, or drop --schedule")
+
+
 def build_train(**kwargs: Any) -> TrainSpec:
     if "pipeline_schedule" in kwargs and kwargs["pipeline_schedule"] is None:  # --schedule not given
         kwargs["pipeline_schedule"] = "interleaved_1f1b" if kwargs.get("virtual_stages", 1) > 1 else "1f1b"

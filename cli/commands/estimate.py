@@ -31,6 +31,7 @@ from .common import (
     build_profile,
     build_train,
     check_output_path,
+    check_pipeline_flags_need_pp,
     hardware_options,
     layout_options,
     model_options,
@@ -60,6 +61,7 @@ def run_estimate(model_name: str, gpus: int | None, gpus_per_node: int | None, g
         train = build_train(**train_kwargs)
         topology, gpus = build_cluster(gpus, gpus_per_node, gpu_name, topology_ref)
         layout = build_layout(gpus, **layout_kwargs)
+        check_pipeline_flags_need_pp(layout.pp, options.get("pipeline_schedule"), options.get("virtual_stages", 1))
         profile = build_profile(topology.gpu.name, options.get("stack"), options.get("calibration"),
                                 build_assume(options.get("assume", ())))
         return estimate(model, _with_stack_split(model, train, layout, profile), layout, topology, profile=profile)

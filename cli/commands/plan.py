@@ -28,6 +28,7 @@ from .common import (
     FiniteFloatRange,
     build_train,
     check_output_path,
+    check_pipeline_flags_need_pp,
     hardware_options,
     layout_options,
     model_options,
@@ -60,6 +61,8 @@ def settings_from(ctx: click.Context, options: dict[str, Any], top: int = 5) -> 
     if split is not None and fixed_layout.get("pp") != len(split):
         raise PlannerError(f"--stage-layers lists {len(split)} stages: pin the pipeline degree with --pp {len(split)}")
     fixed_options = pinned(ctx, SEARCHABLE_OPTIONS)
+    if fixed_layout.get("pp") == 1:  # a pinned pipeline schedule or chunking cannot apply without stages
+        check_pipeline_flags_need_pp(1, fixed_options.get("pipeline_schedule"), fixed_options.get("virtual_stages", 1))
     micro_fixed = "micro_batch" in pinned(ctx, ("micro_batch",))
     try:
         settings = PlanSettings(top_k=top, headroom=options["headroom"],

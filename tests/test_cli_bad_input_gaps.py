@@ -1,0 +1,33 @@
+"""Bad input a first-time user types, found by driving the ``sp-plan`` console script by hand: each case was a
+silent wrong answer or a misleading message. Every one must now be one line on stderr, naming what is wrong and
+what fixes it, with the documented exit code (2: bad input), and no traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from sp_plan.cli.main import main
+
+SMALL = ["--model", "llama3-8b", "--seq-len", "32K", "--gpus", "8"]
+
+
+def refused(args: list[str], capsys) -> str:
+    """The one-line error of a refused command (exit 2)."""
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in args])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("command, flags, named", [
+    ("estimate", ["--virtual-stages", "2"], "--virtual-stages 2"),
+    ("estimate", ["--schedule", "zero_bubble"], "--schedule zero_bubble"),
+    ("plan", ["--pp", "1", "--virtual-stages", "2"], "--virtual-stages 2"),
+    ("plan", ["--pp", "1", "--schedule", "zero_bubble"], "--schedule zero_bubble"),
+])
+def test_a_pipeline_schedule_without_pipeline_stages_is_refused_not_ignored(command, flags, named, capsys):
+    """Was: exit 0 with a plain pp=1 answer, the asked-for schedule or chunking silently dropped."""
+    err = refused([command, *SMALL, *flags, *(["--top", "1"] if command == "plan" else [])], capsys)
+    assert named in err and "pp=1" in err and "--pp N" in err
