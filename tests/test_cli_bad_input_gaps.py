@@ -4,6 +4,8 @@ what fixes it, with the documented exit code (2: bad input), and no traceback.""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from sp_plan.cli.main import main
@@ -31,3 +33,22 @@ def test_a_pipeline_schedule_without_pipeline_stages_is_refused_not_ignored(comm
     """Was: exit 0 with a plain pp=1 answer, the asked-for schedule or chunking silently dropped."""
     err = refused([command, *SMALL, *flags, *(["--top", "1"] if command == "plan" else [])], capsys)
     assert named in err and "pp=1" in err and "--pp N" in err
+
+
+@pytest.mark.parametrize("pins, named", [(["--ulysses", "16"], "ulysses=16"), (["--tp", "3"], "tp=3")])
+def test_capacity_pins_that_cannot_split_the_gpus_are_bad_input_not_no_fit(pins, named, capsys):
+    """Was: exit 1, "does not fit on 8 x h100-80gb even at 1024 tokens; use more GPUs" for a typo'd degree."""
+    err = refused(["capacity", "--model", "llama3-8b", "--gpus", "8", *pins], capsys)
+    assert named in err and "8 GPUs" in err and "use more GPUs" not in err
+
+
+def test_capacity_longest_sequence_takes_a_document_length(capsys):
+    """Was: exit 2, "document_length=4096 exceeds seq_len=1024", a length the user never typed (the search's
+    first probe)."""
+    steps = []
+    for documents in (["--document-length", "4K"], []):
+        main(["capacity", "--model", "llama3-8b", "--gpus", "8", "--json", *documents])
+        answer = json.loads(capsys.readouterr().out)
+        assert answer["max_seq_len"] > 4096
+        steps.append(answer["plan"]["time"]["step_s"])
+    assert steps[0] < steps[1] / 2  # 4K documents attend within themselves: far cheaper than one long one

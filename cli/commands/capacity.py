@@ -119,7 +119,10 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
         if gpus is None:
             raise PlannerError("give --gpus (for the longest sequence) or --seq-len (for the fewest GPUs)")
         topology = topology_for(gpus)
-        base = build_train(seq_len=seq_granule_start(gpus), **train_kwargs)
+        # Validated at a length that holds one --document-length document: the search itself starts at the
+        # granule (1,024 tokens on 8 GPUs), and a shorter sequence is simply one document.
+        base = build_train(seq_len=max(seq_granule_start(gpus), train_kwargs.get("document_length") or 0),
+                           **train_kwargs)
         answer = max_seq_len(model, base, topology, settings)
         stack = _stack_fields(settings, topology.gpu.name)
         data = {"max_seq_len": answer.max_seq_len, "granule": answer.granule, "gpus": gpus,
