@@ -52,3 +52,19 @@ def test_capacity_longest_sequence_takes_a_document_length(capsys):
         assert answer["max_seq_len"] > 4096
         steps.append(answer["plan"]["time"]["step_s"])
     assert steps[0] < steps[1] / 2  # 4K documents attend within themselves: far cheaper than one long one
+
+
+@pytest.mark.parametrize("command, args", [
+    ("estimate", SMALL),
+    ("plan", [*SMALL, "--top", "1"]),
+    ("capacity", ["--model", "llama3-8b", "--seq-len", "32K", "--sweep", "gpus=8"]),
+])
+@pytest.mark.parametrize("name", ["memory.jpg", "memory.txt", "-"])
+def test_a_plot_file_sp_plan_cannot_draw_is_refused_before_the_work(command, args, name, tmp_path, capsys,
+                                                                    monkeypatch):
+    """Was: PNG bytes written under a .jpg/.txt name, and ``--plot -`` a file literally named '-' (every other
+    option's '-' is standard output), all with exit 0."""
+    monkeypatch.chdir(tmp_path)
+    err = refused([command, *args, "--plot", name], capsys)
+    assert ".png, .svg or .pdf" in err
+    assert not any(tmp_path.iterdir())  # nothing written

@@ -15,7 +15,7 @@ from sp_plan.planner.capacity import MAX_GPUS, SweepPoint, max_seq_len, min_gpus
 from sp_plan.planner.errors import PlannerError
 from sp_plan.planner.report import describe_options
 from sp_plan.planner.sanity import check_figures
-from ..plots import draw_sweep
+from ..plots import check_plot_path, draw_sweep
 from .common import build_model, build_topology, build_train, check_output_path, hardware_options, \
     layout_options, model_options_optional_seq
 from .plan import planning_options, settings_from
@@ -76,6 +76,7 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
     With --seq-len: the fewest GPUs that can train it. --sweep prints the best plan at each point.
     """
     check_output_path(plot_file, "--plot")
+    check_plot_path(plot_file)
     settings, train_kwargs, _ = settings_from(ctx, options, top=1)
     model = build_model(model_name)
     seq_len = train_kwargs.pop("seq_len", None)

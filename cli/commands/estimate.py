@@ -22,7 +22,7 @@ from sp_plan.cost_models.units import GB, GiB, format_tokens
 
 from sp_plan.planner.sanity import check_figures
 from sp_plan.planner.search import DEFAULT_HEADROOM
-from ..plots import draw_estimate_memory
+from ..plots import check_plot_path, draw_estimate_memory
 from .common import (
     build_assume,
     build_cluster,
@@ -87,6 +87,7 @@ def command(model_name: str, gpus: int | None, gpus_per_node: int | None, gpu_na
     buffers and overheads at the peak phase of the step, host memory), its communication volume per
     layer and per step, and the predicted step time, tokens/s and MFU on the topology."""
     check_output_path(plot_file, "--plot")
+    check_plot_path(plot_file)
     result = run_estimate(model_name, gpus, gpus_per_node, gpu_name, topology_ref, options)
     data = result.to_json_dict()
     check_figures(data, "the estimate")  # never print a NaN or a 10^297 s step as an answer

@@ -17,7 +17,7 @@ from sp_plan.planner.plan import plan_from_ranked
 from sp_plan.planner.report import explain_rejections, explain_winner, family_champions, headline, render_table, compare
 from sp_plan.planner.sanity import check_figures
 from sp_plan.planner.search import DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_HEADROOM, PlanSettings, SearchResult, search
-from ..plots import draw_plan_times
+from ..plots import check_plot_path, draw_plan_times
 from .common import (
     layout_keys,
     TokenCountType,
@@ -117,6 +117,7 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
     """
     check_output_path(out_file, "--out")
     check_output_path(plot_file, "--plot")
+    check_plot_path(plot_file)
     settings, train_kwargs, _ = settings_from(ctx, options, top)
     model = build_model(model_name)
     train = build_train(**train_kwargs)
