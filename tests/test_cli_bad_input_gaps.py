@@ -68,3 +68,12 @@ def test_a_plot_file_sp_plan_cannot_draw_is_refused_before_the_work(command, arg
     err = refused([command, *args, "--plot", name], capsys)
     assert ".png, .svg or .pdf" in err
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize("line", ["  attention_kernel: fa33\n", "  attention_kernel_by_gpu: {b200: cudnnn}\n"])
+def test_a_stack_file_naming_an_unknown_attention_kernel_is_refused(line, tmp_path, capsys):
+    """Was: exit 0, the typo silently priced as FlashAttention-2 (the fallback for a GPU without the kernel)."""
+    stack = tmp_path / "my-stack.yaml"
+    stack.write_text(f"name: my-stack\ntime:\n{line}")
+    err = refused(["estimate", *SMALL, "--stack", stack], capsys)
+    assert "my-stack.yaml" in err and "attention_kernel" in err and "fa2, fa3, cudnn, sdpa" in err
