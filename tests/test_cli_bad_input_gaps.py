@@ -77,3 +77,21 @@ def test_a_stack_file_naming_an_unknown_attention_kernel_is_refused(line, tmp_pa
     stack.write_text(f"name: my-stack\ntime:\n{line}")
     err = refused(["estimate", *SMALL, "--stack", stack], capsys)
     assert "my-stack.yaml" in err and "attention_kernel" in err and "fa2, fa3, cudnn, sdpa" in err
+
+
+@pytest.fixture(scope="module")
+def prefill_plan(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prefill") / "prefill.yaml"
+    main(["plan", *SMALL, "--mode", "prefill", "--top", "1", "--out", str(path)])
+    assert path.exists()
+    return path
+
+
+@pytest.mark.parametrize("target", ["accelerate", "deepspeed", "torchrun", "megatron"])
+def test_a_prefill_plan_is_not_exported_as_a_training_launch(target, prefill_plan, capsys):
+    """Was: exit 0 for accelerate, deepspeed and torchrun: training configs (TrainingArguments with gradient
+    checkpointing, ZeRO settings) or a `sp-plan train` launch (which refuses prefill plans) from a plan priced for
+    a forward pass; megatron's refusal pointed to torchrun."""
+    capsys.readouterr()
+    err = refused(["export", prefill_plan, "--to", target], capsys)
+    assert "prefill" in err and "--mode train" in err and "--to torchrun" not in err
