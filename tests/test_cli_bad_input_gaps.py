@@ -95,3 +95,15 @@ def test_a_prefill_plan_is_not_exported_as_a_training_launch(target, prefill_pla
     capsys.readouterr()
     err = refused(["export", prefill_plan, "--to", target], capsys)
     assert "prefill" in err and "--mode train" in err and "--to torchrun" not in err
+
+
+def test_a_config_json_without_model_type_says_what_to_add_and_names_its_file(tmp_path, capsys):
+    """Was: "model_type '' is not supported", headed by the folder's name ("configs: ...") for any file in it."""
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    path = folder / "my-llama.json"
+    path.write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_attention_heads": 32, '
+                    '"num_hidden_layers": 32, "intermediate_size": 14336, "vocab_size": 128256}')
+    err = refused(["estimate", "--model", path, "--seq-len", "32K", "--gpus", "8"], capsys)
+    assert err.startswith("error: my-llama: config.json has no model_type (architectures: LlamaForCausalLM)"), err
+    assert "llama" in err.split("one of")[1]
