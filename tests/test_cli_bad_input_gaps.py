@@ -107,3 +107,24 @@ def test_a_config_json_without_model_type_says_what_to_add_and_names_its_file(tm
     err = refused(["estimate", "--model", path, "--seq-len", "32K", "--gpus", "8"], capsys)
     assert err.startswith("error: my-llama: config.json has no model_type (architectures: LlamaForCausalLM)"), err
     assert "llama" in err.split("one of")[1]
+
+
+def test_a_hub_id_without_network_is_one_line_at_once(tmp_path, monkeypatch, capfd):
+    """Was: ten lines of the hub client's retry warnings over about 25 s before the one line that explains."""
+    import socket
+    import time
+
+    pytest.importorskip("huggingface_hub")
+
+    def no_dns(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as exc:
+        main(["estimate", "--model", "some-org/some-model", "--seq-len", "32K", "--gpus", "8"])
+    err = capfd.readouterr().err
+    assert exc.value.code == 2 and time.monotonic() - started < 5
+    assert err.count("\n") == 1 and "not in the Hugging Face cache and the hub cannot be reached" in err, err
