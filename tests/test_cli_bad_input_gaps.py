@@ -128,3 +128,26 @@ def test_a_hub_id_without_network_is_one_line_at_once(tmp_path, monkeypatch, cap
     err = capfd.readouterr().err
     assert exc.value.code == 2 and time.monotonic() - started < 5
     assert err.count("\n") == 1 and "not in the Hugging Face cache and the hub cannot be reached" in err, err
+
+
+RUNS_HEADER = "model,seq_len,gpus,ulysses,topology,step_s\n"
+
+
+@pytest.mark.parametrize("step_s", ["0.0001", "1e6"])
+def test_calibrate_refuses_a_measurement_no_calibration_can_explain(step_s, tmp_path, capsys):
+    """Was: exit 0 and "use it": every efficiency pinned at its bound (100% of peak for 0.1 ms), the fit still
+    off by 542,709% (or 100%) on its own run, and the calibration file written."""
+    runs = tmp_path / "runs.csv"
+    runs.write_text(RUNS_HEADER + f"llama3-8b,32768,8,8,dgx-h100,{step_s}\n")
+    err = refused(["calibrate", runs, "--out", tmp_path / "cal.yaml"], capsys)
+    assert "runs.csv:2" in err and "x off the uncalibrated prediction" in err and "unit" in err
+    assert not (tmp_path / "cal.yaml").exists()
+
+
+def test_calibrate_refuses_checking_on_the_runs_it_fits(tmp_path, capsys, monkeypatch):
+    """Was: the same file fitted on and reported again as "(held out)", with held-out errors of 0.0%."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs.csv").write_text(RUNS_HEADER + "llama3-8b,32768,8,8,dgx-h100,2.5\n")
+    err = refused(["calibrate", "runs.csv", "--check", "./runs.csv", "--out", "cal.yaml"], capsys)
+    assert "--check" in err and "runs.csv" in err and "separate files" in err
+    assert not (tmp_path / "cal.yaml").exists()
