@@ -151,3 +151,19 @@ def test_calibrate_refuses_checking_on_the_runs_it_fits(tmp_path, capsys, monkey
     err = refused(["calibrate", "runs.csv", "--check", "./runs.csv", "--out", "cal.yaml"], capsys)
     assert "--check" in err and "runs.csv" in err and "separate files" in err
     assert not (tmp_path / "cal.yaml").exists()
+
+
+def test_a_gpu_contradicting_the_topology_is_refused_not_ignored(capsys):
+    """Was: exit 0, the plan made for the topology's H100s although --gpu a100-40gb was typed."""
+    err = refused(["estimate", "--model", "llama3-8b", "--seq-len", "32K", "--gpus", "8", "--gpu", "a100-40gb",
+                   "--topology", "dgx-h100"], capsys)
+    assert "--gpu a100-40gb" in err and "--topology dgx-h100" in err and "h100-80gb" in err
+    main(["estimate", "--model", "llama3-8b", "--seq-len", "32K", "--gpus", "8", "--gpu", "h100-sxm", "--topology",
+          "dgx-h100", "--json"])  # an alias of the topology's own GPU agrees with it
+    assert '"fits"' in capsys.readouterr().out
+
+
+def test_gpus_per_node_help_shows_the_limit_the_topology_enforces(capsys):
+    """Was: --help said 1<=x<=1024 while 300 was refused as 'GPUs per node must be 1..256'."""
+    main(["estimate", "--help"])
+    assert "[1<=x<=256]" in capsys.readouterr().out

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from pydantic import ValidationError
 
+from sp_plan.cost_models.topology.spec import MAX_GPUS_PER_NODE
 from sp_plan.cost_models import data, degrees
 from sp_plan.cost_models.errors import CostModelError, explain_validation_error
 from sp_plan.cost_models.gpu_spec import GPUSpec, get_gpu_preset
@@ -234,7 +235,7 @@ def hardware_options(func: Callable) -> Callable:
                      help="Total number of GPUs (default with --topology: all GPUs it describes)."),
         click.option(
             "--gpus-per-node",
-            type=click.IntRange(1, 1 << 10),
+            type=click.IntRange(1, MAX_GPUS_PER_NODE),
             default=None,
             help="GPUs per node (default: min(8, --gpus)).",
         ),
@@ -350,6 +351,7 @@ def build_topology(gpus: int | None, gpus_per_node: int | None, gpu_name: str, t
             raise CostModelError(f"--topology is empty: give a preset ({', '.join(preset_names())}) or a topology "
                                  "YAML file, or leave the option out")
         topology = load_topology(topology_ref, gpus, gpus_per_node)
+        _check_gpu_matches(gpu_name, topology, topology_ref)
     else:
         if gpus is None:
             raise click.UsageError("Missing option '--gpus' (or give --topology PRESET|FILE)")
@@ -361,6 +363,21 @@ def build_topology(gpus: int | None, gpus_per_node: int | None, gpu_name: str, t
             f"--gpus {gpus} does not fill whole nodes of {per_node} GPUs; use a multiple of {per_node}"
         )
     return topology
+
+
+def _check_gpu_matches(gpu_name: str, topology: "Topology", topology_ref: str) -> None:
+    """A --gpu typed next to a --topology of another GPU was silently ignored (the topology names its GPU):
+    refuse the contradiction instead of planning for a GPU the user did not ask for."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context(silent=True)
+    if ctx is None or ctx.get_parameter_source("gpu_name") not in (ParameterSource.COMMANDLINE,
+                                                                      ParameterSource.ENVIRONMENT):
+        return
+    if data.canonical("gpus", gpu_name) != data.canonical("gpus", topology.gpu.name):
+        raise CostModelError(f"--gpu {gpu_name} contradicts --topology {topology_ref}, whose GPUs are "
+                             f"{topology.gpu.name}; drop --gpu (the topology names its GPU) or give a topology of "
+                             f"{gpu_name}")
 
 
 def build_cluster(gpus: int | None, gpus_per_node: int | None, gpu_name: str,

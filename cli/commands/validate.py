@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from sp_plan.cost_models.topology.spec import MAX_GPUS_PER_NODE
 from sp_plan.cost_models.atomic_io import atomic_write_text
 from sp_plan.cost_models.errors import CostModelError
 
@@ -146,7 +147,7 @@ def _launch(plan_path: Path, world: int, steps: int, time_topology: str | None, 
 @memory_technique_options
 @pipeline_options
 @click.option("--gpus", type=click.IntRange(1, 1 << 20), default=None, help="Ranks to run (the plan's world).")
-@click.option("--gpus-per-node", type=click.IntRange(1, 1 << 10), default=None)
+@click.option("--gpus-per-node", type=click.IntRange(1, MAX_GPUS_PER_NODE), default=None)
 @click.option("--gpu", "gpu_name", default="h100-80gb", show_default=True, help="GPU preset (planning only).")
 @click.option("--topology", "topology_ref", default=None, help="Topology preset or file the plan is for.")
 @layout_options
