@@ -30,8 +30,10 @@ from sp_plan.runtime.data import TokenWindows
 from sp_plan.runtime.errors import RuntimeConfigError
 from sp_plan.runtime.host_overhead import add_measured_host_overhead
 from sp_plan.runtime.log import ensure_logging, get_logger
+from sp_plan.runtime.mesh import check_launch
 from sp_plan.runtime.models import LlamaModel
 from sp_plan.runtime.models.base import refuse_unbuildable
+from sp_plan.runtime.planning import refuse_unsupported
 from sp_plan.runtime.text_data import GlobalBatches
 from sp_plan.runtime.train_options import (
     BOS,
@@ -253,6 +255,16 @@ def configure(options: TrainRunOptions, model: nn.Module, plan: Plan | None, pad
                           fixed_options=fixed, pad_token_id=pad)
 
 
+def refuse_plan_before_building(plan: Plan, options: TrainRunOptions) -> None:
+    """The plan checks that need no model, run before the model is built: a plan for 8 GPUs (an 8B model) started
+    as one process, or a prefill plan, was refused only after the whole unsharded model was allocated, which on a
+    CPU box ended in the kernel's OOM kill instead of the one-line reason."""
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    # device "cpu": only the rank-count check applies here; the GPU checks run when the mesh is built
+    check_launch(plan.layout, world, device_type="cpu", local_world_size=world, visible_devices=0)
+    refuse_unsupported(plan, "hf" if options.hf or options.model_config is not None else "llama")
+
+
 def run_training(options: TrainRunOptions,
                  on_finish: Callable[[AutoConfigured, FitResult, int], None] | None = None) -> int:
     """Run the training; the process exit code (0, or :data:`DIVERGED_EXIT_CODE` on a non-finite loss).
@@ -271,6 +283,8 @@ def run_training(options: TrainRunOptions,
     vocab, pad = tokenizer_vocabulary(options)
     plan = load_plan(options.plan) if options.plan else None
     reused = checkpoint_plan(options) if plan is None else None
+    if plan is not None:
+        refuse_plan_before_building(plan, options)
     model = build_model(options, plan or reused, vocab)
     setup = configure(options, model, plan or reused, pad)
     rank0 = dist.get_rank() == 0

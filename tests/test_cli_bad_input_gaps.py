@@ -167,3 +167,33 @@ def test_gpus_per_node_help_shows_the_limit_the_topology_enforces(capsys):
     """Was: --help said 1<=x<=1024 while 300 was refused as 'GPUs per node must be 1..256'."""
     main(["estimate", "--help"])
     assert "[1<=x<=256]" in capsys.readouterr().out
+
+
+TINY_CONFIG = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 512}
+
+
+@pytest.mark.parametrize("plan_args, message", [
+    (["--gpus", "8"], "plan needs 8 ranks"),                              # one process started for 8
+    (["--gpus", "1", "--mode", "prefill"], "prefill plans are for inference engines"),
+])
+def test_train_refuses_a_plan_it_cannot_run_before_building_the_model(plan_args, message, tmp_path, capsys,
+                                                                      monkeypatch):
+    """Was: the whole unsharded model built first (for an 8-GPU llama3-8b plan on a CPU box: 24 GB, and the
+    kernel's OOM kill instead of the reason)."""
+    pytest.importorskip("torch")
+    from sp_plan.runtime import train_run
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_CONFIG))
+    plan = tmp_path / "plan.yaml"
+    main(["plan", "--model", config, "--seq-len", "256", "--top", "1", "--out", plan, *plan_args])
+    capsys.readouterr()
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built before the plan was checked")
+
+    monkeypatch.setattr(train_run, "build_model", no_model)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    err = refused(["train", "--plan", plan, "--steps", "1"], capsys)
+    assert message in err
