@@ -197,3 +197,14 @@ def test_train_refuses_a_plan_it_cannot_run_before_building_the_model(plan_args,
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     err = refused(["train", "--plan", plan, "--steps", "1"], capsys)
     assert message in err
+
+
+@pytest.mark.parametrize("flags, least", [
+    (["--global-batch-tokens", "1K"], "one sequence of --seq-len 32,768 tokens"),
+    (["--global-batch-tokens", "32K", "--micro-batch", "4"], "--micro-batch 4 x --seq-len 32,768 = 131,072 tokens"),
+])
+def test_a_typed_global_batch_below_one_micro_batch_is_refused(flags, least, capsys):
+    """Was: exit 0 with "global batch 1 x 32K tokens" in the headline, while the plan trained 2 (or 4) sequences
+    per step: the batch is rounded up to whole micro-batches per data-parallel rank without a word."""
+    err = refused(["plan", *SMALL, "--top", "1", *flags], capsys)
+    assert least in err and "--global-batch-tokens" in err
