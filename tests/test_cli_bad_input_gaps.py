@@ -208,3 +208,18 @@ def test_a_typed_global_batch_below_one_micro_batch_is_refused(flags, least, cap
     per step: the batch is rounded up to whole micro-batches per data-parallel rank without a word."""
     err = refused(["plan", *SMALL, "--top", "1", *flags], capsys)
     assert least in err and "--global-batch-tokens" in err
+
+
+@pytest.mark.parametrize("flags", [["--virtual-stages", "2"], ["--schedule", "zero_bubble"]])
+def test_validate_refuses_a_pipeline_schedule_without_stages_before_launching(flags, tmp_path, capsys, monkeypatch):
+    """Was: two ranks launched for a plain pp=1 run, the asked-for schedule silently dropped."""
+    from sp_plan.cli.commands import validate
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("ranks were launched")
+
+    monkeypatch.setattr(validate, "_launch", no_launch)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_CONFIG))
+    err = refused(["validate", "--model", config, "--seq-len", "256", "--gpus", "2", "--ulysses", "2", *flags], capsys)
+    assert "pp=1" in err and "--pp N" in err

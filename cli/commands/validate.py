@@ -28,6 +28,7 @@ from .common import (
     build_model,
     build_topology,
     build_train,
+    check_pipeline_flags_need_pp,
     layout_options,
     memory_technique_options,
     split_options,
@@ -55,6 +56,7 @@ def _plan_from_flags(model_name: str | None, gpus: int | None, gpus_per_node: in
     train = build_train(**train_kwargs)
     topology = build_topology(gpus, gpus_per_node, gpu_name, topology_ref)
     layout = build_layout(gpus, **layout_kwargs)
+    check_pipeline_flags_need_pp(layout.pp, options.get("pipeline_schedule"), options.get("virtual_stages", 1))
     est = estimate(model, train, layout, topology)
     hardware = Hardware(num_gpus=gpus, gpus_per_node=min(topology.gpus_per_node, gpus), gpu=topology.gpu.name,
                         topology=topology_ref or topology.name)
