@@ -223,3 +223,29 @@ def test_validate_refuses_a_pipeline_schedule_without_stages_before_launching(fl
     config.write_text(json.dumps(TINY_CONFIG))
     err = refused(["validate", "--model", config, "--seq-len", "256", "--gpus", "2", "--ulysses", "2", *flags], capsys)
     assert "pp=1" in err and "--pp N" in err
+
+
+def test_train_refuses_a_plan_whose_model_this_host_cannot_build(tmp_path, capsys, monkeypatch):
+    """Was: `sp-plan train --plan` of a 1-GPU llama3-8b plan on a CPU box built the 32 GB fp32 model and was
+    OOM-killed (a bare SIGKILL) on a 24 GB machine. Here the host's RAM is made smaller than a tiny model."""
+    pytest.importorskip("torch")
+    import torch
+
+    from sp_plan.runtime import train_run
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_CONFIG))
+    plan = tmp_path / "plan.yaml"
+    main(["plan", "--model", config, "--seq-len", "256", "--gpus", "1", "--top", "1", "--out", plan])
+    capsys.readouterr()
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built before the host's memory was checked")
+
+    monkeypatch.setattr(train_run, "build_model", no_model)
+    monkeypatch.setattr(train_run, "available_host_bytes", lambda: 1000, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    err = refused(["train", "--plan", plan, "--steps", "1"], capsys)
+    assert "host RAM is available" in err and "GB in fp32" in err
