@@ -249,3 +249,9 @@ def test_train_refuses_a_plan_whose_model_this_host_cannot_build(tmp_path, capsy
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     err = refused(["train", "--plan", plan, "--steps", "1"], capsys)
     assert "host RAM is available" in err and "GB in fp32" in err
+
+
+def test_fewer_gpus_than_the_gpus_per_node_asked_for_says_so(capsys):
+    """Was: "8 GPUs do not fill whole nodes of 16: ... or set GPUs per node", although they were set."""
+    err = refused(["topo", "show", "dgx-h100", "--gpus-per-node", "16"], capsys)
+    assert "fewer than the 16 GPUs per node" in err and "8 GPUs per node for one partial node" in err
