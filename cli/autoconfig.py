@@ -44,7 +44,10 @@ def load_config_file(path: Path, name: str | None = None) -> ModelSpec:
     if path.is_dir():
         path = path / "config.json"
     config = parse_config_text(data.read_user_text("models", path), str(path))
-    return model_from_hf_dict(through_autoconfig(config), name=name or path.parent.name or path.stem)
+    # A hub snapshot's config.json is named after its folder; any other file after itself (a folder name
+    # such as "configs" would name every file in it alike, and head every error about one of them).
+    own = path.parent.name if path.name == "config.json" else path.stem
+    return model_from_hf_dict(through_autoconfig(config), name=name or own or path.stem)
 
 
 __all__ = ["load_config_file", "through_autoconfig"]

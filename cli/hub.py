@@ -15,7 +15,9 @@ never holds a planning command for minutes).
 
 from __future__ import annotations
 
+import logging
 import re
+import socket
 import threading
 from pathlib import Path
 
@@ -57,13 +59,20 @@ def _config_path(repo_id: str, timeout_s: float) -> Path:
 
     def fetch() -> None:
         try:
-            outcome["path"] = hf_hub_download(repo_id, "config.json", etag_timeout=REQUEST_TIMEOUT_S)
+            outcome["path"] = hf_hub_download(repo_id, "config.json", etag_timeout=REQUEST_TIMEOUT_S,
+                                              local_files_only=not _hub_resolves())
         except BaseException as exc:  # handed to the caller's thread, which explains it
             outcome["error"] = exc
 
     worker = threading.Thread(target=fetch, name=f"hub config {repo_id}", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
+    hub_logger = logging.getLogger("huggingface_hub")
+    level = hub_logger.level
+    hub_logger.setLevel(logging.ERROR)  # its per-retry warnings would bury the one line that explains
+    try:
+        worker.start()
+        worker.join(timeout_s)
+    finally:
+        hub_logger.setLevel(level)
     if worker.is_alive():
         raise CostModelError(f"--model {repo_id}: the Hugging Face hub did not answer within {timeout_s:.0f} s; "
                              "check the network, or download config.json and give its path")
@@ -71,6 +80,23 @@ def _config_path(repo_id: str, timeout_s: float) -> Path:
     if error is None:
         return Path(str(outcome["path"]))
     raise _explain(repo_id, error, hub_errors) from None
+
+
+def _hub_resolves() -> bool:
+    """Whether the hub's host name resolves. Without DNS (no network) the client retries each request five
+    times with backoff (about 25 s) before it reads the cache: skip straight to the cache instead."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    host = urlparse(constants.ENDPOINT).hostname
+    if not host:
+        return True
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:  # socket.gaierror: no such host, or no resolver
+        return False
+    return True
 
 
 def _explain(repo_id: str, error: BaseException, hub_errors) -> CostModelError:

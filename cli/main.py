@@ -21,7 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "estimate": ("estimate", "Per-GPU memory, communication and time of one layout."),
     "plan": ("plan", "Search every layout and memory option; recommend the fastest that fits."),
     "capacity": ("capacity", "What-if: longest sequence, fewest GPUs, sweeps."),
-    "export": ("export", "Write a plan as an Accelerate, DeepSpeed or torchrun config."),
+    "export": ("export", "Write a plan as an Accelerate, DeepSpeed, Megatron-LM or torchrun config."),
     "topo": ("topo", "Show or convert a hardware topology (preset or YAML)."),
     "probe": ("probe", "Measure this machine's topology and links (needs torch)."),
     "validate": ("validate", "Run a few steps of a plan and compare measured with predicted."),

@@ -67,6 +67,19 @@ def plot_format(path: str | Path) -> str:
     return suffix if suffix in PLOT_FORMATS else "png"
 
 
+def check_plot_path(path: str | Path | None) -> None:
+    """Refuse a --plot file whose suffix names a format other than :data:`PLOT_FORMATS` (``mem.jpg``,
+    ``mem.txt``) before any work: it would silently hold PNG bytes under the wrong name. No suffix: PNG."""
+    if path is None:
+        return
+    if str(path) == "-":  # the command's report goes to standard output too: the two would interleave
+        raise PlannerError("--plot - would mix the picture with the report on standard output; give a file name "
+                           "(.png, .svg or .pdf)")
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix and suffix not in PLOT_FORMATS:
+        raise PlannerError(f"--plot {path}: cannot draw .{suffix} files; name it .png, .svg or .pdf")
+
+
 def pyplot() -> Any:
     """matplotlib.pyplot on the Agg backend (no display needed), or a one-line error naming the extra."""
     try:

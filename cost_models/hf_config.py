@@ -164,6 +164,11 @@ def family_of(config: Mapping[str, Any], name: str) -> tuple[str, HFFamily, Mapp
     """``(model_type, family, decoder config)``: a wrapper's ``text_config`` is the decoder, with the
     family's defaults filled in for the fields the file leaves out (as its config class does)."""
     model_type = str(config.get("model_type", "")).lower()
+    if not model_type:  # said as "model_type '' is not supported", which does not tell what to add
+        arch = config.get("architectures")
+        named = f" (architectures: {', '.join(map(str, arch))[:200]})" if isinstance(arch, list) and arch else ""
+        raise CostModelError(f"{name}: config.json has no model_type{named}; add the model_type of its transformers "
+                             f"config class, one of {', '.join(sorted(HF_FAMILIES))}")
     if model_type not in HF_FAMILIES:
         raise CostModelError(
             f"model_type {model_type!r} is not supported: supported families are {', '.join(sorted(HF_FAMILIES))}"

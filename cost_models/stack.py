@@ -40,6 +40,11 @@ DEFAULT_STACK = "sp-plan"
 MAX_STACK_FILE_BYTES = data.MAX_USER_FILE_BYTES
 
 
+#: Attention kernel families a stack may name: the kernel files' entries (fa2, fa3, cudnn; a GPU without its
+#: own entry for one is priced as fa2) and torch SDPA. Any other name is a typo that would silently price fa2.
+ATTENTION_KERNELS = ("fa2", "fa3", "cudnn", "sdpa")
+
+
 class StackTime(BaseModel):
     """Time-model properties of a software stack (not of the GPU).
 
@@ -70,6 +75,21 @@ class StackTime(BaseModel):
             "torchtitan selects the cuDNN backend on Blackwell."
         ),
     )
+    @field_validator("attention_kernel")
+    @classmethod
+    def _known_kernel(cls, value: str) -> str:
+        if value not in ATTENTION_KERNELS:
+            raise ValueError(f"attention kernel {value!r} is not one sp-plan prices; use one of "
+                             f"{', '.join(ATTENTION_KERNELS)}")
+        return value
+
+    @field_validator("attention_kernel_by_gpu")
+    @classmethod
+    def _known_kernels_by_gpu(cls, value: dict[str, str]) -> dict[str, str]:
+        for gpu, kernel in value.items():
+            cls._known_kernel(kernel)
+        return value
+
     checkpoint_offload_recomputes: bool = Field(
         default=True,
         description=(

@@ -140,6 +140,20 @@ class MaxSeqAnswer(BaseModel):
     bound_by: str | None = None
 
 
+def _check_pins_split(model: ModelSpec, base: TrainSpec, topology: Topology, settings: PlanSettings,
+                      world: int) -> None:
+    """Refuse pinned degrees that no layout of ``world`` GPUs has (``--ulysses 16`` on 8 GPUs) as bad input, as
+    ``plan`` does: without this the longest-sequence search answered "does not fit even at 1024 tokens; use
+    more GPUs", a wrong reason and exit code for a typo."""
+    fixed = settings.fixed_layout
+    space = layout_space(world, model, base, topology.gpus_per_node)
+    if not fixed or any(all(getattr(layout, k) == v for k, v in fixed.items()) for layout in space.layouts):
+        return
+    Layout.for_world(world, **fixed).check_against(model, base.seq_len, base.tp_sequence_parallel)
+    pins = " x ".join(f"{k}={v}" for k, v in fixed.items())
+    raise PlannerError(f"no valid layout of {world} GPUs has {pins}; drop or change the pinned degrees")
+
+
 def max_seq_len(model: ModelSpec, base: TrainSpec, topology: Topology, settings: PlanSettings,
                 assumptions: MemoryAssumptions | None = None) -> MaxSeqAnswer:
     """Longest sequence (a multiple of :func:`seq_granule`) for which some plan fits on ``topology``."""
@@ -151,6 +165,7 @@ def max_seq_len(model: ModelSpec, base: TrainSpec, topology: Topology, settings:
         return probe_feasibility(model, train, topology, settings, assumptions).fits
 
     if not feasible(1):
+        _check_pins_split(model, base.model_copy(update={"seq_len": step}), topology, settings, world)
         closest = probe_feasibility(model, base.model_copy(update={"seq_len": step}), topology, settings,
                                     assumptions)
         miss = f" (closest: {closest.describe_miss()})" if closest.layout else ""

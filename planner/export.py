@@ -87,6 +87,15 @@ def _refuse_unmapped_degrees(plan: Plan, target: str, who: str) -> None:
                            + (", or export --to megatron" if {"pp", "ep"} & set(unmapped) else ""))
 
 
+def _refuse_prefill(plan: Plan, who: str) -> None:
+    """Refuse a prefill plan for a launcher that trains: it was priced for a forward pass (no gradients, no
+    optimizer states), so a training config built from it would silently run out of memory or mislead."""
+    if plan.train.mode != "train":
+        raise PlannerError(f"{who} trains, but this plan ({plan.layout.describe()}) is for {plan.train.mode}: a "
+                           "forward pass priced without gradients or optimizer states; re-plan with --mode train "
+                           "to train, or give its layout to your inference engine")
+
+
 def _refuse_accelerate(plan: Plan) -> None:
     """Refuse the plans Accelerate cannot run as planned, naming the field and what to do instead."""
     layout = plan.layout
@@ -144,6 +153,7 @@ def to_accelerate(plan: Plan) -> Export:
     """
     _refuse_accelerate(plan)
     _refuse_unmapped_degrees(plan, "accelerate", "Accelerate")
+    _refuse_prefill(plan, "Accelerate")
     layout, train, hw = plan.layout, plan.train, plan.hardware
     notes: list[str] = []
     config: dict[str, Any] = {
@@ -353,6 +363,7 @@ def to_deepspeed(plan: Plan) -> Export:
     """
     _refuse_deepspeed(plan)
     _refuse_unmapped_degrees(plan, "deepspeed", "DeepSpeed (with transformers)")
+    _refuse_prefill(plan, "a DeepSpeed config")
     layout, train = plan.layout, plan.train
     notes: list[str] = []
     zero: dict[str, Any] = {
@@ -404,6 +415,7 @@ def to_torchrun(plan: Plan, plan_path: str = "plan.yaml", script: str | None = N
     --plan PLAN`` (:data:`TRAIN_ENTRY_POINT`), or ``script`` when given (a training script of the user's
     that takes ``--plan``)."""
     _refuse_unmapped_degrees(plan, "torchrun", "sp-plan's runtime")
+    _refuse_prefill(plan, "sp-plan's runtime (sp-plan train)")
     hw = plan.hardware
     procs = min(hw.gpus_per_node, hw.num_gpus)
     args = ["torchrun"]

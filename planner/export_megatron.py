@@ -145,7 +145,8 @@ def megatron_refusal(plan: Plan) -> str | None:
 
 def _training_refusal(train: TrainSpec) -> str | None:
     if train.mode != "train":
-        return f"train.mode={train.mode}: pretrain_gpt.py trains; export --to torchrun for a prefill run"
+        return (f"train.mode={train.mode}: pretrain_gpt.py trains; re-plan with --mode train to train, or give the "
+                "layout to your inference engine (no launcher here runs prefill)")
     if train.zero_stage >= 2:
         return (f"train.zero_stage={train.zero_stage}: Megatron's distributed optimizer is ZeRO-1 (optimizer state "
                 f"and master weights sharded; gradients and parameters are not); ZeRO-2/3 is Megatron-FSDP, not "

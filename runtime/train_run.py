@@ -30,8 +30,10 @@ from sp_plan.runtime.data import TokenWindows
 from sp_plan.runtime.errors import RuntimeConfigError
 from sp_plan.runtime.host_overhead import add_measured_host_overhead
 from sp_plan.runtime.log import ensure_logging, get_logger
+from sp_plan.runtime.mesh import check_launch
 from sp_plan.runtime.models import LlamaModel
 from sp_plan.runtime.models.base import refuse_unbuildable
+from sp_plan.runtime.planning import refuse_unsupported
 from sp_plan.runtime.text_data import GlobalBatches
 from sp_plan.runtime.train_options import (
     BOS,
@@ -253,6 +255,45 @@ def configure(options: TrainRunOptions, model: nn.Module, plan: Plan | None, pad
                           fixed_options=fixed, pad_token_id=pad)
 
 
+#: Bytes per parameter of the model every rank builds (seeded random fp32 weights) before it is sharded.
+INIT_BYTES_PER_PARAM = 4
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), or None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def refuse_unbuildable_on_host(plan: Plan, local_ranks: int, available: int | None) -> None:
+    """On CPU ranks, refuse a plan whose model the ranks of this host cannot even build (each builds it whole in
+    fp32 before sharding): the kernel's OOM kill would leave only a bare SIGKILL behind."""
+    need = plan.model.num_params * INIT_BYTES_PER_PARAM * local_ranks
+    if available is not None and need > available:
+        raise RuntimeConfigError(
+            f"{local_ranks} CPU rank(s) would build {plan.model.name} ({plan.model.num_params / 1e9:.2f}B parameters, "
+            f"{need / 1e9:.1f} GB in fp32) but {available / 1e9:.1f} GB of host RAM is available: train this plan on "
+            "GPUs, or a smaller model on this machine (sp-plan train without --plan, or a plan for a smaller "
+            "config.json)")
+
+
+def refuse_plan_before_building(plan: Plan, options: TrainRunOptions) -> None:
+    """The plan checks that need no model, run before the model is built: a plan for 8 GPUs (an 8B model) started
+    as one process, or a prefill plan, was refused only after the whole unsharded model was allocated, which on a
+    CPU box ended in the kernel's OOM kill instead of the one-line reason."""
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    # device "cpu": only the rank-count check applies here; the GPU checks run when the mesh is built
+    check_launch(plan.layout, world, device_type="cpu", local_world_size=world, visible_devices=0)
+    refuse_unsupported(plan, "hf" if options.hf or options.model_config is not None else "llama")
+    if not torch.cuda.is_available():
+        refuse_unbuildable_on_host(plan, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), available_host_bytes())
+
+
 def run_training(options: TrainRunOptions,
                  on_finish: Callable[[AutoConfigured, FitResult, int], None] | None = None) -> int:
     """Run the training; the process exit code (0, or :data:`DIVERGED_EXIT_CODE` on a non-finite loss).
@@ -271,6 +312,8 @@ def run_training(options: TrainRunOptions,
     vocab, pad = tokenizer_vocabulary(options)
     plan = load_plan(options.plan) if options.plan else None
     reused = checkpoint_plan(options) if plan is None else None
+    if plan is not None:
+        refuse_plan_before_building(plan, options)
     model = build_model(options, plan or reused, vocab)
     setup = configure(options, model, plan or reused, pad)
     rank0 = dist.get_rank() == 0

@@ -24,10 +24,28 @@ from sp_plan.cost_models.atomic_io import write_output
 from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.text_table import Column, format_table
 
+#: A measurement this many times above or below the uncalibrated prediction is refused: calibrations move
+#: predictions by a few times at most (the worst published miss is about 7x), while a wrong unit (ms typed as s)
+#: or a wrong configuration column is 1000x; a fit to it pins every efficiency at its bound and still misses.
+MAX_MEASURED_TO_PREDICTED = 100.0
+
 #: The report's two tables: every run before and after the fit, then the error by metric.
 RUN_COLUMNS = (Column("run"), Column("measured", ">"), Column("before", ">"), Column("after", ">"))
 ERROR_COLUMNS = (Column("error"), Column("runs", ">"), Column("before", ">"), Column("after", ">"),
                  Column("tau before", ">"), Column("tau after", ">"))
+
+
+def _refuse_implausible(runs: list, predictions: dict[str, tuple[float, float]]) -> None:
+    """Refuse, before anything is written, a measured value no calibration can explain (see
+    :data:`MAX_MEASURED_TO_PREDICTED`), naming the run and what to check."""
+    for run in runs:
+        before = predictions[run.id][0]
+        ratio = max(run.value / before, before / run.value) if before > 0 and run.value > 0 else float("inf")
+        if ratio > MAX_MEASURED_TO_PREDICTED:
+            raise CostModelError(
+                f"{run.id}: measured {run.value:.4g} is {ratio:,.0f}x off the uncalibrated prediction {before:.4g}, "
+                "more than any calibration moves a real run; check the value's unit (step_s: seconds per step, "
+                "tps_per_gpu: tokens/s per GPU, *_gib: GiB) and the run's configuration columns")
 
 
 @click.command("calibrate")
@@ -50,6 +68,10 @@ def command(runs: tuple[Path, ...], check: tuple[Path, ...], stack: str, out_fil
     check_output_path(out_file, "--out")
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp)
+        both = {p.resolve() for p in runs} & {p.resolve() for p in check}
+        if both:
+            raise CostModelError(f"--check {sorted(both)[0]} is also among the runs fitted on, so its 'held out' "
+                                 "errors would not be held out; give the fitted and the checked runs in separate files")
         fit_runs = load_runs(list(runs), cache, stack)
         check_runs = load_runs(list(check), cache, stack)
         if not fit_runs:
@@ -60,6 +82,7 @@ def command(runs: tuple[Path, ...], check: tuple[Path, ...], stack: str, out_fil
             raise CostModelError(f"calibrate one GPU type and stack at a time; these runs use GPUs {sorted(gpus)} "
                                  f"and stacks {sorted(stacks)}")
         result = calibrate(fit_runs, check_runs)
+        _refuse_implausible(fit_runs + check_runs, result.predictions)
         sampled = len(result.fitted_runs)
         sample_note = "" if sampled == len(fit_runs) else f" (an evenly spread sample of {len(fit_runs)})"
         description = (f"fitted by `sp-plan calibrate` on {sampled} measurement(s){sample_note} from "

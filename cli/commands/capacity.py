@@ -15,7 +15,7 @@ from sp_plan.planner.capacity import MAX_GPUS, SweepPoint, max_seq_len, min_gpus
 from sp_plan.planner.errors import PlannerError
 from sp_plan.planner.report import describe_options
 from sp_plan.planner.sanity import check_figures
-from ..plots import draw_sweep
+from ..plots import check_plot_path, draw_sweep
 from .common import build_model, build_topology, build_train, check_output_path, hardware_options, \
     layout_options, model_options_optional_seq
 from .plan import planning_options, settings_from
@@ -76,6 +76,7 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
     With --seq-len: the fewest GPUs that can train it. --sweep prints the best plan at each point.
     """
     check_output_path(plot_file, "--plot")
+    check_plot_path(plot_file)
     settings, train_kwargs, _ = settings_from(ctx, options, top=1)
     model = build_model(model_name)
     seq_len = train_kwargs.pop("seq_len", None)
@@ -119,7 +120,10 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
         if gpus is None:
             raise PlannerError("give --gpus (for the longest sequence) or --seq-len (for the fewest GPUs)")
         topology = topology_for(gpus)
-        base = build_train(seq_len=seq_granule_start(gpus), **train_kwargs)
+        # Validated at a length that holds one --document-length document: the search itself starts at the
+        # granule (1,024 tokens on 8 GPUs), and a shorter sequence is simply one document.
+        base = build_train(seq_len=max(seq_granule_start(gpus), train_kwargs.get("document_length") or 0),
+                           **train_kwargs)
         answer = max_seq_len(model, base, topology, settings)
         stack = _stack_fields(settings, topology.gpu.name)
         data = {"max_seq_len": answer.max_seq_len, "granule": answer.granule, "gpus": gpus,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from pydantic import ValidationError
 
+from sp_plan.cost_models.topology.spec import MAX_GPUS_PER_NODE
 from sp_plan.cost_models import data, degrees
 from sp_plan.cost_models.errors import CostModelError, explain_validation_error
 from sp_plan.cost_models.gpu_spec import GPUSpec, get_gpu_preset
@@ -234,7 +235,7 @@ def hardware_options(func: Callable) -> Callable:
                      help="Total number of GPUs (default with --topology: all GPUs it describes)."),
         click.option(
             "--gpus-per-node",
-            type=click.IntRange(1, 1 << 10),
+            type=click.IntRange(1, MAX_GPUS_PER_NODE),
             default=None,
             help="GPUs per node (default: min(8, --gpus)).",
         ),
@@ -304,6 +305,23 @@ def build_model(model_name: str) -> ModelSpec:
     return load_model(model_name)
 
 
+#: Pipeline schedules that only mean something with pipeline stages (1f1b is also the no-pipeline default).
+PIPELINED_SCHEDULES = frozenset({"interleaved_1f1b", "zero_bubble"})
+
+
+def check_pipeline_flags_need_pp(pp: int, pipeline_schedule: str | None, virtual_stages: int) -> None:
+    """Refuse --virtual-stages N > 1 or --schedule interleaved_1f1b|zero_bubble on a layout without pipeline
+    stages (pp=1): the estimate would silently price a plain run and drop what was asked for."""
+    if pp != 1:
+        return
+    if virtual_stages > 1:
+        raise CostModelError(f"--virtual-stages {virtual_stages} splits pipeline stages into chunks, but pp=1 (no "
+                             "pipeline); add --pp N with N > 1, or drop --virtual-stages")
+    if pipeline_schedule in PIPELINED_SCHEDULES:
+        raise CostModelError(f"--schedule {pipeline_schedule} is a pipeline schedule, but pp=1 (no pipeline); add "
+                             "--pp N with N > 1, or drop --schedule")
+
+
 def build_train(**kwargs: Any) -> TrainSpec:
     if "pipeline_schedule" in kwargs and kwargs["pipeline_schedule"] is None:  # --schedule not given
         kwargs["pipeline_schedule"] = "interleaved_1f1b" if kwargs.get("virtual_stages", 1) > 1 else "1f1b"
@@ -333,6 +351,7 @@ def build_topology(gpus: int | None, gpus_per_node: int | None, gpu_name: str, t
             raise CostModelError(f"--topology is empty: give a preset ({', '.join(preset_names())}) or a topology "
                                  "YAML file, or leave the option out")
         topology = load_topology(topology_ref, gpus, gpus_per_node)
+        _check_gpu_matches(gpu_name, topology, topology_ref)
     else:
         if gpus is None:
             raise click.UsageError("Missing option '--gpus' (or give --topology PRESET|FILE)")
@@ -344,6 +363,21 @@ def build_topology(gpus: int | None, gpus_per_node: int | None, gpu_name: str, t
             f"--gpus {gpus} does not fill whole nodes of {per_node} GPUs; use a multiple of {per_node}"
         )
     return topology
+
+
+def _check_gpu_matches(gpu_name: str, topology: "Topology", topology_ref: str) -> None:
+    """A --gpu typed next to a --topology of another GPU was silently ignored (the topology names its GPU):
+    refuse the contradiction instead of planning for a GPU the user did not ask for."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context(silent=True)
+    if ctx is None or ctx.get_parameter_source("gpu_name") not in (ParameterSource.COMMANDLINE,
+                                                                      ParameterSource.ENVIRONMENT):
+        return
+    if data.canonical("gpus", gpu_name) != data.canonical("gpus", topology.gpu.name):
+        raise CostModelError(f"--gpu {gpu_name} contradicts --topology {topology_ref}, whose GPUs are "
+                             f"{topology.gpu.name}; drop --gpu (the topology names its GPU) or give a topology of "
+                             f"{gpu_name}")
 
 
 def build_cluster(gpus: int | None, gpus_per_node: int | None, gpu_name: str,

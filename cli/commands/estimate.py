@@ -22,7 +22,7 @@ from sp_plan.cost_models.units import GB, GiB, format_tokens
 
 from sp_plan.planner.sanity import check_figures
 from sp_plan.planner.search import DEFAULT_HEADROOM
-from ..plots import draw_estimate_memory
+from ..plots import check_plot_path, draw_estimate_memory
 from .common import (
     build_assume,
     build_cluster,
@@ -31,6 +31,7 @@ from .common import (
     build_profile,
     build_train,
     check_output_path,
+    check_pipeline_flags_need_pp,
     hardware_options,
     layout_options,
     model_options,
@@ -60,6 +61,7 @@ def run_estimate(model_name: str, gpus: int | None, gpus_per_node: int | None, g
         train = build_train(**train_kwargs)
         topology, gpus = build_cluster(gpus, gpus_per_node, gpu_name, topology_ref)
         layout = build_layout(gpus, **layout_kwargs)
+        check_pipeline_flags_need_pp(layout.pp, options.get("pipeline_schedule"), options.get("virtual_stages", 1))
         profile = build_profile(topology.gpu.name, options.get("stack"), options.get("calibration"),
                                 build_assume(options.get("assume", ())))
         return estimate(model, _with_stack_split(model, train, layout, profile), layout, topology, profile=profile)
@@ -85,6 +87,7 @@ def command(model_name: str, gpus: int | None, gpus_per_node: int | None, gpu_na
     buffers and overheads at the peak phase of the step, host memory), its communication volume per
     layer and per step, and the predicted step time, tokens/s and MFU on the topology."""
     check_output_path(plot_file, "--plot")
+    check_plot_path(plot_file)
     result = run_estimate(model_name, gpus, gpus_per_node, gpu_name, topology_ref, options)
     data = result.to_json_dict()
     check_figures(data, "the estimate")  # never print a NaN or a 10^297 s step as an answer

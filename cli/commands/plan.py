@@ -17,7 +17,7 @@ from sp_plan.planner.plan import plan_from_ranked
 from sp_plan.planner.report import explain_rejections, explain_winner, family_champions, headline, render_table, compare
 from sp_plan.planner.sanity import check_figures
 from sp_plan.planner.search import DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_HEADROOM, PlanSettings, SearchResult, search
-from ..plots import draw_plan_times
+from ..plots import check_plot_path, draw_plan_times
 from .common import (
     layout_keys,
     TokenCountType,
@@ -28,6 +28,7 @@ from .common import (
     FiniteFloatRange,
     build_train,
     check_output_path,
+    check_pipeline_flags_need_pp,
     hardware_options,
     layout_options,
     model_options,
@@ -51,6 +52,22 @@ def planning_options(func):
     return func
 
 
+def _check_batch_holds_a_micro_batch(options: dict[str, Any], micro_pinned: bool) -> None:
+    """Refuse a --global-batch-tokens below one (pinned) micro-batch of --seq-len tokens: every layout rounds the
+    batch up to whole micro-batches per data-parallel rank, so 1K tokens at 32K planned steps of 32K-128K tokens
+    under a headline of the asked-for batch."""
+    seq_len, tokens = options.get("seq_len"), options["global_batch_tokens"]
+    if seq_len is None:
+        return
+    micro = options.get("micro_batch", 1) if micro_pinned else 1
+    least = micro * seq_len
+    if tokens < least:
+        what = (f"one micro-batch (--micro-batch {micro} x --seq-len {seq_len:,} = {least:,} tokens)" if micro > 1
+                else f"one sequence of --seq-len {seq_len:,} tokens")
+        raise PlannerError(f"--global-batch-tokens {tokens:,} is less than {what}, the least a step trains; give "
+                           f"--global-batch-tokens {least} or more" + (", or a smaller --micro-batch" if micro > 1 else ""))
+
+
 def settings_from(ctx: click.Context, options: dict[str, Any], top: int = 5) -> tuple[PlanSettings, dict, dict]:
     """PlanSettings from the command line: explicit layout degrees and memory options are pinned."""
     if "grad_accum" in pinned(ctx, ("grad_accum",)):
@@ -59,7 +76,11 @@ def settings_from(ctx: click.Context, options: dict[str, Any], top: int = 5) -> 
     split = options.get("stage_layers")
     if split is not None and fixed_layout.get("pp") != len(split):
         raise PlannerError(f"--stage-layers lists {len(split)} stages: pin the pipeline degree with --pp {len(split)}")
+    if "global_batch_tokens" in pinned(ctx, ("global_batch_tokens",)):  # the default is rounded up quietly
+        _check_batch_holds_a_micro_batch(options, micro_pinned="micro_batch" in pinned(ctx, ("micro_batch",)))
     fixed_options = pinned(ctx, SEARCHABLE_OPTIONS)
+    if fixed_layout.get("pp") == 1:  # a pinned pipeline schedule or chunking cannot apply without stages
+        check_pipeline_flags_need_pp(1, fixed_options.get("pipeline_schedule"), fixed_options.get("virtual_stages", 1))
     micro_fixed = "micro_batch" in pinned(ctx, ("micro_batch",))
     try:
         settings = PlanSettings(top_k=top, headroom=options["headroom"],
@@ -114,6 +135,7 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
     """
     check_output_path(out_file, "--out")
     check_output_path(plot_file, "--plot")
+    check_plot_path(plot_file)
     settings, train_kwargs, _ = settings_from(ctx, options, top)
     model = build_model(model_name)
     train = build_train(**train_kwargs)

@@ -6,6 +6,7 @@ import json
 
 import click
 
+from sp_plan.cost_models.topology.spec import MAX_GPUS_PER_NODE
 from sp_plan.cost_models.topology import (
     Topology,
     fabric_names,
@@ -32,7 +33,7 @@ def command() -> None:
 @click.argument("topology", required=False, metavar="[PRESET|FILE]")
 @click.option("--gpus", type=click.IntRange(1, 1 << 20), default=None,
               help="Resize to this many GPUs (adds nodes of the same kind).")
-@click.option("--gpus-per-node", type=click.IntRange(1, 1 << 10), default=None, help="GPUs per node.")
+@click.option("--gpus-per-node", type=click.IntRange(1, MAX_GPUS_PER_NODE), default=None, help="GPUs per node.")
 @click.option("--fabric", default=None, help=f"Inter-node fabric preset ({', '.join(fabric_names())}).")
 @click.option("--nics-per-node", type=click.IntRange(1, 64), default=None, help="NICs per node on the fabric.")
 @click.option("--out", "out", type=click.Path(dir_okay=False), default=None,

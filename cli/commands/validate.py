@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from sp_plan.cost_models.topology.spec import MAX_GPUS_PER_NODE
 from sp_plan.cost_models.atomic_io import atomic_write_text
 from sp_plan.cost_models.errors import CostModelError
 
@@ -27,6 +28,7 @@ from .common import (
     build_model,
     build_topology,
     build_train,
+    check_pipeline_flags_need_pp,
     layout_options,
     memory_technique_options,
     split_options,
@@ -54,6 +56,7 @@ def _plan_from_flags(model_name: str | None, gpus: int | None, gpus_per_node: in
     train = build_train(**train_kwargs)
     topology = build_topology(gpus, gpus_per_node, gpu_name, topology_ref)
     layout = build_layout(gpus, **layout_kwargs)
+    check_pipeline_flags_need_pp(layout.pp, options.get("pipeline_schedule"), options.get("virtual_stages", 1))
     est = estimate(model, train, layout, topology)
     hardware = Hardware(num_gpus=gpus, gpus_per_node=min(topology.gpus_per_node, gpus), gpu=topology.gpu.name,
                         topology=topology_ref or topology.name)
@@ -146,7 +149,7 @@ def _launch(plan_path: Path, world: int, steps: int, time_topology: str | None, 
 @memory_technique_options
 @pipeline_options
 @click.option("--gpus", type=click.IntRange(1, 1 << 20), default=None, help="Ranks to run (the plan's world).")
-@click.option("--gpus-per-node", type=click.IntRange(1, 1 << 10), default=None)
+@click.option("--gpus-per-node", type=click.IntRange(1, MAX_GPUS_PER_NODE), default=None)
 @click.option("--gpu", "gpu_name", default="h100-80gb", show_default=True, help="GPU preset (planning only).")
 @click.option("--topology", "topology_ref", default=None, help="Topology preset or file the plan is for.")
 @layout_options

@@ -162,6 +162,9 @@ def resize(spec: TopologySpec, num_gpus: int | None, gpus_per_node: int | None =
     gpn = gpus_per_node or (node.gpus if total >= node.gpus else total)
     if not 1 <= gpn <= MAX_GPUS_PER_NODE:
         raise CostModelError(f"GPUs per node must be 1..{MAX_GPUS_PER_NODE}, got {gpn}")
+    if total < gpn:  # GPUs per node were given: "set GPUs per node" would be no advice
+        raise CostModelError(f"{total} GPUs are fewer than the {gpn} GPUs per node asked for: give at least {gpn} "
+                             f"GPUs (a multiple of {gpn}), or {total} GPUs per node for one partial node")
     if total % gpn:
         raise CostModelError(
             f"{total} GPUs do not fill whole nodes of {gpn}: use a multiple of {gpn} GPUs or set GPUs per node"
