@@ -255,3 +255,34 @@ def test_fewer_gpus_than_the_gpus_per_node_asked_for_says_so(capsys):
     """Was: "8 GPUs do not fill whole nodes of 16: ... or set GPUs per node", although they were set."""
     err = refused(["topo", "show", "dgx-h100", "--gpus-per-node", "16"], capsys)
     assert "fewer than the 16 GPUs per node" in err and "8 GPUs per node for one partial node" in err
+
+
+@pytest.mark.parametrize("command, flags, named", [
+    ("estimate", ["--ulysses", "8", "--offload-optimizer"], "--offload-optimizer"),
+    ("estimate", ["--ulysses", "8", "--checkpointing", "full", "--tiled-loss"], "--checkpointing, --tiled-loss"),
+    ("plan", ["--optimizer", "adamw_bf16", "--top", "1"], "--optimizer"),
+    ("capacity", ["--ulysses", "8", "--offload-checkpoints"], "--offload-checkpoints"),
+])
+def test_training_only_flags_under_prefill_are_refused_not_ignored(command, flags, named, capsys):
+    """Was: exit 0 with the same figures as without them (a prefill has no backward, gradients or optimizer)."""
+    args = ["--model", "llama3-8b", "--gpus", "8", "--mode", "prefill", *flags]
+    if command != "capacity":
+        args[2:2] = ["--seq-len", "32K"]
+    err = refused([command, *args], capsys)
+    assert err.startswith(f"error: {named}: training only") and "--mode train" in err
+
+
+def test_prefill_keeps_the_options_it_has(capsys):
+    main(["estimate", "--model", "llama3-8b", "--seq-len", "32K", "--gpus", "8", "--ulysses", "8", "--mode", "prefill",
+          "--zero", "3", "--tiled-mlp", "--json"])
+    assert json.loads(capsys.readouterr().out)["time"]["step_s"] > 0
+
+
+def test_calibrate_on_fewer_runs_than_parameters_says_so(tmp_path, capsys):
+    """Was: 'fitted 9 parameter(s) on 1 measurement(s)' with no word on what one run can and cannot pin."""
+    runs = tmp_path / "runs.csv"
+    runs.write_text(RUNS_HEADER + "llama3-8b,32768,8,8,dgx-h100,2.5\n")
+    main(["calibrate", str(runs), "--out", str(tmp_path / "cal.yaml")])
+    out = capsys.readouterr().out
+    assert "on 1 measurement(s)" in out and "cannot tell" in out and "--check" in out
+    assert (tmp_path / "cal.yaml").exists()

@@ -98,6 +98,10 @@ def command(runs: tuple[Path, ...], check: tuple[Path, ...], stack: str, out_fil
         return
     say(f"fitted {len(result.fit.params)} parameter(s) on {sampled} measurement(s){sample_note}; "
         f"wrote {out_file}")
+    if sampled < len(result.fit.params):
+        say(f"note: {sampled} measurement(s) cannot tell {len(result.fit.params)} parameters apart: those the runs do "
+            "not constrain keep their documented values; measure layouts that differ in sequence length and parallel "
+            "degrees, and hold some out with --check")
     for name, value in result.fit.as_dict().items():
         say(f"  {name:<48} {value:.4g}")
     checked, sampled_ids = {id(r) for r in check_runs}, {id(r) for r in result.fitted_runs}

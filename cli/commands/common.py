@@ -322,7 +322,31 @@ def check_pipeline_flags_need_pp(pp: int, pipeline_schedule: str | None, virtual
                              "--pp N with N > 1, or drop --schedule")
 
 
+#: Options only a training step has (click parameter -> flag): a prefill runs no backward and keeps no gradients
+#: or optimizer state, so these changed nothing and the figures came out as if they had not been typed.
+TRAINING_ONLY_OPTIONS = {"optimizer": "--optimizer", "offload_optimizer": "--offload-optimizer",
+                         "offload_checkpoints": "--offload-checkpoints", "checkpointing": "--checkpointing",
+                         "tiled_loss": "--tiled-loss"}
+
+
+def _refuse_training_only_under_prefill(kwargs: dict[str, Any]) -> None:
+    """A training-only flag typed with ``--mode prefill`` is refused rather than ignored."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context(silent=True)
+    if kwargs.get("mode") != "prefill" or ctx is None:
+        return
+    typed = [flag for name, flag in TRAINING_ONLY_OPTIONS.items()
+             if name in ctx.params and ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE,
+                                                                          ParameterSource.ENVIRONMENT)]
+    if typed:
+        raise CostModelError(f"{', '.join(typed)}: training only; --mode prefill runs no backward and keeps no "
+                             "gradients or optimizer state, so it would change nothing: drop "
+                             f"{'it' if len(typed) == 1 else 'them'}, or plan --mode train")
+
+
 def build_train(**kwargs: Any) -> TrainSpec:
+    _refuse_training_only_under_prefill(kwargs)
     if "pipeline_schedule" in kwargs and kwargs["pipeline_schedule"] is None:  # --schedule not given
         kwargs["pipeline_schedule"] = "interleaved_1f1b" if kwargs.get("virtual_stages", 1) > 1 else "1f1b"
     try:
