@@ -29,6 +29,7 @@ from sp_plan.runtime.checkpoint import list_checkpoints, read_verified_state
 from sp_plan.runtime.data import TokenWindows
 from sp_plan.runtime.errors import RuntimeConfigError
 from sp_plan.runtime.host_overhead import add_measured_host_overhead
+from sp_plan.runtime.host_ram import INIT_BYTES_PER_PARAM, available_host_bytes
 from sp_plan.runtime.log import ensure_logging, get_logger
 from sp_plan.runtime.mesh import check_launch
 from sp_plan.runtime.models import LlamaModel
@@ -253,21 +254,6 @@ def configure(options: TrainRunOptions, model: nn.Module, plan: Plan | None, pad
     return auto_configure(model, seq_len=options.seq_len, micro_batch=options.micro_batch, dtype=options.dtype,
                           global_batch=options.global_batch, topology=options.topology, fixed_layout=pins,
                           fixed_options=fixed, pad_token_id=pad)
-
-
-#: Bytes per parameter of the model every rank builds (seeded random fp32 weights) before it is sharded.
-INIT_BYTES_PER_PARAM = 4
-
-
-def available_host_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux), or None where it cannot be read."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def refuse_unbuildable_on_host(plan: Plan, local_ranks: int, available: int | None) -> None:

@@ -71,29 +71,15 @@ def pipeline_options(func):
     return func
 
 
-#: Bytes per parameter of the model validate builds on every rank before sharding it (fp32 init).
-INIT_BYTES_PER_PARAM = 4
-
-
-def _available_host_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux); None where it cannot be read."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def check_host_memory(plan, local_ranks: int, available: int | None = None, family: str = "llama") -> None:
     """Refuse, with the arithmetic and the way out, a run whose ranks cannot even build the model: each
     local rank materializes the whole model (random fp32 weights) before FSDP shards it, and a rank the
     kernel kills for memory leaves only a bare SIGKILL behind."""
     from sp_plan.cost_models.memory import memory_core
     from sp_plan.runtime.capabilities import memory_assumptions
+    from sp_plan.runtime.host_ram import INIT_BYTES_PER_PARAM, available_host_bytes
 
-    available = _available_host_bytes() if available is None else available
+    available = available_host_bytes() if available is None else available
     if available is None:
         return
     init = plan.model.num_params * INIT_BYTES_PER_PARAM
