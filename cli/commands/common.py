@@ -331,14 +331,10 @@ TRAINING_ONLY_OPTIONS = {"optimizer": "--optimizer", "offload_optimizer": "--off
 
 def _refuse_training_only_under_prefill(kwargs: dict[str, Any]) -> None:
     """A training-only flag typed with ``--mode prefill`` is refused rather than ignored."""
-    from click.core import ParameterSource
-
     ctx = click.get_current_context(silent=True)
     if kwargs.get("mode") != "prefill" or ctx is None:
         return
-    typed = [flag for name, flag in TRAINING_ONLY_OPTIONS.items()
-             if name in ctx.params and ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE,
-                                                                          ParameterSource.ENVIRONMENT)]
+    typed = [TRAINING_ONLY_OPTIONS[name] for name in pinned(ctx, tuple(TRAINING_ONLY_OPTIONS))]
     if typed:
         raise CostModelError(f"{', '.join(typed)}: training only; --mode prefill runs no backward and keeps no "
                              "gradients or optimizer state, so it would change nothing: drop "
@@ -392,11 +388,8 @@ def build_topology(gpus: int | None, gpus_per_node: int | None, gpu_name: str, t
 def _check_gpu_matches(gpu_name: str, topology: "Topology", topology_ref: str) -> None:
     """A --gpu typed next to a --topology of another GPU was silently ignored (the topology names its GPU):
     refuse the contradiction instead of planning for a GPU the user did not ask for."""
-    from click.core import ParameterSource
-
     ctx = click.get_current_context(silent=True)
-    if ctx is None or ctx.get_parameter_source("gpu_name") not in (ParameterSource.COMMANDLINE,
-                                                                      ParameterSource.ENVIRONMENT):
+    if ctx is None or not pinned(ctx, ("gpu_name",)):
         return
     if data.canonical("gpus", gpu_name) != data.canonical("gpus", topology.gpu.name):
         raise CostModelError(f"--gpu {gpu_name} contradicts --topology {topology_ref}, whose GPUs are "

@@ -76,12 +76,12 @@ def settings_from(ctx: click.Context, options: dict[str, Any], top: int = 5) -> 
     split = options.get("stage_layers")
     if split is not None and fixed_layout.get("pp") != len(split):
         raise PlannerError(f"--stage-layers lists {len(split)} stages: pin the pipeline degree with --pp {len(split)}")
+    micro_fixed = "micro_batch" in pinned(ctx, ("micro_batch",))
     if "global_batch_tokens" in pinned(ctx, ("global_batch_tokens",)):  # the default is rounded up quietly
-        _check_batch_holds_a_micro_batch(options, micro_pinned="micro_batch" in pinned(ctx, ("micro_batch",)))
+        _check_batch_holds_a_micro_batch(options, micro_pinned=micro_fixed)
     fixed_options = pinned(ctx, SEARCHABLE_OPTIONS)
     if fixed_layout.get("pp") == 1:  # a pinned pipeline schedule or chunking cannot apply without stages
         check_pipeline_flags_need_pp(1, fixed_options.get("pipeline_schedule"), fixed_options.get("virtual_stages", 1))
-    micro_fixed = "micro_batch" in pinned(ctx, ("micro_batch",))
     try:
         settings = PlanSettings(top_k=top, headroom=options["headroom"],
                                 global_batch_tokens=options["global_batch_tokens"], fixed_layout=fixed_layout,
