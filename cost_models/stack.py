@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from . import data
+from . import data, degrees
 from .errors import explain_validation_error
 from .fitted import fitted_parameters
 from .layout import Layout
@@ -86,7 +86,7 @@ class StackTime(BaseModel):
     @field_validator("attention_kernel_by_gpu")
     @classmethod
     def _known_kernels_by_gpu(cls, value: dict[str, str]) -> dict[str, str]:
-        for gpu, kernel in value.items():
+        for kernel in value.values():
             cls._known_kernel(kernel)
         return value
 
@@ -347,7 +347,7 @@ class StackSearch(BaseModel):
     @field_validator("unsupported_degrees")
     @classmethod
     def _known_dimensions(cls, unsupported: dict[str, str]) -> dict[str, str]:
-        known = ("dp_replicate", "dp_shard", "tp", "ulysses", "ring", "pp", "ep")
+        known = (*degrees.registered(), "ep")  # the layout's degrees, and expert parallelism (a Layout field)
         for dim, why in unsupported.items():
             if dim not in known:
                 raise ValueError(f"unknown parallel dimension {dim!r}: one of {', '.join(known)}")
