@@ -41,10 +41,8 @@ from sp_plan.cost_models.profile import clear_caches, use_fitted  # noqa: E402
 from sp_plan.planner.fitting.fit import (  # noqa: E402
     SPLITS,
     FitResult,
-    Parameter,
     fit,
     leave_one_group_out,
-    profile_for,
 )
 from sp_plan.planner.fitting.kernel_fit import METHOD as KERNEL_METHOD  # noqa: E402
 from sp_plan.planner.fitting.kernel_fit import (  # noqa: E402
@@ -53,20 +51,20 @@ from sp_plan.planner.fitting.kernel_fit import (  # noqa: E402
     kernel_figures,
     leave_one_kernel_source_out,
 )
+from sp_plan.planner.fitting.accuracy import COMPARE_STACK, published_accuracy  # noqa: E402
+from sp_plan.planner.fitting.misses import explain, find_misses, render_misses  # noqa: E402
 from sp_plan.planner.fitting.parameters import SHIPPED_MIN_SOURCES, TIME_KINDS, published_fit_parameters  # noqa: E402
 from sp_plan.planner.fitting.published import published_runs  # noqa: E402
 from sp_plan.planner.fitting.report import (  # noqa: E402
     errors_of,
-    evaluate,
     render,
     render_kernels,
     render_splits,
     summarise,
     table_orders,
 )
-from sp_plan.planner.fitting.runs import MeasuredRun, predict  # noqa: E402
+from sp_plan.planner.fitting.runs import MeasuredRun  # noqa: E402
 
-COMPARE_STACK = "sp-plan"
 FIT_METHOD = ("system level: scipy.optimize.least_squares (trf, soft-L1) on confidence-weighted log(predicted/"
               "measured), each source weighted equally, Gaussian priors around the stack and GPU files' "
               "values; stack overheads and GPU-variant clock factors only, on top of the kernel-pinned model")
@@ -183,53 +181,18 @@ def _report(args: argparse.Namespace, runs: list[MeasuredRun], skipped: list, ti
             figures: list, held_out: dict[str, float], shipped_fit: FittedParameters,
             splits: dict[str, dict[str, dict[str, float]]], started: float) -> None:
     """Predict every figure with ``shipped_fit`` in effect and print the layered report."""
-    def predict_time(run: MeasuredRun) -> float:
-        return predict(run, profile_for(run))
-
-    def shipped(run: MeasuredRun) -> float:
-        return predict_time(run) if run.kind in TIME_KINDS else predict(run, profile_for(run))
-
-    # Memory: one constant is fitted, the allocator slack (the GPU stacks' files ship the fit's value).
-    # Refit it here and hold each source's memory and max-length figures out of their own fit.
-    memory_runs = [r for r in runs if r.kind == "memory" and r.confidence == "exact"]
-    slack = [Parameter(target="memory.allocator_slack_fraction", prior=0.0, lower=0.0, upper=1.0, sigma=10.0,
-                       space="linear")]
-    slack_fit = fit(memory_runs, slack)
-    print(f"memory: allocator_slack_fraction fitted on {len(memory_runs)} exact memory figures "
-          f"({', '.join(slack_fit.fitted_on)}): {slack_fit.values[0]:.3f} (stacks ship "
-          f"{sorted({profile_for(r).memory.allocator_slack_fraction for r in memory_runs})})")
-    memory_sources = sorted({r.source for r in memory_runs})
-    for source in memory_sources:
-        fold = fit([r for r in memory_runs if r.source != source], slack)
-        print(f"  without {source}: {fold.values[0]:.3f}")
-        for r in runs:
-            if r.source == source and r.kind in ("memory", "max_length"):
-                held_out[r.id] = predict(r, profile_for(r, fold.params, fold.values))
-    for r in runs:  # figures of sources no memory constant was fitted on are out of sample as they are
-        if r.kind in ("memory", "max_length") and r.source not in memory_sources:
-            held_out[r.id] = shipped(r)
-
-    results = evaluate(runs, shipped, held_out or None)
-    if not args.fit:  # (the time figures' held-out values come from the shipped file)
-        # The shipped file stores each held-out error (group-normalised for scale-free tables); a value
-        # scaled by it orders a table exactly as the held-out prediction did.
-        flat = {k: v for errs in shipped_fit.held_out.values() for k, v in errs.items()}
-        for r in results:
-            if r.run.id in flat and r.run.kind in TIME_KINDS:
-                r.held_out_error = flat[r.run.id]
-                r.held_out = r.run.value * (1 + flat[r.run.id])
-    for r in results:
-        if r.run.stack != COMPARE_STACK:  # the comparison stack as shipped: the source stack's own facts
-            # (memory_overrides, a row's stack_time such as Transformer Engine's attention kernel) stay out
-            alt = r.run.model_copy(update={"stack": COMPARE_STACK, "memory_overrides": {}, "time_overrides": {}})
-            r.other_stack[COMPARE_STACK] = predict(alt, profile_for(alt))
-
+    accuracy = published_accuracy(runs, shipped_fit, held_out if args.fit else None, splits)
+    results, splits = accuracy.results, accuracy.splits
+    print("\n".join(accuracy.memory_lines))
     print()
     print("\n".join(render_kernels(figures, shipped_fit.kernel_fit)))
     print()
     print("\n".join(render(results, other_stack=COMPARE_STACK)))
     print()
     print("\n".join(render_splits(results, splits)))
+    print()
+    misses = explain(find_misses(results, splits))
+    print("\n".join(render_misses(misses)))
     print()
     for s in skipped:
         print(f"skipped: {s.id}: {s.reason}")
@@ -248,6 +211,10 @@ def _report(args: argparse.Namespace, runs: list[MeasuredRun], skipped: list, ti
             "summary": [s.__dict__ for s in summarise(results)],
             "tables": [t.__dict__ for t in table_orders(results)],
             "held_out_splits": splits,
+            "misses": [{"name": m.name, "what": m.what, "kind": m.kind, "split": m.split, "value": m.value,
+                        "cause": c.match, "established": c.established} for m, c in misses.explained]
+                      + [{"name": m.name, "what": m.what, "kind": m.kind, "split": m.split, "value": m.value,
+                          "cause": None, "established": False} for m in misses.unexplained],
             "kernel_fit": shipped_fit.kernel_fit.model_dump(),
         }, indent=2))
 

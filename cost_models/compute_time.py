@@ -252,10 +252,24 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
     mlp_f = gemm_time(mlp_g, fp8, tiles)
     proj_b = gemm_time(_backward(attn_g), fp8)
     mlp_b = gemm_time(_backward(mlp_g), fp8, tiles)
+    # The column-parallel linears (Q/K/V; up/gate or fc1): their input- and weight-gradient GEMMs are what
+    # an asynchronous backward TP collective runs beside (StackTime.tp_async_dgrad).
+    col_dgrad, col_wgrad = [0.0, 0.0], [0.0, 0.0]
+    if training and tp > 1:
+        col_attn, col_mlp = attn_g[:3], mlp_g[:-1]
+        col_dgrad = [gemm_time([(m, kk, n) for m, n, kk in col_attn], fp8),
+                     gemm_time([(m, kk, n) for m, n, kk in col_mlp], fp8, tiles)]
+        col_wgrad = [gemm_time([(kk, n, m) for m, n, kk in col_attn], fp8),
+                     gemm_time([(kk, n, m) for m, n, kk in col_mlp], fp8, tiles)]
     if model.moe is not None or model.mla is not None:  # MLA projections, grouped expert GEMMs, router
         grouped_time = _grouped_gemm_timer(topology, fr, k.gemm, k.sms, peak)
+        dense_b = (proj_b, mlp_b)
         proj_f, proj_b, mlp_f, mlp_b = _sparse_layer_gemms(model, tokens, tp, mlp_tile, gemm_time, grouped_time,
                                                            fp8, (mlp_f, mlp_b), layout.ep)
+        # The same share of each side's backward GEMMs as in the dense layer of these widths.
+        scale = [new / old if old > 0 else 0.0 for new, old in zip((proj_b, mlp_b), dense_b, strict=True)]
+        col_dgrad = [t * f for t, f in zip(col_dgrad, scale, strict=True)]
+        col_wgrad = [t * f for t, f in zip(col_wgrad, scale, strict=True)]
     cast_f = cast_b = 0.0
     if fp8:  # amax + cast passes over each GEMM's activation and weight (forward), and the output grad
         elems_f, elems_b = _fp8_cast_elements(model, tokens, tp, layout.ep, attn_g, mlp_g, tiles, mlp_tile,
@@ -335,7 +349,8 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
     }
     return ComputeTime(layer_f, layer_b, recompute, attn_f, attn_b, step_f, step_b, head_f, head_b, _report(fr),
                        _parts(parts), layer_gemm_forward=proj_f + mlp_f, layer_gemm_backward=proj_b + mlp_b,
-                       layer_ffn_forward=mlp_f, layer_ffn_backward=mlp_b)
+                       layer_ffn_forward=mlp_f, layer_ffn_backward=mlp_b,
+                       layer_column_dgrad=(col_dgrad[0], col_dgrad[1]), layer_column_wgrad=(col_wgrad[0], col_wgrad[1]))
 
 
 def _gemm_timer(topology: Topology, fr: Fractions, gemm: GemmParams, sms: int,

@@ -199,6 +199,19 @@ class StackTime(BaseModel):
             "once per step rather than per micro-batch. False: every micro-batch casts the weights again."
         ),
     )
+    tp_async_dgrad: bool = Field(
+        default=False,
+        description=(
+            "The column-parallel linears' input-gradient all-reduce (reduce-scatter under sequence "
+            "parallelism) runs asynchronously beside their weight-gradient GEMM, and under sequence "
+            "parallelism the re-gather of their saved input shard (memory.tp_saves_gathered_input false) "
+            "beside their input-gradient GEMM: Megatron-LM's --async-tensor-model-parallel-allreduce (on by "
+            "default since 2021), Megatron-Core's LinearWithGradAccumulationAndAsyncCommunication, Transformer "
+            "Engine's Linear / LayerNormLinear backward. Without TP comm overlap (tp_comm_overlap) these "
+            "collectives are then exposed only by what exceeds their GEMM; False: every backward TP "
+            "collective is exposed."
+        ),
+    )
     tp_comm_overlap: Literal["none", "userbuffers", "async_tp"] = Field(
         default="none",
         description=(

@@ -257,6 +257,8 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
     def build() -> TimeEstimate:
         buckets = report_buckets()
         comm_by = {k: accum * cp.comm_mb[k] + cp.comm_step[k] for k in buckets}
+        for k, v in (st.extra_layer_by or {}).items():
+            comm_by[k] += v * layers * accum
         exposed = {k: layers * accum * cp.exposed_layer[k] + accum * cp.model_mb_by[k] + cp.model_step_by[k]
                    for k in buckets}
         for k, v in st.layer_by.items():
@@ -489,7 +491,7 @@ def _layer_overlap(cp: _CommProfile, c_fwd: float, c_bwd: float, layers: int, sl
 def _context(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology, profile: CostProfile,
              ct: ComputeTime, offload: OffloadTraffic, cp: _CommProfile) -> TimeContext:
     return TimeContext(model=model, train=train, layout=layout, topology=topology, stack=profile.stack.time,
-                       kernels=profile.kernels, compute=ct, offload=offload, priced=cp.priced)
+                       kernels=profile.kernels, compute=ct, offload=offload, priced=cp.priced, memory=profile.memory)
 
 
 class _StrategyTerms(NamedTuple):
@@ -515,6 +517,7 @@ class _StrategyTerms(NamedTuple):
     hidden_layer_by: dict[str, float]
     host_f: float = 0.0
     host_b: float = 0.0
+    extra_layer_by: dict[str, float] | None = None
 
 
 def _strategy_terms(ctx: TimeContext) -> _StrategyTerms:
@@ -525,6 +528,7 @@ def _strategy_terms(ctx: TimeContext) -> _StrategyTerms:
     microbatch_by: dict[str, float] = {}
     step_by: dict[str, float] = {}
     hidden_layer_by: dict[str, float] = {}
+    extra_layer_by: dict[str, float] = {}
     buckets = report_buckets()
     for strategy in implementing("exposed"):
         for kind, t, at, bucket in strategy.exposed(ctx):
@@ -548,6 +552,11 @@ def _strategy_terms(ctx: TimeContext) -> _StrategyTerms:
                 if at not in ("layer_forward", "layer_backward"):
                     raise CostModelError(f"strategy {strategy.name!r}: hidden communication is reported per layer")
                 hidden_layer_by[bucket] = hidden_layer_by.get(bucket, 0.0) + t
+            elif kind == "extra_comm":
+                if at not in ("layer_forward", "layer_backward") or bucket not in buckets:
+                    raise CostModelError(f"strategy {strategy.name!r}: extra communication is reported per layer "
+                                         f"under a known bucket (got {at!r}, {bucket!r})")
+                extra_layer_by[bucket] = extra_layer_by.get(bucket, 0.0) + t
             elif kind == "interference":
                 if at == "layer_forward":
                     slow_f += t
@@ -575,7 +584,8 @@ def _strategy_terms(ctx: TimeContext) -> _StrategyTerms:
             else:
                 raise CostModelError(f"strategy {strategy.name!r} returned a term of unknown kind {kind!r}")
     return _StrategyTerms(exposed_f, exposed_b, slow_f, slow_b, exposed_mb, slow_mb, exposed_step, slow_step,
-                          offload, optimizer, layer_by, microbatch_by, step_by, hidden_layer_by, host_f, host_b)
+                          offload, optimizer, layer_by, microbatch_by, step_by, hidden_layer_by, host_f, host_b,
+                          extra_layer_by)
 
 
 #: TrainSpec fields the collectives of a step depend on: comm_volume.comm_ops reads only these (a test

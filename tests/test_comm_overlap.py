@@ -80,7 +80,7 @@ def _time(model, train, layout, stack, gpus=8, **time):
 def test_tp_overlap_under_megatron_hides_at_most_the_gemms():
     train, layout = TrainSpec(seq_len=8192, fp8_linears=True, zero_stage=1), Layout(tp=8)
     on, profile, topology = _time(LLAMA8, train, layout, "megatron")
-    off, _, _ = _time(LLAMA8, train, layout, "megatron", tp_comm_overlap="none")
+    off, _, _ = _time(LLAMA8, train, layout, "megatron", tp_comm_overlap="none", tp_async_dgrad=False)
     assert off.hidden_comm_s_by_strategy == {}
     exposed_on, exposed_off = on.exposed_comm_s_by_strategy["tp"], off.exposed_comm_s_by_strategy["tp"]
     hidden = on.hidden_comm_s_by_strategy["tp"]
@@ -98,8 +98,8 @@ def test_tp_overlap_under_megatron_hides_at_most_the_gemms():
 def test_tp_overlap_needs_sequence_parallelism_and_asynctp_needs_compile():
     layout = Layout(tp=4, dp_shard=2)
     plain = TrainSpec(seq_len=8192, tp_sequence_parallel=False, zero_stage=1)
-    on, _, _ = _time(LLAMA8, plain, layout, "megatron")
-    off, _, _ = _time(LLAMA8, plain, layout, "megatron", tp_comm_overlap="none")
+    on, _, _ = _time(LLAMA8, plain, layout, "megatron", tp_async_dgrad=False)
+    off, _, _ = _time(LLAMA8, plain, layout, "megatron", tp_comm_overlap="none", tp_async_dgrad=False)
     assert on.step_s == off.step_s and on.hidden_comm_s_by_strategy == {}
     assert "sequence parallelism" in on.efficiency_sources["tp_overlap"]
 
@@ -194,3 +194,43 @@ def test_explain_time_shows_hidden_and_exposed_parts_and_their_origin():
 
     eager = _explain("torchtitan")
     assert "0.0000 s hidden" in eager and "AsyncTP needs torch.compile" in eager
+
+
+def test_async_dgrad_hides_the_column_reductions_behind_their_weight_gradients():
+    """Megatron / TE run each column-parallel linear's input-gradient all-reduce beside its weight-gradient GEMM
+    (StackTime.tp_async_dgrad): the same traffic, split into what exceeds those GEMMs and what they hide."""
+    layout = Layout(tp=4, dp_shard=2)
+    plain = TrainSpec(seq_len=8192, tp_sequence_parallel=False, zero_stage=1)
+    on, profile, topology = _time(LLAMA8, plain, layout, "megatron")
+    off, _, _ = _time(LLAMA8, plain, layout, "megatron", tp_async_dgrad=False)
+    hidden = on.hidden_comm_s_by_strategy["tp"]
+    assert hidden > 0 and on.step_s < off.step_s
+    assert on.exposed_comm_s_by_strategy["tp"] + hidden == pytest.approx(off.exposed_comm_s_by_strategy["tp"],
+                                                                         rel=1e-9)
+    ct = compute_time(LLAMA8, plain, layout, topology, profile)
+    per_pass = LLAMA8.num_layers * plain.grad_accum
+    assert hidden <= per_pass * sum(ct.layer_column_wgrad) + 1e-12  # never more than the GEMMs beside them
+    assert on.interference_s > off.interference_s
+    assert "tp_async_dgrad" in on.efficiency_sources["tp_overlap"]
+    # forward-only work has no backward to overlap with
+    prefill = TrainSpec(seq_len=8192, tp_sequence_parallel=False, mode="prefill")
+    assert _time(LLAMA8, prefill, layout, "megatron")[0].hidden_comm_s_by_strategy == {}
+
+
+def test_a_stack_that_saves_the_shard_gathers_the_input_again_in_backward():
+    """Under sequence parallelism Megatron and TE save the column-parallel linears' input shard and all-gather it
+    again for the weight gradient: exposed (without async dgrad) it costs the forward's input all-gathers once
+    more per layer pass; a stack that saves the gathered input (DTensor) does not pay it."""
+    layout = Layout(tp=8)
+    sp = TrainSpec(seq_len=8192, tp_sequence_parallel=True, zero_stage=1)
+    plain = {"tp_comm_overlap": "none", "tp_async_dgrad": False}
+    shard, _, _ = _time(LLAMA8, sp, layout, "megatron", **plain)
+    profile = resolve_profile("h100-80gb", "megatron")
+    profile = dataclasses.replace(profile, stack=profile.stack.with_overrides(
+        memory={"tp_saves_gathered_input": True}, time=plain))
+    gathered = estimate(LLAMA8, sp, layout, default_topology("h100-80gb", 8), profile=profile).time
+    extra = shard.exposed_comm_s_by_strategy["tp"] - gathered.exposed_comm_s_by_strategy["tp"]
+    # forward per layer pass: two input all-gathers and two output reduce-scatters of X each, priced alike
+    forward_gathers = gathered.breakdown["layer_forward_exposed_comm_s"] / 2
+    assert extra == pytest.approx(LLAMA8.num_layers * sp.grad_accum * forward_gathers, rel=1e-6)
+    assert shard.comm_s > gathered.comm_s  # and it is reported as TP time

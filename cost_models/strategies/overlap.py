@@ -120,6 +120,10 @@ def tp_overlap_note(stack: StackTime, stack_name: str, train: TrainSpec, layout:
     """Where the TP overlap comes from, for ``--explain-time``."""
     blocker = tp_overlap_blocker(stack, train, layout)
     if blocker is not None:
+        if stack.tp_async_dgrad and layout.tp > 1 and train.is_training:
+            return (f"not chunked: {blocker} (stack file {stack_name}); backward: each column-parallel "
+                    "linear's input-gradient reduction runs beside its weight-gradient GEMM (tp_async_dgrad), "
+                    "the rest exposed")
         return f"exposed: {blocker} (stack file {stack_name})"
     rs = stack.tp_overlap_reduce_scatter_chunks or layout.tp
     margin = f", {stack.tp_overlap_sm_margin} SMs taken from the GEMM" if stack.tp_overlap_sm_margin else ""

@@ -21,6 +21,7 @@ from typing import Literal, NamedTuple, Protocol
 from ..flops import FLASH_BACKWARD_RATIO
 from ..kernels import AttentionParams, KernelModel, attention_seconds
 from ..layout import Layout
+from ..memory.assumptions import MemoryAssumptions
 from ..model_spec import ModelSpec
 from ..stack import StackTime
 from ..topology.topology import Topology
@@ -94,6 +95,11 @@ class ComputeTime:
     #: attention side).
     layer_ffn_forward: float = 0.0
     layer_ffn_backward: float = 0.0
+    #: The column-parallel linears' GEMMs of one layer (attention side: Q/K/V; MLP side: up/gate or fc1),
+    #: input gradient and weight gradient: what an asynchronous backward TP collective hides behind
+    #: (``StackTime.tp_async_dgrad``).
+    layer_column_dgrad: tuple[float, float] = (0.0, 0.0)
+    layer_column_wgrad: tuple[float, float] = (0.0, 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +161,8 @@ class TimeContext(NamedTuple):
     compute: ComputeTime
     offload: HostBytes
     priced: Mapping[str, object]
+    #: The stack's memory assumptions (what a layer saves decides what backward must fetch again).
+    memory: MemoryAssumptions = MemoryAssumptions()
 
     @property
     def layers(self) -> int:
@@ -175,7 +183,7 @@ class TimeContext(NamedTuple):
 
 
 #: Which step-time figure a :class:`Term` adds to.
-TermKind = Literal["exposed_comm", "hidden_comm", "interference", "offload", "optimizer", "host_sync"]
+TermKind = Literal["exposed_comm", "hidden_comm", "extra_comm", "interference", "offload", "optimizer", "host_sync"]
 #: How often a :class:`Term`'s seconds occur: per layer and micro-batch in the forward or backward pass,
 #: per micro-batch, or once per step.
 TermAt = Literal["layer_forward", "layer_backward", "microbatch", "step"]
@@ -186,6 +194,9 @@ class Term(NamedTuple):
 
     ``kind="exposed_comm"`` needs ``bucket`` (the report bucket the time counts under); ``hidden_comm``
     (with its bucket) is communication a strategy hid behind compute: reported, not added to the step;
+    ``extra_comm`` (per layer, with its bucket) is communication the stack issues beyond the layout's op list
+    (the op list is stack-independent: Megatron's backward re-gather of a column-parallel input is not in it),
+    counted into the bucket's communication time; its exposure is in the strategy's exposed/hidden terms;
     ``interference`` is compute slowed by overlapped collectives; ``host_sync`` is GPU idle while the host
     waits on a device-to-host synchronisation (per layer: :mod:`.moe_host`). Layer and micro-batch terms are part of a
     micro-batch's time (``breakdown.microbatch_s``); ``offload`` and ``optimizer`` terms are counted once per step

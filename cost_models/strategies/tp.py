@@ -4,8 +4,8 @@ Reads the ``tp`` degree (and the sequence split, for the activation sizes). Per 
 with X = T x h x d (T = b S / (U R) tokens per GPU): Megatron's two all-reduces forward (after the
 attention output projection and after the MLP down projection) and two backward (input gradients of
 the QKV and MLP up projections). With ``tp_sequence_parallel`` each all-reduce becomes an all-gather
-before and a reduce-scatter after the TP region, forward and (mirrored) backward; the gathered input
-is saved for the weight gradient, so it is not re-gathered in backward. Recompute repeats the block's
+before and a reduce-scatter after the TP region, forward and (mirrored) backward; the op list assumes the
+gathered input is saved for the weight gradient (DTensor), a stack that re-gathers it pays that in time. Recompute repeats the block's
 TP collectives except the last one.
 
 Outside the layers (report bucket ``embedding``): the vocab-parallel embedding (all-reduce, or
@@ -17,8 +17,12 @@ tp exceeds the KV heads.
 
 Time (overlap class ``tp``, the layer ops): exposed, unless the stack overlaps them with the GEMMs they
 feed (``StackTime.tp_comm_overlap``; :mod:`.overlap` prices the chunked pipeline: each collective's first
-chunk exposed, the rest hidden behind the pass's GEMMs as far as they last, slowing them). The ops outside
-the layers stay exposed.
+chunk exposed, the rest hidden behind the pass's GEMMs as far as they last, slowing them). Without that,
+a stack with ``StackTime.tp_async_dgrad`` (Megatron, Transformer Engine) still runs each column-parallel
+linear's input-gradient reduction beside its weight-gradient GEMM, and its input re-gather beside its
+input-gradient GEMM, exposing what exceeds them. Stacks that save only the input's sequence shard
+(``memory.tp_saves_gathered_input`` false) gather it again in backward: the forward's input all-gathers
+once more, priced in time (not in the stack-independent op list). The ops outside the layers stay exposed.
 
 No other strategy issues TP traffic; the rest of the cost model sees TP through the TP-local parameter
 counts here and the TP-local widths of the kernels.
@@ -95,12 +99,15 @@ def merged(strategy: str, group: str, phase: str, entries: list[tuple[str, float
 
 class TPLayerComm(NamedTuple):
     """One layer's TP collectives priced (seconds per micro-batch, counts included): forward all-gathers,
-    reduce-scatters and all-reduces, and everything in backward (recompute included)."""
+    reduce-scatters and all-reduces; in backward the column-parallel linears' input-gradient all-reduces
+    (reduce-scatters under sequence parallelism) and everything else (the row-parallel output-gradient
+    all-gathers, recompute)."""
 
     forward_gather: float = 0.0
     forward_scatter: float = 0.0
     forward_reduce: float = 0.0
     backward: float = 0.0
+    backward_dgrad: float = 0.0
 
 
 class TensorParallel(Strategy):
@@ -118,28 +125,42 @@ class TensorParallel(Strategy):
         yield from _embedding_ops(model, train, layout)
 
     def condense(self, overlap_class: str, ops: tuple[PricedOp, ...]) -> TPLayerComm:
-        gather = scatter = reduce = backward = 0.0
+        gather = scatter = reduce = backward = dgrad = 0.0
         for priced in ops:
             t = priced.seconds * priced.op.count
             if priced.op.phase != "forward":
-                backward += t
+                # The backward reductions of a layer are the column-parallel input gradients' (the
+                # row-parallel ones' backward is an all-gather, or nothing without sequence parallelism).
+                if not priced.op.recompute and priced.op.collective in ("all_reduce", "reduce_scatter"):
+                    dgrad += t
+                else:
+                    backward += t
             elif priced.op.collective == "all_gather":
                 gather += t
             elif priced.op.collective == "reduce_scatter":
                 scatter += t
             else:
                 reduce += t
-        return TPLayerComm(gather, scatter, reduce, backward)
+        return TPLayerComm(gather, scatter, reduce, backward, dgrad)
 
     def exposed(self, ctx: TimeContext) -> Iterator[Term]:
         comm = ctx.priced.get("tp")
         if not isinstance(comm, TPLayerComm):
             return
         forward = comm.forward_gather + comm.forward_scatter + comm.forward_reduce
+        regather = _input_regather(ctx, comm)
+        backward = comm.backward + comm.backward_dgrad + regather
+        if regather > 0:
+            yield Term("extra_comm", regather, "layer_backward", "tp")
         if tp_overlap_blocker(ctx.stack, ctx.train, ctx.layout) is not None:
             yield Term("exposed_comm", forward, "layer_forward", "tp")
-            if ctx.training:
-                yield Term("exposed_comm", comm.backward, "layer_backward", "tp")
+            if not ctx.training:
+                return
+            exposed_b = _async_dgrad_exposure(ctx, comm, regather) if ctx.stack.tp_async_dgrad else backward
+            yield Term("exposed_comm", exposed_b, "layer_backward", "tp")
+            if backward > exposed_b:
+                yield Term("hidden_comm", backward - exposed_b, "layer_backward", "tp")
+                yield Term("interference", ctx.slowdown * (backward - exposed_b), "layer_backward")
             return
         tp, stack, ct = ctx.layout.tp, ctx.stack, ctx.compute
         rs_chunks = stack.tp_overlap_reduce_scatter_chunks or tp
@@ -151,10 +172,46 @@ class TensorParallel(Strategy):
         yield Term("interference", _forward_interference(ctx, comm, hidden_f, rs_chunks), "layer_forward")
         if not ctx.training:
             return
-        exposed_b = pipelined_exposure(((comm.backward, tp),), ct.layer_gemm_backward)
+        if stack.tp_comm_overlap == "userbuffers":
+            # TE's bulk overlaps (qkv/fc1 dgrad and wgrad, get_default_config's "bulk" method): the input
+            # re-gather beside the input-gradient GEMM, the input-gradient reduce-scatter beside the
+            # weight-gradient GEMM; the row-parallel output-gradient all-gathers ring-exchange in tp chunks.
+            row_gemms = max(0.0, ct.layer_gemm_backward - sum(ct.layer_column_dgrad) - sum(ct.layer_column_wgrad))
+            exposed_b = (pipelined_exposure(((comm.backward, tp),), row_gemms)
+                         + _column_exposure(ctx, comm, regather))
+        else:
+            exposed_b = pipelined_exposure(((backward, tp),), ct.layer_gemm_backward)
         yield Term("exposed_comm", exposed_b, "layer_backward", "tp")
-        yield Term("hidden_comm", comm.backward - exposed_b, "layer_backward", "tp")
-        yield Term("interference", ctx.slowdown * (comm.backward - exposed_b), "layer_backward")
+        yield Term("hidden_comm", backward - exposed_b, "layer_backward", "tp")
+        yield Term("interference", ctx.slowdown * (backward - exposed_b), "layer_backward")
+
+
+def _input_regather(ctx: TimeContext, comm: TPLayerComm) -> float:
+    """Seconds of backward all-gathers a stack that saves only the sequence shard of the column-parallel
+    linears' input (memory.tp_saves_gathered_input false: Megatron, Transformer Engine) spends gathering it
+    again for their weight gradients: the forward's input all-gathers once more. Not in the comm op list
+    (the stack-independent traffic of the layout) nor in the comm section's bytes; counted in the TP
+    communication time (an ``extra_comm`` term)."""
+    if not (ctx.training and ctx.train.tp_sequence_parallel) or ctx.memory.tp_saves_gathered_input:
+        return 0.0
+    return comm.forward_gather
+
+
+def _async_dgrad_exposure(ctx: TimeContext, comm: TPLayerComm, regather: float) -> float:
+    """Exposed backward seconds when each column-parallel linear (Q/K/V, then up/gate or fc1) issues its
+    input re-gather before its input-gradient GEMM and its input-gradient reduction before its
+    weight-gradient GEMM, waiting for each only after the GEMM (StackTime.tp_async_dgrad): each collective
+    shows what exceeds its GEMM; the rest of the backward TP traffic stays exposed."""
+    return comm.backward + _column_exposure(ctx, comm, regather)
+
+
+def _column_exposure(ctx: TimeContext, comm: TPLayerComm, regather: float) -> float:
+    """What the column-parallel linears' backward collectives expose when each runs beside one GEMM of its
+    own linear (the re-gather beside the input gradient's, the input-gradient reduction beside the weight
+    gradient's): the part of each that exceeds its GEMM. Two such linears per layer, equal traffic each."""
+    ct = ctx.compute
+    return sum(max(0.0, comm.backward_dgrad / 2 - wgrad_s) + max(0.0, regather / 2 - dgrad_s)
+               for dgrad_s, wgrad_s in zip(ct.layer_column_dgrad, ct.layer_column_wgrad, strict=True))
 
 
 def _forward_interference(ctx: TimeContext, comm: TPLayerComm, hidden: float, rs_chunks: int) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from sp_plan.cost_models.gpu_spec import get_gpu_preset
 from sp_plan.cost_models.kernels import kernel_model
@@ -40,9 +41,21 @@ class RunResult:
         return self.held_out_error if self.held_out_error is not None else self.error
 
 
+def bracket_error(run: MeasuredRun, predicted: float) -> float:
+    """The error of a prediction of a figure published as a bracket (ran at ``value``, failed at
+    ``failed_at``): zero inside it, else relative to the nearer end."""
+    assert run.failed_at is not None
+    if predicted < run.value:
+        return predicted / run.value - 1
+    return max(0.0, predicted / run.failed_at - 1)
+
+
 def errors_of(runs: Sequence[MeasuredRun], predicted: Sequence[float]) -> list[float]:
-    """predicted / measured - 1, group-normalised for scale-free runs."""
-    return [math.exp(v) - 1 for v in log_residuals(runs, predicted)]
+    """predicted / measured - 1, group-normalised for scale-free runs; bracketed figures by
+    :func:`bracket_error`."""
+    runs = list(runs)
+    return [bracket_error(r, p) if r.failed_at is not None else math.exp(v) - 1
+            for r, p, v in zip(runs, predicted, log_residuals(runs, predicted))]
 
 
 def evaluate(runs: Sequence[MeasuredRun], predict: Callable[[MeasuredRun], float],
@@ -94,6 +107,18 @@ class TableOrder:
     tau_held_out: float | None
 
 
+def _tie_rounded(predicted: Sequence[float], rel: float = 1e-5) -> list[float]:
+    """Predictions within ``rel`` of the previous one in sorted order take its value: two runs the model
+    prices the same stay a tie when their held-out values are rebuilt from stored (rounded) errors, as the
+    shipped report does."""
+    out = list(predicted)
+    order = sorted(range(len(out)), key=out.__getitem__)
+    for prev, cur in pairwise(order):
+        if out[cur] - out[prev] <= rel * abs(out[prev]):
+            out[cur] = out[prev]
+    return out
+
+
 def table_orders(results: Sequence[RunResult]) -> list[TableOrder]:
     groups: dict[str, list[RunResult]] = {}
     for r in results:
@@ -104,10 +129,10 @@ def table_orders(results: Sequence[RunResult]) -> list[TableOrder]:
         if len(rs) < 2:
             continue
         measured = [r.run.value for r in rs]
-        tau = kendall_tau(measured, [r.predicted for r in rs])
+        tau = kendall_tau(measured, _tie_rounded([r.predicted for r in rs]))
         ho = None
         if all(r.held_out is not None for r in rs):
-            ho = kendall_tau(measured, [r.held_out for r in rs])  # type: ignore[misc]
+            ho = kendall_tau(measured, _tie_rounded([r.held_out for r in rs]))  # type: ignore[misc]
         out.append(TableOrder(name, len(rs), tau, ho))
     return out
 
@@ -228,6 +253,7 @@ __all__ = [
     "KindSummary",
     "RunResult",
     "TableOrder",
+    "bracket_error",
     "errors_of",
     "evaluate",
     "render",

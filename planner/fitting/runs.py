@@ -69,6 +69,9 @@ class MeasuredRun(BaseModel):
     #: consistent with the source's other tables): fits and reports use the figure relative to the
     #: group's geometric mean.
     scale_free: bool = False
+    #: A max length published as a bracket: the shortest length that was tried and failed (the limit lies in
+    #: [value, failed_at)); a prediction inside the bracket is right, outside it is off by the nearer end.
+    failed_at: float | None = Field(default=None, gt=0)
     model: ModelSpec
     train: TrainSpec
     layout: Layout
