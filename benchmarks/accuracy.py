@@ -212,7 +212,7 @@ def _report(args: argparse.Namespace, runs: list[MeasuredRun], skipped: list, ti
             "tables": [t.__dict__ for t in table_orders(results)],
             "held_out_splits": splits,
             "misses": [{"name": m.name, "what": m.what, "kind": m.kind, "split": m.split, "value": m.value,
-                        "cause": c.match, "established": c.established} for m, c in misses.explained]
+                        "cause": c.name, "established": c.established} for m, c in misses.explained]
                       + [{"name": m.name, "what": m.what, "kind": m.kind, "split": m.split, "value": m.value,
                           "cause": None, "established": False} for m in misses.unexplained],
             "kernel_fit": shipped_fit.kernel_fit.model_dump(),

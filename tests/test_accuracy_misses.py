@@ -37,21 +37,21 @@ def test_every_miss_has_a_cause(explained):
 
 
 def test_every_cause_explains_a_current_miss(explained):
-    assert not explained.stale, [c.match for c in explained.stale]
+    assert not explained.stale, [c.name for c in explained.stale]
 
 
 def test_the_report_prints_each_miss_under_its_cause(explained):
     lines = render_misses(explained)
     assert lines[-1].endswith("0 without a cause")
     for miss, cause in explained.explained:
-        block = lines.index(next(line for line in lines if line.startswith("- [") and f"] {cause.match}: " in line))
+        block = lines.index(next(line for line in lines if line.startswith("- [") and f"] {cause.name}: " in line))
         assert any(line.strip().startswith(miss.name[:80]) for line in lines[block:]), miss.name
 
 
 def test_every_cause_points_at_a_heading_of_the_accuracy_doc():
     headings = {m.group(1).strip() for m in re.finditer(r"^#+ (.+)$", DOCS.read_text(), re.MULTILINE)}
     for cause in (*miss_causes().figures, *miss_causes().tables):
-        assert cause.see in headings, cause.match
+        assert cause.see in headings, cause.name
 
 
 def test_misses_are_scored_as_the_targets_say(accuracy):

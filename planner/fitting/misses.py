@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from sp_plan.cost_models import data as shipped_data
 from sp_plan.cost_models.yaml_io import safe_load
 
@@ -33,7 +33,8 @@ class MissCause(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    match: str = Field(min_length=1)
+    #: Figure id prefixes (any of them), or a table's exact name.
+    match: tuple[str, ...] = Field(min_length=1)
     #: The held-out splits the entry explains (time figures); memory and max-length figures have one.
     splits: tuple[Split, ...] = ALL_SPLITS
     established: bool
@@ -43,10 +44,19 @@ class MissCause(BaseModel):
     #: The heading of docs/accuracy.md that holds the evidence.
     see: str = Field(min_length=1)
 
+    @field_validator("match", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: object) -> object:
+        return (value,) if isinstance(value, str) else value
+
+    @property
+    def name(self) -> str:
+        return " | ".join(self.match)
+
     @model_validator(mode="after")
     def _hypotheses_say_what_settles_them(self) -> MissCause:
         if not self.established and not self.settles:
-            raise ValueError(f"{self.match!r}: a cause that is not established must say what would settle it")
+            raise ValueError(f"{self.name!r}: a cause that is not established must say what would settle it")
         return self
 
 
@@ -111,7 +121,7 @@ class Explained:
 def _cause_for(miss: Miss, causes: MissCauses) -> MissCause | None:
     """The first entry (in file order) that matches: a figure id prefix, or a table's exact name."""
     if miss.what == "table":
-        return next((c for c in causes.tables if c.match == miss.name), None)
+        return next((c for c in causes.tables if miss.name in c.match), None)
     return next((c for c in causes.figures if miss.name.startswith(c.match) and miss.split in c.splits), None)
 
 
@@ -139,7 +149,7 @@ def render_misses(result: Explained) -> list[str]:
         groups.setdefault(id(c), (c, {}))[1].setdefault(m.name, []).append(m)
     for cause, by_name in groups.values():
         status = "established" if cause.established else "hypothesis"
-        lines.append(f"- [{status}] {cause.match}: {cause.cause}")
+        lines.append(f"- [{status}] {cause.name}: {cause.cause}")
         if not cause.established:
             lines.append(f"    would settle it: {cause.settles}")
         lines.append(f"    evidence: docs/accuracy.md, '{cause.see}'")
@@ -153,7 +163,7 @@ def render_misses(result: Explained) -> list[str]:
     for m in result.unexplained:
         lines.append(f"- NO CAUSE RECORDED: {m.name} ({m.split}, {m.value:+.3f})")
     for c in result.stale:
-        lines.append(f"- STALE CAUSE (matches no miss): {c.match}")
+        lines.append(f"- STALE CAUSE (matches no miss): {c.name}")
     figures = {m.name for m, _ in result.explained if m.what == "figure"} | {
         m.name for m in result.unexplained if m.what == "figure"}
     tables = {m.name for m, _ in result.explained if m.what == "table"} | {

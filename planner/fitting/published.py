@@ -398,6 +398,7 @@ def _describe(entry: dict[str, Any], seq_len: int | None = None) -> str:
     extra += " ckpt-offload" if entry.get("offload_checkpoints") else ""
     extra += f" offload-{entry['offload']}" if "offload" in entry else ""
     extra += f" ep{entry['ep']}" if entry.get("ep", 1) > 1 else ""
+    extra += f" {entry['variant']}" if "variant" in entry else ""  # rows of one table that differ in software only
     extra += f" {entry['schedule']}" if "schedule" in entry else ""
     extra += f" vp{entry['virtual_stages']}" if entry.get("virtual_stages", 1) > 1 else ""
     # a table archived per release repeats a layout across releases and precisions: both tell its rows apart
