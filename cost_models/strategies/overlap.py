@@ -127,8 +127,10 @@ def tp_overlap_note(stack: StackTime, stack_name: str, train: TrainSpec, layout:
         return f"exposed: {blocker} (stack file {stack_name})"
     rs = stack.tp_overlap_reduce_scatter_chunks or layout.tp
     margin = f", {stack.tp_overlap_sm_margin} SMs taken from the GEMM" if stack.tp_overlap_sm_margin else ""
+    bulk = ("; backward: the column-parallel linears' input re-gather and input-gradient reduce-scatter run "
+            "beside their own GEMMs (TE bulk overlaps)" if stack.tp_comm_overlap == "userbuffers" else "")
     return (f"{TP_OVERLAP_NAMES[stack.tp_comm_overlap]} (stack file {stack_name}): all-gathers in {layout.tp} "
-            f"chunks, reduce-scatters in {rs}{margin}; the first chunk of each is exposed")
+            f"chunks, reduce-scatters in {rs}{margin}; the first chunk of each is exposed{bulk}")
 
 
 #: How each ``StackTime.moe_dispatcher`` moves tokens across nodes (for reports).
