@@ -5,8 +5,8 @@ with X = T x h x d (T = b S / (U R) tokens per GPU): Megatron's two all-reduces 
 attention output projection and after the MLP down projection) and two backward (input gradients of
 the QKV and MLP up projections). With ``tp_sequence_parallel`` each all-reduce becomes an all-gather
 before and a reduce-scatter after the TP region, forward and (mirrored) backward; the op list assumes the
-gathered input is saved for the weight gradient (DTensor), a stack that re-gathers it pays that in time. Recompute repeats the block's
-TP collectives except the last one.
+gathered input is saved for the weight gradient (DTensor): a stack that re-gathers it pays that in time.
+Recompute repeats the block's TP collectives except the last one.
 
 Outside the layers (report bucket ``embedding``): the vocab-parallel embedding (all-reduce, or
 reduce-scatter with sequence parallelism), the LM head (input gradient all-reduce, or all-gather and

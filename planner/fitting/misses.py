@@ -88,7 +88,6 @@ def find_misses(results: Sequence[RunResult], splits: dict[str, dict[str, dict[s
     """The misses of the exact-confidence figures and of the published tables (see the module doc)."""
     misses: list[Miss] = []
     step_target = TARGETS["throughput"]
-    by_id = {r.run.id: r for r in results}
     for r in results:
         run = r.run
         if run.confidence != "exact":
@@ -103,7 +102,7 @@ def find_misses(results: Sequence[RunResult], splits: dict[str, dict[str, dict[s
                     misses.append(Miss(run.id, "figure", run.kind, split, step_time_error(run, err)))
         elif run.kind in TARGETS and abs(r.best_error) > TARGETS[run.kind]:
             misses.append(Miss(run.id, "figure", run.kind, "source", r.best_error))
-    for t in table_orders(list(by_id.values())):
+    for t in table_orders(results):
         tau = t.tau_held_out if t.tau_held_out is not None else t.tau
         if tau < TAU_TARGET:
             misses.append(Miss(t.group, "table", "ordering", "source", tau))
