@@ -37,13 +37,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from .collectives import COLLECTIVES, bytes_sent
 from .layout import Layout
+from .memory.assumptions import MemoryAssumptions
 from .model_spec import ModelSpec
 from .placement import group_shapes
 from .strategies import implementing, layer_buckets, on_change, report_buckets
 from .strategies.gradients import FSDP_GRAD_BYTES, fsdp_grad_bytes
 from .strategies.loss import LOSS_REDUCTION_BYTES
 from .strategies.ring import DKV_ACCUMULATOR_BYTES
-from .strategies.terms import CommOp
+from .strategies.terms import TP_INPUT_REGATHER, CommOp, issued
 from .strategies.tp import (
     FP32_BYTES,
     VOCAB_PARALLEL_CE_REDUCTIONS,
@@ -109,12 +110,21 @@ def multiplier(op: CommOp, model: ModelSpec, train: TrainSpec) -> int:
     return times * (train.grad_accum if op.per == "microbatch" else 1)
 
 
-def comm_estimate(model: ModelSpec, train: TrainSpec, layout: Layout) -> CommEstimate:
-    return _comm_estimate(model, train, layout)
+def stack_traffic(memory: MemoryAssumptions) -> frozenset[str]:
+    """The stack-dependent traffic a stack issues (``CommOp.only_if``), from its memory assumptions: what a
+    layer saves decides what backward must fetch again."""
+    return frozenset({TP_INPUT_REGATHER}) if not memory.tp_saves_gathered_input else frozenset()
+
+
+def comm_estimate(model: ModelSpec, train: TrainSpec, layout: Layout,
+                  traffic: frozenset[str] = frozenset()) -> CommEstimate:
+    """The bytes of one step's collectives; ``traffic``: the stack's (:func:`stack_traffic`; default: the
+    ops every stack issues, as this project's runtime does)."""
+    return _comm_estimate(model, train, layout, traffic)
 
 
 @lru_cache(maxsize=4096)
-def _comm_estimate(model: ModelSpec, train: TrainSpec, layout: Layout) -> CommEstimate:
+def _comm_estimate(model: ModelSpec, train: TrainSpec, layout: Layout, traffic: frozenset[str]) -> CommEstimate:
     sizes = {name: size for name, (_, size) in group_shapes(layout).items()}
     training = train.is_training
     layer: dict[str, list[float]] = {k: [0.0, 0.0, 0.0] for k in layer_buckets()}
@@ -123,6 +133,8 @@ def _comm_estimate(model: ModelSpec, train: TrainSpec, layout: Layout) -> CommEs
     by_coll: dict[str, float] = dict.fromkeys(COLLECTIVES, 0.0)
     accum, layers = train.grad_accum, model.num_layers
     for op in comm_ops(model, train, layout):
+        if not issued(op, traffic):
+            continue
         sent = bytes_sent(op.collective, op.nbytes, sizes[op.group])
         if op.scope == "layer":
             phase = 0 if op.phase == "forward" else 1
@@ -155,5 +167,5 @@ on_change(_comm_estimate.cache_clear)
 
 __all__ = ["COLLECTIVES", "CommEstimate", "CommOp", "DKV_ACCUMULATOR_BYTES", "FP32_BYTES", "FSDP_GRAD_BYTES",
            "LAYER_STRATEGIES", "LOSS_REDUCTION_BYTES", "PhaseBytes", "STEP_STRATEGIES", "VOCAB_PARALLEL_CE_REDUCTIONS",
-           "comm_estimate", "comm_ops", "fsdp_grad_bytes", "multiplier", "tp_local_layer_params",
+           "comm_estimate", "comm_ops", "fsdp_grad_bytes", "multiplier", "stack_traffic", "tp_local_layer_params",
            "tp_local_other_params", "tp_replicated_layer_params"]

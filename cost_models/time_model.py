@@ -48,7 +48,7 @@ from typing import NamedTuple
 from pydantic import BaseModel, ConfigDict, Field
 
 from .collectives import collective_cost, node_dedup_fabric_fraction
-from .comm_volume import LAYER_STRATEGIES, CommEstimate, comm_estimate, comm_ops
+from .comm_volume import LAYER_STRATEGIES, CommEstimate, comm_estimate, comm_ops, stack_traffic
 from .compute_time import compute_time, efficiency_sources
 from .errors import CostModelError
 from .flops import microbatch_work
@@ -63,7 +63,7 @@ from .strategies.moe_host import moe_host_sync_note
 from .strategies.offload import OffloadTraffic, saved_activation_bytes
 from .strategies.optimizer import OPTIMIZER_STATE_BYTES, optimizer_step_traffic
 from .strategies.overlap import overlap_sources
-from .strategies.terms import ComputeTime, PricedOp, TimeContext
+from .strategies.terms import ComputeTime, PricedOp, TimeContext, issued
 from .topology.topology import Topology
 from .train_spec import TrainSpec
 
@@ -142,7 +142,8 @@ def comm_and_time(
         )
     if offload is None:
         offload = OffloadTraffic.estimate(model, train, layout)
-    comm = comm_estimate(_comm_model(model, train, layout), train, layout)
+    traffic = stack_traffic((profile or default_profile(topology.gpu.name)).memory)
+    comm = comm_estimate(_comm_model(model, train, layout), train, layout, traffic)
     time = _time(model, train, layout, topology, offload, profile).estimate()
     return CommTime.model_construct(comm=comm, time=time, placement=place(layout, topology) if with_placement else None)
 
@@ -214,7 +215,8 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
     compute_s = accum * compute_mb
 
     # ----- communication: the generic overlap classes, then each strategy's own terms ---------------------
-    cp = _comm_profile(model, train, layout, topology, profile.stack.time.moe_dispatcher != "alltoall")
+    cp = _comm_profile(model, train, layout, topology, profile.stack.time.moe_dispatcher != "alltoall",
+                       stack_traffic(profile.memory))
     lf_exposed, lb_exposed = cp.layer_fwd_exposed, cp.layer_bwd_exposed
     model_mb, model_step = cp.model_mb, cp.model_step
     st = _strategy_terms(_context(model, train, layout, topology, profile, ct, offload, cp))
@@ -257,8 +259,6 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
     def build() -> TimeEstimate:
         buckets = report_buckets()
         comm_by = {k: accum * cp.comm_mb[k] + cp.comm_step[k] for k in buckets}
-        for k, v in (st.extra_layer_by or {}).items():
-            comm_by[k] += v * layers * accum
         exposed = {k: layers * accum * cp.exposed_layer[k] + accum * cp.model_mb_by[k] + cp.model_step_by[k]
                    for k in buckets}
         for k, v in st.layer_by.items():
@@ -437,7 +437,8 @@ def attention_forward_seconds(model: ModelSpec, train: TrainSpec, layout: Layout
         raise CostModelError("attention_forward_seconds times a forward pass: use mode='prefill'")
     profile = profile or default_profile(topology.gpu.name)
     ct = compute_time(model, train, layout, topology, profile)
-    cp = _comm_profile(model, train, layout, topology, profile.stack.time.moe_dispatcher != "alltoall")
+    cp = _comm_profile(model, train, layout, topology, profile.stack.time.moe_dispatcher != "alltoall",
+                       stack_traffic(profile.memory))
     ctx = _context(model, train, layout, topology, profile, ct, OffloadTraffic(), cp)
     seconds = ct.attention_forward
     for strategy in registered():
@@ -491,7 +492,7 @@ def _layer_overlap(cp: _CommProfile, c_fwd: float, c_bwd: float, layers: int, sl
 def _context(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology, profile: CostProfile,
              ct: ComputeTime, offload: OffloadTraffic, cp: _CommProfile) -> TimeContext:
     return TimeContext(model=model, train=train, layout=layout, topology=topology, stack=profile.stack.time,
-                       kernels=profile.kernels, compute=ct, offload=offload, priced=cp.priced, memory=profile.memory)
+                       kernels=profile.kernels, compute=ct, offload=offload, priced=cp.priced)
 
 
 class _StrategyTerms(NamedTuple):
@@ -517,7 +518,6 @@ class _StrategyTerms(NamedTuple):
     hidden_layer_by: dict[str, float]
     host_f: float = 0.0
     host_b: float = 0.0
-    extra_layer_by: dict[str, float] | None = None
 
 
 def _strategy_terms(ctx: TimeContext) -> _StrategyTerms:
@@ -528,7 +528,6 @@ def _strategy_terms(ctx: TimeContext) -> _StrategyTerms:
     microbatch_by: dict[str, float] = {}
     step_by: dict[str, float] = {}
     hidden_layer_by: dict[str, float] = {}
-    extra_layer_by: dict[str, float] = {}
     buckets = report_buckets()
     for strategy in implementing("exposed"):
         for kind, t, at, bucket in strategy.exposed(ctx):
@@ -552,11 +551,6 @@ def _strategy_terms(ctx: TimeContext) -> _StrategyTerms:
                 if at not in ("layer_forward", "layer_backward"):
                     raise CostModelError(f"strategy {strategy.name!r}: hidden communication is reported per layer")
                 hidden_layer_by[bucket] = hidden_layer_by.get(bucket, 0.0) + t
-            elif kind == "extra_comm":
-                if at not in ("layer_forward", "layer_backward") or bucket not in buckets:
-                    raise CostModelError(f"strategy {strategy.name!r}: extra communication is reported per layer "
-                                         f"under a known bucket (got {at!r}, {bucket!r})")
-                extra_layer_by[bucket] = extra_layer_by.get(bucket, 0.0) + t
             elif kind == "interference":
                 if at == "layer_forward":
                     slow_f += t
@@ -584,8 +578,7 @@ def _strategy_terms(ctx: TimeContext) -> _StrategyTerms:
             else:
                 raise CostModelError(f"strategy {strategy.name!r} returned a term of unknown kind {kind!r}")
     return _StrategyTerms(exposed_f, exposed_b, slow_f, slow_b, exposed_mb, slow_mb, exposed_step, slow_step,
-                          offload, optimizer, layer_by, microbatch_by, step_by, hidden_layer_by, host_f, host_b,
-                          extra_layer_by)
+                          offload, optimizer, layer_by, microbatch_by, step_by, hidden_layer_by, host_f, host_b)
 
 
 #: TrainSpec fields the collectives of a step depend on: comm_volume.comm_ops reads only these (a test
@@ -629,18 +622,20 @@ on_change(_PROFILES.clear)
 
 
 def _comm_profile(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
-                  node_dedup: bool = False) -> _CommProfile:
+                  node_dedup: bool = False, traffic: frozenset[str] = frozenset()) -> _CommProfile:
     # The topology is keyed by identity (it is mutable and unhashable by value), which also keeps it
     # alive as long as its entries.
-    key = (model, layout, topology, node_dedup, *(getattr(train, f) for f in COMM_FIELDS))
-    return _PROFILES.get(key, lambda: _price_comm(model, train, layout, topology, node_dedup))
+    key = (model, layout, topology, node_dedup, traffic, *(getattr(train, f) for f in COMM_FIELDS))
+    return _PROFILES.get(key, lambda: _price_comm(model, train, layout, topology, node_dedup, traffic))
 
 
 def _price_comm(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
-                node_dedup: bool = False) -> _CommProfile:
+                node_dedup: bool = False, traffic: frozenset[str] = frozenset()) -> _CommProfile:
     """Every collective of a step priced on ``topology`` and classified (see :class:`_CommProfile`);
     ``node_dedup``: the stack's MoE dispatcher sends a token once per remote node (DeepEP, Hybrid-EP), so
-    the dispatch ops that name their fan-out (``CommOp.node_dedup``) cross nodes with fewer bytes."""
+    the dispatch ops that name their fan-out (``CommOp.node_dedup``) cross nodes with fewer bytes;
+    ``traffic``: the stack's traffic facts (``comm_volume.stack_traffic``), which keep the ops only some stacks
+    issue (``CommOp.only_if``)."""
     spans = group_spans(layout, topology)
     layers = model.num_layers
     owners = {c: s for s in registered() for c in s.overlap_classes}
@@ -657,6 +652,8 @@ def _price_comm(model: ModelSpec, train: TrainSpec, layout: Layout, topology: To
     grad_step_by: dict[str, float] = {}
     priced: dict[str, list[PricedOp]] = {}
     for op in comm_ops(model, train, layout):
+        if not issued(op, traffic):
+            continue
         key = (op.collective, op.nbytes, op.group, op.node_dedup)
         cost = memo.get(key)
         if cost is None:

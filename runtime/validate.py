@@ -42,6 +42,7 @@ from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.estimate import estimate
 from sp_plan.cost_models.memory.timeline import INDEX_BYTES, rope_table_bytes
 from sp_plan.cost_models.placement import group_shapes
+from sp_plan.cost_models.strategies.terms import issued
 from sp_plan.cost_models.topology import default_topology, load_topology
 from sp_plan.cost_models.units import GB
 from sp_plan.runtime.auto import auto_configure
@@ -63,6 +64,7 @@ from sp_plan.runtime.validate_meters import (
 )
 from sp_plan.runtime.validate_pipeline import (
     PIPELINE_COMM_ROWS,
+    RUNTIME_TRAFFIC,
     StageMeasurement,
     StagePrediction,
     measure_pipelined,
@@ -138,10 +140,11 @@ class ValidationReport:
 
 
 def _step_bytes(model, train, layout, keep) -> float:
-    """Bytes sent per GPU per step by the comm model's ops that ``keep(op)`` selects."""
+    """Bytes sent per GPU per step by the comm model's ops that ``keep(op)`` selects, as this runtime issues
+    them (no stack-dependent traffic: its TP saves the gathered input)."""
     sizes = {name: size for name, (_, size) in group_shapes(layout).items()}
     return sum(bytes_sent(op.collective, op.nbytes, sizes[op.group]) * multiplier(op, model, train)
-               for op in comm_ops(model, train, layout) if keep(op))
+               for op in comm_ops(model, train, layout) if issued(op, RUNTIME_TRAFFIC) and keep(op))
 
 
 def _rope_tables_unseen(adapter: ModelAdapter, train, model) -> bool:

@@ -38,6 +38,7 @@ from sp_plan.cost_models.memory.states import model_states, stage_params, tp_par
 from sp_plan.cost_models.memory.timeline import INDEX_BYTES
 from sp_plan.cost_models.pipeline import stage_layers
 from sp_plan.cost_models.placement import group_shapes
+from sp_plan.cost_models.strategies.terms import issued
 from sp_plan.cost_models.strategies.tp import tp_replicated_layer_params
 from sp_plan.runtime.comm_counter import CommCounter
 from sp_plan.runtime.pipeline import stage_indices
@@ -51,6 +52,11 @@ from sp_plan.runtime.validate_meters import (
     TP_ROW,
     C10dTrace,
 )
+
+#: This runtime's stack-dependent traffic (``CommOp.only_if``): none. Its tensor parallelism
+#: (:mod:`sp_plan.runtime.tp`) gathers a sequence-parallel input with an autograd function and the linear
+#: after it saves the gathered tensor, so backward issues no re-gather.
+RUNTIME_TRAFFIC: frozenset[str] = frozenset()
 
 #: The communication rows of a pipelined report, in print order.
 PIPELINE_COMM_ROWS = (*SP_COLLECTIVES, PIPELINE_ROW, LOSS_ROW, TP_ROW, *FSDP_COLLECTIVES)
@@ -138,6 +144,8 @@ def stage_comm_bytes(plan, stage: int) -> dict[str, float | None]:
     sizes = {name: size for name, (_, size) in group_shapes(layout).items()}
     rows: dict[str, float | None] = dict.fromkeys(PIPELINE_COMM_ROWS, 0.0)
     for op in comm_ops(model, train, layout):
+        if not issued(op, RUNTIME_TRAFFIC):
+            continue
         row = _row(op)
         if row is None or rows[row] is None:
             continue

@@ -233,4 +233,10 @@ def test_a_stack_that_saves_the_shard_gathers_the_input_again_in_backward():
     # forward per layer pass: two input all-gathers and two output reduce-scatters of X each, priced alike
     forward_gathers = gathered.breakdown["layer_forward_exposed_comm_s"] / 2
     assert extra == pytest.approx(LLAMA8.num_layers * sp.grad_accum * forward_gathers, rel=1e-6)
-    assert shard.comm_s > gathered.comm_s  # and it is reported as TP time
+    assert shard.comm_s - gathered.comm_s == pytest.approx(extra, rel=1e-6)  # reported as TP communication
+    # and as bytes: two all-gathers of X per layer backward, (tp - 1) / tp of X sent each
+    comm = {name: estimate(LLAMA8, sp, layout, default_topology("h100-80gb", 8), profile=prof).comm
+            for name, prof in (("shard", resolve_profile("h100-80gb", "megatron")), ("gathered", profile))}
+    x_bytes = sp.micro_batch * sp.seq_len * LLAMA8.hidden_size * sp.dtype_bytes
+    per_layer = comm["shard"].per_layer_bytes["tp"].backward - comm["gathered"].per_layer_bytes["tp"].backward
+    assert per_layer == pytest.approx(2 * x_bytes * (layout.tp - 1) / layout.tp)

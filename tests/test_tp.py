@@ -196,6 +196,8 @@ def _expected_comm(case, tp: int, ulysses: int) -> dict[str, dict[str, float]]:
     from sp_plan.cost_models import Layout, TrainSpec
     from sp_plan.cost_models.collectives import bytes_sent
     from sp_plan.cost_models.comm_volume import comm_ops
+    from sp_plan.cost_models.strategies.terms import issued
+    from sp_plan.runtime.validate_pipeline import RUNTIME_TRAFFIC
 
     sequence_parallel, kv, tied, mode, _, _ = case
     spec = _spec(kv, tied)
@@ -204,8 +206,8 @@ def _expected_comm(case, tp: int, ulysses: int) -> dict[str, dict[str, float]]:
     layout = Layout(tp=tp, ulysses=ulysses)
     expected: dict[str, dict[str, float]] = {}
     for op in comm_ops(spec, train, layout):
-        if op.strategy not in ("tp", "ulysses", "embedding"):
-            continue
+        if op.strategy not in ("tp", "ulysses", "embedding") or not issued(op, RUNTIME_TRAFFIC):
+            continue  # (this runtime saves the gathered TP input: it issues no backward re-gather)
         group = {"tp": tp, "ulysses": ulysses}[op.group]
         count = op.count
         sent = bytes_sent(op.collective, op.nbytes, group) * count * (LAYERS if op.scope == "layer" else 1)

@@ -21,7 +21,6 @@ from typing import Literal, NamedTuple, Protocol
 from ..flops import FLASH_BACKWARD_RATIO
 from ..kernels import AttentionParams, KernelModel, attention_seconds
 from ..layout import Layout
-from ..memory.assumptions import MemoryAssumptions
 from ..model_spec import ModelSpec
 from ..stack import StackTime
 from ..topology.topology import Topology
@@ -53,6 +52,22 @@ class CommOp(NamedTuple):
     #: (top_k, experts) for a MoE dispatch whose dispatcher sends each token once per remote node
     #: (:func:`~sp_plan.cost_models.collectives.node_dedup_fabric_fraction`); (0, 0): a plain collective.
     node_dedup: tuple[int, int] = (0, 0)
+    #: Traffic only some stacks issue: the stack fact it needs (:data:`STACK_TRAFFIC`), or "" for every stack.
+    #: Consumers that know the stack keep the op when :func:`issued` says so.
+    only_if: str = ""
+
+
+#: Stack-dependent traffic an op may be conditioned on (``CommOp.only_if``), and what decides it:
+#: ``tp_input_regather``: the column-parallel linears save only their input's sequence shard and all-gather
+#: it again in backward for the weight gradient (``memory.tp_saves_gathered_input`` false: Megatron,
+#: Transformer Engine).
+TP_INPUT_REGATHER = "tp_input_regather"
+STACK_TRAFFIC = (TP_INPUT_REGATHER,)
+
+
+def issued(op: CommOp, traffic: frozenset[str]) -> bool:
+    """Whether a stack whose traffic facts are ``traffic`` issues ``op``."""
+    return not op.only_if or op.only_if in traffic
 
 
 class PricedOp(NamedTuple):
@@ -161,8 +176,6 @@ class TimeContext(NamedTuple):
     compute: ComputeTime
     offload: HostBytes
     priced: Mapping[str, object]
-    #: The stack's memory assumptions (what a layer saves decides what backward must fetch again).
-    memory: MemoryAssumptions = MemoryAssumptions()
 
     @property
     def layers(self) -> int:
@@ -183,7 +196,7 @@ class TimeContext(NamedTuple):
 
 
 #: Which step-time figure a :class:`Term` adds to.
-TermKind = Literal["exposed_comm", "hidden_comm", "extra_comm", "interference", "offload", "optimizer", "host_sync"]
+TermKind = Literal["exposed_comm", "hidden_comm", "interference", "offload", "optimizer", "host_sync"]
 #: How often a :class:`Term`'s seconds occur: per layer and micro-batch in the forward or backward pass,
 #: per micro-batch, or once per step.
 TermAt = Literal["layer_forward", "layer_backward", "microbatch", "step"]
@@ -194,9 +207,6 @@ class Term(NamedTuple):
 
     ``kind="exposed_comm"`` needs ``bucket`` (the report bucket the time counts under); ``hidden_comm``
     (with its bucket) is communication a strategy hid behind compute: reported, not added to the step;
-    ``extra_comm`` (per layer, with its bucket) is communication the stack issues beyond the layout's op list
-    (the op list is stack-independent: Megatron's backward re-gather of a column-parallel input is not in it),
-    counted into the bucket's communication time; its exposure is in the strategy's exposed/hidden terms;
     ``interference`` is compute slowed by overlapped collectives; ``host_sync`` is GPU idle while the host
     waits on a device-to-host synchronisation (per layer: :mod:`.moe_host`). Layer and micro-batch terms are part of a
     micro-batch's time (``breakdown.microbatch_s``); ``offload`` and ``optimizer`` terms are counted once per step
@@ -210,5 +220,5 @@ class Term(NamedTuple):
     bucket: str = ""
 
 
-__all__ = ["CommOp", "ComputeContext", "ComputeTime", "HostBytes", "PricedOp", "Term", "TermAt", "TermKind",
-           "TimeContext"]
+__all__ = ["STACK_TRAFFIC", "TP_INPUT_REGATHER", "CommOp", "ComputeContext", "ComputeTime", "HostBytes", "PricedOp",
+           "Term", "TermAt", "TermKind", "TimeContext", "issued"]

@@ -4,9 +4,10 @@ Reads the ``tp`` degree (and the sequence split, for the activation sizes). Per 
 with X = T x h x d (T = b S / (U R) tokens per GPU): Megatron's two all-reduces forward (after the
 attention output projection and after the MLP down projection) and two backward (input gradients of
 the QKV and MLP up projections). With ``tp_sequence_parallel`` each all-reduce becomes an all-gather
-before and a reduce-scatter after the TP region, forward and (mirrored) backward; the op list assumes the
-gathered input is saved for the weight gradient (DTensor): a stack that re-gathers it pays that in time.
-Recompute repeats the block's TP collectives except the last one.
+before and a reduce-scatter after the TP region, forward and (mirrored) backward; DTensor saves the gathered
+input for the weight gradient, while Megatron and Transformer Engine save its sequence shard and all-gather
+it again in backward (two ops of X, ``CommOp.only_if = "tp_input_regather"``: kept for stacks whose
+``memory.tp_saves_gathered_input`` is false). Recompute repeats the block's TP collectives except the last one.
 
 Outside the layers (report bucket ``embedding``): the vocab-parallel embedding (all-reduce, or
 reduce-scatter with sequence parallelism), the LM head (input gradient all-reduce, or all-gather and
@@ -20,9 +21,7 @@ feed (``StackTime.tp_comm_overlap``; :mod:`.overlap` prices the chunked pipeline
 chunk exposed, the rest hidden behind the pass's GEMMs as far as they last, slowing them). Without that,
 a stack with ``StackTime.tp_async_dgrad`` (Megatron, Transformer Engine) still runs each column-parallel
 linear's input-gradient reduction beside its weight-gradient GEMM, and its input re-gather beside its
-input-gradient GEMM, exposing what exceeds them. Stacks that save only the input's sequence shard
-(``memory.tp_saves_gathered_input`` false) gather it again in backward: the forward's input all-gathers
-once more, priced in time (not in the stack-independent op list). The ops outside the layers stay exposed.
+input-gradient GEMM, exposing what exceeds them. The ops outside the layers stay exposed.
 
 No other strategy issues TP traffic; the rest of the cost model sees TP through the TP-local parameter
 counts here and the TP-local widths of the kernels.
@@ -40,7 +39,7 @@ from ..train_spec import TrainSpec
 from .base import Strategy
 from .gradients import reduced_gradients
 from .overlap import pipelined_exposure, tp_overlap_blocker
-from .terms import CommOp, PricedOp, Term, TimeContext
+from .terms import TP_INPUT_REGATHER, CommOp, PricedOp, Term, TimeContext
 
 #: The vocab-parallel cross-entropy all-reduces three fp32 values per token (max, target, sum-exp).
 VOCAB_PARALLEL_CE_REDUCTIONS = 3
@@ -108,6 +107,7 @@ class TPLayerComm(NamedTuple):
     forward_reduce: float = 0.0
     backward: float = 0.0
     backward_dgrad: float = 0.0
+    backward_regather: float = 0.0
 
 
 class TensorParallel(Strategy):
@@ -125,10 +125,12 @@ class TensorParallel(Strategy):
         yield from _embedding_ops(model, train, layout)
 
     def condense(self, overlap_class: str, ops: tuple[PricedOp, ...]) -> TPLayerComm:
-        gather = scatter = reduce = backward = dgrad = 0.0
+        gather = scatter = reduce = backward = dgrad = regather = 0.0
         for priced in ops:
             t = priced.seconds * priced.op.count
-            if priced.op.phase != "forward":
+            if priced.op.only_if == TP_INPUT_REGATHER:
+                regather += t
+            elif priced.op.phase != "forward":
                 # The backward reductions of a layer are the column-parallel input gradients' (the
                 # row-parallel ones' backward is an all-gather, or nothing without sequence parallelism).
                 if not priced.op.recompute and priced.op.collective in ("all_reduce", "reduce_scatter"):
@@ -141,17 +143,15 @@ class TensorParallel(Strategy):
                 scatter += t
             else:
                 reduce += t
-        return TPLayerComm(gather, scatter, reduce, backward, dgrad)
+        return TPLayerComm(gather, scatter, reduce, backward, dgrad, regather)
 
     def exposed(self, ctx: TimeContext) -> Iterator[Term]:
         comm = ctx.priced.get("tp")
         if not isinstance(comm, TPLayerComm):
             return
         forward = comm.forward_gather + comm.forward_scatter + comm.forward_reduce
-        regather = _input_regather(ctx, comm)
+        regather = comm.backward_regather
         backward = comm.backward + comm.backward_dgrad + regather
-        if regather > 0:
-            yield Term("extra_comm", regather, "layer_backward", "tp")
         if tp_overlap_blocker(ctx.stack, ctx.train, ctx.layout) is not None:
             yield Term("exposed_comm", forward, "layer_forward", "tp")
             if not ctx.training:
@@ -184,17 +184,6 @@ class TensorParallel(Strategy):
         yield Term("exposed_comm", exposed_b, "layer_backward", "tp")
         yield Term("hidden_comm", backward - exposed_b, "layer_backward", "tp")
         yield Term("interference", ctx.slowdown * (backward - exposed_b), "layer_backward")
-
-
-def _input_regather(ctx: TimeContext, comm: TPLayerComm) -> float:
-    """Seconds of backward all-gathers a stack that saves only the sequence shard of the column-parallel
-    linears' input (memory.tp_saves_gathered_input false: Megatron, Transformer Engine) spends gathering it
-    again for their weight gradients: the forward's input all-gathers once more. Not in the comm op list
-    (the stack-independent traffic of the layout) nor in the comm section's bytes; counted in the TP
-    communication time (an ``extra_comm`` term)."""
-    if not (ctx.training and ctx.train.tp_sequence_parallel) or ctx.memory.tp_saves_gathered_input:
-        return 0.0
-    return comm.forward_gather
 
 
 def _async_dgrad_exposure(ctx: TimeContext, comm: TPLayerComm, regather: float) -> float:
@@ -248,6 +237,12 @@ def _layer_ops(model: ModelSpec, train: TrainSpec, layout: Layout) -> Iterator[C
     if not train.is_training:
         return
     yield from merged("tp", "tp", "backward", bwd, overlap="tp")
+    if train.tp_sequence_parallel:
+        # Stacks that save only the column-parallel linears' input shard gather it again for the weight
+        # gradient (Megatron, Transformer Engine); DTensor saves the gathered input.
+        again_for_wgrad = [(ag, x, "attention input re-gather (weight gradient)"),
+                           (ag, x, "MLP input re-gather (weight gradient)")]
+        yield from merged("tp", "tp", "backward", again_for_wgrad, overlap="tp", only_if=TP_INPUT_REGATHER)
     # Recompute re-runs the block's TP collectives except the last one (the MLP output's reduce-scatter /
     # all-reduce): PyTorch's non-reentrant checkpoint stops recomputing once the last tensor backward
     # needs is rebuilt, and nothing in backward needs the block's output. Selective and full therefore
