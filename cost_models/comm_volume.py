@@ -2,7 +2,9 @@
 
 One list of :class:`CommOp` is the single source of truth: :func:`comm_ops` collects it from the
 registered strategies (:mod:`sp_plan.cost_models.strategies`), :func:`comm_estimate` sums it into the
-``comm`` JSON section and the time model costs each op on the topology. The conventions are the
+``comm`` JSON section and the time model costs each op on the topology. The few ops only some stacks issue
+carry ``CommOp.only_if`` (Megatron's backward re-gather of a column-parallel input); both keep them for the
+stacks whose facts say so (:func:`stack_traffic`). The conventions are the
 project's (``BRIEF.md``) and the runtime's byte counters follow the same ones:
 
 Notation: b micro-batch, S sequence length, d bytes of the compute dtype, h hidden, q = heads x
