@@ -27,6 +27,7 @@ import json
 import pathlib
 import sys
 import time
+from dataclasses import asdict
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -38,6 +39,7 @@ import yaml  # noqa: E402
 from sp_plan.cost_models.atomic_io import atomic_write_text  # noqa: E402
 from sp_plan.cost_models.fitted import FittedParameters, KernelFitRecord, fitted_parameters  # noqa: E402
 from sp_plan.cost_models.profile import clear_caches, use_fitted  # noqa: E402
+from sp_plan.planner.fitting.accuracy import COMPARE_STACK, published_accuracy  # noqa: E402
 from sp_plan.planner.fitting.fit import (  # noqa: E402
     SPLITS,
     FitResult,
@@ -51,7 +53,6 @@ from sp_plan.planner.fitting.kernel_fit import (  # noqa: E402
     kernel_figures,
     leave_one_kernel_source_out,
 )
-from sp_plan.planner.fitting.accuracy import COMPARE_STACK, published_accuracy  # noqa: E402
 from sp_plan.planner.fitting.misses import explain, find_misses, render_misses  # noqa: E402
 from sp_plan.planner.fitting.parameters import SHIPPED_MIN_SOURCES, TIME_KINDS, published_fit_parameters  # noqa: E402
 from sp_plan.planner.fitting.published import published_runs  # noqa: E402
@@ -173,12 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         context = use_fitted(new)
 
     with context:
-        _report(args, runs, skipped, time_runs, figures, held_out, new, splits, started)
+        _report(args, runs, skipped, figures, held_out, new, splits, started)
     return 0
 
 
-def _report(args: argparse.Namespace, runs: list[MeasuredRun], skipped: list, time_runs: list[MeasuredRun],
-            figures: list, held_out: dict[str, float], shipped_fit: FittedParameters,
+def _report(args: argparse.Namespace, runs: list[MeasuredRun], skipped: list, figures: list,
+            held_out: dict[str, float], shipped_fit: FittedParameters,
             splits: dict[str, dict[str, dict[str, float]]], started: float) -> None:
     """Predict every figure with ``shipped_fit`` in effect and print the layered report."""
     accuracy = published_accuracy(runs, shipped_fit, held_out if args.fit else None, splits)
@@ -211,10 +212,8 @@ def _report(args: argparse.Namespace, runs: list[MeasuredRun], skipped: list, ti
             "summary": [s.__dict__ for s in summarise(results)],
             "tables": [t.__dict__ for t in table_orders(results)],
             "held_out_splits": splits,
-            "misses": [{"name": m.name, "what": m.what, "kind": m.kind, "split": m.split, "value": m.value,
-                        "cause": c.name, "established": c.established} for m, c in misses.explained]
-                      + [{"name": m.name, "what": m.what, "kind": m.kind, "split": m.split, "value": m.value,
-                          "cause": None, "established": False} for m in misses.unexplained],
+            "misses": [{**asdict(m), "cause": c.name if c else None, "established": bool(c and c.established)}
+                       for m, c in [*misses.explained, *((m, None) for m in misses.unexplained)]],
             "kernel_fit": shipped_fit.kernel_fit.model_dump(),
         }, indent=2))
 

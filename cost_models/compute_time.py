@@ -219,13 +219,19 @@ def _linear_gemms(model: ModelSpec, tokens: float, tp: int, mlp_tile: float | No
     return attn, mlp, tiles
 
 
+def _input_grads(gemms: list[Gemm]) -> list[Gemm]:
+    """The input-gradient GEMM of each forward GEMM: dX = dY @ W^T."""
+    return [(m, k, n) for m, n, k in gemms]
+
+
+def _weight_grads(gemms: list[Gemm]) -> list[Gemm]:
+    """The weight-gradient GEMM of each forward GEMM: dW = X^T @ dY."""
+    return [(k, n, m) for m, n, k in gemms]
+
+
 def _backward(gemms: list[Gemm]) -> list[Gemm]:
     """Input and weight gradients of each forward GEMM."""
-    out: list[Gemm] = []
-    for m, n, k in gemms:
-        out.append((m, k, n))  # dX = dY @ W^T
-        out.append((k, n, m))  # dW = X^T @ dY
-    return out
+    return [g for pair in zip(_input_grads(gemms), _weight_grads(gemms), strict=True) for g in pair]
 
 
 def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
@@ -257,10 +263,8 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
     col_dgrad, col_wgrad = [0.0, 0.0], [0.0, 0.0]
     if training and tp > 1:
         col_attn, col_mlp = attn_g[:3], mlp_g[:-1]
-        col_dgrad = [gemm_time([(m, kk, n) for m, n, kk in col_attn], fp8),
-                     gemm_time([(m, kk, n) for m, n, kk in col_mlp], fp8, tiles)]
-        col_wgrad = [gemm_time([(kk, n, m) for m, n, kk in col_attn], fp8),
-                     gemm_time([(kk, n, m) for m, n, kk in col_mlp], fp8, tiles)]
+        col_dgrad = [gemm_time(_input_grads(col_attn), fp8), gemm_time(_input_grads(col_mlp), fp8, tiles)]
+        col_wgrad = [gemm_time(_weight_grads(col_attn), fp8), gemm_time(_weight_grads(col_mlp), fp8, tiles)]
     if model.moe is not None or model.mla is not None:  # MLA projections, grouped expert GEMMs, router
         grouped_time = _grouped_gemm_timer(topology, fr, k.gemm, k.sms, peak)
         dense_b = (proj_b, mlp_b)
@@ -350,7 +354,7 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
     return ComputeTime(layer_f, layer_b, recompute, attn_f, attn_b, step_f, step_b, head_f, head_b, _report(fr),
                        _parts(parts), layer_gemm_forward=proj_f + mlp_f, layer_gemm_backward=proj_b + mlp_b,
                        layer_ffn_forward=mlp_f, layer_ffn_backward=mlp_b,
-                       layer_column_dgrad=(col_dgrad[0], col_dgrad[1]), layer_column_wgrad=(col_wgrad[0], col_wgrad[1]))
+                       layer_column_dgrad=tuple(col_dgrad), layer_column_wgrad=tuple(col_wgrad))
 
 
 def _gemm_timer(topology: Topology, fr: Fractions, gemm: GemmParams, sms: int,

@@ -52,7 +52,8 @@ class CommOp(NamedTuple):
     #: (top_k, experts) for a MoE dispatch whose dispatcher sends each token once per remote node
     #: (:func:`~sp_plan.cost_models.collectives.node_dedup_fabric_fraction`); (0, 0): a plain collective.
     node_dedup: tuple[int, int] = (0, 0)
-    #: Traffic only some stacks issue: the stack fact it needs (:data:`STACK_TRAFFIC`), or "" for every stack.
+    #: Traffic only some stacks issue: the stack fact it needs (e.g. :data:`TP_INPUT_REGATHER`), or "" for every
+    #: stack.
     #: Consumers that know the stack keep the op when :func:`issued` says so.
     only_if: str = ""
 
@@ -62,7 +63,6 @@ class CommOp(NamedTuple):
 #: it again in backward for the weight gradient (``memory.tp_saves_gathered_input`` false: Megatron,
 #: Transformer Engine).
 TP_INPUT_REGATHER = "tp_input_regather"
-STACK_TRAFFIC = (TP_INPUT_REGATHER,)
 
 
 def issued(op: CommOp, traffic: frozenset[str]) -> bool:
@@ -220,5 +220,5 @@ class Term(NamedTuple):
     bucket: str = ""
 
 
-__all__ = ["STACK_TRAFFIC", "TP_INPUT_REGATHER", "CommOp", "ComputeContext", "ComputeTime", "HostBytes", "PricedOp",
+__all__ = ["TP_INPUT_REGATHER", "CommOp", "ComputeContext", "ComputeTime", "HostBytes", "PricedOp",
            "Term", "TermAt", "TermKind", "TimeContext", "issued"]

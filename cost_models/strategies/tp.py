@@ -156,7 +156,10 @@ class TensorParallel(Strategy):
             yield Term("exposed_comm", forward, "layer_forward", "tp")
             if not ctx.training:
                 return
-            exposed_b = _async_dgrad_exposure(ctx, comm, regather) if ctx.stack.tp_async_dgrad else backward
+            # tp_async_dgrad: each column-parallel linear issues its input re-gather before its input-gradient
+            # GEMM and its input-gradient reduction before its weight-gradient GEMM, waiting only after them.
+            exposed_b = (comm.backward + _column_exposure(ctx, comm, regather) if ctx.stack.tp_async_dgrad
+                         else backward)
             yield Term("exposed_comm", exposed_b, "layer_backward", "tp")
             if backward > exposed_b:
                 yield Term("hidden_comm", backward - exposed_b, "layer_backward", "tp")
@@ -184,14 +187,6 @@ class TensorParallel(Strategy):
         yield Term("exposed_comm", exposed_b, "layer_backward", "tp")
         yield Term("hidden_comm", backward - exposed_b, "layer_backward", "tp")
         yield Term("interference", ctx.slowdown * (backward - exposed_b), "layer_backward")
-
-
-def _async_dgrad_exposure(ctx: TimeContext, comm: TPLayerComm, regather: float) -> float:
-    """Exposed backward seconds when each column-parallel linear (Q/K/V, then up/gate or fc1) issues its
-    input re-gather before its input-gradient GEMM and its input-gradient reduction before its
-    weight-gradient GEMM, waiting for each only after the GEMM (StackTime.tp_async_dgrad): each collective
-    shows what exceeds its GEMM; the rest of the backward TP traffic stays exposed."""
-    return comm.backward + _column_exposure(ctx, comm, regather)
 
 
 def _column_exposure(ctx: TimeContext, comm: TPLayerComm, regather: float) -> float:

@@ -163,15 +163,14 @@ def render_misses(result: Explained) -> list[str]:
         lines.append(f"- NO CAUSE RECORDED: {m.name} ({m.split}, {m.value:+.3f})")
     for c in result.stale:
         lines.append(f"- STALE CAUSE (matches no miss): {c.name}")
-    figures = {m.name for m, _ in result.explained if m.what == "figure"} | {
-        m.name for m in result.unexplained if m.what == "figure"}
-    tables = {m.name for m, _ in result.explained if m.what == "table"} | {
-        m.name for m in result.unexplained if m.what == "table"}
+    missing = [m for m, _ in result.explained] + result.unexplained
+    figures = {m.name for m in missing if m.what == "figure"}
+    tables = {m.name for m in missing if m.what == "table"}
     hypotheses = {m.name for m, c in result.explained if not c.established}
+    uncaused = {m.name for m in result.unexplained}
     lines.append(f"{len(figures)} exact figures and {len(tables)} tables miss under some split: "
-                 f"{len((figures | tables) - hypotheses - {m.name for m in result.unexplained})} explained by "
-                 f"established causes only, {len(hypotheses)} by a hypothesis (with what would settle it), "
-                 f"{len({m.name for m in result.unexplained})} without a cause")
+                 f"{len((figures | tables) - hypotheses - uncaused)} explained by established causes only, "
+                 f"{len(hypotheses)} by a hypothesis (with what would settle it), {len(uncaused)} without a cause")
     return lines
 
 
