@@ -255,14 +255,27 @@ def _check_ring(chosen: Mapping[str, int], ctx: SpaceContext) -> str | None:
     return None
 
 
+def chunk_slots(layers: int, v: int) -> int:
+    """Model chunks ``layers`` can fill with ``v`` chunks per stage: one layer each, plus, when there are several
+    chunks per stage, one chunk for the embedding alone and one for the loss alone (Llama 3's 405B layout,
+    Megatron-Core's account_for_embedding/loss_in_pipeline_split: :mod:`sp_plan.cost_models.pipeline`). With one
+    chunk per stage every stage keeps a layer."""
+    return layers + 2 if v > 1 else layers
+
+
+def max_stages(layers: int, v: int) -> int:
+    """The largest pipeline degree ``layers`` allow with ``v`` chunks per stage."""
+    return chunk_slots(layers, v) // v
+
+
 def _check_pp(chosen: Mapping[str, int], ctx: SpaceContext) -> str | None:
     pp, v, layers = chosen["pp"], ctx.virtual_stages, ctx.model.num_layers
     if pp > 1 and not ctx.training:
         return f"pp={pp}: pipeline stages are modelled for training only (prefill keeps pp=1)"
-    if pp > 1 and layers < pp * v:
-        chunks = f"pp x virtual stages = {pp} x {v} = {pp * v}" if v > 1 else f"pp={pp}"
-        return (f"{chunks} needs at least one layer per stage but the model has {layers} layers; "
-                f"use pp <= {layers // v}")
+    if pp > 1 and chunk_slots(layers, v) < pp * v:
+        chunks = (f"pp x virtual stages = {pp} x {v} = {pp * v} needs at least one layer per model chunk besides "
+                  "the embedding's and the loss's" if v > 1 else f"pp={pp} needs at least one layer per stage")
+        return f"{chunks} but the model has {layers} layers; use pp <= {max_stages(layers, v)}"
     return None
 
 

@@ -27,6 +27,14 @@ Uneven stages: the first stage also runs the embedding (a gather, next to no com
 norm, the LM head and the loss. :func:`default_stage_layers` balances compute by giving the last stage fewer
 layers, as Llama 3's 405B run did (one layer fewer on the first and last stages, "The Llama 3 Herd of
 Models", 2024, section 3.3.2) and as Megatron's ``--decoder-last-pipeline-num-layers`` allows.
+
+Chunks without a layer: with ``v >= 2`` chunks per stage the embedding and the loss may each fill a model
+chunk of their own, so ``pp x v`` may reach the layers + 2 and the first and last stages may hold ``v - 1``
+layers. Llama 3's 405B run is that layout: 126 layers over 16 stages of 8 chunks, "the first model chunk on
+the first stage has only the embedding, and the last model chunk on the last stage has only output projection
+and loss calculation" (section 3.3.2); Megatron-Core runs it with ``account_for_embedding_in_pipeline_split``
+/ ``account_for_loss_in_pipeline_split`` (the embedding and the loss each count as a layer, every chunk then
+holds ``(layers + 2) / (pp v)``), torchtitan with its pipeline split's input and output weights.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from .degrees import chunk_slots, max_stages
 from .errors import CostModelError
 from .flops import WORK_FIELDS, microbatch_work
 from .layout import Layout
@@ -55,6 +64,14 @@ class StageView:
     last: bool
     #: Micro-batches whose saved activations (of all this stage's layers) are resident at once.
     in_flight: float
+
+
+def min_stage_layers(p: int, v: int, s: int) -> int:
+    """The fewest layers stage ``s`` of ``p`` can hold with ``v`` chunks: one per chunk, less the chunk the
+    embedding (stage 0) or the loss (the last stage) may fill alone; never none."""
+    if v == 1:
+        return 1
+    return v - (s == 0) - (s == p - 1)
 
 
 def in_flight(schedule: str, p: int, m: int, v: int, s: int) -> float:
@@ -85,9 +102,16 @@ def default_stage_layers(layers: int, p: int, v: int, head_layers: float) -> tup
     the last stage costing ``head_layers`` layers more (the LM head and loss). The embedding is a gather and
     costs nothing here. Among equal splits the last stage keeps as many layers as it can; the extra layers
     of an uneven remainder go to the stages just before the last, so stage 0, which holds the most
-    micro-batches in flight, stays among the lightest."""
+    micro-batches in flight, stays among the lightest. With fewer layers than chunks the embedding and the loss
+    fill the missing chunks (Llama 3's 405B layout; one missing: the loss's, as the last stage also runs the
+    head)."""
     if p == 1:
         return (layers,)
+    missing = p * v - layers
+    if missing > 0:
+        if layers + 2 < p * v or v == 1:
+            raise CostModelError(f"{layers} layers cannot fill pp x virtual stages = {p} x {v} chunks")
+        return (v - (missing == 2), *[v] * (p - 2), v - 1)
     best: tuple[float, int] | None = None
     for last in range(v, layers - (p - 1) * v + 1):
         load = max(last + head_layers, math.ceil((layers - last) / (p - 1)))
@@ -107,25 +131,47 @@ def default_stage_layers(layers: int, p: int, v: int, head_layers: float) -> tup
 def first_even_last_split(layers: int, p: int, v: int, head_layers: float) -> tuple[int, ...] | None:
     """The fastest split a stack that sets only the first and last stages' layers can run (Megatron-LM:
     ``--decoder-first/last-pipeline-num-layers``, the middle split evenly; with ``v`` model chunks per stage
-    every stage a multiple of ``v``): the slowest stage, the last costing ``head_layers`` layers more, is
-    fastest; among equals the first such split found. None when no split of that form exists (whether one
-    exists does not depend on ``head_layers``)."""
-    best: tuple[float, tuple[int, ...]] | None = None
+    every stage a multiple of ``v``; or, with ``v > 1``, ``--account-for-embedding/loss-in-pipeline-split``:
+    the embedding and the loss each count as a layer and every chunk holds the same, see
+    :func:`head_chunks`): the slowest stage, the last costing ``head_layers`` layers more, is fastest; among
+    equals the first such split found. None when no split of that form exists (whether one exists does not
+    depend on ``head_layers``)."""
+    candidates: list[tuple[int, ...]] = []
     for first in range(v, layers + 1, v):
         for last in range(v, layers - first + 1, v):
             rest = layers - first - last
             if p == 2:
-                if rest:
-                    continue
-                split: tuple[int, ...] = (first, last)
-            elif rest <= 0 or rest % (p - 2) or (rest // (p - 2)) % v:
-                continue
-            else:
-                split = (first, *[rest // (p - 2)] * (p - 2), last)
-            load = max(max(split[:-1]), split[-1] + head_layers)
-            if best is None or load < best[0] - 1e-12:
-                best = (load, split)
+                if not rest:
+                    candidates.append((first, last))
+            elif rest > 0 and not rest % (p - 2) and not (rest // (p - 2)) % v:
+                candidates.append((first, *[rest // (p - 2)] * (p - 2), last))
+    if v > 1:
+        for embedding, loss in ((1, 0), (0, 1), (1, 1)):
+            slots = layers + embedding + loss
+            if not slots % p and not (slots // p) % v:
+                per = slots // p
+                candidates.append((per - embedding, *[per] * (p - 2), per - loss))
+    best: tuple[float, tuple[int, ...]] | None = None
+    for split in candidates:
+        load = max(max(split[:-1]), split[-1] + head_layers)
+        if best is None or load < best[0] - 1e-12:
+            best = (load, split)
     return best[1] if best else None
+
+
+def head_chunks(split: tuple[int, ...], v: int) -> tuple[bool, bool] | None:
+    """Whether ``split`` is the embedding and/or the loss counted as a layer of ``v``-chunk stages (Megatron-Core's
+    ``account_for_embedding_in_pipeline_split`` / ``account_for_loss_in_pipeline_split``: every stage holds the
+    same layers plus those, a multiple of ``v``): (embedding counted, loss counted), or None when it is not (or
+    is the even split, which needs neither)."""
+    if v == 1 or len(split) < 2:
+        return None
+    middle = split[1:-1]
+    for embedding, loss in ((1, 0), (0, 1), (1, 1)):
+        per = split[0] + embedding
+        if split[-1] + loss == per and all(n == per for n in middle) and not per % v:
+            return bool(embedding), bool(loss)
+    return None
 
 
 def stack_stage_layers(model: ModelSpec, train: TrainSpec, layout: Layout, rule: str) -> tuple[int, ...] | None:
@@ -180,9 +226,11 @@ def check_pipeline(model: ModelSpec, train: TrainSpec, layout: Layout) -> None:
         return
     if not train.is_training:
         raise CostModelError(f"pp={p} is modelled for training only; plan prefill with --pp 1")
-    if model.num_layers < p * v:
-        raise CostModelError(f"pp x virtual stages = {p} x {v} = {p * v} needs at least one layer per model chunk "
-                             f"but {model.name} has {model.num_layers} layers; use pp <= {model.num_layers // v}")
+    if chunk_slots(model.num_layers, v) < p * v:
+        beside = " besides the embedding's and the loss's" if v > 1 else ""
+        raise CostModelError(f"pp x virtual stages = {p} x {v} = {p * v} needs at least one layer per model chunk"
+                             f"{beside} but {model.name} has {model.num_layers} layers; use pp <= "
+                             f"{max_stages(model.num_layers, v)}")
     if train.pipeline_schedule == "interleaved_1f1b" and m % p:
         raise CostModelError(f"interleaved_1f1b needs the micro-batches per step (grad_accum={m}) to be a multiple "
                              f"of pp={p} (Megatron-LM's requirement); use --grad-accum {m + (-m) % p}")
@@ -193,9 +241,12 @@ def check_pipeline(model: ModelSpec, train: TrainSpec, layout: Layout) -> None:
         if sum(split) != model.num_layers:
             raise CostModelError(f"stage_layers {list(split)} sum to {sum(split)} but {model.name} has "
                                  f"{model.num_layers} layers; make them add up")
-        if min(split) < v:
-            raise CostModelError(f"stage_layers {list(split)}: every stage needs at least virtual_stages={v} layers "
-                                 "(one per model chunk)")
+        short = [s for s, n in enumerate(split) if n < min_stage_layers(p, v, s)]
+        if short:
+            ends = ("; the first and the last stage one fewer (the embedding and the loss may fill a chunk alone)"
+                    if v > 1 else "")
+            raise CostModelError(f"stage_layers {list(split)}: stage {short[0]} has too few layers; every stage "
+                                 f"needs at least virtual_stages={v} (one per model chunk){ends}")
 
 
 def stage_layers(model: ModelSpec, train: TrainSpec, layout: Layout) -> tuple[int, ...]:

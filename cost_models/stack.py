@@ -395,7 +395,8 @@ class StackSearch(BaseModel):
         if pp == 1 or self.stage_split == "balanced" or first_even_last_split(num_layers, pp, virtual_stages, 0.0):
             return None
         return (f"no split of {num_layers} layers over pp={pp} with {virtual_stages} chunks per stage has an even "
-                "middle with every stage a multiple of the chunks (what this stack can express)")
+                "middle with every stage a multiple of the chunks, or every stage the same with the embedding and "
+                "the loss counted as a layer each (what this stack can express)")
 
     def refusal(self, model: ModelSpec, layout: Layout, seq_len: int) -> str | None:
         """Why the stack cannot run ``layout`` for ``model`` at ``seq_len`` tokens, or None when it can."""

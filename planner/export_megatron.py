@@ -14,7 +14,10 @@ checkout is importable. How sp-plan's plan maps onto Megatron:
   ``--num-distributed-optimizer-instances`` (the optimizer sharded within each instance, replicated across);
   ``pp`` -> ``--pipeline-model-parallel-size`` (interleaved 1F1B: ``--num-virtual-stages-per-pipeline-rank``;
   a first or last stage with other layers than the middle ones: ``--decoder-first/last-pipeline-num-layers``,
-  Megatron splitting the rest evenly); ``ep`` -> ``--expert-model-parallel-size`` (Megatron's expert ranks
+  Megatron splitting the rest evenly; with virtual stages, a first or last stage one layer short of the others
+  because the embedding or the loss fills a model chunk's layer slot: ``--account-for-embedding-in-pipeline-split``
+  / ``--account-for-loss-in-pipeline-split``, as Megatron-Bridge's Llama 3.1 405B recipe runs 126 layers over 8
+  stages of 8 chunks); ``ep`` -> ``--expert-model-parallel-size`` (Megatron's expert ranks
   are ``ep`` consecutive ranks after TP, carved from the context x data-parallel ranks: the planner's ``ep``
   innermost shard-group ranks; expert TP stays the dense TP, Megatron's default).
 - mixture of experts -> ``--num-experts``, ``--moe-router-topk``, ``--moe-ffn-hidden-size``, the shared
@@ -46,7 +49,7 @@ from dataclasses import dataclass
 
 from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.model_spec import ModelSpec
-from sp_plan.cost_models.pipeline import first_even_last_split, head_layer_equivalents, stage_layers
+from sp_plan.cost_models.pipeline import first_even_last_split, head_chunks, head_layer_equivalents, stage_layers
 from sp_plan.cost_models.stack import prior_stack
 from sp_plan.cost_models.strategies.overlap import a2a_overlap_blocker, tp_overlap_blocker
 from sp_plan.cost_models.train_spec import TrainSpec
@@ -316,9 +319,10 @@ def _pipeline_refusal(model: ModelSpec, train: TrainSpec, layout: Layout) -> str
         hint = first_even_last_split(model.num_layers, layout.pp, v, head_layer_equivalents(model, train, layout))
         return (f"stage split {list(split)}: Megatron splits the stages between the first and the last evenly; "
                 + (f"re-plan with --stage-layers {','.join(map(str, hint))}" if hint else "pin --stage-layers"))
-    if v > 1 and any(n % v for n in split):
+    if v > 1 and any(n % v for n in split) and head_chunks(split, v) is None:
         return (f"stage split {list(split)} with {v} virtual stages: Megatron gives every model chunk of a stage "
-                f"the same layers, so each stage's layers must divide by {v}; pin --stage-layers")
+                f"the same layers, so each stage's layers must divide by {v}, or all stages hold the same with "
+                "the embedding and the loss counted as a layer each; pin --stage-layers")
     return None
 
 
@@ -331,7 +335,12 @@ def _pipeline_args(plan: Plan) -> list[str]:
         args += ["--num-virtual-stages-per-pipeline-rank", str(train.virtual_stages)]
     split = stage_layers(plan.model, train, layout)
     even = plan.model.num_layers // layout.pp
-    if any(n != even for n in split):
+    counted = head_chunks(split, train.virtual_stages) if any(n % train.virtual_stages for n in split) else None
+    if counted is not None:
+        embedding, loss = counted
+        args += ["--account-for-embedding-in-pipeline-split"] * embedding
+        args += ["--account-for-loss-in-pipeline-split"] * loss
+    elif any(n != even for n in split):
         args += ["--decoder-first-pipeline-num-layers", str(split[0]),
                  "--decoder-last-pipeline-num-layers", str(split[-1])]
     return args

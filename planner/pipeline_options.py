@@ -14,6 +14,7 @@ from typing import Any
 
 from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.model_spec import ModelSpec
+from sp_plan.cost_models.degrees import chunk_slots
 
 from .options import Axis, OptionLattice
 
@@ -35,7 +36,7 @@ def pipeline_axes(model: ModelSpec, layout: Layout, fixed: dict[str, Any],
         return ()
     schedules = (fixed["pipeline_schedule"],) if "pipeline_schedule" in fixed else (stack_schedules or SCHEDULES)
     chunks = (fixed["virtual_stages"],) if "virtual_stages" in fixed else tuple(
-        v for v in VIRTUAL_STAGES if model.num_layers >= layout.pp * v)
+        v for v in VIRTUAL_STAGES if chunk_slots(model.num_layers, v) >= layout.pp * v)
     return Axis("pipeline_schedule", schedules), Axis("virtual_stages", chunks)
 
 
@@ -46,8 +47,9 @@ def pipeline_invalid(model: ModelSpec, layout: Layout, options: dict[str, Any], 
         return None
     if (schedule == "interleaved_1f1b") != (v > 1):
         return "virtual stages go with interleaved_1f1b only"
-    if model.num_layers < layout.pp * v:
-        return f"pp x virtual stages = {layout.pp * v} exceeds {model.num_layers} layers"
+    if chunk_slots(model.num_layers, v) < layout.pp * v:
+        return (f"pp x virtual stages = {layout.pp * v} exceeds {model.num_layers} layers"
+                + (" and the embedding's and the loss's chunks" if v > 1 else ""))
     if schedule == "interleaved_1f1b" and grad_accum % layout.pp:
         return f"interleaved_1f1b needs micro-batches ({grad_accum}) divisible by pp={layout.pp}"
     return None

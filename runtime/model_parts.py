@@ -64,19 +64,24 @@ def _replace(root: nn.Module, path: str, make) -> None:
 
 
 def _check_bounds(bounds: Sequence[int], num_blocks: int) -> list[int]:
+    """Cuts strictly inside the blocks, increasing; the first may be 0 (a first part of the embedding alone) and
+    the last ``num_blocks`` (a last part of the final norm, the head and the loss alone)."""
     cuts = [int(b) for b in bounds]
-    if not cuts or any(b <= 0 or b >= num_blocks for b in cuts) or cuts != sorted(set(cuts)):
+    if not cuts or cuts != sorted(set(cuts)) or cuts[0] < 0 or cuts[-1] > num_blocks or 0 in cuts[1:] \
+            or num_blocks in cuts[:-1]:
         raise RuntimeConfigError(
             f"block boundaries {list(bounds)} do not cut {num_blocks} blocks into parts: give increasing indices "
-            f"strictly between 0 and {num_blocks} (e.g. [{num_blocks // 2}] for two halves)"
+            f"strictly between 0 and {num_blocks} (e.g. [{num_blocks // 2}] for two halves), or 0 first for a "
+            f"part of the embedding alone and {num_blocks} last for one of the head and loss alone"
         )
     return cuts
 
 
 def split_model(model: nn.Module, adapter: ModelAdapter, bounds: Sequence[int]) -> list[nn.Module]:
     """``len(bounds) + 1`` parts of ``model``: part ``i`` holds blocks ``[bounds[i-1], bounds[i])``; the first
-    also the input embedding, the last the final norm and the lm_head. Refuses tied embeddings (the
-    embedding and the lm_head would live in different parts)."""
+    also the input embedding, the last the final norm and the lm_head (a first bound of 0 leaves the first part
+    the embedding alone, a last bound at the block count the last part the norm and head alone). Refuses tied
+    embeddings (the embedding and the lm_head would live in different parts)."""
     paths: PartPaths = adapter.part_paths(model)
     blocks = adapter.blocks(model)
     cuts = _check_bounds(bounds, len(blocks))

@@ -60,10 +60,19 @@ def stage_indices(plan, pp_rank: int) -> list[int]:
 def stage_bounds(plan) -> list[int]:
     """Block indices where the pipeline stages start (all but the first), in stage order. Rank ``r`` holds the
     layers the cost model gave it (the plan's ``stage_layers`` or the balanced default), cut into
-    ``virtual_stages`` chunks as even as can be (the earlier chunks take the remainder)."""
+    ``virtual_stages`` chunks as even as can be: the earlier chunks take the remainder, except on the first rank,
+    whose first chunk, beside the embedding, stays the lightest (Megatron's placement when it counts the
+    embedding as a layer). A rank with fewer layers than chunks leaves its first chunk (rank 0: the embedding
+    alone) or its last (the last rank: the loss alone) without blocks, as Llama 3's 405B layout does
+    (:mod:`sp_plan.cost_models.pipeline`)."""
     pp, v = plan.layout.pp, plan.train.virtual_stages
     per_rank = stage_layers(plan.model, plan.train, plan.layout)
-    sizes = [per_rank[r] // v + (k < per_rank[r] % v) for k in range(v) for r in range(pp)]
+
+    def chunk(r: int, k: int) -> int:
+        base, extra = divmod(per_rank[r], v)
+        return base + (k >= v - extra if r == 0 else k < extra)
+
+    sizes = [chunk(r, k) for k in range(v) for r in range(pp)]
     return list(itertools.accumulate(sizes))[:-1]
 
 

@@ -80,3 +80,23 @@ def test_cli_explains_every_part_and_adds_up():
     step = float(out.splitlines()[1].split()[1])
     total = next(line for line in out.splitlines() if line.strip().startswith("= step"))
     assert float(total.split()[2]) == pytest.approx(step, rel=1e-3)
+
+
+@pytest.mark.parametrize("args", [
+    ["--model", "llama3-8b", "--seq-len", "128K", "--gpus", "8", "--ulysses", "8", "--stack", "torchtitan"],
+    # pipelined: the bubble is a part of the step like any other
+    ["--model", "llama3-70b", "--seq-len", "32K", "--gpus", "64", "--tp", "8", "--pp", "4", "--grad-accum", "8",
+     "--virtual-stages", "2", "--stack", "megatron-core"],
+])
+def test_the_rows_shown_add_up_to_the_step(args):
+    """Every second of the step is on a row: the rows shown sum to the step (parts below 1e-5 of it are left off)."""
+    result = CliRunner().invoke(cli, ["estimate", *args, "--explain-time"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    step = float(lines[1].split()[1])
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("part "))
+    end = next(i for i, line in enumerate(lines) if line.strip().startswith("= step"))
+    shown = sum(float(line[line.index("  ", 2):].split()[0]) for line in lines[start + 1:end])
+    assert shown == pytest.approx(step, rel=1e-3)
+    if "--pp" in args:
+        assert any("pipeline bubble" in line for line in lines[start:end])

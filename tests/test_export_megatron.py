@@ -78,6 +78,11 @@ PLANS = {
     # micro-batches), TP communication inside the GEMMs
     "moe-a2a-overlap": lambda: make_plan(model="qwen3-30b-a3b", gpus=16, tp=2, ulysses=2, dp_shard=4, ep=8,
                                          seq_len=32768, checkpointing="selective", grad_accum=2),
+    # Megatron-Bridge's Llama 3.1 405B recipe: 126 layers over PP 8 x VP 8, the embedding and the loss each
+    # counted as a layer (15 layers on the first and last stage, 16 on the others)
+    "pp-head-chunks": lambda: make_plan(model="llama3-405b", gpus=128, pp=8, tp=8, ring=2, seq_len=8192,
+                                        grad_accum=8, pipeline_schedule="interleaved_1f1b", virtual_stages=8,
+                                        checkpointing="none"),
     "mla-moe-pp": lambda: make_plan(model="deepseek-v3", gpus=64, pp=8, ulysses=8, ep=8, seq_len=32768,
                                     grad_accum=8, pipeline_schedule="1f1b", stage_layers=(6, 8, 8, 8, 8, 8, 8, 7),
                                     checkpointing="full"),
@@ -394,12 +399,11 @@ def test_megatron_core_parses_and_validates_the_exported_arguments(name):
     assert tc.tensor_model_parallel_size == layout.tp and tc.pipeline_model_parallel_size == layout.pp
     assert tc.virtual_pipeline_model_parallel_size == (plan.train.virtual_stages if layout.pp > 1 and
                                                        plan.train.virtual_stages > 1 else None)
-    if layout.pp > 1 and tc.num_layers_in_first_pipeline_stage is not None:  # an uneven split, as planned
+    if layout.pp > 1:
         from sp_plan.cost_models.pipeline import stage_layers
 
         split = stage_layers(plan.model, plan.train, layout)
-        assert (tc.num_layers_in_first_pipeline_stage, tc.num_layers_in_last_pipeline_stage) == (split[0], split[-1])
-        assert set(split[1:-1]) <= {(plan.model.num_layers - split[0] - split[-1]) // max(1, layout.pp - 2)}
+        assert megatron_stage_layers(tc) == split  # the layers Megatron builds on each stage, as planned
     assert tc.context_parallel_size == layout.ulysses * layout.ring
     assert tc.sequence_parallel == (layout.tp > 1) and tc.bf16
     assert tc.recompute_granularity == {"full": "full", "selective": "selective", "none": None}[plan.train.checkpointing]
@@ -410,6 +414,43 @@ def test_megatron_core_parses_and_validates_the_exported_arguments(name):
     assert ddp.num_distributed_optimizer_instances == layout.dp_replicate
     assert configs["OptimizerConfig"].optimizer_cpu_offload == plan.train.offload_optimizer
     assert script["script:--seq-length"] == plan.train.seq_len
+
+
+def megatron_stage_layers(tc) -> tuple[int, ...]:
+    """The decoder layers Megatron-Core builds on each pipeline rank, from its TransformerConfig the way
+    ``get_transformer_layer_offset`` / ``get_num_layers_to_build`` count them: the first and last ranks' own
+    counts, or, with the embedding or the loss counted as a layer, every rank holding the same slots less those;
+    else an even split."""
+    p, layers = tc.pipeline_model_parallel_size, tc.num_layers
+    first, last = tc.num_layers_in_first_pipeline_stage, tc.num_layers_in_last_pipeline_stage
+    if first is not None or last is not None:
+        first = first if first is not None else None
+        ends = (first or 0) + (last or 0)
+        middle_ranks = p - (first is not None) - (last is not None)
+        middle = (layers - ends) // middle_ranks if middle_ranks else 0
+        return (first if first is not None else middle, *[middle] * (p - 2), last if last is not None else middle)
+    embedding, loss = int(tc.account_for_embedding_in_pipeline_split), int(tc.account_for_loss_in_pipeline_split)
+    per = (layers + embedding + loss) // p
+    return (per - embedding, *[per] * (p - 2), per - loss)
+
+
+def test_megatron_counts_the_embedding_and_the_loss_as_layers_for_the_405b_split():
+    """The 405B recipe's split (15, 16 x 6, 15) with 8 chunks per stage: no first/last layer counts can express it
+    (15 does not divide into 8 chunks); Megatron runs it by counting the embedding and the loss as layers."""
+    plan = PLANS["pp-head-chunks"]()
+    from sp_plan.cost_models.pipeline import stage_layers
+
+    assert stage_layers(plan.model, plan.train, plan.layout) == (15, *[16] * 6, 15)
+    assert megatron_refusal(plan) is None
+    argv = list(megatron_arguments(plan).argv)
+    assert "--account-for-embedding-in-pipeline-split" in argv and "--account-for-loss-in-pipeline-split" in argv
+    assert "--decoder-first-pipeline-num-layers" not in argv
+    configs, _ = parse_with_megatron_core(argv)  # megatron-core's own divisibility checks run on it
+    assert configs["TransformerConfig"].account_for_embedding_in_pipeline_split
+    uneven = make_plan(model="llama3-405b", gpus=128, pp=8, tp=8, ring=2, seq_len=8192, grad_accum=8,
+                       pipeline_schedule="interleaved_1f1b", virtual_stages=8, checkpointing="none",
+                       stage_layers=(14, *[16] * 6, 16))
+    assert "counted as a layer each" in megatron_refusal(uneven)
 
 
 def test_a_flag_megatron_core_does_not_know_fails_the_parse():

@@ -155,10 +155,12 @@ def test_the_first_even_last_split_is_one_megatron_can_express(layers, p, v):
 def test_no_split_of_megatrons_form_is_refused_with_the_reason():
     from sp_plan.cost_models.pipeline import first_even_last_split
 
-    assert first_even_last_split(7, 2, 4, 0.0) is None  # two stages of multiples of 4 cannot hold 7 layers
+    # two stages of multiples of 4 cannot hold 13 layers, nor 14 or 15 slots with the embedding and the loss
+    assert first_even_last_split(13, 2, 4, 0.0) is None
+    assert first_even_last_split(7, 2, 4, 0.0) == (3, 4)  # the embedding counted as a layer: 8 slots of 4 chunks
     stack = load_stack("megatron-core").search
-    assert "no split of 7 layers over pp=2 with 4 chunks" in stack.stage_split_refusal(7, 2, 4)
-    assert stack.stage_split_refusal(8, 2, 4) is None and load_stack("sp-plan").search.stage_split_refusal(7, 2, 4) is None
+    assert "no split of 13 layers over pp=2 with 4 chunks" in stack.stage_split_refusal(13, 2, 4)
+    assert stack.stage_split_refusal(8, 2, 4) is None and load_stack("sp-plan").search.stage_split_refusal(13, 2, 4) is None
 
 
 def test_pipelined_plans_under_megatron_carry_a_split_megatron_can_run():

@@ -80,10 +80,10 @@ def _step(family: str, layout: Layout, bounds: list[int] | None, max_grad_norm: 
             "grads": _full_grads(setup)}
 
 
-def _one_and_two_parts(rank: int, world: int, family: str, layout: Layout, max_grad_norm: float | None
-                       ) -> tuple[dict, dict]:
-    """The step on the whole model, then on the same model split in two halves (same ranks, fresh setups)."""
-    return (_step(family, layout, None, max_grad_norm), _step(family, layout, [2], max_grad_norm))
+def _one_and_two_parts(rank: int, world: int, family: str, layout: Layout, max_grad_norm: float | None,
+                       bounds: tuple[int, ...] = (2,)) -> tuple[dict, dict]:
+    """The step on the whole model, then on the same model split at ``bounds`` (same ranks, fresh setups)."""
+    return (_step(family, layout, None, max_grad_norm), _step(family, layout, list(bounds), max_grad_norm))
 
 
 @pytest.mark.parametrize("family", ["llama", "hf"])
@@ -96,6 +96,17 @@ def test_two_parts_step_equals_one_part_exactly(family: str) -> None:
     assert sorted(two["grads"]) == sorted(one["grads"])  # the parts keep the whole model's names
     for name, grad in one["grads"].items():
         assert (two["grads"][name] == grad).all(), name
+
+
+@pytest.mark.parametrize("family", ["llama", "hf"])
+def test_parts_of_the_embedding_alone_and_the_head_alone_step_like_one_part(family: str) -> None:
+    """Llama 3's 405B layout puts the embedding and the loss in model chunks of their own."""
+    if family == "hf":
+        pytest.importorskip("transformers")
+    one, four = run_ranks(1, _one_and_two_parts, family, Layout(), None, (0, 2, 4))[0]
+    assert four["parts"] == 4 and four["loss"] == one["loss"]
+    for name, grad in one["grads"].items():
+        assert (four["grads"][name] == grad).all(), name
 
 
 @pytest.mark.parametrize("family", ["llama", "hf"])
@@ -117,9 +128,11 @@ def test_split_refusals() -> None:
 
     model = _llama()
     adapter = adapter_for(model)
-    for bounds in ([0], [4], [3, 2], []):
+    for bounds in ([-1], [5], [3, 2], [2, 2], []):
         error = error_of(lambda b=bounds: split_model(model, adapter, b))
         assert error is not None and "strictly between 0 and 4" in error, bounds
+    # 0 first: a part of the embedding alone; the block count last: one of the norm, head and loss alone
+    assert [len(list(p.layers)) for p in split_model(model, adapter, [0, 2, 4])] == [0, 2, 2, 0]
     tied = _llama(tied=True)
     assert "untie them" in error_of(lambda: split_model(tied, adapter_for(tied), [2]))
     parts = split_model(model, adapter, [1, 3])

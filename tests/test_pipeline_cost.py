@@ -17,6 +17,8 @@ from sp_plan.cost_models.pipeline import (
     candidate_stages,
     check_pipeline,
     default_stage_layers,
+    first_even_last_split,
+    head_chunks,
     in_flight,
     p2p_bytes,
     stage_layers,
@@ -73,6 +75,37 @@ def test_default_split_balances_time_and_lightens_the_last_stage():
     assert max(loads) == best
 
 
+def test_the_embedding_and_the_loss_may_each_fill_a_model_chunk():
+    """Llama 3's 405B layout ("The Llama 3 Herd of Models", section 3.3.2): 126 layers over 16 stages of 8 chunks,
+    the first chunk of the first stage only the embedding, the last chunk of the last stage only the loss."""
+    llama405 = get_model_preset("llama3-405b")
+    interleaved = dict(seq_len=8192, grad_accum=16, pipeline_schedule="interleaved_1f1b", virtual_stages=8)
+    train, layout = TrainSpec(**interleaved), Layout(pp=16, tp=8)
+    check_pipeline(llama405, train, layout)
+    assert stage_layers(llama405, train, layout) == (7, *[8] * 14, 7)
+    assert default_stage_layers(127, 16, 8, 0.3) == (8, *[8] * 14, 7)  # one chunk short: the loss fills it
+    assert default_stage_layers(126, 16, 4, 0.3)[0] >= 4  # enough layers: every chunk keeps one, as before
+    with pytest.raises(CostModelError, match="use pp <= 16"):  # 17 x 8 = 136 > 126 + 2
+        check_pipeline(llama405, train, Layout(pp=17))
+    for bad in [(6, *[8] * 14, 8), (8, *[8] * 13, 7, 7)]:  # short by two on the first stage, or in the middle
+        with pytest.raises(CostModelError, match="too few layers"):
+            check_pipeline(llama405, TrainSpec(**interleaved, stage_layers=bad), layout)
+    with pytest.raises(CostModelError, match="per model chunk but llama3-8b"):  # one chunk per stage keeps a layer
+        check_pipeline(MODEL, TrainSpec(seq_len=4096, grad_accum=64), Layout(pp=33))
+    assert [s.layers for s in stages(llama405, train, layout)][:2] == [7, 8]
+    assert memory_report(llama405, train, layout, GPU).detail.assumptions  # memory prices the layout
+
+
+def test_megatron_counts_the_embedding_and_the_loss_as_layers():
+    """The splits Megatron-Core runs with account_for_embedding/loss_in_pipeline_split are of its form."""
+    assert first_even_last_split(126, 8, 8, 0.3) == (15, *[16] * 6, 15)  # no multiple-of-8 split holds 126
+    assert head_chunks((15, *[16] * 6, 15), 8) == (True, True)
+    assert head_chunks((7, *[8] * 14, 7), 8) == (True, True)
+    assert head_chunks((16, *[16] * 6, 15), 8) == (False, True)
+    assert head_chunks((16, 16, 16), 8) is None and head_chunks((15, 16, 15), 1) is None
+    assert head_chunks((14, 16, 16), 8) is None
+
+
 def test_the_user_split_is_used_and_checked():
     layout = Layout(pp=4, dp_shard=2)
     train = TrainSpec(seq_len=4096, grad_accum=8, stage_layers=(6, 9, 9, 8))
@@ -92,7 +125,8 @@ def test_pipeline_errors_are_actionable():
     with pytest.raises(CostModelError, match="multiple of pp=4.*--grad-accum 8"):
         check_pipeline(MODEL, TrainSpec(seq_len=4096, grad_accum=6, pipeline_schedule="interleaved_1f1b",
                                         virtual_stages=2), Layout(pp=4))
-    with pytest.raises(CostModelError, match="32 layers; use pp <= 16"):
+    with pytest.raises(CostModelError, match="besides the embedding's and the loss's but llama3-8b has 32 layers; "
+                                             "use pp <= 17"):
         check_pipeline(MODEL, TrainSpec(seq_len=4096, grad_accum=64, pipeline_schedule="interleaved_1f1b",
                                         virtual_stages=2), Layout(pp=32))
     with pytest.raises(CostModelError, match="training only"):

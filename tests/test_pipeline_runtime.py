@@ -100,6 +100,10 @@ CASES = {
                                                              "checkpointing": "none"}, [[[0, 1]]] * 2 + [[[2, 3]]] * 2),
     "pp2-interleaved": (Layout(pp=2), {"pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2},
                         [[[0], [2]], [[1], [3]]]),
+    # 3 chunks per stage over 4 layers: the first chunk of stage 0 holds the embedding alone, the last of stage 1
+    # the head and loss alone (Llama 3's 405B layout)
+    "pp2-interleaved-head-chunks": (Layout(pp=2), {"pipeline_schedule": "interleaved_1f1b", "virtual_stages": 3},
+                                    [[[], [1], [3]], [[0], [2], []]]),
 }
 
 

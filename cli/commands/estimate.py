@@ -281,6 +281,10 @@ def render_time_explanation(est: Estimate) -> str:
         exposed = parts.get(f"exposed_comm_{strategy}", 0.0)
         notes.append(f"  {strategy} communication: {exposed:.4f} s exposed, {hidden:.4f} s hidden (not in the step); "
                      f"{note}")
+    if parts.get("pipeline_bubble", 0.0) > 0:
+        row("pipeline bubble (stages idle in fill and drain)", parts["pipeline_bubble"],
+            f"{est.layout.pp} stages, slowest stage {int(t.breakdown['pipeline_slowest_stage'])}",
+            "schedule math (cost_models/pipeline.py)")
     if parts.get("interference", 0.0) > 0:
         row("compute slowed by overlapped collectives", parts["interference"], "", "kernel model")
     if parts.get("offload", 0.0) > 0:

@@ -134,12 +134,14 @@ SOURCES: dict[str, SourceSetup] = {
     "llama3-paper": SourceSetup(
         "dgx-h100@roce-400:8", "sp-plan",
         {"zero_stage": 2, "checkpointing": "selective", "micro_batch": 1, "pipeline_schedule": "interleaved_1f1b",
-         "virtual_stages": 4},
+         "virtual_stages": 8},
         {},
         "Meta's 24K-GPU H100 clusters (8 x 400 Gb/s RoCE per node); their own 4D-parallel stack, priced with "
         "sp-plan's stack: FSDP sharding optimizer states and gradients but not the weights (ZeRO-2), interleaved "
-        "1F1B (the paper's schedule; its chunks per stage are not given: 4, what the planner picks for this "
-        "layout), one layer fewer on the first and the last stage (the planner's balanced split is that one), "
+        "1F1B (the paper's schedule) with 8 chunks per stage, one layer fewer on the first and the last stage: "
+        "section 3.3.2's \"the first model chunk on the first stage has only the embedding, and the last model "
+        "chunk on the last stage has only output projection and loss calculation\" with one layer fewer at each "
+        "end leaves one layer per chunk (126 layers, the embedding and the loss in 16 x 8 chunks), "
         "16 micro-batches of one 128K sequence per "
         "data-parallel rank (the 16M-token batch over dp 8), selective recompute assumed (not stated); their context "
         "parallelism all-gathers K/V where sp-plan prices a ring",
