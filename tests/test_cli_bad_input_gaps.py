@@ -163,6 +163,25 @@ def test_a_gpu_contradicting_the_topology_is_refused_not_ignored(capsys):
     assert '"fits"' in capsys.readouterr().out
 
 
+def test_a_gpu_typo_next_to_a_topology_of_an_unshipped_gpu_is_refused(tmp_path, capsys):
+    """Was: exit 0 with --gpu h100-80gbb silently ignored: neither it nor the topology's own GPU (described inline)
+    is shipped, so the two unknown names compared equal."""
+    import yaml
+
+    from sp_plan.cost_models.data import load
+
+    spec = {**load("topologies", "dgx-h100"), "name": "my-cluster",
+            "gpu": {"name": "my-accel", "memory_bytes": 80 << 30, "peak_flops": {"bf16": 9.0e14, "fp32": 6.0e13},
+                    "memory_bandwidth": 3.0e12}}
+    topology = tmp_path / "my-cluster.yaml"
+    topology.write_text(yaml.safe_dump(spec))
+    base = ["estimate", "--model", "llama3-8b", "--seq-len", "32K", "--gpus", "8", "--topology", str(topology)]
+    err = refused([*base, "--gpu", "h100-80gbb"], capsys)
+    assert "unknown GPU 'h100-80gbb'" in err and "did you mean h100-80gb" in err and "my-accel" in err
+    main([*base, "--gpu", "My-Accel", "--json"])  # the topology's own GPU, named as it describes it
+    assert '"fits"' in capsys.readouterr().out
+
+
 def test_gpus_per_node_help_shows_the_limit_the_topology_enforces(capsys):
     """Was: --help said 1<=x<=1024 while 300 was refused as 'GPUs per node must be 1..256'."""
     main(["estimate", "--help"])

@@ -391,10 +391,17 @@ def _check_gpu_matches(gpu_name: str, topology: "Topology", topology_ref: str) -
     ctx = click.get_current_context(silent=True)
     if ctx is None or not pinned(ctx, ("gpu_name",)):
         return
-    if data.canonical("gpus", gpu_name) != data.canonical("gpus", topology.gpu.name):
-        raise CostModelError(f"--gpu {gpu_name} contradicts --topology {topology_ref}, whose GPUs are "
-                             f"{topology.gpu.name}; drop --gpu (the topology names its GPU) or give a topology of "
-                             f"{gpu_name}")
+    def key(name: str) -> str:  # a shipped GPU by its canonical name, a topology's own GPU by its name
+        return data.canonical("gpus", name) or name.strip().lower()
+
+    if key(gpu_name) == key(topology.gpu.name):
+        return
+    if data.canonical("gpus", gpu_name) is None:  # a typo must not pass because neither name is shipped
+        raise CostModelError(f"{data.unknown_name('gpus', gpu_name)}; --topology {topology_ref} describes its GPUs "
+                             f"({topology.gpu.name}): drop --gpu")
+    raise CostModelError(f"--gpu {gpu_name} contradicts --topology {topology_ref}, whose GPUs are "
+                         f"{topology.gpu.name}; drop --gpu (the topology names its GPU) or give a topology of "
+                         f"{gpu_name}")
 
 
 def build_cluster(gpus: int | None, gpus_per_node: int | None, gpu_name: str,
