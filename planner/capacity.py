@@ -285,6 +285,9 @@ class SweepPoint(BaseModel):
     seq_len: int
     plan: RankedPlan | None
     nearest: FeasibilityProbe | None = None
+    #: Why the planner refused this point outright (a pinned degree no layout of these GPUs has, a length the
+    #: pins cannot split): bad input at that point, not a memory miss. None when it searched.
+    refused: str | None = None
 
 
 def sweep(model: ModelSpec, base: TrainSpec, topology_for: TopologyFactory, points: list[tuple[int, int]],
@@ -297,9 +300,10 @@ def sweep(model: ModelSpec, base: TrainSpec, topology_for: TopologyFactory, poin
         try:
             result: SearchResult = search(model, train, topology, settings.model_copy(update={"top_k": 1}),
                                           assumptions)
-        except PlannerError:
-            result = None
-        if result is not None and result.plans:
+        except PlannerError as exc:
+            out.append(SweepPoint(gpus=gpus, seq_len=seq, plan=None, refused=str(exc)))
+            continue
+        if result.plans:
             out.append(SweepPoint(gpus=gpus, seq_len=seq, plan=result.plans[0]))
         else:
             out.append(SweepPoint(gpus=gpus, seq_len=seq, plan=None,

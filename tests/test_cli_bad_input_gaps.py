@@ -42,6 +42,21 @@ def test_capacity_pins_that_cannot_split_the_gpus_are_bad_input_not_no_fit(pins,
     assert named in err and "8 GPUs" in err and "use more GPUs" not in err
 
 
+def test_a_sweep_point_the_pins_cannot_split_says_why_not_does_not_fit(capsys):
+    """Was: "does not fit (closest is short by 0.0 GB)" at 4 GPUs for --ulysses 8, a memory miss that never was."""
+    args = ["capacity", "--model", "llama3-8b", "--seq-len", "32K", "--sweep", "gpus=4,8", "--ulysses", "8"]
+    main(args)
+    out = capsys.readouterr().out
+    assert "does not fit" not in out and "short by" not in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("4 "))
+    assert "no plan [1]" in row
+    assert any(line.startswith("[1] 32K on 4 GPUs:") and "ulysses=8" in line for line in out.splitlines())
+    main([*args, "--json"])
+    points = json.loads(capsys.readouterr().out)["sweep"]
+    assert "ulysses=8" in points[0]["refused"] and points[0]["plan"] is None
+    assert "refused" not in points[1] and points[1]["plan"] is not None
+
+
 def test_capacity_longest_sequence_takes_a_document_length(capsys):
     """Was: exit 2, "document_length=4096 exceeds seq_len=1024", a length the user never typed (the search's
     first probe)."""

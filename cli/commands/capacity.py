@@ -106,7 +106,8 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
         if as_json:
             click.echo(json.dumps({"sweep": [
                 {"gpus": p.gpus, "seq_len": p.seq_len, "plan": _plan_json(p.plan),
-                 "nearest": p.nearest.model_dump(exclude_none=True) if p.nearest else None} for p in results],
+                 "nearest": p.nearest.model_dump(exclude_none=True) if p.nearest else None,
+                 **({"refused": p.refused} if p.refused else {})} for p in results],
                 **stack}, indent=2))
         else:
             click.echo(f"{model.name}: best plan per point ({_stack_note(stack)})")
@@ -166,18 +167,22 @@ SWEEP_COLUMNS = (Column("GPUs", ">"), Column("seq", ">"), Column("layout"), Colu
 
 
 def render_sweep(points: list[SweepPoint], mode: str) -> str:
-    rows = []
+    rows, notes = [], []
     for p in points:
         where = [str(p.gpus), format_tokens(p.seq_len)]
         if p.plan is None:
+            if p.refused is not None:  # a footnote: a long reason in the layout column would widen every row
+                notes.append(f"[{len(notes) + 1}] {format_tokens(p.seq_len)} on {p.gpus} GPUs: {p.refused}")
+                rows.append([*where, f"no plan [{len(notes)}]"])
+                continue
             if p.nearest is not None and p.nearest.kernel_limit is not None:
                 rows.append([*where, f"does not fit ({p.nearest.kernel_limit})"])
                 continue
             miss = (f" (closest is short by {p.nearest.shortfall_bytes / GB:.1f} GB)"
-                    if p.nearest and p.nearest.shortfall_bytes is not None else "")
+                    if p.nearest and p.nearest.layout is not None else "")
             rows.append([*where, f"does not fit{miss}"])
             continue
         t, m = p.plan.estimate.time, p.plan.estimate.memory
         rows.append([*where, p.plan.layout.describe(), describe_options(p.plan.options, mode), f"{m.total / GB:.1f} GB",
                      f"{t.step_s:.2f} s", f"{t.tokens_per_s:,.0f}", f"{t.mfu:.1%}"])
-    return "\n".join(format_table(SWEEP_COLUMNS, rows))
+    return "\n".join([*format_table(SWEEP_COLUMNS, rows), *notes])
