@@ -256,16 +256,21 @@ def configure(options: TrainRunOptions, model: nn.Module, plan: Plan | None, pad
                           fixed_options=fixed, pad_token_id=pad)
 
 
-def refuse_unbuildable_on_host(plan: Plan, local_ranks: int, available: int | None) -> None:
-    """On CPU ranks, refuse a plan whose model the ranks of this host cannot even build (each builds it whole in
-    fp32 before sharding): the kernel's OOM kill would leave only a bare SIGKILL behind."""
+def refuse_unbuildable_on_host(plan: Plan, local_ranks: int, available: int | None, on_gpus: bool = False) -> None:
+    """Refuse a plan whose model the ranks of this host cannot even build: each rank builds it whole in fp32 in
+    host memory before sharding it, on CPU and GPU ranks alike, and the kernel's OOM kill would leave only a bare
+    SIGKILL behind."""
     need = plan.model.num_params * INIT_BYTES_PER_PARAM * local_ranks
-    if available is not None and need > available:
-        raise RuntimeConfigError(
-            f"{local_ranks} CPU rank(s) would build {plan.model.name} ({plan.model.num_params / 1e9:.2f}B parameters, "
-            f"{need / 1e9:.1f} GB in fp32) but {available / 1e9:.1f} GB of host RAM is available: train this plan on "
-            "GPUs, or a smaller model on this machine (sp-plan train without --plan, or a plan for a smaller "
-            "config.json)")
+    if available is None or need <= available:
+        return
+    ranks = f"{local_ranks} {'GPU' if on_gpus else 'CPU'} rank(s) on this host"
+    fix = ("fewer ranks per host (torchrun --nproc-per-node) on more hosts, or a smaller model: the runtime builds "
+           "the whole model in host memory before sharding it" if on_gpus else
+           "train this plan on GPUs, or a smaller model on this machine (sp-plan train without --plan, or a plan for "
+           "a smaller config.json)")
+    raise RuntimeConfigError(
+        f"{ranks} would each build {plan.model.name} ({plan.model.num_params / 1e9:.2f}B parameters, "
+        f"{need / 1e9:.1f} GB in fp32 together) but {available / 1e9:.1f} GB of host RAM is available: {fix}")
 
 
 def refuse_plan_before_building(plan: Plan, options: TrainRunOptions) -> None:
@@ -276,8 +281,8 @@ def refuse_plan_before_building(plan: Plan, options: TrainRunOptions) -> None:
     # device "cpu": only the rank-count check applies here; the GPU checks run when the mesh is built
     check_launch(plan.layout, world, device_type="cpu", local_world_size=world, visible_devices=0)
     refuse_unsupported(plan, "hf" if options.hf or options.model_config is not None else "llama")
-    if not torch.cuda.is_available():
-        refuse_unbuildable_on_host(plan, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), available_host_bytes())
+    refuse_unbuildable_on_host(plan, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), available_host_bytes(),
+                               on_gpus=torch.cuda.is_available())
 
 
 def run_training(options: TrainRunOptions,

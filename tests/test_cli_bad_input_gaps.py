@@ -278,11 +278,13 @@ def test_train_refuses_a_plan_whose_model_this_host_cannot_build(tmp_path, capsy
 
     monkeypatch.setattr(train_run, "build_model", no_model)
     monkeypatch.setattr(train_run, "available_host_bytes", lambda: 1000, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    err = refused(["train", "--plan", plan, "--steps", "1"], capsys)
-    assert "host RAM is available" in err and "GB in fp32" in err
+    for cuda, advice in ((False, "train this plan on GPUs"), (True, "fewer ranks per host")):
+        # GPU ranks build the model in host memory too before sharding it (was: checked on CPU ranks only)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda c=cuda: c)
+        err = refused(["train", "--plan", plan, "--steps", "1"], capsys)
+        assert "host RAM is available" in err and "GB in fp32" in err and advice in err
 
 
 def test_fewer_gpus_than_the_gpus_per_node_asked_for_says_so(capsys):
