@@ -109,7 +109,7 @@ def default_stage_layers(layers: int, p: int, v: int, head_layers: float) -> tup
         return (layers,)
     missing = p * v - layers
     if missing > 0:
-        if layers + 2 < p * v or v == 1:
+        if chunk_slots(layers, v) < p * v:
             raise CostModelError(f"{layers} layers cannot fill pp x virtual stages = {p} x {v} chunks")
         return (v - (missing == 2), *[v] * (p - 2), v - 1)
     best: tuple[float, int] | None = None

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from sp_plan.cost_models.degrees import chunk_slots
 from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.model_spec import ModelSpec
-from sp_plan.cost_models.degrees import chunk_slots
 
 from .options import Axis, OptionLattice
 
