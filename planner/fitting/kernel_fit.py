@@ -98,7 +98,7 @@ def _peak(gpu: GPUSpec) -> float:
     return gpu.flops_for("bf16") * gpu.clock_factor
 
 
-def _attention_tflops(kernel: str, pass_: str, causal: bool, head_dim: int, seqlen: int, tokens: int,
+def attention_tflops(kernel: str, pass_: str, causal: bool, head_dim: int, seqlen: int, tokens: int,
                       hidden: int) -> Callable[[KernelModel, GPUSpec], float]:
     """FA-paper benchmark shape: batch = tokens / seqlen, heads = hidden / head_dim; TFLOP/s in the
     paper's convention (4 s^2 h d b, halved for causal, x2.5 for backward) over the model's seconds."""
@@ -132,7 +132,7 @@ def _single_gpu_rate(kernel: str, pass_: str, causal: bool, head_dim: int, seqle
     return predict
 
 
-def _gemm_tflops(m: int, n: int, k: int, fp8: bool = False, groups: int = 1) -> Callable[[KernelModel, GPUSpec], float]:
+def gemm_tflops(m: int, n: int, k: int, fp8: bool = False, groups: int = 1) -> Callable[[KernelModel, GPUSpec], float]:
     """A GEMM figure's TFLOP/s (2mnk per GEMM, ``groups`` GEMMs of m rows each in one grouped launch for a
     MoE grouped GEMM) at the bf16 or the fp8 peak and the kernel model's fraction for that dtype."""
     def predict(model: KernelModel, gpu: GPUSpec) -> float:
@@ -172,7 +172,7 @@ def kernel_figures(data: dict[str, Any] | None = None) -> list[KernelFigure]:
         for seq, tflops in e["tflops_by_seqlen"].items():
             id_ = f"{e['source']}: {e['gpu']} {e['kernel']} {e['pass']} {mask} hd{e['head_dim']} {int(seq) // 1024 or seq}{'K' if int(seq) >= 1024 else ''}"
             add(id_, e, tflops, "TFLOP/s",
-                _attention_tflops(e["kernel"], e["pass"], e["causal"], e["head_dim"], int(seq), tokens, hidden))
+                attention_tflops(e["kernel"], e["pass"], e["causal"], e["head_dim"], int(seq), tokens, hidden))
     for e in data.get("single_gpu_iterations", []):
         rate = e["theoretic"] * e["ring"]
         id_ = f"{e['source']}: {e['gpu']} {e['kernel']} {e['pass']} causal hd{e['head_dim']} {e['seq_len'] // 1024}K"
@@ -182,10 +182,10 @@ def kernel_figures(data: dict[str, Any] | None = None) -> list[KernelFigure]:
         fp8 = e.get("dtype", "bf16") == "fp8"
         label = "fp8 gemm" if fp8 else "gemm"
         for m, n, k, tflops in e.get("shapes", []):
-            add(f"{e['source']}: {e['gpu']} {label} {m}x{n}x{k}", e, tflops, "TFLOP/s", _gemm_tflops(m, n, k, fp8))
+            add(f"{e['source']}: {e['gpu']} {label} {m}x{n}x{k}", e, tflops, "TFLOP/s", gemm_tflops(m, n, k, fp8))
         for groups, m, n, k, tflops in e.get("grouped_shapes", []):  # [groups, m per group, n, k, TFLOP/s]
             add(f"{e['source']}: {e['gpu']} {label} {e.get('layout', 'grouped')} {groups}x{m}x{n}x{k}", e, tflops,
-                "TFLOP/s", _gemm_tflops(m, n, k, fp8, groups))
+                "TFLOP/s", gemm_tflops(m, n, k, fp8, groups))
     return out
 
 
