@@ -23,7 +23,8 @@ from .options import Axis, OptionLattice
 #: and its bubble, (p-1)(T_F + T_B - T_W), is never longer than 1F1B's (p-1)(T_F + T_B + T_W), so 1F1B can
 #: never rank above it (``--schedule 1f1b`` pins it, e.g. for a stack without zero-bubble schedules).
 SCHEDULES = ("zero_bubble", "interleaved_1f1b")
-VIRTUAL_STAGES = (1, 2, 4)
+#: 8: the chunks per stage of Llama 3's 405B run and of Megatron-Bridge's 405B recipes (a layer each at 16 stages).
+VIRTUAL_STAGES = (1, 2, 4, 8)
 PIPELINE_AXES = ("pipeline_schedule", "virtual_stages")
 
 
