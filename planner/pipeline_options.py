@@ -23,8 +23,11 @@ from .options import Axis, OptionLattice
 #: and its bubble, (p-1)(T_F + T_B - T_W), is never longer than 1F1B's (p-1)(T_F + T_B + T_W), so 1F1B can
 #: never rank above it (``--schedule 1f1b`` pins it, e.g. for a stack without zero-bubble schedules).
 SCHEDULES = ("zero_bubble", "interleaved_1f1b")
-#: 8: the chunks per stage of Llama 3's 405B run and of Megatron-Bridge's 405B recipes (a layer each at 16 stages).
 VIRTUAL_STAGES = (1, 2, 4, 8)
+#: 8 chunks per stage are searched from this many stages up, where published runs use them (Llama 3 405B: 16
+#: stages of 8 chunks, a layer each; Megatron-Bridge's 405B recipes: 8 x 8): with fewer stages the bubble 4
+#: chunks leave is small already, and trying 8 there cost the 8-GPU search a fifth more time for nothing.
+DEEP_CHUNKS_FROM_STAGES = 8
 PIPELINE_AXES = ("pipeline_schedule", "virtual_stages")
 
 
@@ -37,7 +40,8 @@ def pipeline_axes(model: ModelSpec, layout: Layout, fixed: dict[str, Any],
         return ()
     schedules = (fixed["pipeline_schedule"],) if "pipeline_schedule" in fixed else (stack_schedules or SCHEDULES)
     chunks = (fixed["virtual_stages"],) if "virtual_stages" in fixed else tuple(
-        v for v in VIRTUAL_STAGES if chunk_slots(model.num_layers, v) >= layout.pp * v)
+        v for v in VIRTUAL_STAGES
+        if chunk_slots(model.num_layers, v) >= layout.pp * v and (v <= 4 or layout.pp >= DEEP_CHUNKS_FROM_STAGES))
     return Axis("pipeline_schedule", schedules), Axis("virtual_stages", chunks)
 
 

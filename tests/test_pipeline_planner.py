@@ -60,7 +60,7 @@ def test_schedule_branches_keep_the_lattice_monotone():
     s = _Searcher(model, TrainSpec(seq_len=8192), topology, PlanSettings(), None)
     branches = s.lattices(layout)
     seen = {(b.values(b.bottom)["pipeline_schedule"], b.values(b.bottom)["virtual_stages"]) for b in branches}
-    assert seen == {("zero_bubble", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("interleaved_1f1b", 8)}
+    assert seen == {("zero_bubble", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)}  # 8 chunks from pp=8 up
     for lattice in branches[:6]:
         scored = {}
         for combo in itertools.product(*(range(len(a.values)) for a in lattice.axes)):
