@@ -16,7 +16,7 @@ lent GPU measures them:
   the FlashAttention papers' setup (batch x length = 16K tokens, 16 heads of 128) and FLOP convention, the
   backward kernel timed alone on a kept graph;
 - the environment: device name, torch / CUDA / cuDNN versions, the board's power limit and the SM clock
-  sampled while the bf16 GEMM loop runs (``nvidia-smi``), so the figures name their variant.
+  sampled while the GEMMs run (``nvidia-smi``), so the figures name their variant.
 
 It prints each figure beside the shipped kernel model's prediction for ``--gpu`` (the preset the device name
 matches unless given) and writes ``--out`` (YAML): sources and entries in ``kernels.yaml``'s own format, to be
@@ -265,7 +265,7 @@ def kernel_data(name: str, gpu: str, env: dict[str, Any], clocks: list[tuple[flo
     clock = ""
     if clocks:
         sm = sorted(c for c, _ in clocks)
-        clock = (f"; SM clock while the bf16 GEMMs ran: median {statistics.median(sm):.0f} MHz (min {sm[0]:.0f}, "
+        clock = (f"; SM clock while the GEMMs ran: median {statistics.median(sm):.0f} MHz (min {sm[0]:.0f}, "
                  f"board max {env.get('max_sm_clock_mhz', '?')}), power limit {env.get('power_limit_w', '?')} W")
     where = f"benchmarks/gpu_kernels.py on {env['name']} ({when}){clock}"
     sources: dict[str, Any] = {}
