@@ -424,7 +424,6 @@ def megatron_stage_layers(tc) -> tuple[int, ...]:
     p, layers = tc.pipeline_model_parallel_size, tc.num_layers
     first, last = tc.num_layers_in_first_pipeline_stage, tc.num_layers_in_last_pipeline_stage
     if first is not None or last is not None:
-        first = first if first is not None else None
         ends = (first or 0) + (last or 0)
         middle_ranks = p - (first is not None) - (last is not None)
         middle = (layers - ends) // middle_ranks if middle_ranks else 0
