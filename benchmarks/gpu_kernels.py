@@ -50,7 +50,7 @@ import yaml  # noqa: E402
 
 from sp_plan.cost_models.gpu_spec import get_gpu_preset  # noqa: E402
 from sp_plan.cost_models.kernels import kernel_model  # noqa: E402
-from sp_plan.planner.fitting.kernel_fit import FA_PAPER_BACKWARD, attention_tflops, gemm_tflops  # noqa: E402
+from sp_plan.planner.fitting.kernel_fit import attention_tflops, fa_paper_flops, gemm_tflops  # noqa: E402
 
 #: The FlashAttention papers' benchmark setup (kernels.yaml's fa3-paper source): batch x length = 16K tokens,
 #: hidden 2048 (16 heads of 128).
@@ -206,11 +206,6 @@ def measure_gemms(shapes: list[tuple[int, int, int]], device: torch.device, iter
 # ----- attention ---------------------------------------------------------------------------------------------
 
 
-def _fa_flops(seq: int, heads_x_batch: float, causal: bool, backward: bool) -> float:
-    flops = 4.0 * seq * seq * heads_x_batch * HEAD_DIM * (0.5 if causal else 1.0)
-    return flops * (FA_PAPER_BACKWARD if backward else 1.0)
-
-
 def measure_attention(seq_lens: tuple[int, ...], tokens: int, device: torch.device, iters: int, repeats: int
                       ) -> list[dict[str, Any]]:
     """``kernels.yaml`` attention entries (kernel, pass, causal -> TFLOP/s by length) for every SDPA backend
@@ -244,8 +239,8 @@ def measure_attention(seq_lens: tuple[int, ...], tokens: int, device: torch.devi
                     print(f"  {backend} {'causal' if causal else 'full'} {seq}: not measured "
                           f"({str(exc).splitlines()[0][:100]})")
                     break
-                fwd_by_len[seq] = _rate(_fa_flops(seq, batch * heads, causal, False), t_fwd)
-                bwd_by_len[seq] = _rate(_fa_flops(seq, batch * heads, causal, True), t_bwd)
+                fwd_by_len[seq] = _rate(fa_paper_flops(seq, batch * heads, HEAD_DIM, causal, False), t_fwd)
+                bwd_by_len[seq] = _rate(fa_paper_flops(seq, batch * heads, HEAD_DIM, causal, True), t_bwd)
             for pass_, values in (("forward", fwd_by_len), ("backward", bwd_by_len)):
                 if values:
                     entries.append({"kernel": family, "pass": pass_, "causal": causal, "head_dim": HEAD_DIM,

@@ -335,7 +335,7 @@ def _pipeline_args(plan: Plan) -> list[str]:
         args += ["--num-virtual-stages-per-pipeline-rank", str(train.virtual_stages)]
     split = stage_layers(plan.model, train, layout)
     even = plan.model.num_layers // layout.pp
-    counted = head_chunks(split, train.virtual_stages) if any(n % train.virtual_stages for n in split) else None
+    counted = head_chunks(split, train.virtual_stages)
     if counted is not None:
         embedding, loss = counted
         args += ["--account-for-embedding-in-pipeline-split"] * embedding

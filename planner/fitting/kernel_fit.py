@@ -98,14 +98,20 @@ def _peak(gpu: GPUSpec) -> float:
     return gpu.flops_for("bf16") * gpu.clock_factor
 
 
+def fa_paper_flops(seqlen: int, batch_heads: float, head_dim: int, causal: bool, backward: bool) -> float:
+    """FLOPs of one attention call in the FlashAttention papers' convention: 4 s^2 h d b, halved for causal,
+    x2.5 for the backward."""
+    flops = 4.0 * seqlen * seqlen * batch_heads * head_dim * (0.5 if causal else 1.0)
+    return flops * (FA_PAPER_BACKWARD if backward else 1.0)
+
+
 def attention_tflops(kernel: str, pass_: str, causal: bool, head_dim: int, seqlen: int, tokens: int,
                       hidden: int) -> Callable[[KernelModel, GPUSpec], float]:
     """FA-paper benchmark shape: batch = tokens / seqlen, heads = hidden / head_dim; TFLOP/s in the
-    paper's convention (4 s^2 h d b, halved for causal, x2.5 for backward) over the model's seconds."""
+    paper's convention (:func:`fa_paper_flops`) over the model's seconds."""
     batch_heads = (tokens / seqlen) * (hidden / head_dim)
     backward = pass_ == "backward"
-    flops = 4.0 * seqlen * seqlen * batch_heads * head_dim * (0.5 if causal else 1.0)
-    flops *= FA_PAPER_BACKWARD if backward else 1.0
+    flops = fa_paper_flops(seqlen, batch_heads, head_dim, causal, backward)
 
     def predict(model: KernelModel, gpu: GPUSpec) -> float:
         p = model.attention_params(kernel)

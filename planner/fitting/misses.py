@@ -20,12 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from sp_plan.cost_models import data as shipped_data
 from sp_plan.cost_models.yaml_io import safe_load
 
+from .parameters import TIME_KINDS
 from .report import TARGETS, TAU_TARGET, RunResult, step_time_error, table_orders
 
 Split = Literal["source", "gpu-variant", "stack"]
 ALL_SPLITS: tuple[Split, ...] = ("source", "gpu-variant", "stack")
-#: Figures that are times (scored as step-time errors under every held-out split).
-TIME_FIGURE_KINDS = ("throughput", "attention_kernel", "layer_time")
 
 
 class MissCause(BaseModel):
@@ -92,7 +91,7 @@ def find_misses(results: Sequence[RunResult], splits: dict[str, dict[str, dict[s
         run = r.run
         if run.confidence != "exact":
             continue
-        if run.kind in TIME_FIGURE_KINDS:
+        if run.kind in TIME_KINDS:
             errors: dict[Split, float | None] = {"source": r.held_out_error}
             for split in ("gpu-variant", "stack"):
                 errors[split] = next((errs[run.id] for errs in splits.get(split, {}).values() if run.id in errs),
@@ -156,7 +155,7 @@ def render_misses(result: Explained) -> list[str]:
             if ms[0].what == "table":
                 lines.append(f"    {name[:80]:<80} tau {ms[0].value:+.2f} (held out)")
                 continue
-            scored = "step time, " if ms[0].kind in TIME_FIGURE_KINDS else ""
+            scored = "step time, " if ms[0].kind in TIME_KINDS else ""
             errors = ", ".join(f"{m.split} {m.value:+.1%}" for m in ms)
             lines.append(f"    {name[:80]:<80} {scored}held out by {errors}")
     for m in result.unexplained:
