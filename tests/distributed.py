@@ -31,6 +31,15 @@ JOIN_TIMEOUT_S = 5.0
 COLLECTIVE_TIMEOUT_S = 60.0
 
 
+#: Imported once by the forkserver, so that no rank pays for them again: torch and its distributed and
+#: sharding packages, the runtime modules every rank imports, and transformers' Llama modelling module (the
+#: transformers package alone takes seconds to import on these 2 cores). A module that is not installed is
+#: skipped by the forkserver.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
+           "sp_plan.runtime.parallelize", "sp_plan.runtime.trainer", "transformers.models.llama.modeling_llama",
+           "transformers.models.deepseek_v3.modeling_deepseek_v3", "transformers.models.qwen3_moe.modeling_qwen3_moe"]
+
+
 def _context() -> mp.context.BaseContext:
     """A forkserver that has imported torch once: each rank is then a cheap fork of a clean process.
 
@@ -38,7 +47,7 @@ def _context() -> mp.context.BaseContext:
     import torch again in every rank of every test (seconds each on 2 cores).
     """
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
