@@ -107,8 +107,7 @@ def probe_feasibility(model: ModelSpec, base: TrainSpec, topology: Topology, set
             fits = s.fits(core)
             if s.device_fits(core) and not fits:
                 # Offloading everything overflows the host: a combination with less offload may fit both.
-                start = s.timed(layout, s.floor(layout, lattice, s.most_saving_valid(lattice)), lattice)
-                fits = s.best_for(layout, lattice, start, math.inf) is not None
+                fits = s.any_fits(layout, lattice, s.most_saving_valid(lattice))
             probe = FeasibilityProbe(fits=fits, layout=layout.as_dict(), options=options,
                                      total_bytes=core.total, usable_bytes=s.usable, host_bytes=core.host_total,
                                      host_capacity_bytes=s.host_capacity,
@@ -203,6 +202,9 @@ class MinGpusAnswer(BaseModel):
 
     min_gpus: int
     plan: RankedPlan | None
+    #: A layout that fits there with its most saving options (the feasibility probe's), when the fastest plan
+    #: was not asked for (``plan`` None).
+    fitting_layout: dict[str, int] | None = None
 
 
 #: Between two doubling steps the GPU-count search probes at most this many cluster sizes.
@@ -224,7 +226,7 @@ def doubling_chain(gpus_per_node: int, max_gpus: int) -> list[int]:
 
 def min_gpus(model: ModelSpec, base: TrainSpec, topology_for: TopologyFactory, gpus_per_node: int,
              settings: PlanSettings, assumptions: MemoryAssumptions | None = None,
-             max_gpus: int = MAX_GPUS) -> MinGpusAnswer:
+             max_gpus: int = MAX_GPUS, with_plan: bool = True) -> MinGpusAnswer:
     """Fewest GPUs (whole nodes beyond one node) on which some plan fits ``base``.
 
     Feasibility is not monotone in the GPU count: a sequence of 2^22 tokens splits over 64 GPUs but not
@@ -234,13 +236,20 @@ def min_gpus(model: ModelSpec, base: TrainSpec, topology_for: TopologyFactory, g
     and P in increasing order (at most :data:`MAX_SCAN` of them, evenly spaced in whole nodes when more
     exist). Sizes below Q are not probed: one that fits while Q does not would need a split with an odd
     factor that Q's power of two cannot mirror.
+
+    ``with_plan=False`` skips the final search for the fastest plan at that size (a full search of a large
+    model on many GPUs: the slowest part when a plan's "no plan fits" advice only needs the count) and
+    answers with the layout the feasibility probe found fitting there instead.
     """
+    probes: dict[int, FeasibilityProbe] = {}
+
     def feasible(world: int) -> bool:
         try:
             topology = topology_for(world)
         except CostModelError:
             return False
-        return probe_feasibility(model, base, topology, settings, assumptions).fits
+        probes[world] = probe_feasibility(model, base, topology, settings, assumptions)
+        return probes[world].fits
 
     chain = doubling_chain(gpus_per_node, max_gpus)
     hi = 0
@@ -274,6 +283,8 @@ def min_gpus(model: ModelSpec, base: TrainSpec, topology_for: TopologyFactory, g
         if feasible(count):
             world = count
             break
+    if not with_plan:
+        return MinGpusAnswer(min_gpus=world, plan=None, fitting_layout=probes[world].layout)
     result = search(model, base, topology_for(world), settings.model_copy(update={"top_k": 1}), assumptions)
     return MinGpusAnswer(min_gpus=world, plan=result.plans[0] if result.plans else None)
 

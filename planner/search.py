@@ -22,7 +22,7 @@ import heapq
 import itertools
 import math
 import time as wallclock
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -705,6 +705,36 @@ class _Searcher:
         penalty = self.settings.tie_penalty
         parts = self.layout_parts(layout) + moving_parts(options)
         return scored.score / (1.0 + penalty * parts) * (1.0 + penalty * (parts - fewer))
+
+    def any_fits(self, layout: Layout, lattice: OptionLattice, top: Combo) -> bool:
+        """Whether some valid combination fits device and host memory together: :meth:`best_for`'s answer to
+        "is there one" without its answer to "which is fastest", so nothing is timed.
+
+        Feasibility probes (``capacity``, and the suggestions of a plan that does not fit) ask this of layouts
+        whose most saving options fit the device but overflow the host, where no combination may fit at all:
+        the timed walk then times every combination above the floor. This walk evaluates memory alone, from
+        the same floor over the same successors, with the same cheap-closure pruning, so it finds a fitting
+        combination exactly when the timed walk would (tests/test_any_fits.py)."""
+        start = self.floor(layout, lattice, top)
+        stack, seen = [start], {start}
+        closure_fits: dict[Combo, bool] = {}
+        while stack:
+            combo = stack.pop()
+            options = lattice.values(combo)
+            successors: Iterable[Combo] = lattice.successors(combo)  # invalid: walked through to every successor
+            if not (invalid_reason(options) or self.pipeline_invalid(layout, options)):
+                if self.fits(self.memory(layout, self.train_for(layout, options))):
+                    return True
+                closure = lattice.cheap_closure(combo)
+                if closure not in closure_fits:
+                    closure_fits[closure] = self.saving_fits(layout, lattice.values(closure))
+                if not closure_fits[closure]:
+                    successors = lattice.expensive_successors(combo)
+            for nxt in successors:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return False
 
     def best_for(self, layout: Layout, lattice: OptionLattice, start: _Scored, bound: float) -> _Scored | None:
         """Best-first walk from the lattice bottom: the first fitting combination popped is optimal.

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from sp_plan.cost_models.atomic_io import write_output
 from sp_plan.cost_models.errors import explain_validation_error
+from sp_plan.cost_models.layout import Layout
 
 from sp_plan.planner.capacity import probe_feasibility
 from sp_plan.planner.errors import PlannerError
@@ -216,9 +217,11 @@ def no_fit_report(model, train, topology, settings: PlanSettings, result: Search
                                "without them")
     try:
         answer = min_gpus(model, train, lambda n: load_topology(topology.name, n, topology.gpus_per_node)
-                          if topology.name else topology, topology.gpus_per_node, settings)
+                          if topology.name else topology, topology.gpus_per_node, settings, with_plan=False)
+        example = Layout.for_world(answer.min_gpus, **answer.fitting_layout) if answer.fitting_layout else None
         suggestions.append(f"use at least {answer.min_gpus} GPUs" + (
-            f" ({answer.plan.layout.describe()})" if answer.plan else ""))
+            f" (e.g. {example.describe()}; `sp-plan plan --gpus {answer.min_gpus}` ranks the layouts)"
+            if example else ""))
     except Exception as exc:  # noqa: BLE001 - advice is best effort; the error text is the advice
         suggestions.append(str(exc))
     try:
