@@ -228,9 +228,13 @@ def check_pipeline(model: ModelSpec, train: TrainSpec, layout: Layout) -> None:
         raise CostModelError(f"pp={p} is modelled for training only; plan prefill with --pp 1")
     if chunk_slots(model.num_layers, v) < p * v:
         beside = " besides the embedding's and the loss's" if v > 1 else ""
+        fixes = [f"pp <= {max_stages(model.num_layers, v)}"] if max_stages(model.num_layers, v) >= 2 else []
+        chunks = chunk_slots(model.num_layers, v) // p  # the most chunks per stage at this pp, if that many fit
+        if chunks >= 1 and chunk_slots(model.num_layers, chunks) >= p * chunks:
+            fixes.append(f"at most {chunks} virtual stage{'s' if chunks > 1 else ''} with pp={p}")
+        fix = "use " + ", or ".join(fixes) if fixes else f"use fewer pipeline stages than its {model.num_layers} layers"
         raise CostModelError(f"pp x virtual stages = {p} x {v} = {p * v} needs at least one layer per model chunk"
-                             f"{beside} but {model.name} has {model.num_layers} layers; use pp <= "
-                             f"{max_stages(model.num_layers, v)}")
+                             f"{beside} but {model.name} has {model.num_layers} layers; {fix}")
     if train.pipeline_schedule == "interleaved_1f1b" and m % p:
         raise CostModelError(f"interleaved_1f1b needs the micro-batches per step (grad_accum={m}) to be a multiple "
                              f"of pp={p} (Megatron-LM's requirement); use --grad-accum {m + (-m) % p}")

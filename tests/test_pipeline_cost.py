@@ -129,6 +129,13 @@ def test_pipeline_errors_are_actionable():
                                              "use pp <= 17"):
         check_pipeline(MODEL, TrainSpec(seq_len=4096, grad_accum=64, pipeline_schedule="interleaved_1f1b",
                                         virtual_stages=2), Layout(pp=32))
+    # Too many chunks for any pp: the advice is fewer chunks, not "pp <= 0" (what it said before)
+    with pytest.raises(CostModelError, match="32 layers; use at most 17 virtual stages with pp=2$"):
+        check_pipeline(MODEL, TrainSpec(seq_len=4096, grad_accum=64, pipeline_schedule="interleaved_1f1b",
+                                        virtual_stages=64), Layout(pp=2))
+    with pytest.raises(CostModelError, match="use pp <= 4, or at most 4 virtual stages with pp=8$"):
+        check_pipeline(MODEL, TrainSpec(seq_len=4096, grad_accum=64, pipeline_schedule="interleaved_1f1b",
+                                        virtual_stages=8), Layout(pp=8))
     with pytest.raises(CostModelError, match="training only"):
         check_pipeline(MODEL, TrainSpec(seq_len=4096, mode="prefill"), Layout(pp=2))
     with pytest.raises(ValueError, match="needs virtual_stages >= 2"):
