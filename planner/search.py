@@ -22,7 +22,7 @@ import heapq
 import itertools
 import math
 import time as wallclock
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -706,6 +706,22 @@ class _Searcher:
         parts = self.layout_parts(layout) + moving_parts(options)
         return scored.score / (1.0 + penalty * parts) * (1.0 + penalty * (parts - fewer))
 
+    def successors_worth_walking(self, layout: Layout, lattice: OptionLattice, combo: Combo,
+                                 closure_fits: dict[Combo, bool], decided: list[tuple[Combo, bool]]
+                                 ) -> Iterator[Combo]:
+        """The successors of a valid ``combo`` a walk up the lattice must visit: all of them, unless even the
+        cheap axes at their most saving values do not fit, in which case no combination that differs from this
+        one only in cheap axes fits and only the steps up an expensive axis are left. ``closure_fits`` and
+        ``decided`` (see :func:`implied_fit`) carry what the walk already knows; both are updated."""
+        closure = lattice.cheap_closure(combo)
+        if closure not in closure_fits:
+            fits = implied_fit(lattice, closure, decided)
+            if fits is None:
+                fits = self.saving_fits(layout, lattice.values(closure))
+                decided.append((closure, fits))
+            closure_fits[closure] = fits
+        return lattice.successors(combo) if closure_fits[closure] else lattice.expensive_successors(combo)
+
     def any_fits(self, layout: Layout, lattice: OptionLattice, top: Combo) -> bool:
         """Whether some valid combination fits device and host memory together: :meth:`best_for`'s answer to
         "is there one" without its answer to "which is fastest", so nothing is timed.
@@ -713,23 +729,21 @@ class _Searcher:
         Feasibility probes (``capacity``, and the suggestions of a plan that does not fit) ask this of layouts
         whose most saving options fit the device but overflow the host, where no combination may fit at all:
         the timed walk then times every combination above the floor. This walk evaluates memory alone, from
-        the same floor over the same successors, with the same cheap-closure pruning, so it finds a fitting
+        the same floor over the same successors (:meth:`successors_worth_walking`), so it finds a fitting
         combination exactly when the timed walk would (tests/test_any_fits.py)."""
         start = self.floor(layout, lattice, top)
         stack, seen = [start], {start}
         closure_fits: dict[Combo, bool] = {}
+        decided: list[tuple[Combo, bool]] = []
         while stack:
             combo = stack.pop()
             options = lattice.values(combo)
-            successors: Iterable[Combo] = lattice.successors(combo)  # invalid: walked through to every successor
-            if not (invalid_reason(options) or self.pipeline_invalid(layout, options)):
-                if self.fits(self.memory(layout, self.train_for(layout, options))):
-                    return True
-                closure = lattice.cheap_closure(combo)
-                if closure not in closure_fits:
-                    closure_fits[closure] = self.saving_fits(layout, lattice.values(closure))
-                if not closure_fits[closure]:
-                    successors = lattice.expensive_successors(combo)
+            if invalid_reason(options) or self.pipeline_invalid(layout, options):
+                successors = lattice.successors(combo)  # walked through to every successor
+            elif self.fits(self.memory(layout, self.train_for(layout, options))):
+                return True
+            else:
+                successors = self.successors_worth_walking(layout, lattice, combo, closure_fits, decided)
             for nxt in successors:
                 if nxt not in seen:
                     seen.add(nxt)
@@ -788,17 +802,7 @@ class _Searcher:
             heapq.heappush(queue, (key, next(tiebreak), combo))
 
         def expand(combo: Combo) -> None:
-            # If even the cheap axes at their most saving values do not fit, no combination that
-            # differs from this one only in cheap axes fits: expand along expensive axes only.
-            closure = lattice.cheap_closure(combo)
-            if closure not in closure_fits:
-                fits = implied_fit(lattice, closure, decided)
-                if fits is None:
-                    fits = self.saving_fits(layout, lattice.values(closure))
-                    decided.append((closure, fits))
-                closure_fits[closure] = fits
-            successors = lattice.successors if closure_fits[closure] else lattice.expensive_successors
-            for nxt in successors(combo):
+            for nxt in self.successors_worth_walking(layout, lattice, combo, closure_fits, decided):
                 push(nxt)
 
         while queue:
