@@ -226,10 +226,12 @@ def check_pipeline(model: ModelSpec, train: TrainSpec, layout: Layout) -> None:
         return
     if not train.is_training:
         raise CostModelError(f"pp={p} is modelled for training only; plan prefill with --pp 1")
-    if chunk_slots(model.num_layers, v) < p * v:
+    slots = chunk_slots(model.num_layers, v)
+    if slots < p * v:
         beside = " besides the embedding's and the loss's" if v > 1 else ""
-        fixes = [f"pp <= {max_stages(model.num_layers, v)}"] if max_stages(model.num_layers, v) >= 2 else []
-        chunks = chunk_slots(model.num_layers, v) // p  # the most chunks per stage at this pp, if that many fit
+        most_stages = max_stages(model.num_layers, v)
+        fixes = [f"pp <= {most_stages}"] if most_stages >= 2 else []
+        chunks = slots // p  # the most chunks per stage at this pp, if that many fit
         if chunks >= 1 and chunk_slots(model.num_layers, chunks) >= p * chunks:
             fixes.append(f"at most {chunks} virtual stage{'s' if chunks > 1 else ''} with pp={p}")
         fix = "use " + ", or ".join(fixes) if fixes else f"use fewer pipeline stages than its {model.num_layers} layers"

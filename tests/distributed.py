@@ -32,9 +32,9 @@ COLLECTIVE_TIMEOUT_S = 60.0
 
 
 #: Imported once by the forkserver, so that no rank pays for them again: torch and its distributed and
-#: sharding packages, the runtime modules every rank imports, and transformers' Llama modelling module (the
-#: transformers package alone takes seconds to import on these 2 cores). A module that is not installed is
-#: skipped by the forkserver.
+#: sharding packages, the runtime modules every rank imports, and the transformers modelling modules the HF
+#: tests' ranks build (Llama, DeepSeek-V3, Qwen3-MoE: seconds each to import on these 2 cores). A module that
+#: is not installed is skipped by the forkserver.
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
            "sp_plan.runtime.parallelize", "sp_plan.runtime.trainer", "transformers.models.llama.modeling_llama",
            "transformers.models.deepseek_v3.modeling_deepseek_v3", "transformers.models.qwen3_moe.modeling_qwen3_moe"]
