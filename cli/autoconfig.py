@@ -17,10 +17,10 @@ from typing import Any
 
 from sp_plan.cost_models import data
 from sp_plan.cost_models.hf_config import config_object_dict, parse_config_text
-from sp_plan.cost_models.model_spec import ModelSpec, model_from_hf_dict
+from sp_plan.cost_models.model_spec import ModelSpec, check_hf_sizes, model_from_hf_dict
 
 
-def through_autoconfig(config: dict[str, Any]) -> dict[str, Any]:
+def through_autoconfig(config: dict[str, Any], name: str | None = None) -> dict[str, Any]:
     """``config`` completed by its transformers config class (class defaults and attribute aliases), or
     ``config`` itself when transformers is absent or does not know its model_type. A value the class
     rejects is left for the cost models' parser, which says in one line what is wrong."""
@@ -31,6 +31,7 @@ def through_autoconfig(config: dict[str, Any]) -> dict[str, Any]:
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         return config
+    check_hf_sizes(config, name or model_type)  # before the class expands them
     fields = {k: v for k, v in config.items() if k != "model_type"}
     try:
         completed = config_object_dict(AutoConfig.for_model(model_type, **fields))
@@ -47,7 +48,8 @@ def load_config_file(path: Path, name: str | None = None) -> ModelSpec:
     # A hub snapshot's config.json is named after its folder; any other file after itself (a folder name
     # such as "configs" would name every file in it alike, and head every error about one of them).
     own = path.parent.name if path.name == "config.json" else path.stem
-    return model_from_hf_dict(through_autoconfig(config), name=name or own or path.stem)
+    name = name or own or path.stem
+    return model_from_hf_dict(through_autoconfig(config, name), name=name)
 
 
 __all__ = ["load_config_file", "through_autoconfig"]

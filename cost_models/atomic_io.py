@@ -31,6 +31,17 @@ def _check_parent(path: Path, error: type[Exception]) -> None:
         raise error(f"cannot write {path}: it is a directory; give a file name")
 
 
+def _through_links(path: Path, error: type[Exception]) -> Path:
+    """The file a symbolic link at ``path`` points to (followed to its end), so the output is written through
+    the link, as ``>`` in a shell does, instead of replacing the link with a regular file. A loop is refused."""
+    if not path.is_symlink():
+        return path
+    target = Path(os.path.realpath(path))
+    if target.is_symlink():  # realpath stops at a loop and returns a link
+        raise error(f"cannot write {path}: it is a symbolic link that loops; remove it or give another path")
+    return target
+
+
 def fsync_directory(directory: str | Path) -> None:
     """Make a rename or a new entry in ``directory`` durable (a no-op where directories cannot be opened)."""
     with contextlib.suppress(OSError):
@@ -52,7 +63,7 @@ def atomic_output(path: str | Path, mode: str = "w", *,
     """
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_output mode must be 'w' or 'wb', not {mode!r}")
-    path = Path(path).expanduser()
+    path = _through_links(Path(path).expanduser(), error)
     _check_parent(path, error)
     try:
         fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent))

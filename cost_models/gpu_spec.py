@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+import math
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from . import data
 from .errors import CostModelError, explain_validation_error
 
 DType = str  # "bf16" | "fp16" | "fp32" | "tf32" | "fp8"
+
+#: Physical bounds of any accelerator (or probed CPU rank), FLOP/s and bytes/s: from a slow CPU core under
+#: time slicing to ten times a GB300's dense FP4. Outside them a spec file is wrong (0 divided a step time,
+#: 1e-300 made it infinite, inf and NaN printed as non-JSON), so they are refused where the file is read.
+MIN_PEAK_FLOPS, MAX_PEAK_FLOPS = 1e6, 1e17
+MIN_MEMORY_BANDWIDTH, MAX_MEMORY_BANDWIDTH = 1e6, 1e14
+_DTYPE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,15}$")
 
 
 class GPUSpec(BaseModel):
@@ -22,8 +32,9 @@ class GPUSpec(BaseModel):
 
     name: str = Field(min_length=1, max_length=100)
     memory_bytes: int = Field(gt=0, le=1 << 44)
-    peak_flops: dict[DType, float]
-    memory_bandwidth: float = Field(gt=0, description="HBM/GDDR bandwidth, bytes/s")
+    peak_flops: dict[DType, float] = Field(min_length=1, max_length=16)
+    memory_bandwidth: float = Field(ge=MIN_MEMORY_BANDWIDTH, le=MAX_MEMORY_BANDWIDTH, allow_inf_nan=False,
+                                    description="HBM/GDDR bandwidth, bytes/s")
     power_w: float | None = Field(default=None, gt=0, le=5000, description="board power limit of this variant, W")
     clock_factor: float = Field(
         default=1.0, gt=0, le=1.5,
@@ -33,6 +44,17 @@ class GPUSpec(BaseModel):
             "only, so a 500 W board never makes a 700 W board's kernels slower"
         ),
     )
+
+    @field_validator("peak_flops")
+    @classmethod
+    def _physical_peaks(cls, peaks: dict[DType, float]) -> dict[DType, float]:
+        for dtype, flops in peaks.items():
+            if not _DTYPE_NAME.match(dtype):
+                raise ValueError(f"peak_flops key {dtype[:40]!r} is not a dtype name such as bf16, fp8 or fp32")
+            if not (math.isfinite(flops) and MIN_PEAK_FLOPS <= flops <= MAX_PEAK_FLOPS):
+                raise ValueError(f"peak_flops {dtype} is {flops:g} FLOP/s; a device's dense peak lies between "
+                                 f"{MIN_PEAK_FLOPS:g} and {MAX_PEAK_FLOPS:g} (an H100's bf16 is 989.4e12)")
+        return peaks
 
     def flops_for(self, dtype: str) -> float:
         try:

@@ -21,6 +21,7 @@ from typing import Any
 
 from .config_fields import whole_number
 from .errors import CostModelError
+from .json_io import json_loads
 from .moe import hf_moe_fields
 
 #: ``bounds(spec_field) -> (lowest, highest)``: the ModelSpec limits, supplied by the caller.
@@ -146,7 +147,7 @@ def parse_config_text(text: str, where: str) -> dict[str, Any]:
     if not _json_depth_ok(text):
         raise CostModelError(f"{where} nests deeper than {MAX_CONFIG_DEPTH} levels, which no model config.json does")
     try:
-        config = json.loads(text)
+        config = json_loads(text)
     except json.JSONDecodeError as exc:
         raise CostModelError(f"{where} is not valid JSON: {exc}") from exc
     except RecursionError as exc:  # belt and braces: the depth check above should have caught it
@@ -154,6 +155,35 @@ def parse_config_text(text: str, where: str) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise CostModelError(f"{where} must hold a JSON object")
     return config
+
+
+#: Count fields beyond :data:`SIZE_FIELDS` that a transformers config class may expand into per-layer or
+#: per-expert structures (Gemma 2 and Qwen2 build ``layer_types`` from the layer count), with the widest
+#: range any real model needs: ``(lowest, highest)``.
+EXPANDED_COUNTS = {
+    "max_window_layers": (0, 10_000), "first_k_dense_replace": (0, 10_000), "moe_layer_freq": (1, 10_000),
+    "decoder_sparse_step": (1, 10_000), "num_experts": (0, 1 << 16), "num_local_experts": (0, 1 << 16),
+    "n_routed_experts": (0, 1 << 16), "n_shared_experts": (0, 1 << 10), "num_experts_per_tok": (0, 1 << 10),
+    "moe_intermediate_size": (1, 1 << 22), "kv_lora_rank": (1, 1 << 20), "q_lora_rank": (1, 1 << 20),
+    "sliding_window": (1, 1 << 30), "sliding_window_pattern": (1, 10_000), "n_group": (1, 1 << 10),
+    "topk_group": (1, 1 << 10),
+}
+
+
+def check_sizes_before_parsing(config: Mapping[str, Any], name: str, bounds: Bounds) -> None:
+    """Every size field ``config`` (and a wrapper's ``text_config``) gives, bounded before any library sees
+    it: a config class builds lists from the raw layer count (2**31 layers ran for minutes with growing
+    memory inside transformers, before :func:`spec_fields` could refuse it). Absent or null fields pass:
+    the class fills in its defaults, which are checked with the rest afterwards."""
+    for where, part in ((name, config), (f"{name} text_config", config.get("text_config"))):
+        if not isinstance(part, Mapping):
+            continue
+        for key, spec_field in SIZE_FIELDS.items():
+            if part.get(key) is not None:
+                _whole(part, key, where, *bounds(spec_field))
+        for key, (lo, hi) in EXPANDED_COUNTS.items():
+            if part.get(key) is not None:
+                _whole(part, key, where, lo, hi)
 
 
 def _whole(config: Mapping[str, Any], key: str, name: str, lo: int, hi: int, default: int | None = None) -> int:
@@ -267,4 +297,5 @@ def config_object_dict(config: Any) -> dict[str, Any]:
     return out
 
 
-__all__ = ["HF_FAMILIES", "MAX_CONFIG_DEPTH", "HFFamily", "config_object_dict", "parse_config_text", "spec_fields"]
+__all__ = ["EXPANDED_COUNTS", "HF_FAMILIES", "MAX_CONFIG_DEPTH", "HFFamily", "check_sizes_before_parsing",
+           "config_object_dict", "parse_config_text", "spec_fields"]

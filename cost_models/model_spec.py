@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, Validation
 
 from . import data
 from .errors import CostModelError, explain_validation_error
-from .hf_config import parse_config_text, spec_fields
+from .hf_config import check_sizes_before_parsing, parse_config_text, spec_fields
 from .memo import hash_once
 from .moe import MLASpec, MoESpec
 
@@ -294,6 +294,12 @@ def _bounds(spec_field: str) -> tuple[int, int]:
         lo = getattr(meta, "ge", None) or lo
         hi = getattr(meta, "le", None) or hi
     return int(lo), int(hi if hi is not None else 1 << 62)
+
+
+def check_hf_sizes(config: dict, name: str = "hf-model") -> None:
+    """Refuse a config.json whose given size fields are out of the spec's bounds, before a library (a
+    transformers config class) expands them; see :func:`.hf_config.check_sizes_before_parsing`."""
+    check_sizes_before_parsing(config, name, _bounds)
 
 
 def model_from_hf_dict(config: dict, name: str = "hf-model") -> ModelSpec:

@@ -8,6 +8,7 @@ GB (1e9 bytes) or GiB (2**30 bytes), always labelled.
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 from .errors import CostModelError
 
@@ -37,8 +38,13 @@ def parse_token_count(text: str | int, what: str = "sequence length", maximum: i
                 f"cannot read {what} {text!r}: use an integer or a K/M suffix, e.g. 131072, 128K, 1M"
             )
         number, suffix = match.groups()
-        scaled = float(number) * _SUFFIX[suffix.upper()]
-        if scaled != int(scaled):
+        # Decimal, not float: a 400-digit count would be float infinity (int() then raises OverflowError),
+        # and 1.0000000000000001K would round to a whole number. The range is checked before int().
+        scaled = Decimal(number) * _SUFFIX[suffix.upper()]
+        if not 1 <= scaled <= maximum:
+            shown = text if len(str(text)) <= 40 else f"{str(text)[:20]}... ({len(str(text))} characters)"
+            raise CostModelError(f"{what} {shown!r} is out of range: use 1 .. {maximum} tokens")
+        if scaled != scaled.to_integral_value():
             raise CostModelError(f"{what} {text!r} is not a whole number of tokens")
         value = int(scaled)
     if value < 1 or value > maximum:

@@ -23,9 +23,27 @@ except ImportError:  # PyYAML built without libyaml
     from yaml import SafeLoader as _SafeLoader  # type: ignore[assignment]
 
 
+class NumberTooLong(yaml.YAMLError):
+    """A YAML number longer than Python converts (``sys.get_int_max_str_digits()``, 4,300 digits): int()
+    raises ValueError from inside the loader, which every reader's ``except yaml.YAMLError`` would miss."""
+
+
+def _too_long(exc: ValueError) -> bool:
+    return "integer string conversion" in str(exc)
+
+
+def too_long_message() -> str:
+    return f"it holds a number of more than {sys.get_int_max_str_digits():,} digits, which no setting needs"
+
+
 def safe_load(text: str) -> Any:
     """``yaml.safe_load``: plain data only (no arbitrary objects), with the fastest loader available."""
-    return yaml.load(text, Loader=_SafeLoader)  # noqa: S506 - a SafeLoader
+    try:
+        return yaml.load(text, Loader=_SafeLoader)  # noqa: S506 - a SafeLoader
+    except ValueError as exc:
+        if _too_long(exc):
+            raise NumberTooLong(too_long_message()) from None
+        raise
 
 
 def read_small_text(path: str | Path, max_bytes: int, what: str, missing: str,

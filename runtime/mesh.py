@@ -39,6 +39,7 @@ from sp_plan.cost_models.errors import explain_validation_error
 from sp_plan.cost_models import degrees
 from sp_plan.cost_models.layout import Layout
 from sp_plan.runtime.errors import RuntimeConfigError
+from sp_plan.cost_models.json_io import json_loads
 from sp_plan.cost_models.yaml_io import safe_load
 from sp_plan.runtime.cpu_affinity import pin_cpu_rank
 
@@ -74,7 +75,7 @@ def _read_plan_file(path: Path) -> object:
         )
     text = path.read_text()
     try:
-        return json.loads(text) if path.suffix.lower() == ".json" else safe_load(text)
+        return json_loads(text) if path.suffix.lower() == ".json" else safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         kind = "JSON" if path.suffix.lower() == ".json" else "YAML"

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from sp_plan.cost_models.json_io import json_loads
 from sp_plan.runtime.data import pack_documents
 from sp_plan.runtime.errors import RuntimeConfigError
 
@@ -417,7 +418,7 @@ def _read_meta(directory: Path) -> dict[str, Any]:
     if file.stat().st_size > 1 << 20:
         raise RuntimeConfigError(f"{file} is too large to be a packed dataset's metadata")
     try:
-        meta = json.loads(file.read_text())
+        meta = json_loads(file.read_text())
     except json.JSONDecodeError as exc:
         raise RuntimeConfigError(f"{file} is not valid JSON: {_first_line(exc)}") from None
     if meta.get("format") != PACK_FORMAT:

@@ -83,6 +83,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from sp_plan.cost_models.json_io import finite_or_null, strict_dumps
 from sp_plan.runtime.errors import RuntimeConfigError
 from sp_plan.runtime.log import ensure_logging, get_logger
 from sp_plan.runtime.step import StepResult, train_step
@@ -289,7 +290,7 @@ class Telemetry:
         if not self.rank0:
             return rec
         if self.metrics is not None:
-            self.metrics.write(json.dumps(asdict(rec)) + "\n")
+            self.metrics.write(strict_dumps(finite_or_null(asdict(rec))) + "\n")
             self.metrics.flush()
         if self.writer is not None:
             self._tensorboard(rec)

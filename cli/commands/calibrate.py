@@ -13,13 +13,14 @@ predicted by a fit on the others.
 from __future__ import annotations
 
 import functools
-import json
+import os
 import tempfile
 from pathlib import Path
 
 import click
 import yaml
 
+from sp_plan.cost_models.json_io import strict_dumps
 from sp_plan.cost_models.atomic_io import write_output
 from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.text_table import Column, format_table
@@ -68,7 +69,9 @@ def command(runs: tuple[Path, ...], check: tuple[Path, ...], stack: str, out_fil
     check_output_path(out_file, "--out")
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp)
-        both = {p.resolve() for p in runs} & {p.resolve() for p in check}
+        # realpath, not Path.resolve(): a symlink loop raised RuntimeError there; reading it below is an OSError
+        # (too many levels of symbolic links) that names the file
+        both = {os.path.realpath(p) for p in runs} & {os.path.realpath(p) for p in check}
         if both:
             raise CostModelError(f"--check {sorted(both)[0]} is also among the runs fitted on, so its 'held out' "
                                  "errors would not be held out; give the fitted and the checked runs in separate files")
@@ -93,7 +96,7 @@ def command(runs: tuple[Path, ...], check: tuple[Path, ...], stack: str, out_fil
     # With --out -, standard output is the calibration file: the report goes to standard error.
     say = functools.partial(click.echo, err=to_stdout)
     if as_json:
-        say(json.dumps({"calibration": str(out_file), "errors": [e.model_dump() for e in cal.errors],
+        say(strict_dumps({"calibration": str(out_file), "errors": [e.model_dump() for e in cal.errors],
                         "parameters": result.fit.as_dict()}, indent=2))
         return
     say(f"fitted {len(result.fit.params)} parameter(s) on {sampled} measurement(s){sample_note}; "

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
 
+from sp_plan.cost_models.json_io import strict_dumps
 from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.text_table import Column, format_table
 from sp_plan.cost_models.units import GB, format_tokens, parse_seq_len
@@ -104,7 +104,7 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
         if plot_file:
             draw_sweep(results, key, plot_file, model.name, headroom=settings.headroom)
         if as_json:
-            click.echo(json.dumps({"sweep": [
+            click.echo(strict_dumps({"sweep": [
                 {"gpus": p.gpus, "seq_len": p.seq_len, "plan": _plan_json(p.plan),
                  "nearest": p.nearest.model_dump(exclude_none=True) if p.nearest else None,
                  **({"refused": p.refused} if p.refused else {})} for p in results],
@@ -144,7 +144,7 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
         plan = answer.plan
     check_figures(data, "the capacity answer")
     if as_json:
-        click.echo(json.dumps(data, indent=2))
+        click.echo(strict_dumps(data, indent=2))
         return
     click.echo(text)
     if plan is not None:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
 from pydantic import ValidationError
 
+from sp_plan.cost_models.json_io import strict_dumps
 from sp_plan.cost_models.errors import CostModelError, explain_validation_error
 from sp_plan.cost_models.estimate import Estimate, estimate
 from sp_plan.cost_models.layout import Layout
@@ -94,7 +94,7 @@ def command(model_name: str, gpus: int | None, gpus_per_node: int | None, gpu_na
     if plot_file:
         draw_estimate_memory(result, plot_file, headroom=DEFAULT_HEADROOM)
     if as_json:
-        click.echo(json.dumps(data, indent=2))
+        click.echo(strict_dumps(data, indent=2))
     elif explain_time:
         click.echo(render_time_explanation(result))
     else:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 
 import click
 import yaml
 
+from sp_plan.cost_models.json_io import strict_dumps
 from sp_plan.cost_models.atomic_io import write_output
 
 from sp_plan.planner.export import EXPORTERS, check_under_stack, to_torchrun
@@ -51,11 +51,11 @@ def command(plan_file: str, target: str, as_json: bool, out_file: str | None, sc
         exported.notes += check_under_stack(plan, target, stack, calibration)
     if as_json:
         data = exported.data if exported.data is not None else exported.content
-        text = json.dumps(data if isinstance(data, dict) else {"command": data}, indent=2) + "\n"
+        text = strict_dumps(data if isinstance(data, dict) else {"command": data}, indent=2) + "\n"
     elif isinstance(exported.content, str):
         text = exported.content + "\n"
     elif target == "deepspeed":
-        text = json.dumps(exported.content, indent=2) + "\n"
+        text = strict_dumps(exported.content, indent=2) + "\n"
     else:
         text = yaml.safe_dump(exported.content, sort_keys=False)
     write_output(out_file or "-", text)

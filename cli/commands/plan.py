@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
 from pydantic import ValidationError
 
+from sp_plan.cost_models.json_io import strict_dumps
 from sp_plan.cost_models.atomic_io import write_output
 from sp_plan.cost_models.errors import explain_validation_error
 from sp_plan.cost_models.layout import Layout
@@ -145,7 +145,7 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
     if not result.plans:
         report = no_fit_report(model, train, topology, settings, result, gpus)
         if as_json:
-            click.echo(json.dumps(result_json(result, {"nearest": report["nearest"],
+            click.echo(strict_dumps(result_json(result, {"nearest": report["nearest"],
                                                        "suggestions": report["suggestions"]}), indent=2))
         else:
             click.echo(headline(model, train, topology, gpus, result))
@@ -161,7 +161,7 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
     if plot_file:
         draw_plan_times(result.plans, plot_file, f"{model.name} on {gpus} x {topology.gpu.name}")
     if as_json:
-        click.echo(json.dumps(result_json(result), indent=2), err=to_stdout)
+        click.echo(strict_dumps(result_json(result), indent=2), err=to_stdout)
     else:
         lines = [headline(model, train, topology, gpus, result), *render_table(result.plans, train.mode), "",
                  *explanation]

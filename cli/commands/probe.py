@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import click
 
+from sp_plan.cost_models.json_io import strict_dumps
 from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.units import parse_seq_len
 
@@ -58,7 +58,7 @@ def command(out: Path, sizes: str | None, compute_budget: float | None, link_bud
     result = run_probe(out, sizes=parsed, compute_budget_s=compute_budget, link_budget_s=link_budget, name=name)
     if as_json:
         if result.spec is not None:  # rank 0 writes the file and reports
-            click.echo(json.dumps({"path": str(result.path), "topology": result.spec.model_dump(mode="json")},
+            click.echo(strict_dumps({"path": str(result.path), "topology": result.spec.model_dump(mode="json")},
                                   indent=2))
     else:
         for line in result.lines:

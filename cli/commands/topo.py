@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 
 import click
 
+from sp_plan.cost_models.json_io import strict_dumps
 from sp_plan.cost_models.topology.spec import MAX_GPUS_PER_NODE
 from sp_plan.cost_models.topology import (
     Topology,
@@ -66,7 +66,7 @@ def show(topology: str | None, gpus: int | None, gpus_per_node: int | None, fabr
 
 def _emit(topo, out: str | None, as_json: bool) -> None:
     if as_json:
-        click.echo(json.dumps(topology_json(topo), indent=2))
+        click.echo(strict_dumps(topology_json(topo), indent=2))
         if out:
             click.echo(f"wrote {save_topology(topo, out)}", err=True)
         return
@@ -98,7 +98,7 @@ def _list(as_json: bool = False) -> None:
                             "fabric": ({"name": spec.fabric.name, "nics_per_node": spec.fabric.nics_per_node}
                                        if spec.fabric else None)})
         fabrics = [{"name": name, "description": fabric_description(name)} for name in fabric_names()]
-        click.echo(json.dumps({"topologies": presets, "fabrics": fabrics}, indent=2))
+        click.echo(strict_dumps({"topologies": presets, "fabrics": fabrics}, indent=2))
         return
     click.echo("Topology presets (one node each; --gpus adds nodes over the preset's fabric):")
     for name in preset_names():

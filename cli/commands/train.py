@@ -24,7 +24,6 @@ once per rank.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -34,6 +33,7 @@ from typing import Any, NoReturn
 import click
 
 from sp_plan.cost_models import degrees
+from sp_plan.cost_models.json_io import finite_or_null, strict_dumps
 from sp_plan.cost_models.layout import MAX_DEGREE
 from sp_plan.runtime.train_options import DEFAULT_CORPUS_BYTES, TECHNIQUE_PINS, TrainRunOptions
 
@@ -295,7 +295,7 @@ def print_summary(setup: Any, result: Any, code: int) -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:
-        click.echo(json.dumps(run_summary(setup, result, code)))
+        click.echo(strict_dumps(finite_or_null(run_summary(setup, result, code))))
 
 
 def options_from_params(ctx: click.Context, params: dict[str, Any]) -> TrainRunOptions:

@@ -8,7 +8,6 @@ imported only when the command runs, so ``sp-plan --help`` stays torch-free.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -18,9 +17,11 @@ from typing import Any
 
 import click
 
+from sp_plan.cost_models.json_io import finite_or_null, strict_dumps
 from sp_plan.cost_models.topology.spec import MAX_GPUS_PER_NODE
 from sp_plan.cost_models.atomic_io import atomic_write_text
 from sp_plan.cost_models.errors import CostModelError
+from sp_plan.cost_models.json_io import json_loads
 
 from .common import (
     PIPELINE_OPTIONS,
@@ -119,7 +120,7 @@ def _launch(plan_path: Path, world: int, steps: int, time_topology: str | None, 
             killed = "SIGKILL" in done.stdout + done.stderr
             hint = " A rank was killed (SIGKILL): usually the host ran out of memory; try --layers N." if killed else ""
             raise CostModelError(f"the validation ranks failed (exit {done.returncode}).{hint}\n{tail}")
-        return json.loads(result.read_text())
+        return json_loads(result.read_text())
 
 
 @click.command("validate")
@@ -207,7 +208,7 @@ def _run_here(plan, steps: int, time_topology: str | None, as_json: bool, result
         if report is not None:
             data = report.to_json_dict()
             if result_file is not None:
-                atomic_write_text(result_file, json.dumps(data))
+                atomic_write_text(result_file, strict_dumps(finite_or_null(data)))
             else:
                 _emit(data, as_json)
     finally:
@@ -218,7 +219,7 @@ def _run_here(plan, steps: int, time_topology: str | None, as_json: bool, result
 
 def _emit(report: dict, as_json: bool) -> None:
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        click.echo(strict_dumps(finite_or_null(report), indent=2))
         return
     from sp_plan.runtime.validate import render
 

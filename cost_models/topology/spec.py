@@ -34,14 +34,16 @@ MAX_NODES = 1 << 17
 MAX_TOTAL_GPUS = 1 << 20
 MAX_NICS_PER_NODE = 64
 MAX_SOCKETS = 8
-#: 1 PB/s per link and 1 s per hop bound bandwidths and latencies far beyond any real link.
+#: 1 PB/s per link and 1 s per hop bound bandwidths and latencies far beyond any real link; 1 MB/s is
+#: below any link a GPU trains over (a 1e-300 bandwidth passed ``gt=0`` and made every step time infinite).
 MAX_BANDWIDTH = 1e15
+MIN_BANDWIDTH = 1e6
 MAX_LATENCY = 1.0
 MAX_RAM_BYTES = 1 << 50
 #: Smallest efficiency (achieved / nominal) a topology may state. Probes and NCCL reach 0.3-0.95; below
 #: 1/1000 the figure is a unit mix-up or a typo, and would turn into predictions of centuries per step.
 MIN_EFFICIENCY = 1e-3
-_Bandwidth = Field(gt=0, le=MAX_BANDWIDTH, description="bytes/s per direction")
+_Bandwidth = Field(ge=MIN_BANDWIDTH, le=MAX_BANDWIDTH, description="bytes/s per direction")
 _Latency = Field(ge=0, le=MAX_LATENCY, description="seconds per hop")
 
 
@@ -60,7 +62,7 @@ class InterconnectSpec(_Strict):
 
     kind: InterconnectKind
     generation: str = Field(default="", max_length=40, description="e.g. NVLink4; informational")
-    bandwidth: float | None = Field(default=None, gt=0, le=MAX_BANDWIDTH, description="per GPU, bytes/s per direction")
+    bandwidth: float | None = Field(default=None, ge=MIN_BANDWIDTH, le=MAX_BANDWIDTH, description="per GPU, bytes/s per direction")
     latency: float = Field(default=0.0, ge=0, le=MAX_LATENCY, description="seconds per hop (unused for pcie)")
 
     @model_validator(mode="after")
@@ -81,7 +83,7 @@ class PCIeSpec(_Strict):
     bandwidth: float = _Bandwidth
     latency: float = _Latency
     gpus_per_switch: int = Field(default=2, ge=1, le=MAX_GPUS_PER_NODE)
-    switch_uplink_bandwidth: float | None = Field(default=None, gt=0, le=MAX_BANDWIDTH)
+    switch_uplink_bandwidth: float | None = Field(default=None, ge=MIN_BANDWIDTH, le=MAX_BANDWIDTH)
 
 
 class HostSpec(_Strict):
@@ -96,8 +98,8 @@ class HostSpec(_Strict):
         description="share of ram_bytes the training processes cannot have: the kernel's page structures "
                     "(64 B per 4 KiB page, 1.6%), firmware and kernel reservations (MemTotal below the "
                     "installed RAM), page cache of code and data, node daemons")
-    memory_bandwidth: float = Field(gt=0, le=MAX_BANDWIDTH, description="whole host, bytes/s")
-    socket_link_bandwidth: float = Field(default=64e9, gt=0, le=MAX_BANDWIDTH, description="UPI/xGMI per direction")
+    memory_bandwidth: float = Field(ge=MIN_BANDWIDTH, le=MAX_BANDWIDTH, description="whole host, bytes/s")
+    socket_link_bandwidth: float = Field(default=64e9, ge=MIN_BANDWIDTH, le=MAX_BANDWIDTH, description="UPI/xGMI per direction")
     socket_link_latency: float = Field(default=1e-6, ge=0, le=MAX_LATENCY)
 
 
@@ -125,7 +127,7 @@ class FabricSpec(_Strict):
     name: str = Field(default="", max_length=60, description="preset name, e.g. ib-ndr")
     kind: FabricKind
     nics_per_node: int = Field(ge=1, le=MAX_NICS_PER_NODE)
-    nic_bandwidth: float = Field(gt=0, le=MAX_BANDWIDTH, description="one NIC port, bytes/s per direction")
+    nic_bandwidth: float = Field(ge=MIN_BANDWIDTH, le=MAX_BANDWIDTH, description="one NIC port, bytes/s per direction")
     latency: float = Field(ge=0, le=MAX_LATENCY, description="NIC to fabric, one side, seconds")
     oversubscription: float = Field(default=1.0, ge=1.0, le=64.0)
 
@@ -142,7 +144,7 @@ class LinkCalibration(_Strict):
 
     alpha: float | None = Field(default=None, ge=0, le=MAX_LATENCY)
     efficiency: float | None = Field(default=None, ge=MIN_EFFICIENCY, le=1.5)
-    bandwidth: float | None = Field(default=None, gt=0, le=MAX_BANDWIDTH)
+    bandwidth: float | None = Field(default=None, ge=MIN_BANDWIDTH, le=MAX_BANDWIDTH)
     fitted_from: str = Field(default="", max_length=500, description="how these numbers were obtained")
 
     @model_validator(mode="after")

@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from sp_plan.cost_models import degrees as registry
 from sp_plan.cost_models.atomic_io import atomic_write_text
 from sp_plan.cost_models.errors import CostModelError, explain_validation_error
+from sp_plan.cost_models.json_io import json_loads
 from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.model_spec import ModelSpec, load_model
 from sp_plan.cost_models.topology import TopologySpec
@@ -246,7 +247,7 @@ def load_runs(paths: list[Path], cache_dir: Path, stack: str) -> list[MeasuredRu
             runs.extend(runs_from_csv(path, stack))
             continue
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json_loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
             raise CostModelError(f"{path} is neither a CSV nor a validate JSON report: {exc}") from exc
         except UnicodeDecodeError as exc:

@@ -24,6 +24,7 @@ docs/runtime_attention.md for the measured cost.
 from __future__ import annotations
 
 import math
+import os
 import struct
 from collections.abc import Sequence
 
@@ -47,6 +48,10 @@ _DTYPE, _DEVICE, _LAYOUT, _CAUSAL, _SCALE, _DOCS, _GRAD, _PROBLEM = range(_MAX_T
                                                                          _MAX_TENSORS * (_DIMS + 1) + 8)
 DESCRIPTOR_LEN = _PROBLEM + 1
 #: The single-tensor all-gather (``all_gather_into_tensor`` was renamed ``all_gather_single``).
+#: Set to 1 to refuse non-finite q, k, v at every attention call (a debugging aid: it reads every element and
+#: syncs a GPU, so it is off by default; NaN or inf inputs otherwise give NaN outputs, as any attention kernel).
+CHECK_FINITE_ENV = "SP_PLAN_CHECK_FINITE"
+
 _GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -182,9 +187,18 @@ def screen(group: dist.ProcessGroup | None, what: str, tensors: Sequence[object]
         problem = f"q, k, v are on different devices ({devices}): move them to one device"
     if problem is None and scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         problem = f"attention scale must be a positive float (or None for 1/sqrt(head_dim)), got {type(scale).__name__}"
+    peers = group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
+    if problem is None and peers and any(x.device.type == "meta" for x in tensors):
+        problem = (f"{what} got tensors on the meta device (shapes, no data), which ranks cannot exchange: "
+                   "materialise the model first (model.to_empty(device=...) and initialise its weights)")
+    if problem is None and os.environ.get(CHECK_FINITE_ENV) == "1" and not torch.compiler.is_compiling():
+        bad = [name for name, x in zip(_NAMES, tensors) if x.device.type != "meta" and not bool(torch.isfinite(x).all())]
+        if bad:
+            problem = (f"{what}: {', '.join(bad)} hold NaN or infinite values ({CHECK_FINITE_ENV}=1 checks every "
+                       "call); look at the layer that produced them (learning rate, loss scale, bad data)")
     if problem is None:
         return None if scale is None else float(scale)
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if peers:
         agree(group, what, tensors, problem=problem, outer=outer)
     raise RuntimeConfigError(problem)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from sp_plan.cost_models.atomic_io import atomic_write_text
+from sp_plan.cost_models.json_io import json_loads
 from sp_plan.runtime.errors import RuntimeConfigError
 
 #: Version of the layout of a checkpoint directory (bumped on incompatible changes; 2: the manifest).
@@ -58,7 +59,7 @@ def read_json(path: Path, what: str) -> Any:
     if path.stat().st_size > JSON_MAX_BYTES:
         raise RuntimeConfigError(f"{what} {path} is larger than {JSON_MAX_BYTES} bytes: not a checkpoint file")
     try:
-        return json.loads(path.read_text())
+        return json_loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RuntimeConfigError(f"{what} {path} is not valid JSON: {str(exc).splitlines()[0]}") from None
 
