@@ -33,7 +33,7 @@ from sp_plan.cost_models.train_spec import TrainSpec
 
 from .errors import PlannerError
 from .export_megatron import MEGATRON_STACK, to_megatron
-from .export_result import Export
+from .export_result import Export, shell_word
 from .plan import Plan
 
 #: Port used in the generated rendezvous endpoint; any free port on the master node works.
@@ -242,6 +242,20 @@ def to_accelerate(plan: Plan) -> Export:
                 }
             )
             notes.append(
+                "torch context parallel shards only inside accelerator.maybe_context_parallel (parallelism_config_cp_size "
+                "alone shards nothing): every step, pre-shift the labels on the full sequence (shift_labels = labels[:, "
+                "1:] padded with -100 at the end), then wrap the forward and backward in `with accelerator."
+                "maybe_context_parallel(buffers=[input_ids, shift_labels, position_ids], buffer_seq_dims=[1, 1, 1], "
+                "no_restore_buffers={input_ids, shift_labels, position_ids}):` run outputs = model(input_ids=input_ids, "
+                "position_ids=position_ids) and loss = model.loss_function(logits=outputs.logits, labels=None, "
+                "shift_labels=shift_labels, vocab_size=model.config.vocab_size) (passing labels would shift the shard "
+                "again); load the model with attn_implementation=\"sdpa\" and give no attention_mask (torch CP takes "
+                "only causal SDPA, no padding or document mask: pack or pad instead); transformers' Trainer builds "
+                "these buffers itself; each rank then holds "
+                f"{train.seq_len // layout.ring} of the {train.seq_len} tokens ({train.seq_len} must divide by "
+                f"2 x {layout.ring}); average the loss over the valid tokens of all cp ranks"
+            )
+            notes.append(
                 "torch context parallel balances causal work with its own round-robin sharding, not sp-plan's zigzag; "
                 "the communication volume is the same"
             )
@@ -320,6 +334,15 @@ def _deepspeed_usage_notes(plan: Plan) -> list[str]:
         "world differently under sequence and tensor parallelism",
         "transformers Trainer: TrainingArguments(" + ", ".join(args) + ", deepspeed=<this file>)",
     ]
+    if layout.tp > 1:
+        world = plan.hardware.num_gpus
+        notes.append(
+            f"AutoTP: all {layout.tp} TP ranks of a group must read identical rows (the same batch): shard the data "
+            f"by data-parallel rank (rank // {layout.tp}, {dp} shards), not by global rank; DeepSpeed (without an "
+            f"mpu) counts every TP rank as data-parallel and derives train_batch_size = {train.micro_batch} x "
+            f"{train.grad_accum} x {world} = {train.micro_batch * train.grad_accum * world}, while the real global "
+            f"batch is {train.micro_batch * train.grad_accum * dp} distinct sequences (do not add train_batch_size: "
+            "DeepSpeed refuses any value but its own count)")
     if train.checkpointing != "none":
         notes.append("activation checkpointing is the model's: call model.gradient_checkpointing_enable() (the "
                      "Trainer does it for gradient_checkpointing=True); DeepSpeed's activation_checkpointing section "
@@ -431,7 +454,10 @@ def to_torchrun(plan: Plan, plan_path: str = "plan.yaml", script: str | None = N
         ]
     args += [script] if script else list(TRAIN_ENTRY_POINT)
     args += ["--plan", plan_path]
-    command = " ".join(a if a.startswith(("--node-rank=$", "--rdzv-endpoint=$")) else shlex.quote(a) for a in args)
+    # Only the two fixed rendezvous words are left for the shell to expand; the plan path and the script are
+    # one quoted word each, whatever they hold (a NUL byte, which no argument can carry, is refused).
+    expanded = {"--node-rank=$NODE_RANK", f"--rdzv-endpoint=$MASTER_ADDR:{DEFAULT_MASTER_PORT}"}
+    command = " ".join(a if a in expanded else shell_word(a, "torchrun argument") for a in args)
     notes = []
     if hw.num_nodes > 1:
         notes.append("run the same command on every node with NODE_RANK=0..N-1 and MASTER_ADDR=<first node>")

@@ -44,7 +44,6 @@ Plans Megatron cannot run are refused with the reason and what to do (:func:`meg
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass
 
 from sp_plan.cost_models.layout import Layout
@@ -55,7 +54,7 @@ from sp_plan.cost_models.strategies.overlap import a2a_overlap_blocker, tp_overl
 from sp_plan.cost_models.train_spec import TrainSpec
 
 from .errors import PlannerError
-from .export_result import Export
+from .export_result import Export, comment_text, shell_word
 from .plan import Plan
 
 #: The stack profile Megatron-LM runs (``--stack megatron``): the plan is re-checked under it.
@@ -104,13 +103,15 @@ class MegatronArguments:
     @property
     def command(self) -> str:
         """The launch line, shell-quoted (``$NODE_RANK``/``$MASTER_ADDR`` stay for the shell to expand)."""
-        env = [f"{name}={shlex.quote(value)}" for name, value in self.env]
+        env = [f"{name}={shell_word(value, 'environment value')}" for name, value in self.env]
         return " ".join([*env, *(_quote(a) for a in (*self.launcher, PRETRAIN_SCRIPT, *self.argv))])
 
     def script(self, header: list[str]) -> str:
-        """A bash script: one ``--flag value`` per line in arrays, then the launch line that expands them."""
-        lines = ["#!/usr/bin/env bash", *(f"# {h}" for h in header), "set -euo pipefail", ""]
-        lines += [f"export {name}={shlex.quote(value)}" for name, value in self.env]
+        """A bash script: one ``--flag value`` per line in arrays, then the launch line that expands them. Every
+        value is one quoted word and the header lines are comments with line breaks escaped, so no plan text
+        (a model name from a file name or a plan YAML) can become a command."""
+        lines = ["#!/usr/bin/env bash", *(f"# {comment_text(h)}" for h in header), "set -euo pipefail", ""]
+        lines += [f"export {name}={shell_word(value, 'environment value')}" for name, value in self.env]
         lines += [""] if self.env else []
         for name, args in (("MODEL_ARGS", self.model_args), ("PARALLEL_ARGS", self.parallel_args),
                            ("DATA_ARGS", self.data_args)):
@@ -122,8 +123,12 @@ class MegatronArguments:
         return "\n".join(lines)
 
 
+#: The only launcher words left unquoted, for the shell to expand on each node (exact strings, never plan text).
+_SHELL_EXPANDED = frozenset({"--node-rank=$NODE_RANK", "--master-addr=$MASTER_ADDR"})
+
+
 def _quote(arg: str) -> str:
-    return arg if arg.startswith(("--node-rank=$", "--master-addr=$")) else shlex.quote(arg)
+    return arg if arg in _SHELL_EXPANDED else shell_word(arg, "Megatron-LM argument")
 
 
 def _flag_lines(args: tuple[str, ...]) -> list[str]:
@@ -134,7 +139,7 @@ def _flag_lines(args: tuple[str, ...]) -> list[str]:
             lines.append([arg])
         else:
             lines[-1].append(arg)
-    return [" ".join(shlex.quote(a) for a in line) for line in lines]
+    return [" ".join(shell_word(a, "Megatron-LM argument") for a in line) for line in lines]
 
 
 # ----- what Megatron cannot run ---------------------------------------------------------------------

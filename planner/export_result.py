@@ -6,8 +6,11 @@ that lists them (:mod:`sp_plan.planner.export`) import it without importing each
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
+
+from .errors import PlannerError
 
 
 @dataclass
@@ -21,4 +24,19 @@ class Export:
     data: dict[str, Any] | None = None
 
 
-__all__ = ["Export"]
+def shell_word(value: str, what: str) -> str:
+    """``value`` as one literal shell word (:func:`shlex.quote`): newlines, ``$(...)``, backticks and quotes
+    stay text. A NUL byte cannot be part of any command-line argument, so it is refused."""
+    if "\0" in value:
+        raise PlannerError(f"{what} {value.replace(chr(0), '?')!r} contains a NUL byte, which no command line can "
+                           "carry; rename it without control characters")
+    return shlex.quote(value)
+
+
+def comment_text(text: str) -> str:
+    """``text`` safe inside a one-line ``#`` shell comment: line breaks and other control characters (which would
+    end the comment and start a command) are written as escapes."""
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+
+
+__all__ = ["Export", "comment_text", "shell_word"]
