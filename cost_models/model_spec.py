@@ -125,6 +125,13 @@ class ModelSpec(BaseModel):
         return self
 
     # ----- derived sizes -------------------------------------------------------------------
+    def architecture_differences(self, other: ModelSpec) -> list[str]:
+        """``field: mine != other's`` for every field but the name that differs: a plan made from one
+        config.json and a run or export given another must say which sizes disagree, not train the other one."""
+        mine, theirs = self.model_dump(exclude={"name"}), other.model_dump(exclude={"name"})
+        return [f"{key}: {mine.get(key)!r} != {theirs.get(key)!r}" for key in sorted(mine.keys() | theirs.keys())
+                if mine.get(key) != theirs.get(key)]
+
     @property
     def q_size(self) -> int:
         """Width of the query projection output (heads x head_dim); may differ from hidden."""

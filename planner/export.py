@@ -433,12 +433,32 @@ def to_deepspeed(plan: Plan) -> Export:
 # ----- torchrun -----------------------------------------------------------------------------------
 
 
-def to_torchrun(plan: Plan, plan_path: str = "plan.yaml", script: str | None = None) -> Export:
+def _needs_model_config(plan: Plan) -> str | None:
+    """Why ``sp-plan train --plan`` alone cannot build the plan's model (it rebuilds a dense Llama/Qwen from
+    the plan's sizes), or None: experts and latent attention live only in the config.json."""
+    if plan.model.moe is not None:
+        return "mixture-of-experts"
+    if plan.model.mla is not None:
+        return "multi-head latent attention"
+    return None
+
+
+def to_torchrun(plan: Plan, plan_path: str = "plan.yaml", script: str | None = None,
+                model_config: str | None = None) -> Export:
     """The torchrun command line that runs the plan with sp-plan's own runtime: ``-m sp_plan.cli train
     --plan PLAN`` (:data:`TRAIN_ENTRY_POINT`), or ``script`` when given (a training script of the user's
-    that takes ``--plan``)."""
+    that takes ``--plan``); ``--model CONFIG.JSON`` when ``model_config`` is given, which a plan whose model
+    the runtime cannot rebuild from its sizes (MoE, MLA) requires. The caller checks that the file is the
+    plan's model (:meth:`ModelSpec.architecture_differences`)."""
     _refuse_unmapped_degrees(plan, "torchrun", "sp-plan's runtime")
     _refuse_prefill(plan, "sp-plan's runtime (sp-plan train)")
+    needs = _needs_model_config(plan)
+    if needs and model_config is None and script is None:
+        raise PlannerError(
+            f"{plan.model.name} has {needs} blocks, which `sp-plan train --plan` cannot rebuild from the plan's "
+            "sizes (it would train a dense model, or refuse the layout): give the config.json the plan was made "
+            f"from: sp-plan export {plan_path} --to torchrun --model CONFIG.JSON"
+        )
     hw = plan.hardware
     procs = min(hw.gpus_per_node, hw.num_gpus)
     args = ["torchrun"]
@@ -454,7 +474,9 @@ def to_torchrun(plan: Plan, plan_path: str = "plan.yaml", script: str | None = N
         ]
     args += [script] if script else list(TRAIN_ENTRY_POINT)
     args += ["--plan", plan_path]
-    # Only the two fixed rendezvous words are left for the shell to expand; the plan path and the script are
+    if model_config is not None:
+        args += ["--model", model_config]
+    # Only the two fixed rendezvous words are left for the shell to expand; the paths and the script are
     # one quoted word each, whatever they hold (a NUL byte, which no argument can carry, is refused).
     expanded = {"--node-rank=$NODE_RANK", f"--rdzv-endpoint=$MASTER_ADDR:{DEFAULT_MASTER_PORT}"}
     command = " ".join(a if a in expanded else shell_word(a, "torchrun argument") for a in args)

@@ -89,7 +89,10 @@ def build_model(options: TrainRunOptions, plan: Plan | None, vocab: int) -> nn.M
     """The model to train: the options' HF config.json, else the plan's architecture, else the options' shape;
     seeded random weights."""
     if options.model_config is not None:
-        return build_configured_hf_model(options, vocab)
+        model = build_configured_hf_model(options, vocab)
+        if plan is not None:
+            refuse_other_model(plan, model, options.model_config)
+        return model
     if plan is not None:
         spec = plan.model
     else:
@@ -106,6 +109,17 @@ def build_model(options: TrainRunOptions, plan: Plan | None, vocab: int) -> nn.M
     model = LlamaModel(spec)
     model.init_weights(generator=torch.Generator().manual_seed(options.seed))
     return model
+
+
+def refuse_other_model(plan: Plan, model: nn.Module, path: Path) -> None:
+    """A --model file that is not the plan's model would train an architecture the plan never sized."""
+    from sp_plan.runtime.models.hf.model import hf_model_spec  # transformers: lazy
+
+    differences = plan.model.architecture_differences(hf_model_spec(model))
+    if differences:
+        shown = "; ".join(differences[:4]) + ("; ..." if len(differences) > 4 else "")
+        raise RuntimeConfigError(f"--model {str(path)!r} is not the plan's model {plan.model.name} ({shown}): give "
+                                 "the config.json the plan was made from, or re-plan with --model on this one")
 
 
 def build_configured_hf_model(options: TrainRunOptions, vocab: int) -> nn.Module:

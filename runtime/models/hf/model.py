@@ -45,7 +45,7 @@ from torch import nn
 
 from sp_plan.cost_models import data
 from sp_plan.cost_models.hf_config import config_object_dict, parse_config_text
-from sp_plan.cost_models.model_spec import ModelSpec, model_from_hf_dict
+from sp_plan.cost_models.model_spec import ModelSpec, check_hf_sizes, model_from_hf_dict
 from sp_plan.runtime.errors import RuntimeConfigError
 from sp_plan.runtime.models.hf.architectures import HF_ARCHITECTURES, HFArchitecture
 from sp_plan.runtime.models.hf.names import HIDDEN_STATES_METHOD
@@ -194,8 +194,16 @@ def hf_model_from_config_file(path: str | Path) -> nn.Module:
     if model_type not in HF_ARCHITECTURES:
         raise RuntimeConfigError(f"{path}: model_type {model_type!r} is not trained by the runtime; supported: "
                                  f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    model_from_hf_dict(config, name=path.parent.name or path.stem)  # every size bounded before building
+    name = path.parent.name or path.stem
+    check_hf_sizes(config, name)  # every given size bounded before transformers expands it
     transformers = transformers_module()
     fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "auto_map")}
-    hf_config = transformers.AutoConfig.for_model(model_type, **fields)
+    try:
+        hf_config = transformers.AutoConfig.for_model(model_type, **fields)
+    except Exception as exc:  # noqa: BLE001 - the class refused a value: the cost models' parser names it
+        model_from_hf_dict(config, name=name)
+        raise RuntimeConfigError(f"{path}: transformers' {model_type} config refused it: {exc}") from exc
+    # Checked as the planner reads it: through the class's defaults and attribute aliases (a config.json saved
+    # by current transformers names Qwen3-MoE's experts num_local_experts, the family's authors num_experts).
+    model_from_hf_dict({**config, **config_object_dict(hf_config)}, name=name)
     return transformers.AutoModelForCausalLM.from_config(hf_config).float()
