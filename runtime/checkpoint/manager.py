@@ -27,8 +27,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from sp_plan.runtime.checkpoint.comm import all_gather, barrier, broadcast, rank_world
+from sp_plan.runtime.checkpoint.save_failure import clean_up_failed_save
 from sp_plan.runtime.checkpoint.dcp_io import read_chunks, read_chunks_here, read_metadata, write_chunks
 from sp_plan.runtime.checkpoint.files import (
     FORMAT_VERSION, MANIFEST, SEP, STATE_FILE, read_json, step_dir_name, step_of, write_json,
@@ -166,14 +168,22 @@ class CheckpointManager:
         entries = _merged("tensor", ((p.name, p.save_chunks()) for p in pieces))
         token = broadcast(secrets.token_hex(4) if rank == 0 else None)
         tmp = temporary_dir(directory, final, token)
+        failure = None
         if rank == 0:
-            directory.mkdir(parents=True, exist_ok=True)
-            remove_stale(directory)
-            tmp.mkdir()
-        barrier()
-        for name, data in _merged("file", ((p.name, p.save_rank_files(rank)) for p in pieces)).items():
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            write_json(tmp / name, data)
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                remove_stale(directory)
+                tmp.mkdir()
+            except OSError as exc:  # a full disk, lost permissions: every rank must learn it
+                failure = exc
+        clean_up_failed_save(directory, final, tmp, entries, failure)  # collective: also the barrier
+        try:
+            for name, data in _merged("file", ((p.name, p.save_rank_files(rank)) for p in pieces)).items():
+                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+                write_json(tmp / name, data)
+        except Exception as exc:  # noqa: BLE001 - a full disk, mostly; any failure must reach every rank
+            failure = exc
+        clean_up_failed_save(directory, final, tmp, entries, failure)
         state = {"format": FORMAT_VERSION, "step": step, "world_size": world,
                  **_merged("trainer_state.json entry", ((p.name, p.save_json()) for p in pieces),
                            owners={k: "checkpoint" for k in OWN_ENTRIES})} if rank == 0 else {}
@@ -253,24 +263,30 @@ def commit_save(job: SaveJob, group: dist.ProcessGroup | None = None) -> Path:
     removed. Collective over ``group`` (all ranks; the default group when None), which is all it uses, so it
     may run in a background thread on a group of its own."""
     rank, world = rank_world(group)
-    metadata = write_chunks(job.tmp, job.entries, group)
-    error, digests = None, {}
+
+    def failed(exc: BaseException | None) -> None:  # collective: the partial save removed, one line everywhere
+        clean_up_failed_save(job.directory, job.final, job.tmp, job.entries, exc, group)
+
+    try:
+        metadata = write_chunks(job.tmp, job.entries, group)
+    except (Exception, CheckpointException) as exc:  # DCP raises on every rank, with each rank's failure
+        failed(exc)
+        raise
+    failure, digests = None, {}
     try:
         digests = hash_tensor_files(job.tmp, metadata, rank, world)
     except OSError as exc:
-        error = f"hashing the tensor files of {job.tmp} on rank {rank}: {exc}"
-    everyone = all_gather((error, digests), group)
-    errors = [e for e, _ in everyone if e]
-    previous = None
-    if rank == 0 and not errors:
+        failure = exc
+    failed(failure)
+    everyone = all_gather(digests, group)
+    previous, failure = None, None
+    if rank == 0:
         try:
-            files = {name: entry for _, d in everyone for name, entry in d.items()}
-            previous = _publish(job, files)
+            previous = _publish(job, {name: entry for d in everyone for name, entry in d.items()})
         except Exception as exc:  # every rank must learn it (not wait in a collective for rank 0)
-            errors = [str(exc) if isinstance(exc, RuntimeConfigError) else f"{type(exc).__name__}: {exc}"]
-    errors = broadcast(errors, group)
-    if errors:
-        raise RuntimeConfigError(f"saving checkpoint {job.final} failed: {'; '.join(errors)}")
+            failure = exc
+    failed(failure)
+    errors: list[str] = []
     problems = verify_checkpoint(job.final, group)  # re-read from disk before anything older is removed
     if rank == 0:
         try:

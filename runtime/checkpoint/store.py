@@ -118,6 +118,9 @@ def _checkpoint_dir_problem(directory: Path) -> str | None:
         os.unlink(probe)
     except OSError as exc:
         return f"checkpoint directory {directory} is not writable ({exc.strerror or exc}): {fix}"
+    # A save that died (a killed rank) left its temporary directory: the next save removes it anyway, and the
+    # free space it holds must count, or a full disk would refuse --resume until the user found it by hand.
+    remove_stale(directory)
     latest = latest_checkpoint(directory)
     needed = checkpoint_bytes(latest) if latest is not None else 0
     free = shutil.disk_usage(directory).free
