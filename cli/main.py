@@ -103,6 +103,16 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("error: the input is nested too deeply to read; give a flat file of the documented format",
                    err=True)
         sys.exit(2)
+    except RuntimeError as exc:  # a torchrun worker whose peer died: gloo/NCCL's traceback becomes one line
+        from sp_plan.runtime.peer_loss import peer_lost_line
+
+        line = peer_lost_line(exc)
+        if line is None:
+            raise
+        click.echo(f"error: {line}", err=True)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)  # no interpreter teardown over a broken process group (see runtime/distributed.finish_worker)
     except OSError as exc:  # a file the user named cannot be read or written: name it, no traceback
         where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
         click.echo(f"error: cannot access{where}: {exc.strerror or exc}", err=True)

@@ -106,8 +106,8 @@ def launch_ranks(nproc: int, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    if quiet:
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    if quiet:  # its "failed (exitcode: -9) local_rank: 1" line too: the one line below names the rank and why
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
 
     args = parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "sp_plan.cli", "train",
                        *worker_argv(argv)])
