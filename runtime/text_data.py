@@ -49,6 +49,7 @@ import torch.distributed as dist
 from sp_plan.cost_models.json_io import json_loads
 from sp_plan.runtime.data import pack_documents
 from sp_plan.runtime.errors import RuntimeConfigError
+from sp_plan.runtime.json_nesting import check_json_nesting
 
 #: Bumped when the packed cache's layout changes (old caches are then rebuilt, not misread).
 PACK_FORMAT = 1
@@ -131,7 +132,10 @@ def _load_source(datasets, source: str, split: str, cache_dir) -> Any:
                 )
             if len(builders) > 1:
                 raise RuntimeConfigError(f"dataset directory {path} mixes file types {sorted(builders)}: keep one kind")
-            return datasets.load_dataset(builders.pop(), data_files=[str(f) for f in files], split=split, **kwargs)
+            builder = builders.pop()
+            if builder == "json":
+                check_json_nesting(files)  # pyarrow's reader segfaults on deep nesting
+            return datasets.load_dataset(builder, data_files=[str(f) for f in files], split=split, **kwargs)
         check_dataset_source(source)
         return datasets.load_dataset(source, split=split, **kwargs)
     except RuntimeConfigError:
@@ -139,7 +143,11 @@ def _load_source(datasets, source: str, split: str, cache_dir) -> Any:
     except Exception as exc:  # datasets raises many types (FileNotFoundError, ConnectionError, ValueError ...)
         offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
         hint = " (offline mode: only local paths and cached datasets load)" if offline else ""
-        raise RuntimeConfigError(f"cannot load dataset {source!r}{hint}: {_first_line(exc)}") from None
+        root = exc
+        while root.__cause__ is not None and root.__cause__ is not root:  # datasets wraps the reader's reason
+            root = root.__cause__
+        reason = "" if root is exc else f" ({type(root).__name__}: {_first_line(root)})"
+        raise RuntimeConfigError(f"cannot load dataset {source!r}{hint}: {_first_line(exc)}{reason}") from None
 
 
 #: Seconds the one hub query of :func:`tokenizer_source_problem` may take (no retries: a name that is not
@@ -386,16 +394,20 @@ class PackedTextDataset(torch.utils.data.Dataset):
 def on_rank_zero(fn: Callable[[], Any], what: str) -> Any:
     """``fn()`` on rank 0 only, its result (or its error, as a :class:`RuntimeConfigError`) broadcast to
     every rank; just ``fn()`` without a multi-rank process group."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return fn()
+    alone = not (dist.is_initialized() and dist.get_world_size() > 1)
     box: list[Any] = [None]
-    if dist.get_rank() == 0:
+    if alone or dist.get_rank() == 0:
         try:
             box[0] = ("ok", fn())
-        except Exception as exc:  # every rank must learn why, not hang in the broadcast
+        except Exception as exc:  # every rank must learn why, not hang in the broadcast; one line either way
             message = str(exc) if isinstance(exc, RuntimeConfigError) else \
                 f"{what} failed on rank 0: {type(exc).__name__}: {_first_line(exc)}"
             box[0] = ("error", message)
+    if alone:
+        status, value = box[0]
+        if status == "error":
+            raise RuntimeConfigError(value)
+        return value
     dist.broadcast_object_list(box, src=0)
     status, value = box[0]
     if status == "error":
@@ -431,8 +443,23 @@ def _read_meta(directory: Path) -> dict[str, Any]:
     return meta
 
 
+def _batches(dataset, text_column: str, batch_size: int) -> Iterator[dict]:
+    """The dataset's text column in batches; a file that is not UTF-8 (pyarrow decodes lazily, here) is one
+    line naming the fix, not a UnicodeDecodeError from inside pyarrow."""
+    batches = iter(dataset.select_columns([text_column]).iter(batch_size=batch_size))
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except UnicodeDecodeError as exc:
+            raise RuntimeConfigError(f"column {text_column!r} holds text that is not UTF-8 ({exc.reason} at byte "
+                                     f"{exc.start} of a value): re-encode the data files as UTF-8") from None
+        yield batch
+
+
 def _documents(dataset, tokenizer, text_column: str, batch_size: int, counts: dict) -> Iterator[list[int]]:
-    for batch in dataset.select_columns([text_column]).iter(batch_size=batch_size):
+    for batch in _batches(dataset, text_column, batch_size):
         texts = batch[text_column]
         if any(not isinstance(t, str) for t in texts):
             raise RuntimeConfigError(f"column {text_column!r} holds a non-string value (None?): clean the dataset")
