@@ -26,14 +26,13 @@ fit there. The stack each target runs (:func:`target_stack`; ``--stack`` overrid
 
 from __future__ import annotations
 
-import shlex
 from typing import Any
 
 from sp_plan.cost_models.train_spec import TrainSpec
 
 from .errors import PlannerError
 from .export_megatron import MEGATRON_STACK, to_megatron
-from .export_result import Export, shell_word
+from .export_result import Export, one_line_shell_word, shell_word
 from .plan import Plan
 
 #: Port used in the generated rendezvous endpoint; any free port on the master node works.
@@ -540,7 +539,7 @@ def replan_command(plan: Plan, target: str, stack: str) -> str:
     elif target == "accelerate":
         args += ["--ulysses", "1"]
     args += ["--stack", stack, "--out", "plan.yaml"]
-    return " ".join(shlex.quote(a) for a in args)
+    return " ".join(one_line_shell_word(a, "model name") for a in args)
 
 
 def check_under_stack(plan: Plan, target: str, stack: str | None = None, calibration: str | None = None) -> list[str]:

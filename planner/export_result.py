@@ -33,10 +33,24 @@ def shell_word(value: str, what: str) -> str:
     return shlex.quote(value)
 
 
+def one_line_shell_word(value: str, what: str) -> str:
+    """:func:`shell_word`, but on one line whatever ``value`` holds: a command quoted inside a one-line error
+    message (a model name with a newline would split it). Control characters are written in bash's
+    ``$'...'`` quoting, which reads them back as the same characters."""
+    word = shell_word(value, what)
+    if value.isprintable():
+        return word
+    escapes = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+    body = "".join(escapes.get(ch) or (ch if ch.isprintable() else
+                                       f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}"
+                                       if ord(ch) < 0x10000 else f"\\U{ord(ch):08x}") for ch in value)
+    return f"$'{body}'"
+
+
 def comment_text(text: str) -> str:
     """``text`` safe inside a one-line ``#`` shell comment: line breaks and other control characters (which would
     end the comment and start a command) are written as escapes."""
     return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
-__all__ = ["Export", "comment_text", "shell_word"]
+__all__ = ["Export", "comment_text", "one_line_shell_word", "shell_word"]

@@ -170,3 +170,24 @@ def test_torchrun_refuses_nul_in_script(plans):
     with pytest.raises(PlannerError, match="NUL byte") as info:
         to_torchrun(plan_from_dict(plans["plain"]), script="train\0.py")
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["a\ntouch PWNED", "tab\there", "esc\x1b[2Jx", "it's $(id)"])
+def test_the_replan_command_in_a_refusal_is_one_line_and_reads_back_the_name(name, plans):
+    """A plan refused under an exporter's stack names the `sp-plan plan` command to re-plan with: a model
+    name with a newline split that one-line message (shlex keeps the newline inside its quotes); bash's
+    $'...' quoting keeps it one line, and bash reads the same name back."""
+    import shlex
+
+    from sp_plan.planner.export import replan_command
+    from sp_plan.planner.plan import plan_from_dict
+
+    data = json.loads(json.dumps(plans["plain"]))
+    data["model"]["name"] = name
+    command = replan_command(plan_from_dict(data), "deepspeed", "hf-deepspeed")
+    assert "\n" not in command and command.startswith("sp-plan plan --model "), command
+    words = subprocess.run(["bash", "-c", f"set -- {command.split(' ', 3)[3]}; printf '%s' \"$1\""],
+                           capture_output=True, text=True, timeout=30, check=True).stdout
+    assert words == name, (command, words)
+    if name.isprintable():
+        assert shlex.split(command)[3] == name
