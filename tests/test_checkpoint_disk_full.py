@@ -206,3 +206,19 @@ ls {root} > {tmp_path}/after.txt
     assert (tmp_path / "second.rc").read_text().strip() == "0", second[-3000:]
     assert "done:" in second, second[-2000:]
     assert (tmp_path / "after.txt").read_text().split() == ["step_00000004"]
+
+
+def test_a_short_write_on_a_full_disk_is_called_a_full_disk(tmp_path, monkeypatch) -> None:
+    """torch's writer may report a full disk as "unexpected pos" (its own position check after a short write),
+    not ENOSPC: with less room than the checkpoint needs, the line still says so."""
+    from sp_plan.runtime.checkpoint import save_failure
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(save_failure.shutil, "disk_usage", lambda p: usage._replace(free=1000))
+    line = save_failure.describe_failure(tmp_path, tmp_path / "step_00000003", 5000,
+                                         [(1, "RuntimeError: unexpected pos 704 vs 598", False)])
+    assert "no space left in" in line and "0.000 GB is free" in line, line
+    monkeypatch.setattr(save_failure.shutil, "disk_usage", lambda p: usage._replace(free=10_000))
+    line = save_failure.describe_failure(tmp_path, tmp_path / "step_00000003", 5000,
+                                         [(1, "RuntimeError: unexpected pos 704 vs 598", False)])
+    assert "no space" not in line and "unexpected pos" in line, line

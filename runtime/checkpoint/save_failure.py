@@ -84,8 +84,11 @@ def describe_failure(directory: Path, final: Path, needed: int, failures: list[t
     latest = latest_checkpoint(directory)
     kept = f"{latest.name} is still the latest checkpoint" if latest else "no earlier checkpoint exists"
     ranks = ", ".join(str(rank) for rank, _, _ in failures)
-    if any(full for _, _, full in failures):
-        free = shutil.disk_usage(directory).free
+    free = shutil.disk_usage(directory).free
+    # A full disk does not always surface as ENOSPC: torch's writer checks its own file position and raises
+    # "unexpected pos" after a short write. Less room than the checkpoint needs, with the partial save
+    # removed, is the same diagnosis whatever the exception says.
+    if any(full for _, _, full in failures) or free < needed:
         return (f"saving checkpoint {final.name} failed: no space left in {directory} (rank {ranks}): the "
                 f"checkpoint needs {needed / 1e9:.3f} GB, {free / 1e9:.3f} GB is free with the partial save removed; "
                 f"{kept}. Free space there or give another --checkpoint-dir (fewer --keep-checkpoints leaves room "

@@ -12,6 +12,7 @@ directory.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -161,11 +162,19 @@ def discard(final: Path, previous: Path | None) -> None:
 
 def prune(directory: Path, step: int, keep: int | None) -> None:
     """Keep only the newest ``keep`` complete checkpoints up to ``step`` (None or 0: keep all); later steps,
-    from a run this one resumed before, are never pruned."""
+    from a run this one resumed before, are never pruned. Each is renamed to a temporary name (atomic) before
+    it is removed: a job killed while removing it leaves a stale temporary directory, which the next save (or
+    resume) removes, never a half-removed step directory (without its manifest nothing would prune it)."""
     if keep is not None and keep > 0:
         older = [path for s, path in list_checkpoints(directory) if s < step]
         for old in older[:max(0, len(older) - (keep - 1))]:
-            shutil.rmtree(old, ignore_errors=True)
+            doomed = directory / f".{old.name}{TMP_INFIX}pruned-{secrets.token_hex(4)}"
+            try:
+                os.replace(old, doomed)
+            except FileNotFoundError:  # removed meanwhile (by hand): nothing to prune
+                continue
+            fsync_directory(directory)
+            shutil.rmtree(doomed, ignore_errors=True)
 
 
 def remove_stale(directory: Path) -> None:
