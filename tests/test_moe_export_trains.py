@@ -61,53 +61,53 @@ def test_runtime_bounds_the_aliased_count_before_building(tmp_path: pathlib.Path
     assert "num_local_experts" in str(refused.value)
 
 
-def _moe_plan(tmp_path: pathlib.Path) -> pathlib.Path:
-    _saved_qwen3_moe(tmp_path / "qwen3-moe-tiny")
-    planned = _sp_plan("plan", "--model", "qwen3-moe-tiny", "--seq-len", "64", "--gpus", "2", "--ep", "2",
-                       "--dp-shard", "2", "--global-batch-tokens", "128", "--out", "plan.yaml", cwd=tmp_path)
-    assert planned.returncode == 0, planned.stderr[-2000:]
-    return tmp_path / "plan.yaml"
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory) -> pathlib.Path:
+    """A folder holding the saved config (qwen3-moe-tiny/) and its ep=2 plan (plan.yaml), planned once."""
+    root = tmp_path_factory.mktemp("moe-plan")
+    _saved_qwen3_moe(root / "qwen3-moe-tiny")
+    done = _sp_plan("plan", "--model", "qwen3-moe-tiny", "--seq-len", "64", "--gpus", "2", "--ep", "2",
+                    "--dp-shard", "2", "--global-batch-tokens", "128", "--out", "plan.yaml", cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return root
 
 
-def test_moe_export_without_its_config_is_refused_with_the_fix(tmp_path: pathlib.Path) -> None:
-    _moe_plan(tmp_path)
-    done = _sp_plan("export", "plan.yaml", "--to", "torchrun", cwd=tmp_path)
+def test_moe_export_without_its_config_is_refused_with_the_fix(planned: pathlib.Path) -> None:
+    done = _sp_plan("export", "plan.yaml", "--to", "torchrun", cwd=planned)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "mixture-of-experts" in done.stderr and "--model CONFIG.JSON" in done.stderr, done.stderr
 
 
-def test_moe_export_refuses_a_config_that_is_not_the_plans_model(tmp_path: pathlib.Path) -> None:
-    _moe_plan(tmp_path)
-    _saved_qwen3_moe(tmp_path / "other", num_experts=8)
-    done = _sp_plan("export", "plan.yaml", "--to", "torchrun", "--model", "other", cwd=tmp_path)
+def test_moe_export_refuses_a_config_that_is_not_the_plans_model(planned: pathlib.Path) -> None:
+    _saved_qwen3_moe(planned / "eight-experts", num_experts=8)
+    done = _sp_plan("export", "plan.yaml", "--to", "torchrun", "--model", "eight-experts", cwd=planned)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "is not the plan's model" in done.stderr and "num_experts" in done.stderr, done.stderr
 
 
-def test_train_refuses_a_config_that_is_not_the_plans_model(tmp_path: pathlib.Path) -> None:
+def test_train_refuses_a_config_that_is_not_the_plans_model(planned: pathlib.Path, tmp_path: pathlib.Path) -> None:
     from sp_plan.planner.plan import load_plan
     from sp_plan.runtime.errors import RuntimeConfigError
     from sp_plan.runtime.models.hf.model import hf_model_from_config_file
     from sp_plan.runtime.train_run import refuse_other_model
 
-    plan = load_plan(str(_moe_plan(tmp_path)))
-    refuse_other_model(plan, hf_model_from_config_file(tmp_path / "qwen3-moe-tiny"), tmp_path / "qwen3-moe-tiny")
+    plan = load_plan(str(planned / "plan.yaml"))
+    refuse_other_model(plan, hf_model_from_config_file(planned / "qwen3-moe-tiny"), planned / "qwen3-moe-tiny")
     other = hf_model_from_config_file(_saved_qwen3_moe(tmp_path / "other", moe_intermediate_size=24))
     with pytest.raises(RuntimeConfigError, match="moe"):
         refuse_other_model(plan, other, tmp_path / "other")
 
 
-def test_moe_torchrun_export_trains_as_written(tmp_path: pathlib.Path) -> None:
+def test_moe_torchrun_export_trains_as_written(planned: pathlib.Path) -> None:
     """The exported command, run as written on 2 CPU ranks (only the run's length added), trains ep=2."""
-    _moe_plan(tmp_path)
-    exported = _sp_plan("export", "plan.yaml", "--to", "torchrun", "--model", "qwen3-moe-tiny", cwd=tmp_path)
+    exported = _sp_plan("export", "plan.yaml", "--to", "torchrun", "--model", "qwen3-moe-tiny", cwd=planned)
     assert exported.returncode == 0, exported.stderr
     command = exported.stdout.strip()
     assert shlex.split(command)[-2:] == ["--model", "qwen3-moe-tiny"], command
     length = "--steps 2 --corpus-bytes 100000 --no-progress --log-every 1"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
     done = subprocess.run(["bash", "-c", f"{command} {length}"], capture_output=True, text=True, timeout=300,
-                          check=False, cwd=tmp_path, env=env)
+                          check=False, cwd=planned, env=env)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
     assert "ep x2" in out or "(ep=2)" in out, out[-3000:]

@@ -117,6 +117,11 @@ def launch_ranks(nproc: int, argv: list[str]) -> int:
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
+        # A rank killed by a signal is the cause: its peers fail after it (a lost connection), and one of them
+        # may exit before the launcher has seen the dead rank, so it would be "first".
+        killed = sorted((r, f) for r, f in exc.failures.items() if f.exitcode < 0)
+        if killed:
+            rank, failure = killed[0]
         code = failure.exitcode
         if code < 0:  # killed by a signal
             name = signal.Signals(-code).name
