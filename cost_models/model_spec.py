@@ -132,6 +132,16 @@ class ModelSpec(BaseModel):
         return [f"{key}: {mine.get(key)!r} != {theirs.get(key)!r}" for key in sorted(mine.keys() | theirs.keys())
                 if mine.get(key) != theirs.get(key)]
 
+    def other_model_problem(self, other: ModelSpec, given: str) -> str | None:
+        """The one-line refusal of ``other`` (``given``: how the user gave it) as this plan's model, or None
+        when it is the same architecture."""
+        differences = self.architecture_differences(other)
+        if not differences:
+            return None
+        shown = "; ".join(differences[:4]) + ("; ..." if len(differences) > 4 else "")
+        return (f"{given} is not the plan's model {self.name} ({shown}): give the config.json the plan was made "
+                "from, or re-plan with --model on this one")
+
     @property
     def q_size(self) -> int:
         """Width of the query projection output (heads x head_dim); may differ from hidden."""

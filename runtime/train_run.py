@@ -115,11 +115,9 @@ def refuse_other_model(plan: Plan, model: nn.Module, path: Path) -> None:
     """A --model file that is not the plan's model would train an architecture the plan never sized."""
     from sp_plan.runtime.models.hf.model import hf_model_spec  # transformers: lazy
 
-    differences = plan.model.architecture_differences(hf_model_spec(model))
-    if differences:
-        shown = "; ".join(differences[:4]) + ("; ..." if len(differences) > 4 else "")
-        raise RuntimeConfigError(f"--model {str(path)!r} is not the plan's model {plan.model.name} ({shown}): give "
-                                 "the config.json the plan was made from, or re-plan with --model on this one")
+    problem = plan.model.other_model_problem(hf_model_spec(model), f"--model {str(path)!r}")
+    if problem:
+        raise RuntimeConfigError(problem)
 
 
 def build_configured_hf_model(options: TrainRunOptions, vocab: int) -> nn.Module:
@@ -291,10 +289,16 @@ def refuse_plan_before_building(plan: Plan, options: TrainRunOptions) -> None:
     """The plan checks that need no model, run before the model is built: a plan for 8 GPUs (an 8B model) started
     as one process, or a prefill plan, was refused only after the whole unsharded model was allocated, which on a
     CPU box ended in the kernel's OOM kill instead of the one-line reason."""
+    refuse_launch_before_building(plan)
+    refuse_unsupported(plan, "hf" if options.hf or options.model_config is not None else "llama")
+
+
+def refuse_launch_before_building(plan: Plan) -> None:
+    """The checks of this launch that need no model (``sp-plan train --plan`` and ``sp-plan validate``): the rank
+    count against the plan's world, and a model this host's ranks cannot build in fp32."""
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     # device "cpu": only the rank-count check applies here; the GPU checks run when the mesh is built
     check_launch(plan.layout, world, device_type="cpu", local_world_size=world, visible_devices=0)
-    refuse_unsupported(plan, "hf" if options.hf or options.model_config is not None else "llama")
     refuse_unbuildable_on_host(plan, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), available_host_bytes(),
                                on_gpus=torch.cuda.is_available())
 

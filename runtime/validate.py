@@ -28,7 +28,6 @@ Rank 0 gathers everything; :func:`render` prints the table. ``sp-plan validate``
 
 from __future__ import annotations
 
-import os
 import statistics
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -274,20 +273,6 @@ def prediction_topology(plan, topology: Any, device_type: str):
     return topo, "probed on this machine: CPU ranks over gloo, so the time prediction is for this CPU"
 
 
-def refuse_before_building(plan) -> None:
-    """What ``sp-plan train --plan`` refuses before any rank builds a model (a plan for 8 ranks launched on
-    2, a model the host cannot hold in fp32): run under torchrun by hand, validate built the whole model first
-    and ended in the kernel's OOM kill or an allocator traceback."""
-    from sp_plan.runtime.host_ram import available_host_bytes
-    from sp_plan.runtime.mesh import check_launch
-    from sp_plan.runtime.train_run import refuse_unbuildable_on_host
-
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    check_launch(plan.layout, world, device_type="cpu", local_world_size=world, visible_devices=0)
-    refuse_unbuildable_on_host(plan, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), available_host_bytes(),
-                               on_gpus=torch.cuda.is_available())
-
-
 def run_validation(plan, *, steps: int = 3, topology: Any = None, seed: int = 0,
                    family: Family = "llama") -> ValidationReport | None:
     """Build the plan's model (random weights), auto-configure it, measure; the report on rank 0 only.
@@ -295,7 +280,11 @@ def run_validation(plan, *, steps: int = 3, topology: Any = None, seed: int = 0,
     (the runtime's LlamaModel) or ``hf`` (a transformers model of the same shape,
     :func:`sp_plan.runtime.models.hf.model.hf_model_from_spec`)."""
     device_type = init_distributed()
-    refuse_before_building(plan)
+    # what train --plan refuses before building: under torchrun by hand, validate built the whole model first
+    # and ended in the kernel's OOM kill (a plan for 8 ranks on 2) or an allocator traceback
+    from sp_plan.runtime.train_run import refuse_launch_before_building
+
+    refuse_launch_before_building(plan)
     topo, note = prediction_topology(plan, topology, device_type)
     adapter = adapter_named(family)
     refuse_unbuildable(plan.model, plan.train.seq_len)

@@ -37,26 +37,17 @@ from tests.test_checkpoint_faults import (
     STEPS,
     _copy,
     _messages,
-    _reference,
     _resume_scenarios,
     _same_on_both_ranks,
     _step,
     flip_bytes,
+    reference,  # noqa: F401 - the module's uninterrupted run (dp_shard 2, saves at steps 1-4), as a fixture
 )
 
 pytestmark = pytest.mark.multiproc
 
 PP_LAYOUT = ({"pp": 2}, {"zero_stage": 3})
 EP_LAYOUT = ({"dp_shard": 2, "ep": 2}, {"zero_stage": 3, "checkpointing": "none"})
-
-
-@pytest.fixture(scope="module")
-def sync_reference(tmp_path_factory) -> tuple[Path, list[float]]:
-    """tests/test_checkpoint_faults.py's uninterrupted run (dp_shard 2, saves at steps 1-4): its losses."""
-    root = tmp_path_factory.mktemp("faults") / "reference"
-    losses = run_ranks(2, _reference, str(root), timeout=180)
-    assert losses[0] == losses[1] and len(losses[0]) == STEPS
-    return root, losses[0]
 
 
 def _steps(root: Path) -> list[str]:
@@ -212,7 +203,7 @@ def _kill(root: Path, layout: tuple, stage: str, step: int, async_save: bool = F
 
 
 @pytest.fixture(scope="module")
-def async_runs(sync_reference, tmp_path_factory) -> dict:
+def async_runs(reference, tmp_path_factory) -> dict:  # noqa: F811
     """An uninterrupted run with background saves, then its newest save damaged; a run killed in the
     background write of its step-3 save; both resumed (with background saves) by one pair of ranks."""
     work = tmp_path_factory.mktemp("async")
@@ -230,14 +221,14 @@ def async_runs(sync_reference, tmp_path_factory) -> dict:
             "after kill": after_kill, "per_rank": per_rank}
 
 
-def test_async_saves_train_like_synchronous_ones(async_runs, sync_reference):
-    _, losses = sync_reference
+def test_async_saves_train_like_synchronous_ones(async_runs, reference):  # noqa: F811
+    _, losses = reference
     assert async_runs["losses"][0] == async_runs["losses"][1] == losses
     assert async_runs["kept"] == _names(1, 2, 3, 4)
 
 
-def test_a_damaged_newest_async_save_is_skipped_and_resume_falls_back(async_runs, sync_reference):
-    _, losses = sync_reference
+def test_a_damaged_newest_async_save_is_skipped_and_resume_falls_back(async_runs, reference):  # noqa: F811
+    _, losses = reference
     damaged = async_runs["damaged"]
     out = _same_on_both_ranks(async_runs["per_rank"], "damaged")
     assert "error" not in out, out
@@ -251,10 +242,10 @@ def test_a_damaged_newest_async_save_is_skipped_and_resume_falls_back(async_runs
     assert f"replaced {_step(damaged, STEPS)}, saved by another run" in text, text
 
 
-def test_a_rank_killed_in_a_later_background_write_leaves_the_previous_save_latest(async_runs, sync_reference):
+def test_a_rank_killed_in_a_later_background_write_leaves_the_previous_save_latest(async_runs, reference):  # noqa: F811
     from sp_plan.runtime.checkpoint import latest_checkpoint
 
-    _, losses = sync_reference
+    _, losses = reference
     killed = async_runs["killed"]
     after = async_runs["after kill"]
     # steps 1 and 2 published (keep 2: nothing pruned for the save that never completed), step 3 only a leftover
@@ -372,10 +363,10 @@ KILL_POINTS = _kill_points(int(os.environ.get("SP_PLAN_KILL_SEED", "38")),
 @pytest.mark.parametrize("stage, step, async_save", KILL_POINTS,
                          ids=[f"{s.replace(' ', '-')}-step{n}-{'async' if a else 'sync'}" for s, n, a in KILL_POINTS])
 def test_a_kill_at_a_moment_of_a_later_save_resumes_to_the_reference_losses(stage, step, async_save,
-                                                                          sync_reference, tmp_path):
+                                                                          reference, tmp_path):  # noqa: F811
     from sp_plan.runtime.checkpoint import latest_checkpoint
 
-    _, losses = sync_reference
+    _, losses = reference
     root = tmp_path / "ckpt"
     _kill(root, LAYOUT, stage, step, async_save=async_save, keep=1)
     start = step if stage in PUBLISHED else step - 1

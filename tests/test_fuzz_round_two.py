@@ -89,13 +89,17 @@ def _with_huge(document, path, as_json: bool = False) -> str:
     return text.replace(f'"{marker}"', HUGE_INT).replace(f"'{marker}'", HUGE_INT).replace(marker, HUGE_INT)
 
 
-@pytest.fixture(scope="module")
-def plan_document(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("plan") / "plan.yaml"
-    code, _, err = check(["plan", "--model", "llama3-8b", "--seq-len", "32K", "--gpus", "8", "--top", "1",
-                          "--out", out])
+def _planned(root: Path, model: str, seq_len: str, gpus: str) -> dict:
+    """The plan document `sp-plan plan` writes for ``model`` (the top layout)."""
+    out = root / "plan.yaml"
+    code, _, err = check(["plan", "--model", model, "--seq-len", seq_len, "--gpus", gpus, "--top", "1", "--out", out])
     assert code == 0, err
     return yaml.safe_load(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def plan_document(tmp_path_factory) -> dict:
+    return _planned(tmp_path_factory.mktemp("plan"), "llama3-8b", "32K", "8")
 
 
 @settings(FUZZ, max_examples=30)
@@ -299,11 +303,7 @@ def _edited_plan(plan_document: dict, root: Path, edit: str) -> Path:
 
 @pytest.fixture(scope="module")
 def two_gpu_plan(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("plan2") / "plan.yaml"
-    code, _, err = check(["plan", "--model", "qwen3-4b", "--seq-len", "4K", "--gpus", "2", "--top", "1",
-                          "--out", out])
-    assert code == 0, err
-    return yaml.safe_load(out.read_text())
+    return _planned(tmp_path_factory.mktemp("plan2"), "qwen3-4b", "4K", "2")
 
 
 @pytest.mark.multiproc

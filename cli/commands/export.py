@@ -78,9 +78,6 @@ def command(plan_file: str, target: str, as_json: bool, out_file: str | None, sc
 
 def check_model_config(plan: Plan, path: str) -> None:
     """Refuse a --model file that is not the plan's model: the exported command would train another one."""
-    spec = load_config_file(Path(path).expanduser())
-    differences = plan.model.architecture_differences(spec)
-    if differences:
-        shown = "; ".join(differences[:4]) + ("; ..." if len(differences) > 4 else "")
-        raise PlannerError(f"--model {path!r} is not the plan's model {plan.model.name} ({shown}): give the "
-                           "config.json the plan was made from, or re-plan with --model on this one")
+    problem = plan.model.other_model_problem(load_config_file(Path(path).expanduser()), f"--model {path!r}")
+    if problem:
+        raise PlannerError(problem)
