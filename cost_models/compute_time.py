@@ -39,6 +39,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .data_balance import attention_factor
 from .errors import CostModelError
 from .fitted import fitted_parameters
 from .flops import (
@@ -186,7 +187,8 @@ def compute_time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: T
     # that (not on the flag) keeps one entry for both values of the planner's offload axis elsewhere.
     # The data-parallel degrees change no kernel: the key holds the degrees that shape one.
     key = (model, *layout.model_degrees(), topology, profile, _keeps_activations(train, profile.stack.time),
-           _fp8_weight_share(train, profile.stack.time), *(getattr(train, f) for f in COMPUTE_FIELDS))
+           _fp8_weight_share(train, profile.stack.time), attention_factor(model, train, layout),
+           *(getattr(train, f) for f in COMPUTE_FIELDS))
     return _COMPUTE.get(key, lambda: _compute(model, train, layout, topology, profile))
 
 
@@ -293,6 +295,10 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
                         heads=heads_local)
     attn_f, step_f = _attention_pass(cc, gemm_time, seq_ring, False)
     attn_b, step_b = _attention_pass(cc, gemm_time, seq_ring, True) if training else (0.0, 0.0)
+    # Packed rows of a long-tailed dataset (--lengths): the busiest rank's attention, not the mean's.
+    imbalance = attention_factor(model, train, layout)
+    if imbalance != 1.0:
+        attn_f, step_f, attn_b, step_b = (t * imbalance for t in (attn_f, step_f, attn_b, step_b))
 
     # ----- streaming kernels, strategies' own kernels, overhead -----------------------------------------
     w = microbatch_work(model, train, layout)

@@ -50,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .collectives import collective_cost, node_dedup_fabric_fraction
 from .comm_volume import LAYER_STRATEGIES, CommEstimate, comm_estimate, comm_ops, stack_traffic
 from .compute_time import compute_time, efficiency_sources
+from .data_balance import useful_fraction
 from .errors import CostModelError
 from .flops import microbatch_work
 from .layout import Layout
@@ -243,7 +244,8 @@ def _time(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology
     overhead_s = profile.stack.time.step_overhead_s + host_s
     step_s = (accum * microbatch_s + (bwd_overlap_last - bwd_overlap_mb) + slow_last
               + model_step + optimizer_s + offload_s + overhead_s + st.exposed_step + st.slow_step)
-    tokens_per_step = float(train.micro_batch * train.seq_len * accum * layout.dp)
+    # Useful tokens: a packed dataset's padding (--lengths) is work that trains nothing.
+    tokens_per_step = float(train.micro_batch * train.seq_len * accum * layout.dp) * useful_fraction(model, train, layout)
     pipe = None
     if split is not None:
         pipe = _pipelined_step(train, layout, split, ct, cp, st, layer_f, layer_b, head_f, head_b, slow)

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .data_balance import DataShape
 from .memo import hash_once
 from .units import MAX_SEQ_LEN, parse_seq_len
 
@@ -53,6 +54,10 @@ class TrainSpec(BaseModel):
     #: and attention stays inside a document (flash-attn varlen / cu_seqlens). None: one document per
     #: sequence (full causal attention). Attention work shrinks from S^2/2 to S x D/2 pairs.
     document_length: int | None = Field(default=None, ge=1, le=MAX_SEQ_LEN)
+    #: The training data's document-length distribution and packing (``--lengths``): attention is priced on the
+    #: packed rows' busiest rank (:mod:`sp_plan.cost_models.data_balance`); ``document_length`` then holds the
+    #: rows' equivalent document length. None: one document per row, or uniform ``document_length`` documents.
+    data: DataShape | None = None
     #: Float8 linear layers (torchao / TransformerEngine style dynamic scaling): the GEMMs run on the
     #: fp8 tensor cores, plus the amax and cast passes over their operands.
     fp8_linears: bool = False
