@@ -7,7 +7,8 @@ Every YAML file the package ships lives in a folder of this package, one file pe
 - ``kernels/<family>.yaml``: kernel-model priors per GPU family (:mod:`sp_plan.cost_models.kernels`);
 - ``stacks/<name>.yaml``: software-stack profiles (:mod:`sp_plan.cost_models.stack`);
 - ``topologies/<name>.yaml``: node presets, plus ``_fabrics.yaml`` (:mod:`sp_plan.cost_models.topology`);
-- ``calibration/<name>.yaml``: published measurements and the values fitted to them.
+- ``calibration/<name>.yaml``: published measurements and the values fitted to them;
+- ``lengths/<name>.yaml``: document-length distributions (:mod:`sp_plan.cost_models.lengths`).
 
 A new model, GPU, stack or topology is one new file: nothing else lists them. A model, GPU or stack file may
 declare other names of the same entity (``aliases: [...]``); they resolve to the file's name, which is
@@ -17,7 +18,7 @@ This module is the only one that opens the package's data (``importlib.resources
 that decides whether a reference names a shipped entity or a user's file (:func:`resolve`):
 
 1. a reference with a path separator or the kind's file suffix (``.json`` for models, ``.yaml``/``.yml``
-   for stacks and topologies) is a user's file;
+   for stacks and topologies, ``.json``/``.csv`` for length distributions) is a user's file;
 2. otherwise a shipped name or alias, case-insensitive, is that entity;
 3. otherwise an existing file or folder is a user's file;
 4. anything else is an unknown name, refused with the closest names.
@@ -72,6 +73,8 @@ KINDS: dict[str, Kind] = {
     "stacks": Kind("stack", "stack file", (".yaml", ".yml"), "a stack YAML file", aliased=True),
     "topologies": Kind("topology", "topology file", (".yaml", ".yml"), "a path to a topology YAML file"),
     "calibration": Kind("calibration data file"),
+    "lengths": Kind("lengths preset", "lengths file", (".json", ".csv"),
+                    "a lengths JSON written by `sp-plan lengths` or a CSV with header length,count"),
 }
 
 
