@@ -175,7 +175,8 @@ COMPUTE_PARTS = ("gemm_forward", "gemm_backward", "attention_forward", "attentio
 
 #: TrainSpec fields compute time depends on (flops.WORK_FIELDS plus the ones only time reads).
 COMPUTE_FIELDS = ("mode", "micro_batch", "seq_len", "dtype", "attention_kernel", "tp_sequence_parallel",
-                  "checkpointing", "tiled_mlp", "tiled_loss", "document_length", "fp8_linears", "compiled")
+                  "checkpointing", "tiled_mlp", "tiled_loss", "document_length", "data", "fp8_linears",
+                  "compiled")
 
 _COMPUTE: Memo[ComputeTime] = Memo()
 
@@ -379,7 +380,7 @@ def _attention_pass(cc: ComputeContext, gemm_time: Callable[..., float], seq_rin
                     backward: bool) -> tuple[float, float]:
     """(kernel seconds of one attention pass, seconds of the share a transfer can hide behind)."""
     train, hd = cc.train, cc.model.head_dim
-    s, doc = train.seq_len, train.document_length
+    s, doc = train.seq_len, train.attention_document_length
     bh = train.micro_batch * cc.heads
     if train.attention_kernel != "flash":
         big = [(seq_ring * bh, seq_ring, hd), (seq_ring * bh, hd, seq_ring)]  # QK^T, PV (batched)

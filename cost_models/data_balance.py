@@ -70,11 +70,7 @@ class DataShape(BaseModel):
     def equivalent_document_length(self, seq_len: int) -> int | None:
         """The document length whose uniform rows have the sample's mean causal pairs per row (None: one
         document per row, the time model's full causal attention)."""
-        pairs = float(np.mean(_row_pairs(self.rows(seq_len))))
-        if pairs <= 0:
-            return None
-        length = round(2 * pairs / seq_len - 1)
-        return None if length >= seq_len else max(1, length)
+        return _equivalent_length(self, seq_len)
 
     def balance(self, seq_len: int, ring: int, rule: str, dp: int = 1, grad_accum: int = 1,
                 micro_batch: int = 1) -> "Balance":
@@ -144,12 +140,29 @@ def _multiple(rule: str, ring: int) -> int:
     return 2 * ring if rule == "per_document" and ring > 1 else 1
 
 
+@functools.lru_cache(maxsize=256)
+def _equivalent_length(shape: DataShape, seq_len: int) -> int | None:
+    pairs = _mean_row_pairs(shape, seq_len)
+    if pairs <= 0:
+        return None
+    length = round(2 * pairs / seq_len - 1)
+    return None if length >= seq_len else max(1, length)
+
+
+@functools.lru_cache(maxsize=256)
+def _mean_row_pairs(shape: DataShape, seq_len: int) -> float:
+    return float(np.mean(_row_pairs(shape.rows(seq_len))))
+
+
 def _pairs(length: np.ndarray) -> np.ndarray:
     return length * (length + 1) / 2
 
 
 def _row_pairs(rows: tuple[tuple[int, ...], ...]) -> np.ndarray:
-    return np.array([float(_pairs(np.asarray(row, dtype=np.float64)).sum()) for row in rows])
+    """Causal pairs per row (one flat pass: rows hold thousands of short documents)."""
+    flat = np.fromiter((length for row in rows for length in row), dtype=np.float64)
+    row_of = np.repeat(np.arange(len(rows)), [len(row) for row in rows])
+    return np.bincount(row_of, weights=_pairs(flat), minlength=len(rows))
 
 
 def _prefix_pairs(starts: np.ndarray, cum_pairs: np.ndarray, weight: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -203,8 +216,7 @@ def _balance(shape: DataShape, seq_len: int, ring: int, rule: str, dp: int, grad
              micro_batch: int) -> Balance:
     _check_rule(rule, seq_len, ring)
     matrix = _rank_matrix(shape, seq_len, ring, rule)  # (rows, ring)
-    base_rows = shape.rows(seq_len)
-    mean_pairs = float(np.mean(_row_pairs(base_rows)))  # what the equivalent document length prices
+    mean_pairs = _mean_row_pairs(shape, seq_len)  # what the equivalent document length prices
     rows = matrix.shape[0]
     # a micro-batch of b rows: each rank's work sums over its b rows, the busiest rank sets the time
     if micro_batch == 1:
@@ -242,7 +254,7 @@ def check_packing(name: str) -> str:
 def attention_share(model, train) -> float:
     """Attention's share of a row's forward FLOPs at the data's equivalent document length: the weight the
     ``auto`` rule gives attention balance against padding."""
-    doc = train.document_length or train.seq_len
+    doc = train.attention_document_length or train.seq_len
     attention = 4 * model.head_dim * model.num_heads * model.num_layers * train.seq_len * (doc + 1) / 2
     linear = 2 * model.active_params * train.seq_len
     return attention / (attention + linear)

@@ -164,7 +164,7 @@ def _pairs_below(q_lo: float, q_hi: float, k_end: float, window: int) -> float:
 #: TrainSpec fields the work of a micro-batch depends on (the rest, e.g. ZeRO or offloading, moves
 #: bytes but adds no FLOPs): the cache key, so option combinations that differ only elsewhere share it.
 WORK_FIELDS = ("mode", "micro_batch", "seq_len", "dtype", "attention_kernel", "tp_sequence_parallel",
-               "checkpointing", "tiled_mlp", "tiled_loss", "document_length")
+               "checkpointing", "tiled_mlp", "tiled_loss", "document_length", "data")
 
 
 def microbatch_work(model: ModelSpec, train: TrainSpec, layout: Layout) -> MicrobatchWork:
@@ -207,7 +207,7 @@ def _work(model: ModelSpec, tp: int, u: int, r: int, train: TrainSpec) -> Microb
         # (flash_attention_2 needs one head dim: HF pads V, memory/mla_block.py), so executed FLOPs keep 4 hd.
         model_core = 2 * b * (model.mla.qk_head_dim + model.mla.v_head_dim) * model.num_heads / ranks
     # Sliding-window layers count only the pairs inside their window (the mean over the layers' kinds).
-    doc = train.document_length
+    doc = train.attention_document_length
     attn_fwd = attn_core * mean_over_layers(model, s, lambda w: attention_pairs(s, flash, doc, w))
     attn_model = model_core * mean_over_layers(model, s, lambda w: attention_pairs(s, True, doc, w))
 

@@ -83,6 +83,9 @@ class TrainSpec(BaseModel):
         if self.mode == "train" and self.offload_checkpoints and self.checkpointing == "none":
             raise ValueError("offload_checkpoints moves checkpointed block inputs to the host; it needs "
                              "checkpointing 'selective' or 'full'")
+        if self.data is not None and self.document_length is not None:
+            raise ValueError("document_length and data (--lengths) both describe the documents; give one: the "
+                             "length distribution prices the packed rows as they are")
         if self.document_length is not None and self.document_length > self.seq_len:
             raise ValueError(f"document_length={self.document_length} exceeds seq_len={self.seq_len}; leave it unset "
                              "for one document per sequence")
@@ -104,6 +107,14 @@ class TrainSpec(BaseModel):
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def attention_document_length(self) -> int | None:
+        """The document length attention is priced at: the data's equivalent length (``--lengths``), else
+        ``document_length`` (None: one document per sequence)."""
+        if self.data is not None:
+            return self.data.equivalent_document_length(self.seq_len)
+        return self.document_length
 
     @property
     def is_training(self) -> bool:

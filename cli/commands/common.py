@@ -27,6 +27,7 @@ from sp_plan.cli.autoconfig import load_config_file
 from sp_plan.cli.hub import is_hub_id, load_hub_model
 
 if TYPE_CHECKING:
+    from sp_plan.cost_models.data_balance import DataShape
     from sp_plan.cost_models.profile import CostProfile
     from sp_plan.cost_models.topology import Topology
 
@@ -169,6 +170,24 @@ STACK_OPTIONS = (
 )
 
 
+#: The training data's lengths (issue 32): plan on the packed rows of the user's distribution.
+DATA_OPTIONS = (
+    click.option("--lengths", "lengths", default=None, metavar="FILE|PRESET",
+                 help="Document-length distribution of the training data: a file from `sp-plan lengths`, a CSV "
+                      "with header length,count, or a preset (`sp-plan lengths --show PRESET`). Documents are "
+                      "packed into --seq-len rows with document masking, and attention is priced on the packed "
+                      "rows' busiest rank."),
+    click.option("--packing", type=click.Choice(["stream", "first_fit", "sorted"]), default=None,
+                 help="How --lengths documents become rows: stream (concatenate and cut), first_fit (whole "
+                      "documents, data order), sorted (first-fit longest first). Default: first_fit."),
+    click.option("--sharding", "sequence_sharding", type=click.Choice(["auto", "zigzag", "per_document"]),
+                 default=None,
+                 help="How a packed row is split over the ring ranks: zigzag over the row, per_document (every "
+                      "document in 2 x ring head-tail chunks), or auto (the faster at each ring degree; the "
+                      "default). Needs --lengths."),
+)
+
+
 def memory_technique_options(func: Callable) -> Callable:
     for option in reversed(MEMORY_TECHNIQUE_OPTIONS):
         func = option(func)
@@ -208,6 +227,7 @@ def _model_options(func: Callable, seq_len_required: bool) -> Callable:
         click.option("--document-length", type=SEQ_LEN, default=None,
                      help="Packed sequences with document masking: typical document length in tokens "
                           "(attention stays inside a document; default: one document per sequence)."),
+        *DATA_OPTIONS,
         *PIPELINE_OPTIONS,
         click.option("--fp8-linears", is_flag=True, help="Float8 linear layers (torchao / TransformerEngine style)."),
         click.option("--compiled", is_flag=True, help="The transformer blocks run under torch.compile."),
@@ -341,8 +361,32 @@ def _refuse_training_only_under_prefill(kwargs: dict[str, Any]) -> None:
                              f"{'it' if len(typed) == 1 else 'them'}, or plan --mode train")
 
 
+def data_shape(lengths: str | None, packing: str | None, sharding: str | None,
+               document_length: int | None) -> "DataShape | None":
+    """The ``--lengths`` distribution with its packing and sharding rule (None without ``--lengths``)."""
+    if lengths is None:
+        given = [flag for flag, value in (("--packing", packing), ("--sharding", sharding)) if value is not None]
+        if given:
+            raise CostModelError(f"{' and '.join(given)} shape how documents are packed and sharded: give the data's "
+                                 "lengths with --lengths FILE|PRESET (see `sp-plan lengths --help`)")
+        return None
+    if document_length is not None:
+        raise CostModelError("--document-length and --lengths both describe the documents: give one (--lengths "
+                             "prices the packed rows of the whole distribution)")
+    from sp_plan.cost_models.data_balance import DataShape
+    from sp_plan.cost_models.lengths import load_lengths
+
+    histogram = load_lengths(lengths)
+    return DataShape(bins=histogram.bins, packing=packing or "first_fit", sharding=sharding or "auto",
+                     source=histogram.source or lengths)
+
+
 def build_train(**kwargs: Any) -> TrainSpec:
     _refuse_training_only_under_prefill(kwargs)
+    data = data_shape(kwargs.pop("lengths", None), kwargs.pop("packing", None), kwargs.pop("sequence_sharding", None),
+                      kwargs.get("document_length"))
+    if data is not None:
+        kwargs["data"] = data
     if "pipeline_schedule" in kwargs and kwargs["pipeline_schedule"] is None:  # --schedule not given
         kwargs["pipeline_schedule"] = "interleaved_1f1b" if kwargs.get("virtual_stages", 1) > 1 else "1f1b"
     try:
@@ -464,6 +508,9 @@ TRAIN_KEYS = (
     "tiled_loss",
     "attention_kernel",
     "document_length",
+    "lengths",
+    "packing",
+    "sequence_sharding",
     "fp8_linears",
     "compiled",
     "pipeline_schedule",

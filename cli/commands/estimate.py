@@ -20,6 +20,7 @@ from sp_plan.cost_models.text_table import Column, format_table
 from sp_plan.cost_models.train_spec import TrainSpec
 from sp_plan.cost_models.units import GB, GiB, format_tokens
 
+from sp_plan.planner.data_report import data_lines, data_summary
 from sp_plan.planner.sanity import check_figures
 from sp_plan.planner.search import DEFAULT_HEADROOM
 from ..plots import check_plot_path, draw_estimate_memory
@@ -55,6 +56,12 @@ def _with_stack_split(model: ModelSpec, train: TrainSpec, layout: Layout, profil
 def run_estimate(model_name: str, gpus: int | None, gpus_per_node: int | None, gpu_name: str,
                  topology_ref: str | None, options: dict[str, Any]) -> Estimate:
     """Build the specs from CLI values and estimate; pydantic errors become one-line CostModelErrors."""
+    return estimate_with_inputs(model_name, gpus, gpus_per_node, gpu_name, topology_ref, options)[0]
+
+
+def estimate_with_inputs(model_name: str, gpus: int | None, gpus_per_node: int | None, gpu_name: str,
+                         topology_ref: str | None, options: dict[str, Any]) -> tuple[Estimate, ModelSpec, TrainSpec, Layout]:
+    """:func:`run_estimate` with the model, training spec and layout it priced (the data report reads them)."""
     try:
         train_kwargs, layout_kwargs = split_options(options)
         model = build_model(model_name)
@@ -64,7 +71,8 @@ def run_estimate(model_name: str, gpus: int | None, gpus_per_node: int | None, g
         check_pipeline_flags_need_pp(layout.pp, options.get("pipeline_schedule"), options.get("virtual_stages", 1))
         profile = build_profile(topology.gpu.name, options.get("stack"), options.get("calibration"),
                                 build_assume(options.get("assume", ())))
-        return estimate(model, _with_stack_split(model, train, layout, profile), layout, topology, profile=profile)
+        train = _with_stack_split(model, train, layout, profile)
+        return estimate(model, train, layout, topology, profile=profile), model, train, layout
     except ValidationError as exc:
         raise explain_validation_error(exc, "input") from exc
 
@@ -88,17 +96,20 @@ def command(model_name: str, gpus: int | None, gpus_per_node: int | None, gpu_na
     layer and per step, and the predicted step time, tokens/s and MFU on the topology."""
     check_output_path(plot_file, "--plot")
     check_plot_path(plot_file)
-    result = run_estimate(model_name, gpus, gpus_per_node, gpu_name, topology_ref, options)
+    result, model, train, layout = estimate_with_inputs(model_name, gpus, gpus_per_node, gpu_name, topology_ref, options)
     data = result.to_json_dict()
+    lengths = data_summary(model, train, layout, result)
+    if lengths is not None:
+        data["data"] = lengths
     check_figures(data, "the estimate")  # never print a NaN or a 10^297 s step as an answer
     if plot_file:
         draw_estimate_memory(result, plot_file, headroom=DEFAULT_HEADROOM)
     if as_json:
         click.echo(strict_dumps(data, indent=2))
     elif explain_time:
-        click.echo(render_time_explanation(result))
+        click.echo("\n".join([render_time_explanation(result), *data_lines(model, train, layout, result)]))
     else:
-        click.echo(render_table(result))
+        click.echo("\n".join([render_table(result), *data_lines(model, train, layout, result)]))
     if plot_file:
         click.echo(f"wrote {plot_file}", err=True)
 

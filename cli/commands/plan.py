@@ -15,6 +15,7 @@ from sp_plan.cost_models.layout import Layout
 from sp_plan.planner.capacity import probe_feasibility
 from sp_plan.planner.errors import PlannerError
 from sp_plan.planner.plan import plan_from_ranked
+from sp_plan.planner.data_report import data_lines
 from sp_plan.planner.report import explain_rejections, explain_winner, family_champions, headline, render_table, compare
 from sp_plan.planner.sanity import check_figures
 from sp_plan.planner.search import DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_HEADROOM, PlanSettings, SearchResult, search
@@ -97,9 +98,20 @@ def settings_from(ctx: click.Context, options: dict[str, Any], top: int = 5) -> 
     return settings, train_kwargs, fixed_layout
 
 
-def result_json(result: SearchResult, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def _with_data(plan, model) -> dict[str, Any]:
+    """A plan's JSON, with what its data does at its layout when planned from ``--lengths``."""
+    from sp_plan.planner.data_report import data_summary
+
+    out = plan.to_json_dict()
+    summary = None if model is None else data_summary(model, plan.train, plan.layout, plan.estimate)
+    if summary is not None:
+        out["data"] = summary
+    return out
+
+
+def result_json(result: SearchResult, extra: dict[str, Any] | None = None, model=None) -> dict[str, Any]:
     data = {
-        "plans": [p.to_json_dict() for p in result.plans],
+        "plans": [_with_data(p, model) for p in result.plans],
         "rejected": [r.model_dump(exclude_none=True) for r in result.rejected],
         "stats": result.stats.model_dump(),
         "global_batch_sequences": result.global_batch_sequences,
@@ -161,10 +173,12 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
     if plot_file:
         draw_plan_times(result.plans, plot_file, f"{model.name} on {gpus} x {topology.gpu.name}")
     if as_json:
-        click.echo(strict_dumps(result_json(result), indent=2), err=to_stdout)
+        click.echo(strict_dumps(result_json(result, model=model), indent=2), err=to_stdout)
     else:
+        best = result.plans[0]
+        price = _pricer(model, best.layout, topology, settings) if explain else None
         lines = [headline(model, train, topology, gpus, result), *render_table(result.plans, train.mode), "",
-                 *explanation]
+                 *explanation, *data_lines(model, best.train, best.layout, best.estimate, price)]
         if explain:
             lines += ["", *explain_alternatives(model, train, topology, settings, result, gpus)]
         s = result.stats
@@ -177,6 +191,25 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
         click.echo(f"wrote plan to {out_file}", err=True)
     if plot_file:
         click.echo(f"wrote {plot_file}", err=True)
+
+
+def _pricer(model, layout, topology, settings: PlanSettings):
+    """Prices a variant of the recommended run at its layout (the data report's alternatives), None when it
+    does not fit or is invalid there."""
+    from sp_plan.cost_models.errors import CostModelError
+    from sp_plan.cost_models.estimate import estimate
+    from sp_plan.planner.search import resolve_settings
+
+    profile = resolve_settings(settings, topology.gpu.name).profile
+
+    def price(train):
+        try:
+            result = estimate(model, train, layout, topology, profile=profile)
+        except CostModelError:
+            return None
+        return result if result.fits else None
+
+    return price
 
 
 def explain_alternatives(model, train, topology, settings: PlanSettings, result: SearchResult, world: int) -> list[str]:

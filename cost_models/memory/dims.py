@@ -97,7 +97,7 @@ class LocalDims:
 
 
 #: TrainSpec fields local shapes depend on: the memo key (see :mod:`sp_plan.cost_models.memo`).
-DIMS_FIELDS = ("micro_batch", "seq_len", "tp_sequence_parallel", "dtype", "document_length")
+DIMS_FIELDS = ("micro_batch", "seq_len", "tp_sequence_parallel", "dtype", "document_length", "data")
 _DIMS: Memo[LocalDims] = Memo()
 
 
@@ -137,7 +137,7 @@ def _local_dims(model: ModelSpec, train: TrainSpec, layout: Layout) -> LocalDims
         ring=r,
         tp=tp,
         sequence_parallel=sequence_parallel,
-        sequences=train.micro_batch * (ceil_div(train.seq_len // r, train.document_length)
-                                       if train.document_length else 1),
+        sequences=train.micro_batch * (ceil_div(train.seq_len // r, train.attention_document_length)
+                                       if train.attention_document_length else 1),
         ep=layout.ep,
     )

@@ -94,7 +94,7 @@ class RingAttention(Strategy):
         b, s, hd = train.micro_batch, train.seq_len, model.head_dim
         bh = b * cc.heads
         c = s / (2 * r)
-        doc = train.document_length
+        doc = train.attention_document_length
         steps = r  # steps with attention work (and an LSE merge)
         if doc is not None and doc < 2 * c:
             kernel = windowed_attention_seconds(cc.attention_seconds, cc.attention.launch_s, bh * 2 * c / doc, doc, window, backward)
