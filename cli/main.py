@@ -27,6 +27,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("validate", "Run a few steps of a plan and compare measured with predicted."),
     "train": ("train", "Train with sp-plan's runtime, from a plan file or planning in place (needs torch)."),
     "calibrate": ("calibrate", "Fit efficiencies and overheads to your measured runs; write a calibration file."),
+    "lengths": ("lengths", "Measure a dataset's document lengths (or show a lengths file or preset)."),
 }
 
 
