@@ -71,6 +71,32 @@ def ring_local_segments(seq_len: int, ring: int, ring_rank: int) -> list[Segment
     return [(ring_rank * chunk, chunk), ((2 * ring - 1 - ring_rank) * chunk, chunk)]
 
 
+#: How a row is split over the ring ranks: ``zigzag`` over the whole row, or ``per_document`` (chunks r and
+#: 2R-1-r of every document of a packed row: balanced for any mix of document lengths).
+SHARDINGS: tuple[str, ...] = ("zigzag", "per_document")
+
+
+def per_document_segments(bounds_row: tuple[int, ...], ring: int, ring_rank: int, ulysses: int,
+                          ulysses_rank: int) -> list[Segment]:
+    """The per-document shard of one packed row with document boundaries ``bounds_row`` (0, ..., seq_len):
+    ring rank r takes chunks r and 2R-1-r of each document's 2R chunks (every document a multiple of 2R,
+    as :class:`sp_plan.runtime.data.BatchSharder` pads them), Ulysses rank u the u-th 1/U of that."""
+    seq_len = bounds_row[-1]
+    check_seq_len(seq_len, ring, ulysses)
+    chunks = 2 * ring
+    runs: list[Segment] = []
+    for lo, hi in zip(bounds_row, bounds_row[1:]):
+        if (hi - lo) % chunks:
+            raise RuntimeConfigError(
+                f"per-document sharding needs every document's length to be a multiple of 2 x ring = {chunks}, got "
+                f"{hi - lo} tokens: prepare the batch with BatchSharder(sp) (it pads each document)")
+        c = (hi - lo) // chunks
+        if c:
+            runs += [(lo + ring_rank * c, c), (lo + (chunks - 1 - ring_rank) * c, c)]
+    piece = seq_len // ring // ulysses
+    return _take(runs, ulysses_rank * piece, piece)
+
+
 def shard_segments(seq_len: int, ring: int, ring_rank: int, ulysses: int, ulysses_rank: int) -> list[Segment]:
     """Global (start, length) runs of the tokens this rank holds, in local order (the shard function)."""
     check_seq_len(seq_len, ring, ulysses)
@@ -122,7 +148,11 @@ class SequenceParallel:
         ring_group: dist.ProcessGroup | None = None,
         *,
         backend: str | None = None,
+        sharding: str = "zigzag",
     ) -> None:
+        if sharding not in SHARDINGS:
+            raise RuntimeConfigError(f"unknown sequence sharding {sharding!r}: choose one of {', '.join(SHARDINGS)}")
+        self.sharding = sharding
         self.ulysses_group = ulysses_group if _group_size(ulysses_group) > 1 else None
         self.ring_group = ring_group if _group_size(ring_group) > 1 else None
         self.ulysses_size, self.ulysses_rank = _group_size(self.ulysses_group), _group_rank(self.ulysses_group)
@@ -136,11 +166,12 @@ class SequenceParallel:
         ring_group: dist.ProcessGroup | None = None,
         *,
         backend: str | None = None,
+        sharding: str = "zigzag",
     ) -> SequenceParallel:
-        return cls(ulysses_group, ring_group, backend=backend)
+        return cls(ulysses_group, ring_group, backend=backend, sharding=sharding)
 
     @classmethod
-    def from_mesh(cls, mesh, *, backend: str | None = None) -> SequenceParallel:
+    def from_mesh(cls, mesh, *, backend: str | None = None, sharding: str = "zigzag") -> SequenceParallel:
         """From a :class:`sp_plan.runtime.mesh.RuntimeMesh` or a DeviceMesh naming ``ulysses`` and/or ``ring`` dims."""
         device_mesh = getattr(mesh, "device_mesh", mesh)
         names = tuple(device_mesh.mesh_dim_names or ())
@@ -150,7 +181,7 @@ class SequenceParallel:
                 "sp_plan.runtime.mesh.build_mesh or name the sequence-parallel dims 'ulysses' and 'ring'"
             )
         groups = {name: device_mesh[name].get_group() if name in names else None for name in ("ulysses", "ring")}
-        return cls(groups["ulysses"], groups["ring"], backend=backend)
+        return cls(groups["ulysses"], groups["ring"], backend=backend, sharding=sharding)
 
     # ----- layout ----------------------------------------------------------------------------
     @property
@@ -170,8 +201,23 @@ class SequenceParallel:
     def segments(self, seq_len: int) -> list[Segment]:
         return shard_segments(seq_len, self.ring_size, self.ring_rank, self.ulysses_size, self.ulysses_rank)
 
-    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """This rank's shard of the full-sequence tensor ``x`` (sequence along ``dim``); differentiable."""
+    @property
+    def per_document(self) -> bool:
+        """Whether packed rows are split per document (only a ring splits rows; Ulysses splits heads)."""
+        return self.sharding == "per_document" and self.ring_size > 1
+
+    def document_segments(self, documents) -> list[list[Segment]]:
+        """Per row, the global runs this rank holds of a packed batch with per-row boundaries ``documents``
+        (:func:`sp_plan.runtime.attention.documents.row_bounds`) under the per-document rule."""
+        return [per_document_segments(tuple(row), self.ring_size, self.ring_rank, self.ulysses_size, self.ulysses_rank)
+                for row in documents]
+
+    def shard(self, x: torch.Tensor, dim: int = 1, documents=None) -> torch.Tensor:
+        """This rank's shard of the full-sequence tensor ``x`` (sequence along ``dim``); differentiable.
+        ``documents``: the per-row document boundaries of a packed ``(batch, seq, ...)`` tensor, needed by
+        the per-document rule (rows of one document each are split as zigzag)."""
+        if self.per_document and documents is not None:
+            return self._shard_per_document(x, dim, documents)
         if not isinstance(x, torch.Tensor):
             raise RuntimeConfigError(f"SequenceParallel.shard expects a torch.Tensor, got {type(x).__name__}")
         if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < max(x.dim(), 1) or x.dim() == 0:
@@ -183,12 +229,24 @@ class SequenceParallel:
         pieces = [x.narrow(dim, start, length) for start, length in runs]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
+    def _shard_per_document(self, x: torch.Tensor, dim: int, documents) -> torch.Tensor:
+        if dim != 1 or x.dim() < 2 or x.shape[0] != len(documents):
+            raise RuntimeConfigError(
+                f"per-document sharding splits (batch, seq, ...) tensors along dim 1 with one boundary row per batch "
+                f"row; got dim {dim} of shape {tuple(x.shape)} with {len(documents)} rows of documents")
+        rows = []
+        for row, runs in enumerate(self.document_segments(documents)):
+            rows.append(torch.cat([x[row].narrow(0, start, length) for start, length in runs], dim=0))
+        return torch.stack(rows)
+
     def positions(self, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Global position ids (int64) of this rank's local tokens, in local order."""
         return torch.cat([torch.arange(s, s + n, device=device) for s, n in self.segments(seq_len)])
 
-    def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    def gather(self, x: torch.Tensor, dim: int = 1, documents=None) -> torch.Tensor:
         """Inverse of :meth:`shard`: the full sequence on every rank (differentiable, all-gathers)."""
+        if self.per_document and documents is not None:
+            return self._gather_per_document(x, dim, documents)
         local = x.shape[dim]
         if self.ulysses_group is not None:
             x = _AllGather.apply(x, self.ulysses_group, dim)  # the ring-local sequence, in order
@@ -204,6 +262,26 @@ class SequenceParallel:
                 offset += length
         placed.sort(key=lambda item: item[0])
         return torch.cat([piece for _, piece in placed], dim=dim)
+
+    def _gather_per_document(self, x: torch.Tensor, dim: int, documents) -> torch.Tensor:
+        if dim != 1:
+            raise RuntimeConfigError(f"per-document gather works along dim 1 of (batch, seq, ...) tensors, got dim {dim}")
+        parts = x
+        if self.ulysses_group is not None:
+            parts = _AllGather.apply(parts, self.ulysses_group, 1)
+        parts = _AllGather.apply(parts, self.ring_group, 1)  # ring-local sequences by ring rank
+        ring_local = parts.shape[1] // self.ring_size
+        rows = []
+        for row, bounds in enumerate(documents):
+            placed = []
+            for ring_rank in range(self.ring_size):
+                offset = ring_rank * ring_local
+                for start, length in per_document_segments(tuple(bounds), self.ring_size, ring_rank, 1, 0):
+                    placed.append((start, parts[row].narrow(0, offset, length)))
+                    offset += length
+            placed.sort(key=lambda item: item[0])
+            rows.append(torch.cat([piece for _, piece in placed], dim=0))
+        return torch.stack(rows)
 
     # ----- attention ---------------------------------------------------------------------------
     def attention(
@@ -224,14 +302,18 @@ class SequenceParallel:
         backend = self.backend
         if self.ulysses_group is not None and self.ring_group is not None:
             return usp_attention(q, k, v, self.ulysses_group, self.ring_group, causal=causal, scale=scale,
-                                 backend=backend, cu_seqlens=cu_seqlens)
+                                 backend=backend, cu_seqlens=cu_seqlens, layout=self._ring_layout)
         if self.ulysses_group is not None:
             return ulysses_attention(q, k, v, self.ulysses_group, causal=causal, scale=scale, backend=backend,
                                      cu_seqlens=cu_seqlens)
         if self.ring_group is not None:
             return ring_attention(q, k, v, self.ring_group, causal=causal, scale=scale, backend=backend,
-                                  layout="zigzag", cu_seqlens=cu_seqlens)
+                                  layout=self._ring_layout, cu_seqlens=cu_seqlens)
         return local_attention(q, k, v, causal=causal, scale=scale, backend=backend, cu_seqlens=cu_seqlens)
+
+    @property
+    def _ring_layout(self) -> str:
+        return "per_document" if self.sharding == "per_document" else "zigzag"
 
     def __repr__(self) -> str:
         return (

@@ -235,6 +235,10 @@ class BatchSharder:
             if not self.labels_shifted:  # the last real token must not predict the first pad
                 labels[:, :-1].masked_fill_(pad[:, 1:], IGNORE_INDEX)
         full = {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
+        documents = starts is not None and bool(starts.any()) and not self.cross_document_attention
+        if documents and getattr(self.sp, "per_document", False):
+            full, starts = pad_documents(full, starts, 2 * self.sp.ring_size, self.seq_multiple, self.pad_token_id)
+            seq = full["input_ids"].shape[1]
         full = pad_to_multiple(full, self.seq_multiple, self.pad_token_id)
         if starts is not None and bool(starts.any()) and not self.cross_document_attention:
             padded = full["input_ids"].shape[1]
@@ -245,8 +249,12 @@ class BatchSharder:
     def shard(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's shard of an already prepared (shifted, padded) full batch."""
         out = {}
+        documents = None
+        if getattr(self.sp, "per_document", False) and full.get(DOCUMENTS_KEY) is not None:
+            batch, seq = full["input_ids"].shape
+            documents = row_bounds(full[DOCUMENTS_KEY], batch, seq)
         for key in BATCH_KEYS:
-            local = self.sp.shard(full[key], dim=1)
+            local = self.sp.shard(full[key], dim=1) if documents is None else self.sp.shard(full[key], 1, documents)
             # Always a copy: a narrow view would keep the whole batch alive (autograd saves the token ids).
             out[key] = local.to(self.device if self.device is not None else local.device, copy=True)
         if full.get(DOCUMENTS_KEY) is not None:
@@ -255,6 +263,61 @@ class BatchSharder:
 
     def __call__(self, batch: Any) -> dict[str, torch.Tensor]:
         return self.shard(self.prepare(batch))
+
+
+def pad_documents(full: dict[str, torch.Tensor], starts: torch.Tensor, multiple: int, row_multiple: int,
+                  pad_token_id: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Every document of every packed row padded to a multiple of ``multiple`` tokens (the per-document
+    sharding rule's 2 x ring chunks), and every row to one length, a multiple of ``row_multiple``.
+
+    A document's pad tokens follow it inside the document (causal: no real token sees them), with labels
+    :data:`IGNORE_INDEX` and positions continuing the document's; the row's end padding is a document of its
+    own. Returns the padded batch and its document starts."""
+    input_ids, positions, labels = full["input_ids"], full["position_ids"], full["labels"]
+    batch, seq = input_ids.shape
+    plans = []
+    for row in range(batch):
+        bounds = [0, *starts[row].nonzero().flatten().tolist(), seq]
+        index, new_starts = [], []
+        for lo, hi in zip(bounds, bounds[1:]):
+            if hi <= lo:
+                continue
+            new_starts.append(len(index))
+            padded = -(-(hi - lo) // multiple) * multiple
+            index += list(range(lo, hi)) + [-(p + 1) for p in range(padded - (hi - lo))]  # -k: k-th pad after hi-1
+        plans.append((index, new_starts))
+    length = max(len(index) for index, _ in plans)
+    length = -(-length // row_multiple) * row_multiple
+    out = {key: torch.empty(batch, length, dtype=value.dtype, device=value.device) for key, value in full.items()}
+    new = torch.zeros(batch, length, dtype=torch.bool)
+    for row, (index, new_starts) in enumerate(plans):
+        if len(index) < length:
+            new_starts.append(len(index))
+        src = torch.tensor([i if i >= 0 else 0 for i in index], dtype=torch.long)
+        real = torch.tensor([i >= 0 for i in index], dtype=torch.bool)
+        last = torch.tensor([i for i in index], dtype=torch.long)
+        n = len(index)
+        out["input_ids"][row, :n] = torch.where(real.to(input_ids.device), input_ids[row, src.to(input_ids.device)],
+                                                torch.full((), pad_token_id, dtype=input_ids.dtype, device=input_ids.device))
+        out["labels"][row, :n] = torch.where(real.to(labels.device), labels[row, src.to(labels.device)],
+                                             torch.full((), IGNORE_INDEX, dtype=labels.dtype, device=labels.device))
+        # a pad continues its document's positions: the position of the document's last token plus k
+        pos = positions[row].to("cpu")
+        row_pos = torch.empty(n, dtype=pos.dtype)
+        previous = None
+        for j, i in enumerate(last.tolist()):
+            if i >= 0:
+                row_pos[j] = pos[i]
+                previous = pos[i]
+            else:
+                row_pos[j] = previous + (-i)
+        out["position_ids"][row, :n] = row_pos.to(positions.device)
+        if n < length:  # the row's end padding: its own document
+            out["input_ids"][row, n:] = pad_token_id
+            out["labels"][row, n:] = IGNORE_INDEX
+            out["position_ids"][row, n:] = torch.arange(length - n, dtype=positions.dtype, device=positions.device)
+        new[row, [s for s in new_starts if s > 0]] = True
+    return out, new
 
 
 def valid_tokens(labels: torch.Tensor) -> int:

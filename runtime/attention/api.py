@@ -162,8 +162,10 @@ def usp_attention(
     scale: float | None = None,
     backend: str | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    layout: str = "zigzag",
 ) -> torch.Tensor:
-    """Exact attention with the sequence split over ring x ulysses (USP layout).
+    """Exact attention with the sequence split over ring x ulysses (USP layout; ``layout`` is the ring's:
+    ``"zigzag"``, or ``"per_document"`` for packed rows sharded per document).
 
     q ``(B, s, H, D)``, k/v ``(B, s, KVH, D)`` with s = S / (R*U) tokens in the USP layout. Query heads
     must divide by U; KV heads are split or replicated as in :func:`ulysses_attention`. ``cu_seqlens``:
@@ -172,6 +174,6 @@ def usp_attention(
     # The Ulysses step checks agreement over the whole ring x ulysses grid (both groups, one verdict), so the
     # ring step only runs its local checks: any problem anywhere raises on every rank, none waits.
     grid = dist.get_world_size(ulysses_group) > 1 and dist.get_world_size(ring_group) > 1
-    inner = functools.partial(ring_attention, group=ring_group, layout="zigzag", _agreed=grid)
+    inner = functools.partial(ring_attention, group=ring_group, layout=layout, _agreed=grid)
     return ulysses_attention(q, k, v, ulysses_group, causal=causal, scale=scale, backend=backend, inner=inner,
                              cu_seqlens=cu_seqlens, _outer=group_name(ring_group) if grid else "")

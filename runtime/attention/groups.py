@@ -42,7 +42,7 @@ _DIMS = 4
 _DTYPES: tuple[torch.dtype, ...] = SUPPORTED_DTYPES
 _NAMES = ("q", "k", "v")
 _DEVICE_TYPES = ("cpu", "cuda")
-_LAYOUTS = {None: 0, "zigzag": 1, "contiguous": 2}
+_LAYOUTS = {None: 0, "zigzag": 1, "contiguous": 2, "per_document": 3}
 #: Layout of the descriptor after the per-tensor (ndim, 4 dims) blocks.
 _DTYPE, _DEVICE, _LAYOUT, _CAUSAL, _SCALE, _DOCS, _GRAD, _PROBLEM = range(_MAX_TENSORS * (_DIMS + 1),
                                                                          _MAX_TENSORS * (_DIMS + 1) + 8)
@@ -237,7 +237,7 @@ def _held(row: list[int]) -> str:
 def _decoded(row: list[int]) -> dict[str, object]:
     dtype = str(_DTYPES[row[_DTYPE]]).removeprefix("torch.") if row[_DTYPE] < len(_DTYPES) else "other"
     device = _DEVICE_TYPES[row[_DEVICE]] if row[_DEVICE] < len(_DEVICE_TYPES) else "other"
-    layout = {0: "none", 1: "zigzag", 2: "contiguous"}.get(row[_LAYOUT], "other")
+    layout = {0: "none", 1: "zigzag", 2: "contiguous", 3: "per_document"}.get(row[_LAYOUT], "other")
     scale = struct.unpack("<d", struct.pack("<q", row[_SCALE]))[0]
     docs = "none" if row[_DOCS] == 0 else f"boundaries #{row[_DOCS] % 100000:05d}"
     return {"dtype": dtype, "device type": device, "layout": layout, "causal": bool(row[_CAUSAL]),

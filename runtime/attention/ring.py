@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from sp_plan.runtime import comm_counter
 from sp_plan.runtime.attention.documents import (
+    Pair,
     RowBounds,
     block_pairs,
     documents_backward,
@@ -82,7 +83,7 @@ _DKV_TAG = 1
 _V_TAG = 2
 
 #: Sequence layouts a causal (or document-masked) ring call may declare.
-LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
+LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous", "per_document")
 
 
 class _Pending:
@@ -157,9 +158,48 @@ class _Step(NamedTuple):
     pairs: tuple | None  # document sub-blocks (None: no documents, one kernel call)
 
 
+def per_document_pairs(bounds: RowBounds, rank: int, source: int, world: int, causal: bool) -> tuple[Pair, ...]:
+    """The sub-blocks of ring ``rank``'s queries against ring ``source``'s keys under the per-document layout:
+    each document (its length a multiple of 2P, as the sharder pads it) in 2P chunks, rank r holding chunks r
+    and 2P-1-r of every document, so the doc's rows sit at the same local offset on every rank. Per document:
+    the diagonal step is the causal square; an earlier source's head chunk is visible to all of the document's
+    queries; a later source's two chunks are visible to the document's tail chunk (the module docstring's
+    zigzag rule, applied inside every document)."""
+    chunks = 2 * world
+    pairs = []
+    for row, bounds_row in enumerate(bounds):
+        offset = 0
+        for lo, hi in zip(bounds_row, bounds_row[1:]):
+            length = hi - lo
+            if length % chunks:
+                raise RuntimeConfigError(
+                    f"per-document ring sharding needs every document's length to be a multiple of 2 x ring = {chunks}, "
+                    f"got a document of {length} tokens: shard the batch with BatchSharder(sharding='per_document'), "
+                    "which pads each document")
+            c = length // chunks
+            if c == 0:
+                continue
+            if not causal or source == rank:
+                pairs.append(Pair(row, offset, offset + 2 * c, offset, offset + 2 * c, causal))
+            elif source < rank:
+                pairs.append(Pair(row, offset, offset + 2 * c, offset, offset + c, False))
+            else:
+                pairs.append(Pair(row, offset + c, offset + 2 * c, offset, offset + 2 * c, False))
+            offset += 2 * c
+    return tuple(pairs)
+
+
 def _steps(comm: RingComm, causal: bool, layout: str | None, local_seq: int,
            bounds: RowBounds | None) -> list[_Step | None]:
     steps: list[_Step | None] = []
+    if layout == "per_document" and bounds is not None:
+        for step in range(comm.world):
+            source = (comm.rank - step) % comm.world
+            pairs = per_document_pairs(bounds, comm.rank, source, comm.world, causal)
+            steps.append(_Step(_ALL, _ALL, causal and step == 0, pairs) if pairs else None)
+        return steps
+    if layout == "per_document":  # one document per row: the per-document split is the zigzag one
+        layout = "zigzag"
     mine = ring_runs(layout, comm.rank, comm.world, local_seq) if bounds is not None else None
     for step in range(comm.world):
         plan = block_plan(step, comm.rank, comm.world, causal, local_seq, layout)
@@ -297,7 +337,8 @@ def check_layout(layout: str | None, causal: bool, world: int, documents: bool) 
         raise RuntimeConfigError(
             f"{why} ring attention needs to know how the sequence was split across the {world} ring ranks: pass "
             "layout='zigzag' (the load-balanced layout of sp_plan.runtime.context.shard_segments / SequenceParallel.shard: "
-            "rank r holds chunks r and 2P-1-r of 2P) or layout='contiguous' (rank r holds the r-th contiguous 1/P); "
+            "rank r holds chunks r and 2P-1-r of 2P), layout='per_document' (the same inside every document) or "
+            "layout='contiguous' (rank r holds the r-th contiguous 1/P); "
             "SequenceParallel.attention passes it for you"
         )
 
@@ -308,7 +349,7 @@ def check_ring_shapes(q: torch.Tensor, k: torch.Tensor, world: int, causal: bool
             f"ring attention needs local q and k/v shards of equal length (self-attention), got "
             f"{q.shape[1]} and {k.shape[1]} tokens"
         )
-    if layout == "zigzag" and q.shape[1] % 2:
+    if layout in ("zigzag", "per_document") and q.shape[1] % 2:
         raise RuntimeConfigError(
             f"zigzag causal ring attention needs an even local sequence (two chunks per rank), got "
             f"{q.shape[1]} tokens: pad the sequence to a multiple of 2 x ring = {2 * world}"
