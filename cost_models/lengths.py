@@ -27,7 +27,6 @@ import math
 from collections.abc import Iterable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
 from sp_plan.cost_models.errors import CostModelError, explain_validation_error
 from sp_plan.cost_models.units import MAX_SEQ_LEN
 
@@ -180,8 +179,7 @@ class LengthAccumulator:
                                      "it; drop it from the dataset")
             self.documents += 1
             self.tokens += length
-            if length > self.longest:
-                self.longest = length
+            self.longest = max(self.longest, length)
             if length <= EXACT_MAX:
                 exact[length] += 1
             else:

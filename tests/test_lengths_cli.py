@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from sp_plan.cli.main import main
 from sp_plan.cost_models import data as shipped
 from sp_plan.cost_models.errors import CostModelError
@@ -29,7 +28,7 @@ from sp_plan.cost_models.units import MAX_SEQ_LEN
 pytest.importorskip("datasets")
 pytest.importorskip("transformers")
 
-WORDS = "sequence parallel ring ulysses token loss plan mesh shard gather attention zigzag".split()
+WORDS = ["sequence", "parallel", "ring", "ulysses", "token", "loss", "plan", "mesh", "shard", "gather", "attention", "zigzag"]
 
 
 def console(args: list[str], capsys) -> tuple[int, str, str]:
@@ -48,7 +47,6 @@ def corpus(tmp_path_factory):
     """A tokenizer, the documents (long-tailed, a few above EXACT_MAX tokens) and the same data as JSON lines,
     parquet and a save_to_disk folder."""
     import datasets
-
     from sp_plan.runtime.text_data import build_bpe_tokenizer, load_tokenizer
 
     root = tmp_path_factory.mktemp("lengths")
@@ -60,8 +58,7 @@ def corpus(tmp_path_factory):
     tokenizer = load_tokenizer(str(root / "tok"))
     lengths = [len(tokenizer(d, add_special_tokens=False)["input_ids"]) for d in docs]
     with open(root / "docs.jsonl", "w", encoding="utf-8") as handle:
-        for i, d in enumerate(docs):
-            handle.write(json.dumps({"id": i, "text": d}) + "\n")
+        handle.writelines(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(docs))
     ds = datasets.Dataset.from_dict({"id": list(range(len(docs))), "text": docs})
     ds.to_parquet(str(root / "docs.parquet"))
     ds.save_to_disk(str(root / "saved"))
@@ -195,7 +192,7 @@ def test_bad_lengths_files_are_one_line_each(tmp_path, capsys):
         with pytest.raises(CostModelError, match=None) as caught:
             load_lengths(str(path))
         assert needle in str(caught.value) and "\n" not in str(caught.value), (name, str(caught.value))
-        code, stdout, err = console(["lengths", "--show", str(path)], capsys)
+        code, _, err = console(["lengths", "--show", str(path)], capsys)
         assert code == 2 and err.count("\n") == 1 and "Traceback" not in err and needle in err, (name, err)
 
 
@@ -211,6 +208,8 @@ def bad_datasets(root: Path, corpus) -> list[tuple[list[str], str]]:
     import datasets
 
     (root / "empty.jsonl").write_text("", encoding="utf-8")
+    (root / "blank.jsonl").write_text("\n\n", encoding="utf-8")
+    (root / "broken.jsonl").write_text("not json\n", encoding="utf-8")
     (root / "content.jsonl").write_text('{"content": "a b", "id": 1}\n', encoding="utf-8")
     (root / "null.jsonl").write_text('{"text": "a b"}\n{"text": null}\n', encoding="utf-8")
     datasets.Dataset.from_dict({"text": [1, 2, 3]}).to_parquet(str(root / "numbers.parquet"))
@@ -224,6 +223,8 @@ def bad_datasets(root: Path, corpus) -> list[tuple[list[str], str]]:
     tok = corpus["tok"]
     return [
         ([str(root / "empty.jsonl"), "--tokenizer", tok], "empty"),
+        ([str(root / "blank.jsonl"), "--tokenizer", tok], "no documents"),
+        ([str(root / "broken.jsonl"), "--tokenizer", tok], "cannot read dataset"),
         ([str(root / "empty-saved"), "--tokenizer", tok], "no documents"),
         ([str(root / "content.jsonl"), "--tokenizer", tok], "no field 'text' (fields: content, id)"),
         ([str(root / "body-saved"), "--tokenizer", tok], "(fields: body, title)"),
@@ -232,7 +233,7 @@ def bad_datasets(root: Path, corpus) -> list[tuple[list[str], str]]:
         ([str(root / "missing.jsonl"), "--tokenizer", tok], "does not exist"),
         ([str(root / "mixed"), "--tokenizer", tok], "mixes file types"),
         ([str(corpus["root"] / "docs.jsonl"), "--tokenizer", str(root / "no-such-tokenizer")], "does not exist"),
-        ([str(corpus["root"] / "docs.jsonl"), "--tokenizer", str(root / "notok")], "tokenizer"),
+        ([str(corpus["root"] / "docs.jsonl"), "--tokenizer", str(root / "notok")], "save_pretrained"),
         ([str(corpus["root"] / "docs.jsonl"), "--tokenizer", tok, "--text-field", "id"], "not text"),
     ]
 
@@ -261,9 +262,9 @@ def test_usage_errors(corpus, capsys):
 def test_console_script_and_light_import():
     """The installed script answers a bad preset in one line; the command module imports no torch/datasets."""
     script = Path(sys.executable).with_name("sp-plan")
-    result = subprocess.run([str(script), "lengths", "--show", "long-doc"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([str(script), "lengths", "--show", "long-doc"], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "did you mean long-doc-mix" in result.stderr
     probe = ("import sys, sp_plan.cli.commands.lengths; "
              "print(sorted(m for m in ('torch', 'datasets', 'transformers') if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=False)
     assert result.stdout.strip() == "[]", result.stderr

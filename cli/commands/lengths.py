@@ -17,7 +17,6 @@ separates packed documents (``--no-eos`` leaves it out), as the runtime packs th
 from __future__ import annotations
 
 import json
-
 import os
 import sys
 from collections.abc import Iterator
@@ -25,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-
 from sp_plan.cost_models.atomic_io import atomic_write_text
 from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.json_io import strict_dumps
@@ -121,6 +119,12 @@ def _load_tokenizer(name_or_path: str):
     except ImportError as exc:  # torch or transformers missing
         raise CostModelError(f"sp-plan lengths needs the runtime and Hugging Face extras ({exc.name} is missing): "
                              "pip install 'sp-plan[runtime,hf]'") from None
+    from sp_plan.runtime.text_data import TOKENIZER_FILES
+
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise CostModelError(f"tokenizer directory {name_or_path} holds none of {', '.join(TOKENIZER_FILES)}: pass a "
+                             "directory saved with save_pretrained (or a hub name)")
     tokenizer = load_tokenizer(name_or_path)
     if not getattr(tokenizer, "is_fast", False):
         click.echo(f"warning: tokenizer {name_or_path!r} has no fast (Rust) backend; the scan will be slow",
@@ -152,7 +156,7 @@ def _open_dataset(data: str, split: str, text_field: str) -> tuple[Any, int | No
     from sp_plan.runtime.text_data import BUILDERS
 
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its readers log an error before raising it
     path = Path(data).expanduser()
     try:
         if path.is_dir() and any((path / marker).is_file() for marker in SAVED_MARKERS):
@@ -166,6 +170,8 @@ def _open_dataset(data: str, split: str, text_field: str) -> tuple[Any, int | No
                                          "with --split")
                 ds = ds[split]
             _check_field(data, text_field, ds.column_names, ds.features)
+            if not len(ds):
+                raise CostModelError(f"dataset {data} holds no documents: there is nothing to measure")
             return ds.select_columns([text_field]), len(ds)
         files = [path] if path.is_file() else sorted(f for f in path.rglob("*")
                                                       if f.is_file() and f.suffix.lower() in BUILDERS)
@@ -176,7 +182,7 @@ def _open_dataset(data: str, split: str, text_field: str) -> tuple[Any, int | No
         if len(builders) > 1:
             raise CostModelError(f"dataset folder {data} mixes file types ({', '.join(sorted(builders))}): keep one "
                                  "kind, or point at one file")
-        if any(f.stat().st_size == 0 for f in files) and all(f.stat().st_size == 0 for f in files):
+        if all(f.stat().st_size == 0 for f in files):
             raise CostModelError(f"dataset {data} is empty: there are no documents to measure")
         builder = builders.pop()
         if builder == "json":
@@ -186,7 +192,7 @@ def _open_dataset(data: str, split: str, text_field: str) -> tuple[Any, int | No
         raise
     except Exception as exc:  # datasets/pyarrow raise many types
         raise _cannot_read(data, exc) from None
-    if ds.features is not None:
+    if ds.features:  # known and not empty (a file of blank lines has no columns: found empty when read)
         _check_field(data, text_field, list(ds.features), ds.features)
     return ds, None
 
@@ -232,6 +238,8 @@ def _batches(dataset, data: str, field: str) -> Iterator[list[str]]:
             raise
         except Exception as exc:
             raise _cannot_read(data, exc) from None
+        if not batch or not any(len(column) for column in batch.values()):  # blank lines: no rows
+            continue
         if field not in batch:
             raise CostModelError(f"dataset {data} has no field {field!r} (fields: {', '.join(batch) or 'none'}): "
                                  "name the one holding the documents with --text-field")
@@ -314,8 +322,8 @@ def summary_lines(summary: dict) -> list[str]:
         f"source:    {summary['source']}" if summary["source"] else "source:    (not given)",
         f"documents: {summary['documents']:,}",
         f"tokens:    {summary['tokens']:,}",
-        f"length:    mean {summary['mean']:,.1f}, p50 {summary['p50']:,}, p90 {summary['p90']:,}, "
-        f"p99 {summary['p99']:,}, max {summary['max']:,} tokens",
+        (f"length:    mean {summary['mean']:,.1f}, p50 {summary['p50']:,}, p90 {summary['p90']:,}, "
+         f"p99 {summary['p99']:,}, max {summary['max']:,} tokens"),
         f"half the tokens are in documents of {summary['token_p50']:,}+ tokens",
         "",
     ]
