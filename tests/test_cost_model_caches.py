@@ -8,6 +8,7 @@ import pytest
 
 from sp_plan.cost_models import Layout, TrainSpec, get_model_preset
 from sp_plan.cost_models.comm_volume import comm_ops
+from sp_plan.cost_models.data_balance import DataShape
 from sp_plan.cost_models.compute_time import COMPUTE_FIELDS, _compute
 from sp_plan.cost_models.flops import WORK_FIELDS, _work
 from sp_plan.cost_models.profile import default_profile
@@ -40,6 +41,7 @@ ALTERNATIVES = {
     "attention_kernel": ("flash", "materialized"),
     "tp_sequence_parallel": (True, False),
     "document_length": (None, 4096),
+    "data": (None, DataShape(bins=((700, 400), (16384, 3)), sharding="zigzag")),
     "fp8_linears": (False, True),
     "compiled": (False, True),
     "pipeline_schedule": ("1f1b", "zero_bubble"),
