@@ -5,7 +5,7 @@ Imports run one way: the implementations (:mod:`.kernel`, :mod:`.documents`, :mo
 ``torch.library`` ops over them; this module screens a call's inputs and runs it through those ops (so
 selective checkpointing keeps each op's output and LSE instead of replaying the kernel or the ring).
 
-USP (unified sequence parallelism) is Ulysses inside, zigzag Ring outside.
+USP (unified sequence parallelism) is Ulysses inside, zigzag (or per-document) Ring outside.
 
 The 2D SP mesh is ring x ulysses (ulysses innermost: its all-to-all wants the fast intra-node links;
 the ring's neighbour sends tolerate slower ones). Sequence layout (see
@@ -79,8 +79,8 @@ def ring_attention(
     """Exact attention over the sequence split across ``group`` (ring degree P = its size).
 
     q ``(B, s, H, D)``, k/v ``(B, s, KVH, D)`` are this rank's shards (s = S/P tokens). ``layout``
-    (``"zigzag"`` or ``"contiguous"``, see the module docstring) is required with ``causal=True`` and
-    with ``cu_seqlens``; non-causal attention without documents works with any split. ``cu_seqlens``:
+    (``"zigzag"``, ``"contiguous"`` or ``"per_document"``, see :mod:`sp_plan.runtime.attention.ring`) is
+    required with ``causal=True`` and with ``cu_seqlens``; non-causal attention without documents works with any split. ``cu_seqlens``:
     packed documents, the cumulative boundaries over the flattened full ``(B x S)`` sequence (the same
     on every rank). Returns this rank's output ``(B, s, H, D)`` (and the fp32 LSE ``(B, H, s)`` if
     ``return_lse``; it carries no gradient). All checks (shapes, scale and documents agreeing across the

@@ -34,6 +34,16 @@ equal work on every rank, and no kernel call ever sees a fully masked row.
 blocks from earlier ranks are fully visible, blocks from later ranks are skipped (nothing to compute;
 the K/V and dK/dV blocks still travel). Exact but unbalanced: rank P-1 does 2P-1 times rank 0's work.
 
+``"per_document"`` (packed rows, Megatron-Core's THD head-tail split): every document of a row (its
+length a multiple of 2P: the data path pads it) is cut into 2P chunks and rank r holds chunks r and
+2P-1-r of EVERY document, in row order, so each document's 2c rows sit at the same local offset on every
+rank and local order still increases. Per document, the zigzag rule above applies
+(:func:`per_document_pairs`): the diagonal step is the doc's causal 2c x 2c square, an earlier source's
+head chunk is seen fully by all of the doc's queries, a later source's two chunks fully by the doc's
+tail chunk. So every rank does the same work for any mix of document lengths (zigzag over the whole row
+does not: the rank holding most of a long document does most of it). Without documents (or with one per
+row) it is the zigzag layout.
+
 Non-causal ring attention without documents is layout-agnostic: every step is the full block.
 
 **Documents** (packed sequences, ``cu_seqlens``): each step's block is split per document
@@ -49,6 +59,7 @@ the flash-attn backends the block gradients are written into three buffers alloc
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -158,6 +169,13 @@ class _Step(NamedTuple):
     pairs: tuple | None  # document sub-blocks (None: no documents, one kernel call)
 
 
+def per_document_length_problem(chunks: int, length: int) -> str:
+    return (f"per-document ring sharding needs every document's length to be a multiple of 2 x ring = {chunks}, "
+            f"got a document of {length} tokens: prepare the batch with sp_plan.runtime.data.BatchSharder over "
+            "SequenceParallel(..., sharding='per_document'), which pads each document")
+
+
+@functools.lru_cache(maxsize=1024)
 def per_document_pairs(bounds: RowBounds, rank: int, source: int, world: int, causal: bool) -> tuple[Pair, ...]:
     """The sub-blocks of ring ``rank``'s queries against ring ``source``'s keys under the per-document layout:
     each document (its length a multiple of 2P, as the sharder pads it) in 2P chunks, rank r holding chunks r
@@ -172,10 +190,7 @@ def per_document_pairs(bounds: RowBounds, rank: int, source: int, world: int, ca
         for lo, hi in zip(bounds_row, bounds_row[1:]):
             length = hi - lo
             if length % chunks:
-                raise RuntimeConfigError(
-                    f"per-document ring sharding needs every document's length to be a multiple of 2 x ring = {chunks}, "
-                    f"got a document of {length} tokens: shard the batch with BatchSharder(sharding='per_document'), "
-                    "which pads each document")
+                raise RuntimeConfigError(per_document_length_problem(chunks, length))
             c = length // chunks
             if c == 0:
                 continue
@@ -375,6 +390,10 @@ def validate_ring_call(q, k, v, group: dist.ProcessGroup, causal: bool, layout: 
             batch, seq_len = q.shape[0], q.shape[1] * world
             if not single_document_rows(cu_seqlens, batch, seq_len):
                 bounds = row_bounds(cu_seqlens, batch, seq_len)
+                if layout == "per_document":
+                    odd = next((b - a for row in bounds for a, b in zip(row, row[1:]) if (b - a) % (2 * world)), None)
+                    if odd is not None:
+                        raise RuntimeConfigError(per_document_length_problem(2 * world, odd))
     except RuntimeConfigError as exc:
         problem = str(exc)
     if not agreed:
