@@ -7,6 +7,18 @@ takes the u-th contiguous 1/U slice of that. Token ids, position ids and (pre-sh
 all be sharded with it; :meth:`SequenceParallel.positions` gives the global position of every local
 token, which is what RoPE needs (never a 4-D mask).
 
+**Per-document sharding** (``SequenceParallel(..., sharding="per_document")``, Megatron-Core's THD
+"head-tail" split): for packed rows (several documents per row, document masking through ``cu_seqlens``)
+zigzag over the whole row is unbalanced, since the rank holding most of a long document does most of the
+attention work. Under this rule every DOCUMENT is cut into 2R chunks (its length a multiple of 2R:
+:class:`sp_plan.runtime.data.BatchSharder` pads each document inside itself) and ring rank r holds chunks
+r and 2R-1-r of every document of the row, in row order (so local order still increases with the global
+position); Ulysses rank u the u-th contiguous 1/U of that. Each row is split by its own documents, so
+:meth:`SequenceParallel.shard`, :meth:`~SequenceParallel.gather` and :meth:`~SequenceParallel.positions`
+take the batch's ``documents`` (its ``cu_seqlens``, or per-row bounds) and refuse to run without them;
+:meth:`SequenceParallel.attention` runs the ring with ``layout="per_document"``. Rows of one document
+each are split exactly as zigzag.
+
 Example::
 
     mesh = build_mesh("plan.yaml")               # sp_plan.runtime.mesh
@@ -24,6 +36,7 @@ import torch.distributed as dist
 
 from sp_plan.runtime import comm_counter
 from sp_plan.runtime.attention.api import local_attention, ring_attention, ulysses_attention, usp_attention
+from sp_plan.runtime.attention.documents import RowBounds, row_bounds
 from sp_plan.runtime.errors import RuntimeConfigError
 
 Segment = tuple[int, int]  # (global start, length)
@@ -97,6 +110,31 @@ def per_document_segments(bounds_row: tuple[int, ...], ring: int, ring_rank: int
     return _take(runs, ulysses_rank * piece, piece)
 
 
+def document_rows(documents, batch: int | None, seq_len: int | None) -> RowBounds:
+    """Per-row document boundaries ``((0, ..., seq_len), ...)`` from a ``cu_seqlens`` tensor over the flattened
+    ``(batch x seq_len)`` (``batch`` None: inferred from its last boundary) or from per-row bounds (checked)."""
+    if isinstance(documents, torch.Tensor):
+        if seq_len is None:
+            raise RuntimeConfigError("internal: per-document cu_seqlens need the row length")
+        if batch is None:
+            last = int(documents[-1]) if documents.numel() else 0
+            batch = max(last // seq_len, 1) if seq_len else 1
+        return row_bounds(documents, batch, seq_len)
+    try:
+        rows = tuple(tuple(int(p) for p in row) for row in documents)
+    except (TypeError, ValueError):
+        raise RuntimeConfigError(
+            f"documents must be a cu_seqlens tensor or per-row boundaries (0, ..., seq_len), got "
+            f"{type(documents).__name__}") from None
+    for row in rows:
+        if len(row) < 2 or row[0] != 0 or any(b < a for a, b in zip(row, row[1:])) or (
+                seq_len is not None and row[-1] != seq_len):
+            raise RuntimeConfigError(
+                f"per-row document boundaries must run non-decreasing from 0 to the row length {seq_len}, got "
+                f"{list(row[:4])}{'...' if len(row) > 4 else ''}")
+    return rows
+
+
 def shard_segments(seq_len: int, ring: int, ring_rank: int, ulysses: int, ulysses_rank: int) -> list[Segment]:
     """Global (start, length) runs of the tokens this rank holds, in local order (the shard function)."""
     check_seq_len(seq_len, ring, ulysses)
@@ -139,7 +177,9 @@ class SequenceParallel:
     """Sequence-parallel context over a Ulysses group (inner) and a Ring group (outer).
 
     ``None`` for a group means degree 1. Build it with :meth:`from_mesh` (a :class:`sp_plan.runtime.mesh.RuntimeMesh`
-    or a DeviceMesh with ``ring``/``ulysses`` dims) or :meth:`from_groups`.
+    or a DeviceMesh with ``ring``/``ulysses`` dims) or :meth:`from_groups`. ``sharding``: how the ring splits a
+    row, ``"zigzag"`` (default: chunks r and 2R-1-r of the whole row) or ``"per_document"`` (the same inside
+    every document of a packed row; see the module docstring).
     """
 
     def __init__(
@@ -199,6 +239,10 @@ class SequenceParallel:
         return seq_multiple(self.ring_size, self.ulysses_size)
 
     def segments(self, seq_len: int) -> list[Segment]:
+        """Global runs this rank holds of every row (zigzag rule; the per-document rule's runs differ per row:
+        :meth:`document_segments`)."""
+        if self.per_document:
+            raise RuntimeConfigError(self._needs_documents("segments"))
         return shard_segments(seq_len, self.ring_size, self.ring_rank, self.ulysses_size, self.ulysses_rank)
 
     @property
@@ -206,17 +250,29 @@ class SequenceParallel:
         """Whether packed rows are split per document (only a ring splits rows; Ulysses splits heads)."""
         return self.sharding == "per_document" and self.ring_size > 1
 
-    def document_segments(self, documents) -> list[list[Segment]]:
-        """Per row, the global runs this rank holds of a packed batch with per-row boundaries ``documents``
-        (:func:`sp_plan.runtime.attention.documents.row_bounds`) under the per-document rule."""
-        return [per_document_segments(tuple(row), self.ring_size, self.ring_rank, self.ulysses_size, self.ulysses_rank)
-                for row in documents]
+    def _needs_documents(self, what: str) -> str:
+        return (f"SequenceParallel(sharding='per_document').{what} needs the batch's document boundaries: pass "
+                "documents=cu_seqlens (the full batch's cumulative boundaries, as BatchSharder.prepare makes them; "
+                "rows of one document each: [0, S, 2S, ..., B*S]) or per-row bounds (0, ..., S) from "
+                "sp_plan.runtime.attention.documents.row_bounds; BatchSharder.shard passes them for you")
+
+    def document_segments(self, documents, batch: int | None = None, seq_len: int | None = None) -> list[list[Segment]]:
+        """Per row, the global runs this rank holds of a packed batch under the per-document rule. ``documents``:
+        per-row boundaries ``(0, ..., seq_len)`` (:func:`sp_plan.runtime.attention.documents.row_bounds`) or a
+        ``cu_seqlens`` tensor over the flattened batch (then ``batch`` and ``seq_len`` are required)."""
+        rows = document_rows(documents, batch, seq_len)
+        return [per_document_segments(row, self.ring_size, self.ring_rank, self.ulysses_size, self.ulysses_rank)
+                for row in rows]
 
     def shard(self, x: torch.Tensor, dim: int = 1, documents=None) -> torch.Tensor:
         """This rank's shard of the full-sequence tensor ``x`` (sequence along ``dim``); differentiable.
-        ``documents``: the per-row document boundaries of a packed ``(batch, seq, ...)`` tensor, needed by
-        the per-document rule (rows of one document each are split as zigzag)."""
-        if self.per_document and documents is not None:
+
+        ``documents``: required by the per-document rule (and ignored by zigzag): the batch's document
+        boundaries, a ``cu_seqlens`` tensor over the flattened ``(batch x seq)`` or per-row bounds; ``x`` is then
+        ``(batch, seq, ...)`` and split along dim 1, each row by its own documents."""
+        if self.per_document:
+            if documents is None:
+                raise RuntimeConfigError(self._needs_documents("shard"))
             return self._shard_per_document(x, dim, documents)
         if not isinstance(x, torch.Tensor):
             raise RuntimeConfigError(f"SequenceParallel.shard expects a torch.Tensor, got {type(x).__name__}")
@@ -229,23 +285,47 @@ class SequenceParallel:
         pieces = [x.narrow(dim, start, length) for start, length in runs]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
-    def _shard_per_document(self, x: torch.Tensor, dim: int, documents) -> torch.Tensor:
-        if dim != 1 or x.dim() < 2 or x.shape[0] != len(documents):
+    def _per_document_rows(self, x: torch.Tensor, dim: int, documents, what: str) -> RowBounds:
+        if not isinstance(x, torch.Tensor):
+            raise RuntimeConfigError(f"SequenceParallel.{what} expects a torch.Tensor, got {type(x).__name__}")
+        if dim != 1 or x.dim() < 2:
             raise RuntimeConfigError(
-                f"per-document sharding splits (batch, seq, ...) tensors along dim 1 with one boundary row per batch "
-                f"row; got dim {dim} of shape {tuple(x.shape)} with {len(documents)} rows of documents")
-        rows = []
-        for row, runs in enumerate(self.document_segments(documents)):
-            rows.append(torch.cat([x[row].narrow(0, start, length) for start, length in runs], dim=0))
-        return torch.stack(rows)
+                f"per-document sharding splits (batch, seq, ...) tensors along dim 1 (each row by its own documents); "
+                f"got dim {dim!r} of a tensor of shape {tuple(x.shape)}")
+        seq = x.shape[1] * (self.size if what == "gather" else 1)
+        rows = document_rows(documents, x.shape[0], seq)
+        if len(rows) != x.shape[0] or any(row[-1] != seq for row in rows):
+            raise RuntimeConfigError(
+                f"per-document {what}: the documents describe {len(rows)} row(s) of {sorted({r[-1] for r in rows})} "
+                f"tokens but the tensor is {tuple(x.shape)} (batch {x.shape[0]}, full sequence {seq}): pass the "
+                "boundaries of this (padded) batch")
+        return rows
 
-    def positions(self, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
-        """Global position ids (int64) of this rank's local tokens, in local order."""
+    def _shard_per_document(self, x: torch.Tensor, dim: int, documents) -> torch.Tensor:
+        rows = self._per_document_rows(x, dim, documents, "shard")
+        index = [torch.cat([torch.arange(s, s + n) for s, n in runs]) for runs in self.document_segments(rows)]
+        # one gather along dim 1 (differentiable), with per-row indices
+        idx = torch.stack(index).to(x.device)
+        idx = idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(idx.shape[0], idx.shape[1], *x.shape[2:])
+        return torch.gather(x, 1, idx)
+
+    def positions(self, seq_len: int, device: torch.device | str | None = None, documents=None) -> torch.Tensor:
+        """Global position ids (int64) of this rank's local tokens, in local order: ``(local,)``, or under
+        the per-document rule ``(batch, local)`` (each row by its ``documents``, as in :meth:`shard`)."""
+        if self.per_document:
+            if documents is None:
+                raise RuntimeConfigError(self._needs_documents("positions"))
+            rows = document_rows(documents, None, seq_len)
+            return torch.stack([torch.cat([torch.arange(s, s + n, device=device) for s, n in runs])
+                                for runs in self.document_segments(rows)])
         return torch.cat([torch.arange(s, s + n, device=device) for s, n in self.segments(seq_len)])
 
     def gather(self, x: torch.Tensor, dim: int = 1, documents=None) -> torch.Tensor:
-        """Inverse of :meth:`shard`: the full sequence on every rank (differentiable, all-gathers)."""
-        if self.per_document and documents is not None:
+        """Inverse of :meth:`shard`: the full sequence on every rank (differentiable, all-gathers).
+        ``documents``: required by the per-document rule, as in :meth:`shard`."""
+        if self.per_document:
+            if documents is None:
+                raise RuntimeConfigError(self._needs_documents("gather"))
             return self._gather_per_document(x, dim, documents)
         local = x.shape[dim]
         if self.ulysses_group is not None:
@@ -264,24 +344,19 @@ class SequenceParallel:
         return torch.cat([piece for _, piece in placed], dim=dim)
 
     def _gather_per_document(self, x: torch.Tensor, dim: int, documents) -> torch.Tensor:
-        if dim != 1:
-            raise RuntimeConfigError(f"per-document gather works along dim 1 of (batch, seq, ...) tensors, got dim {dim}")
+        rows = self._per_document_rows(x, dim, documents, "gather")
         parts = x
         if self.ulysses_group is not None:
-            parts = _AllGather.apply(parts, self.ulysses_group, 1)
+            parts = _AllGather.apply(parts, self.ulysses_group, 1)  # the ring-local sequence, in order
         parts = _AllGather.apply(parts, self.ring_group, 1)  # ring-local sequences by ring rank
-        ring_local = parts.shape[1] // self.ring_size
-        rows = []
-        for row, bounds in enumerate(documents):
-            placed = []
-            for ring_rank in range(self.ring_size):
-                offset = ring_rank * ring_local
-                for start, length in per_document_segments(tuple(bounds), self.ring_size, ring_rank, 1, 0):
-                    placed.append((start, parts[row].narrow(0, offset, length)))
-                    offset += length
-            placed.sort(key=lambda item: item[0])
-            rows.append(torch.cat([piece for _, piece in placed], dim=0))
-        return torch.stack(rows)
+        inverse = []
+        for bounds in rows:
+            held = torch.cat([torch.arange(s, s + n) for r in range(self.ring_size)
+                              for s, n in per_document_segments(bounds, self.ring_size, r, 1, 0)])
+            inverse.append(torch.empty_like(held).scatter_(0, held, torch.arange(held.numel())))
+        idx = torch.stack(inverse).to(parts.device)
+        idx = idx.view(*idx.shape, *([1] * (parts.dim() - 2))).expand(idx.shape[0], idx.shape[1], *parts.shape[2:])
+        return torch.gather(parts, 1, idx)
 
     # ----- attention ---------------------------------------------------------------------------
     def attention(
@@ -318,5 +393,6 @@ class SequenceParallel:
     def __repr__(self) -> str:
         return (
             f"SequenceParallel(ring={self.ring_size} (rank {self.ring_rank}), "
-            f"ulysses={self.ulysses_size} (rank {self.ulysses_rank}))"
+            f"ulysses={self.ulysses_size} (rank {self.ulysses_rank})"
+            + (f", sharding={self.sharding!r})" if self.sharding != "zigzag" else ")")
         )
