@@ -30,6 +30,15 @@ opt-in for the old objective: positions and labels as above but attention causal
 GPT-style packing (documents joined by an EOS token, positions continuous) is one document per row as
 far as the runtime can tell: see :func:`pack_documents`.
 
+**Per-document sharding** (a context built with ``sharding="per_document"``, see
+:mod:`sp_plan.runtime.context`): ``prepare`` first pads every document of a packed row to a multiple of
+2 x ring (:func:`pad_documents`: pad tokens at the end of each document, inside it, labels
+:data:`IGNORE_INDEX`, positions continuing the document's; documents shorter than 2 x ring, even of one
+token, become one chunk per ring rank pair), then every row to the common length (a multiple of the
+layout's); the row's end padding is a document of its own. ``cu_seqlens`` describes the padded batch and
+``shard`` hands its per-row boundaries to ``sp.shard`` (rows of unpacked batches: one document each). The
+token-weighted loss needs nothing more: pads carry no label.
+
 **Data parallelism.** Ranks of one sequence-parallel group (and, later, one TP group) must see the
 same sample; different data-parallel ranks (``dp_replicate x dp_shard``) different samples.
 :func:`data_parallel_sampler` is a ``DistributedSampler`` keyed by the data-parallel rank.
@@ -250,9 +259,10 @@ class BatchSharder:
         """This rank's shard of an already prepared (shifted, padded) full batch."""
         out = {}
         documents = None
-        if getattr(self.sp, "per_document", False) and full.get(DOCUMENTS_KEY) is not None:
+        if getattr(self.sp, "per_document", False):  # each row split by its own documents (one per row if unpacked)
             batch, seq = full["input_ids"].shape
-            documents = row_bounds(full[DOCUMENTS_KEY], batch, seq)
+            cu = full.get(DOCUMENTS_KEY)
+            documents = row_bounds(cu, batch, seq) if cu is not None else ((0, seq),) * batch
         for key in BATCH_KEYS:
             local = self.sp.shard(full[key], dim=1) if documents is None else self.sp.shard(full[key], 1, documents)
             # Always a copy: a narrow view would keep the whole batch alive (autograd saves the token ids).
@@ -272,52 +282,46 @@ def pad_documents(full: dict[str, torch.Tensor], starts: torch.Tensor, multiple:
 
     A document's pad tokens follow it inside the document (causal: no real token sees them), with labels
     :data:`IGNORE_INDEX` and positions continuing the document's; the row's end padding is a document of its
-    own. Returns the padded batch and its document starts."""
+    own (positions from 0). ``starts``: bool ``(batch, seq)``, True at document starts after a row's first
+    token. Returns the padded batch and its document starts (same convention)."""
     input_ids, positions, labels = full["input_ids"], full["position_ids"], full["labels"]
     batch, seq = input_ids.shape
+    starts = starts.to("cpu", torch.bool).clone()
+    starts[:, 0] = True
+    doc = starts.to(torch.int64).cumsum(dim=1) - 1  # (batch, seq): document index of every token
     plans = []
     for row in range(batch):
-        bounds = [0, *starts[row].nonzero().flatten().tolist(), seq]
-        index, new_starts = [], []
-        for lo, hi in zip(bounds, bounds[1:]):
-            if hi <= lo:
-                continue
-            new_starts.append(len(index))
-            padded = -(-(hi - lo) // multiple) * multiple
-            index += list(range(lo, hi)) + [-(p + 1) for p in range(padded - (hi - lo))]  # -k: k-th pad after hi-1
-        plans.append((index, new_starts))
-    length = max(len(index) for index, _ in plans)
+        lo = starts[row].nonzero().flatten()
+        lengths = torch.diff(lo, append=torch.tensor([seq]))
+        padded = (lengths + multiple - 1) // multiple * multiple
+        dest_lo = torch.cumsum(padded, 0) - padded  # where each document starts in the padded row
+        plans.append((lo, lengths, padded, dest_lo, int(padded.sum())))
+    length = max(plan[-1] for plan in plans)
     length = -(-length // row_multiple) * row_multiple
-    out = {key: torch.empty(batch, length, dtype=value.dtype, device=value.device) for key, value in full.items()}
-    new = torch.zeros(batch, length, dtype=torch.bool)
-    for row, (index, new_starts) in enumerate(plans):
-        if len(index) < length:
-            new_starts.append(len(index))
-        src = torch.tensor([i if i >= 0 else 0 for i in index], dtype=torch.long)
-        real = torch.tensor([i >= 0 for i in index], dtype=torch.bool)
-        last = torch.tensor([i for i in index], dtype=torch.long)
-        n = len(index)
-        out["input_ids"][row, :n] = torch.where(real.to(input_ids.device), input_ids[row, src.to(input_ids.device)],
-                                                torch.full((), pad_token_id, dtype=input_ids.dtype, device=input_ids.device))
-        out["labels"][row, :n] = torch.where(real.to(labels.device), labels[row, src.to(labels.device)],
-                                             torch.full((), IGNORE_INDEX, dtype=labels.dtype, device=labels.device))
-        # a pad continues its document's positions: the position of the document's last token plus k
-        pos = positions[row].to("cpu")
-        row_pos = torch.empty(n, dtype=pos.dtype)
-        previous = None
-        for j, i in enumerate(last.tolist()):
-            if i >= 0:
-                row_pos[j] = pos[i]
-                previous = pos[i]
-            else:
-                row_pos[j] = previous + (-i)
-        out["position_ids"][row, :n] = row_pos.to(positions.device)
-        if n < length:  # the row's end padding: its own document
-            out["input_ids"][row, n:] = pad_token_id
-            out["labels"][row, n:] = IGNORE_INDEX
-            out["position_ids"][row, n:] = torch.arange(length - n, dtype=positions.dtype, device=positions.device)
-        new[row, [s for s in new_starts if s > 0]] = True
-    return out, new
+    out_ids = torch.full((batch, length), pad_token_id, dtype=input_ids.dtype)
+    out_labels = torch.full((batch, length), IGNORE_INDEX, dtype=labels.dtype)
+    out_pos = torch.empty((batch, length), dtype=positions.dtype)
+    new_starts = torch.zeros(batch, length, dtype=torch.bool)
+    ids_cpu, labels_cpu, pos_cpu = input_ids.cpu(), labels.cpu(), positions.cpu()
+    for row, (lo, lengths, padded, dest_lo, used) in enumerate(plans):
+        row_doc = doc[row]
+        dest = torch.arange(seq) - lo[row_doc] + dest_lo[row_doc]  # real tokens keep their order inside the doc
+        out_ids[row, dest] = ids_cpu[row]
+        out_labels[row, dest] = labels_cpu[row]
+        # every slot of a document: position of the doc's last real token + how far past it the slot lies
+        slot_doc = torch.repeat_interleave(torch.arange(len(lo)), padded)
+        slot = torch.arange(used)
+        last = lo + lengths - 1
+        out_pos[row, :used] = pos_cpu[row, last[slot_doc]] + (slot - dest_lo[slot_doc] - lengths[slot_doc] + 1)
+        out_pos[row, dest] = pos_cpu[row]
+        out_pos[row, used:] = torch.arange(length - used, dtype=positions.dtype)  # the row's end padding
+        new_starts[row, dest_lo[1:]] = True
+        if used < length:
+            new_starts[row, used] = True
+    out = dict(full)
+    out.update(input_ids=out_ids.to(input_ids.device), labels=out_labels.to(labels.device),
+               position_ids=out_pos.to(positions.device))
+    return out, new_starts
 
 
 def valid_tokens(labels: torch.Tensor) -> int:
