@@ -14,11 +14,12 @@ these shapes, so the time ratio tracks the work ratio; communication is the same
 
     python benchmarks/data_balance.py [--lengths long-doc-mix] [--seq-len 128K] [--measure]
 
-Measured on this project's 2-core CPU machine (2 ring ranks, 8,192-token row, lengths unscaled): zigzag 559 ms,
-per-document 599 ms (0.93x), predicted busiest/mean work 1.25x for zigzag. The CPU path is exact but calls the
-kernel once per document sub-block, and per-document sharding puts every document on every rank at every step
-(44 calls per rank vs 5-7 for zigzag on an 11-document row): on CPU that call overhead outweighs the balance.
-The flash-attn varlen path on GPUs makes one call per step; the GPU measurement is still to be made.
+Measured on this project's 2-core CPU machine (2 ring ranks, lengths unscaled, ``--scale-from 8192``): on an
+11-document 8,192-token row zigzag 559-572 ms vs per-document 599-713 ms (0.80-0.93x), predicted busiest/mean
+work 1.25x for zigzag; on a 4,096-token row per-document was 1.80x faster (predicted 1.24x). The CPU path is exact
+but calls the kernel once per document sub-block, and per-document sharding puts every document on every rank
+at every step (44 calls per rank vs 5-7 for zigzag on the 8K row): on CPU that call overhead is of the order of
+the balance it buys, and the runs are noisy. The flash-attn varlen path on GPUs makes one call per step; the GPU measurement is still to be made.
 """
 
 from __future__ import annotations
