@@ -8,10 +8,11 @@ A CSV has one run per row. Columns (names as the CLI flags, with underscores):
 
 - required: ``model`` (preset or config.json path), ``seq_len``, ``gpus``;
 - hardware: ``topology`` (preset/file; default the ``gpu`` column's natural machine) or ``gpu``;
-- layout: ``tp``, ``ulysses``, ``ring``, ``dp_shard``, ``dp_replicate``;
+- layout: ``tp``, ``ulysses``, ``ring``, ``dp_shard``, ``dp_replicate``, ``pp``, ``ep``;
 - options: ``micro_batch``, ``grad_accum``, ``dtype``, ``optimizer``, ``zero``, ``checkpointing``,
   ``offload_optimizer``, ``offload_params``, ``offload_checkpoints``, ``tiled_mlp``, ``tiled_loss``,
-  ``fp8_linears``, ``compiled``, ``document_length``; ``stack`` (default: the command's ``--stack``);
+  ``fp8_linears``, ``compiled``, ``document_length``, ``attention_kernel``, ``tp_sequence_parallel``,
+  ``pipeline_schedule``, ``virtual_stages``; ``stack`` (default: the command's ``--stack``);
 - measurements, at least one: ``step_s``, ``tps_per_gpu``, ``peak_allocated_gib``, ``reserved_gib``,
   ``nvml_used_gib``; ``id`` names the row in reports.
 """
@@ -46,9 +47,9 @@ MAX_RUN_FILE_BYTES = 1 << 26
 #: (about 1 ms each), while the fit itself sees at most ``user_fit.MAX_FIT_RUNS`` of them.
 MAX_RUNS = 10_000
 _BOOL = ("offload_optimizer", "offload_params", "offload_checkpoints", "tiled_mlp", "tiled_loss", "fp8_linears",
-         "compiled")
-_INT = ("micro_batch", "grad_accum", "document_length")
-_STR = ("dtype", "optimizer", "checkpointing")
+         "compiled", "tp_sequence_parallel")
+_INT = ("micro_batch", "grad_accum", "document_length", "virtual_stages")
+_STR = ("dtype", "optimizer", "checkpointing", "attention_kernel", "pipeline_schedule")
 #: CSV measurement column -> MeasuredRun metric (and the factor to its unit).
 _MEASURES = {"step_s": ("step_s", 1.0), "tps_per_gpu": ("tps_per_gpu", 1.0),
              "peak_allocated_gib": ("allocated_gib", 1.0), "reserved_gib": ("reserved_gib", 1.0),
@@ -214,7 +215,7 @@ def _csv_row(row: dict[str, str], where: str, stack: str, source: str) -> list[M
     if _cell(row, "zero"):
         train_kw["zero_stage"] = int(_cell(row, "zero"))  # type: ignore[arg-type]
     train = TrainSpec(**train_kw)
-    degrees = {k: int(_cell(row, k)) for k in registry.innermost_first() if _cell(row, k)}  # type: ignore[arg-type]
+    degrees = {k: int(_cell(row, k)) for k in (*registry.innermost_first(), "ep") if _cell(row, k)}  # type: ignore[arg-type]
     layout = Layout.for_world(gpus, **degrees)
     topology = _cell(row, "topology") or NATURAL_NODE_PRESET.get(_cell(row, "gpu") or "h100-80gb")
     if topology is None:
