@@ -91,6 +91,8 @@ class TrainRunOptions:
     metrics_file: Path | None = None
     log_every: int = 10
     wandb_project: str | None = None
+    #: Append the run's row for ``sp-plan calibrate`` to this CSV (rank 0; :mod:`sp_plan.runtime.calibration_rows`).
+    record_calibration: Path | None = None
     live_bytes_every: int = 0
     progress: bool = True
     # how long a run may be predicted to take before it needs ``yes`` (see train_run.check_predicted_duration)

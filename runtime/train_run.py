@@ -318,6 +318,10 @@ def run_training(options: TrainRunOptions,
     problems = options.conflicts()
     if problems:
         raise RuntimeConfigError("; ".join(problems))
+    if options.record_calibration is not None and int(os.environ.get("RANK", "0") or 0) == 0:
+        from sp_plan.runtime.calibration_rows import check_record_path
+
+        check_record_path(options.record_calibration)  # before anything is built (the Trainer checks the rest)
     vocab, pad = tokenizer_vocabulary(options)
     plan = load_plan(options.plan) if options.plan else None
     reused = checkpoint_plan(options) if plan is None else None
@@ -348,7 +352,8 @@ def run_training(options: TrainRunOptions,
                       run_config={"warmup_steps": WARMUP_STEPS, "seed": options.seed}, log_every=options.log_every,
                       tensorboard_dir=options.tensorboard, metrics_file=options.metrics_file,
                       progress=options.progress, live_bytes_every=options.live_bytes_every,
-                      async_save=options.async_save, handle_signals=True, wandb_project=options.wandb_project)
+                      async_save=options.async_save, handle_signals=True, wandb_project=options.wandb_project,
+                      calibration_csv=options.record_calibration, calibration_topology=options.topology)
     result = trainer.fit()
     code = exit_code(result)
     if result.stopped_by in ("SIGTERM", "SIGINT") and rank0:

@@ -83,6 +83,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.json_io import finite_or_null, strict_dumps
 from sp_plan.runtime.errors import RuntimeConfigError
 from sp_plan.runtime.log import ensure_logging, get_logger
@@ -421,6 +422,11 @@ class Trainer:
     optimizer, scheduler, data, RNG and step (:class:`sp_plan.runtime.checkpoint.Piece` objects).
     ``wandb_project``: also report every step to this Weights & Biases project (rank 0; ``WANDB_MODE`` and
     ``WANDB_DIR`` apply; needs the ``[wandb]`` extra, else a :class:`RuntimeConfigError` at construction).
+    ``calibration_csv``: at the end of ``fit`` append the run's row for ``sp-plan calibrate`` to this CSV (rank 0;
+    the median steady step after the first two, tokens/s per GPU, CUDA peak memory; printed beside the plan's
+    prediction: :class:`sp_plan.runtime.calibration_rows.CalibrationRecorder`); ``calibration_topology``: the
+    topology file or preset the plan was made on, when the plan does not name a shipped preset and none was
+    probed. A path or plan the row cannot use is refused here, on every rank.
     """
 
     def __init__(self, setup, optimizer, data, *, max_steps: int, scheduler=None, max_grad_norm: float | None = None,
@@ -432,7 +438,8 @@ class Trainer:
                  async_save: bool = False, skip_nonfinite: bool = True, max_nonfinite_steps: int = 3,
                  print_fn: Callable[[str], None] | None = None, wandb_project: str | None = None,
                  on_step: Callable[[Trainer, StepRecord], None] | None = None,
-                 checkpoint_pieces: Sequence[Piece] = ()) -> None:
+                 checkpoint_pieces: Sequence[Piece] = (), calibration_csv: str | os.PathLike | None = None,
+                 calibration_topology: Any = None) -> None:
         if wandb_project is not None:
             from sp_plan.runtime.wandb_report import import_wandb
 
@@ -480,6 +487,32 @@ class Trainer:
             self.checkpointer = AsyncCheckpointer()
         self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.calibration = None
+        if calibration_csv is not None:
+            self.calibration = self._calibration_recorder(calibration_csv, calibration_topology)
+
+    def _calibration_recorder(self, path: str | os.PathLike, topology: Any):
+        """The run's calibration recorder; rank 0's refusal (bad path, a plan no row describes) on every rank."""
+        from sp_plan.cost_models.hf_config import config_object_dict
+        from sp_plan.runtime.calibration_rows import CalibrationRecorder
+
+        setup, problem, recorder = self.setup, None, None
+        config = getattr(setup.model, "config", None)
+        device = setup.device
+        try:
+            recorder = CalibrationRecorder(
+                path, setup.plan, rank0=self.rank0, topology=topology,
+                probed_topology=getattr(setup, "probed_topology", None),
+                model_config=config_object_dict(config) if hasattr(config, "to_dict") else None,
+                framework="sp-plan Trainer", device_type=device.type,
+                device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                print_fn=self.print_fn)
+        except RuntimeConfigError as exc:
+            problem = str(exc)
+        problem = _broadcast_from_rank0(problem)
+        if problem:
+            raise RuntimeConfigError(problem)
+        return recorder
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save(self) -> Path:
@@ -668,6 +701,11 @@ class Trainer:
                 reduced = self._reduce_max([flag, *telemetry.local_memory(live)])
                 record = telemetry.record(self.step, result, lr, reduced[1:])
                 records.append(record)
+                if self.calibration is not None and not record.skipped:
+                    memory = record.memory
+                    self.calibration.record_step(record.step, record.seconds, valid_tokens=record.tokens,
+                                                 allocated=memory.get("max_allocated"),
+                                                 reserved=memory.get("max_reserved"), rss=memory.get("peak_rss"))
                 if self.on_step is not None:
                     self.on_step(self, record)
                 if result.skipped:
@@ -705,6 +743,11 @@ class Trainer:
                            resumed_from=resumed_from)
         if self.rank0 and records:
             self.print_fn(summary(result, telemetry.mfu_note))
+        if self.calibration is not None:
+            try:
+                self.calibration.finish()
+            except CostModelError as exc:  # the run is done: say the row is lost, do not fail the run for it
+                LOG.warning(f"calibration row not written: {exc}")
         return result
 
     def _train_step(self, micro_batches, on_micro_batch: Callable[[int, int], None] | None = None) -> StepResult:

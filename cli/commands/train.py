@@ -233,6 +233,10 @@ def _pin_options(func):
 @click.option("--wandb-project", default=None, metavar="NAME",
               help="Also report every step (loss, tokens/s, step time and the plan's prediction, memory) to this "
                    "Weights & Biases project, from rank 0 (WANDB_MODE=offline works; needs the [wandb] extra).")
+@click.option("--record-calibration", type=click.Path(dir_okay=False, path_type=Path), default=None, metavar="FILE.csv",
+              help="At the end, append the run's measured step time, tokens/s per GPU and peak memory (median of the "
+                   "steps after the first two), beside the plan's prediction, as a row `sp-plan calibrate FILE.csv` "
+                   "fits (rank 0; created when absent).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the run's summary (plan, steps, losses, tokens/s, checkpoint, exit reason) as one JSON "
                    "object on stdout at the end, and nothing else there: the log lines go to stderr.")
@@ -259,6 +263,14 @@ def command(ctx: click.Context, **params: Any) -> None:
         configure_logging(level, stream=sys.stderr)
     options = options_from_params(ctx, params)
     check_data_sources(options)
+    if options.record_calibration is not None:  # torch-free: refused before any rank imports torch
+        from sp_plan.runtime.calibration_rows import check_record_path
+        from sp_plan.runtime.errors import RuntimeConfigError
+
+        try:
+            check_record_path(options.record_calibration)
+        except RuntimeConfigError as exc:
+            fail_once(SourceError(str(exc)))
     if nproc is not None:
         raise click.exceptions.Exit(launch_ranks(nproc, ctx.meta[ARGV_KEY]))
     from sp_plan.runtime.distributed import finish_worker  # torch: only when the command runs
