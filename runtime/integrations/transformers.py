@@ -37,6 +37,7 @@ forward): use ``sp-plan train`` for those, or ``sp-plan export --to deepspeed`` 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -194,16 +195,27 @@ class SequenceParallelMixin:
 
     ``setup``: what ``auto_configure`` returned (its model is the one trained); the other arguments are the
     Trainer's. ``step_losses`` collects each optimizer step's exact global token-mean loss (the Trainer's
-    log rounds to 4 digits).
+    log rounds to 4 digits). ``calibration_csv``: also record the run for ``sp-plan calibrate`` (adds a
+    :class:`~sp_plan.runtime.integrations.calibration_callback.CalibrationCallback`, kept as ``self.calibration``;
+    ``calibration_topology``: the topology file the plan was made on, when it is no shipped preset and was
+    not probed); an unwritable path or a plan no row describes is refused here, on every rank.
     """
 
     #: compute_loss returns the step-normalised loss: the Trainer must not divide by the accumulation steps.
     loss_is_scaled_for_ga = True
 
-    def __init__(self, setup: AutoConfigured, args, **kwargs: Any) -> None:
+    def __init__(self, setup: AutoConfigured, args, *, calibration_csv: str | os.PathLike | None = None,
+                 calibration_topology: Any = None, **kwargs: Any) -> None:
         if "model" in kwargs:
             raise RuntimeConfigError("SequenceParallelTrainer trains setup.model; do not pass model=")
         check_trainer_supported(setup, args)
+        self.calibration = None
+        if calibration_csv is not None:  # before the Trainer is built: a bad path is refused first
+            from sp_plan.runtime.integrations.calibration_callback import CalibrationCallback, trainer_framework
+
+            self.calibration = CalibrationCallback(calibration_csv, setup, topology=calibration_topology,
+                                                   framework=trainer_framework(self))
+            kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.calibration]
         self.setup = setup
         self.step_losses: list[float] = []
         self._step: _StepTokens | None = None

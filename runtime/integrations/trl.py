@@ -10,6 +10,9 @@ the step's token-weighted loss)::
     trainer = SequenceParallelSFTTrainer(setup, args, train_dataset=dataset, processing_class=tokenizer)
     trainer.train()
 
+``calibration_csv="runs.csv"`` records the run for ``sp-plan calibrate`` as in
+:class:`~sp_plan.runtime.integrations.transformers.SequenceParallelMixin` (framework ``trl.SFTTrainer``).
+
 The loss is the token-mean cross-entropy over the labels TRL's collator leaves (its ``loss_type="nll"``);
 TRL's other losses, its activation offloading (plan ``offload_checkpoints`` instead), Liger kernels and
 PEFT adapters (added after FSDP2 sharded the model, they would be neither sharded nor reduced) are
