@@ -137,7 +137,7 @@ def _locked(file: Path) -> Iterator[None]:
         yield
         return
     while True:
-        handle = open(file, "a+")
+        handle = open(file, "a+")  # noqa: SIM115 - held across the yield, closed in the finally
         try:
             fcntl.flock(handle, fcntl.LOCK_EX)
             try:
@@ -565,9 +565,9 @@ class CalibrationRecorder:
         p = self.predicted()
         t = self.plan.train
         timed = row.get("timed_steps")
-        first = [f"calibration: {self.plan.model.name} {self.plan.layout.describe()}, {t.seq_len:,} tokens x "
-                 f"{t.micro_batch} x {t.grad_accum} micro-batch(es), stack {self.stack}, {self.framework}: median of "
-                 f"{timed or 'the'} steady step(s) after {row.get('warmup_steps')} warm-up"]
+        first = [(f"calibration: {self.plan.model.name} {self.plan.layout.describe()}, {t.seq_len:,} tokens x "
+                  f"{t.micro_batch} x {t.grad_accum} micro-batch(es), stack {self.stack}, {self.framework}: median of "
+                  f"{timed or 'the'} steady step(s) after {row.get('warmup_steps')} warm-up")]
         lines = [("step time", row.get("step_s"), p["step_s"], " s"),
                  ("tokens/s per GPU", row.get("tps_per_gpu"), p["tps_per_gpu"], ""),
                  ("peak allocated", row.get("peak_allocated_gib"), p["peak_allocated_gib"], " GiB"),

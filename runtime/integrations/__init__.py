@@ -23,7 +23,8 @@ _LAZY = {
     "SequenceParallelSFTTrainer": "sp_plan.runtime.integrations.trl",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = ["CalibrationCallback", "SequenceParallelMixin", "SequenceParallelSFTTrainer", "SequenceParallelTrainer",
+           "training_arguments"]
 
 
 def __getattr__(name: str):

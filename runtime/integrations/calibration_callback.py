@@ -31,10 +31,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import TrainerCallback
-
 from sp_plan.runtime.calibration_rows import DEFAULT_WARMUP_STEPS, CalibrationRecorder, check_record_path
 from sp_plan.runtime.errors import RuntimeConfigError
+from transformers import TrainerCallback
 
 
 def _rank0() -> bool:
@@ -101,8 +100,8 @@ class CalibrationCallback(TrainerCallback):
                 plan = load_plan(plan)
             probed, device = None, None
         self.plan, self.path, self.framework = plan, Path(path), framework
-        self._kwargs = dict(topology=topology, probed_topology=probed, model_config=model_config, stack=stack,
-                            warmup_steps=warmup_steps, print_fn=print_fn)
+        self._kwargs = {"topology": topology, "probed_topology": probed, "model_config": model_config,
+                        "stack": stack, "warmup_steps": warmup_steps, "print_fn": print_fn}
         self._log_every = log_every
         self._device = device
         self.recorder: CalibrationRecorder | None = None
