@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import CostModelError
 from .memo import hash_once
-from .packing import PACKINGS, pack, sample_lengths
+from .packing import pack, sample_lengths
 
 Sharding = Literal["contiguous", "zigzag", "per_document"]
 SHARDINGS: tuple[str, ...] = ("contiguous", "zigzag", "per_document")
@@ -240,12 +240,6 @@ def _balance(shape: DataShape, seq_len: int, ring: int, rule: str, dp: int, grad
         pairs_mean=float(totals.mean()), pairs_p95=float(np.percentile(totals, 95)), pairs_max=float(totals.max()),
         rows=rows,
     )
-
-
-def check_packing(name: str) -> str:
-    if name not in PACKINGS:
-        raise CostModelError(f"unknown packing {name!r}: choose one of {', '.join(PACKINGS)}")
-    return name
 
 
 # ----- what the time model reads ------------------------------------------------------------------------

@@ -110,25 +110,6 @@ class LengthHistogram(BaseModel):
                 return length
         return self.longest
 
-    def scaled(self, documents: int) -> tuple[tuple[int, int], ...]:
-        """Bins with counts scaled so they sum to about ``documents`` (at least one per bin with tokens
-        above the scale's resolution kept by rounding up the largest-tokens bins): a sample the planner
-        can pack quickly while keeping the tail (the longest documents are never dropped)."""
-        total = self.documents
-        if total <= documents:
-            return self.bins
-        factor = documents / total
-        out = []
-        for length, count in self.bins:
-            kept = count * factor
-            whole = math.floor(kept)
-            # keep the tail: a bin that would round to nothing keeps one document when it is long
-            if whole == 0 and (kept >= 0.5 or length == self.longest):
-                whole = 1
-            if whole:
-                out.append((length, whole))
-        return tuple(out)
-
 
 def histogram_from_lengths(lengths: Iterable[int], source: str = "") -> LengthHistogram:
     """Exact histogram of the given document lengths (tests, small samples)."""

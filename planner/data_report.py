@@ -91,12 +91,13 @@ def _alternatives(model: ModelSpec, train: TrainSpec, layout: Layout, estimate: 
     base = estimate.time.tokens_per_s
     lines = ["  the same layout under other sharding rules and packings (useful tokens/s; * = this plan):"]
     rules = SHARDINGS if layout.ring > 1 else ("zigzag",)
+    chosen = layout_balance(model, train, layout)
     for rule in rules:
         for packing in PACKINGS:
             variant = train.model_copy(update={"data": data.model_copy(update={"sharding": rule, "packing": packing})})
             balance: Balance | None = layout_balance(model, variant, layout)
             priced = price(variant)
-            mark = "*" if balance is not None and packing == data.packing and rule == _chosen(model, train, layout) else " "
+            mark = "*" if chosen is not None and packing == data.packing and rule == chosen.rule else " "
             runs = "" if rule in RUNTIME_SHARDINGS else " (priced only: the runtime's SequenceParallel runs zigzag and per_document)"
             if priced is None or balance is None:
                 lines.append(f"   {mark} {rule:12s} {packing:9s} does not fit or is invalid at this layout{runs}")
@@ -108,7 +109,3 @@ def _alternatives(model: ModelSpec, train: TrainSpec, layout: Layout, estimate: 
                 f"{balance.padding_fraction:.1%}{runs}")
     return lines
 
-
-def _chosen(model: ModelSpec, train: TrainSpec, layout: Layout) -> str:
-    balance = layout_balance(model, train, layout)
-    return balance.rule if balance is not None else "zigzag"
