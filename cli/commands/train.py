@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -50,10 +51,19 @@ def reports_errors() -> bool:
     return rank.strip() in ("", "0")
 
 
+#: How long a silent rank waits before it exits on an error every rank hits. torchrun stops all ranks as soon
+#: as one exits with an error; a silent rank that exits first can have the reporting rank killed before it has
+#: printed why (seen on a loaded 2-core CI machine). Waiting lets the reporting rank exit first, and torchrun
+#: then ends the waiting ranks at once, so a failing launch is not slower by this much.
+SILENT_RANK_GRACE_S = 30.0
+
+
 def fail_once(exc: click.ClickException) -> NoReturn:
     """Show a command-line error on the reporting rank only, and exit every rank with its code (2)."""
     if reports_errors():
         exc.show()
+    elif os.environ.get("TORCHELASTIC_RUN_ID"):
+        time.sleep(SILENT_RANK_GRACE_S)
     raise click.exceptions.Exit(exc.exit_code)
 
 
