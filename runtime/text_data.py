@@ -13,7 +13,10 @@ Three pieces (``datasets`` and ``transformers`` come with the ``[hf]`` extra and
    may continue in the next row; the final partial row is dropped). Built once, in one streaming pass,
    into a cache directory keyed by the dataset's fingerprint, the tokenizer, the text column,
    ``seq_len`` and the position mode; memory-mapped afterwards (rank 0 builds, the others wait and map
-   it; build errors reach every rank). ``positions``:
+   it; build errors reach every rank). ``packing="first_fit"|"sorted"`` places whole documents in rows with the
+   planner's :func:`sp_plan.cost_models.packing.pack` instead (documents longer than a row split into pieces that
+   continue in order, each row's tail padded, padding labelled ignored; format 2); the cache's metadata records
+   the document-length histogram either way (what ``sp-plan train`` plans on). ``positions``:
 
    - ``"continuous"`` (GPT-style, the default): samples are ``(seq_len,)`` token tensors, positions
      run 0..seq_len-1 and attention crosses document boundaries inside a row (the GPT objective;
@@ -40,19 +43,25 @@ import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
-
+from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.json_io import json_loads
-from sp_plan.runtime.data import pack_documents
+from sp_plan.cost_models.lengths import LengthAccumulator, LengthHistogram, make_histogram
+from sp_plan.cost_models.packing import PACKINGS, pack
+from sp_plan.runtime.data import IGNORE_INDEX, pack_documents
 from sp_plan.runtime.errors import RuntimeConfigError
 from sp_plan.runtime.json_nesting import check_json_nesting
 
-#: Bumped when the packed cache's layout changes (old caches are then rebuilt, not misread).
+#: Bumped when the packed cache's layout changes (old caches are then rebuilt, not misread). Format 1: stream
+#: packing, every row full; format 2: whole-document packings (``first_fit``, ``sorted``), rows padded at the
+#: end (and each document to ``multiple``), with a per-token mask of the real tokens (:data:`VALID_FILE`).
 PACK_FORMAT = 1
+PADDED_PACK_FORMAT = 2
+PACK_FORMATS = (PACK_FORMAT, PADDED_PACK_FORMAT)
 POSITION_MODES = ("continuous", "per_document")
 #: File suffix -> the ``datasets`` builder that reads it.
 BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet",
@@ -61,6 +70,10 @@ META_FILE = "meta.json"
 TOKENS_FILE = "tokens.u32"
 STARTS_FILE = "starts.i64"
 OFFSETS_FILE = "row_starts.i64"
+#: Padded packings: 1 where a row's token is a document's, 0 where it is padding (uint8, rows x seq_len).
+VALID_FILE = "valid.u8"
+#: Padded packings, while building: every document's tokens (EOS included) back to back, and their lengths.
+DOCUMENTS_FILE = "documents.u32"
 
 
 def _first_line(exc: BaseException) -> str:
@@ -295,7 +308,8 @@ class PackedTextDataset(torch.utils.data.Dataset):
     """Rows of ``seq_len`` tokens packed from a text dataset (see the module doc); map-style.
 
     Build with :meth:`build` (collective inside a process group). ``samples``: ``(seq_len,)`` int64
-    token tensors (``positions="continuous"``) or ``{"input_ids", "position_ids"}`` (``"per_document"``).
+    token tensors (``positions="continuous"``) or ``{"input_ids", "position_ids"}`` (``"per_document"``); rows
+    of a whole-document packing are dicts with ``labels`` too (padding at -100, so the loss skips it).
     """
 
     def __init__(self, directory: str | os.PathLike) -> None:
@@ -311,7 +325,12 @@ class PackedTextDataset(torch.utils.data.Dataset):
         self.pad_token_id: int = meta["pad_token_id"]
         self.vocab_size: int = meta["vocab_size"]
         self.max_token_id: int = meta["max_token_id"]
+        #: How documents became rows (caches written before packing was an option are ``stream``).
+        self.packing: str = meta.get("packing", "stream")
+        #: Row tokens that are padding (0 for stream packing, whose rows are all data).
+        self.padding_tokens: int = meta.get("padding_tokens", 0)
         self._tokens: np.ndarray | None = None
+        self._valid: np.ndarray | None = None
         self._starts: np.ndarray | None = None
         self._offsets: np.ndarray | None = None
 
@@ -319,10 +338,31 @@ class PackedTextDataset(torch.utils.data.Dataset):
     def num_tokens(self) -> int:
         return self.rows * self.seq_len
 
+    @property
+    def padded(self) -> bool:
+        """Whether rows hold padding (whole-document packings), whose labels are then ignored."""
+        return self.meta["format"] == PADDED_PACK_FORMAT
+
+    @property
+    def padding_fraction(self) -> float:
+        """Share of the row tokens that are padding: what the loss and the token counts leave out."""
+        return self.padding_tokens / self.num_tokens if self.num_tokens else 0.0
+
+    def lengths(self) -> LengthHistogram | None:
+        """The dataset's document lengths (tokens with EOS), as recorded while tokenising (None for a cache
+        written before they were recorded): what ``sp-plan train`` plans on."""
+        bins = self.meta.get("lengths")
+        if not bins:
+            return None
+        return make_histogram(bins, str(self.meta.get("source", "")), f"document lengths of {self.directory}")
+
     def _open(self) -> None:
         if self._tokens is None:
             self._tokens = np.memmap(self.directory / TOKENS_FILE, dtype=np.uint32, mode="r",
                                      shape=(self.rows, self.seq_len))
+            if self.padded:
+                self._valid = np.memmap(self.directory / VALID_FILE, dtype=np.uint8, mode="r",
+                                        shape=(self.rows, self.seq_len))
             if self.positions == "per_document":
                 self._starts = _map_int64(self.directory / STARTS_FILE)
                 self._offsets = _map_int64(self.directory / OFFSETS_FILE)
@@ -346,21 +386,30 @@ class PackedTextDataset(torch.utils.data.Dataset):
             raise IndexError(index)
         self._open()
         ids = torch.from_numpy(self._tokens[index].astype(np.int64))
+        if self.padded:  # padding carries ignored labels: out of the loss and the token counts
+            valid = torch.from_numpy(self._valid[index].astype(np.bool_))
+            sample = {"input_ids": ids, "labels": ids.masked_fill(~valid, IGNORE_INDEX)}
+            if self.positions == "per_document":
+                sample["position_ids"] = self.position_ids(index)
+            return sample
         if self.positions == "per_document":
             return {"input_ids": ids, "position_ids": self.position_ids(index)}
         return ids
 
     def describe(self) -> str:
         m = self.meta
+        if self.padded:
+            tail = f"{self.packing} packing, {self.padding_fraction:.1%} padding"
+        else:
+            tail = f"{m['dropped_tokens']:,} tokens of the last partial row dropped"
         return (f"{m['documents']:,} documents ({m['source']}), {self.num_tokens:,} tokens in {self.rows:,} rows of "
-                f"{self.seq_len:,} ({m['dropped_tokens']:,} tokens of the last partial row dropped); "
-                f"positions {self.positions}")
+                f"{self.seq_len:,} ({tail}); positions {self.positions}")
 
     @classmethod
     def build(cls, source, tokenizer, seq_len: int, *, text_column: str = "text", split: str = "train",
-              positions: str = "continuous", cache_dir: str | os.PathLike | None = None,
-              hf_cache_dir: str | os.PathLike | None = None, batch_size: int = 1000,
-              log: Callable[[str], None] | None = None) -> PackedTextDataset:
+              positions: str = "continuous", packing: str = "stream", multiple: int = 1,
+              cache_dir: str | os.PathLike | None = None, hf_cache_dir: str | os.PathLike | None = None,
+              batch_size: int = 1000, log: Callable[[str], None] | None = None) -> PackedTextDataset:
         """Pack a text dataset into rows of ``seq_len``, or reuse its cached packing.
 
         ``source``: what :func:`load_text_dataset` takes (a path, a hub name or a ``datasets.Dataset``);
@@ -368,11 +417,22 @@ class PackedTextDataset(torch.utils.data.Dataset):
         only rank 0 loads the dataset and the tokenizer and packs; every rank then maps the result, or
         raises rank 0's error. ``cache_dir``: where packed datasets live (default
         :func:`default_cache_dir`); ``hf_cache_dir``: the ``datasets`` cache for data files.
+
+        ``packing`` (:mod:`sp_plan.cost_models.packing`, the planner's own function): ``stream`` (the default:
+        documents concatenated and cut every ``seq_len`` tokens, no padding), or ``first_fit``/``sorted``
+        (whole documents placed in rows, longer ones split into row-sized pieces that continue in order, each
+        row's tail padded; ``multiple`` rounds every piece up with padding inside it, as per-document ring
+        sharding over ring R needs with ``multiple = 2 R``). Padding has ignored labels.
         """
         if positions not in POSITION_MODES:
             raise RuntimeConfigError(f"positions={positions!r}: choose one of {', '.join(POSITION_MODES)}")
+        if packing not in PACKINGS:
+            raise RuntimeConfigError(f"packing={packing!r}: choose one of {', '.join(PACKINGS)}")
         if seq_len < 2:
             raise RuntimeConfigError(f"seq_len must be at least 2, got {seq_len}")
+        if multiple < 1 or seq_len % multiple or (packing == "stream" and multiple != 1):
+            raise RuntimeConfigError(f"multiple={multiple} must divide seq_len {seq_len} and applies to whole-document "
+                                     "packings (first_fit, sorted) only")
         cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
 
         def make() -> str:
@@ -381,11 +441,16 @@ class PackedTextDataset(torch.utils.data.Dataset):
             spec = {"format": PACK_FORMAT, "dataset": getattr(dataset, "_fingerprint", None), "rows": len(dataset),
                     "text_column": text_column, "tokenizer": tokenizer_fingerprint(tok), "seq_len": seq_len,
                     "positions": positions}
+            if packing != "stream":  # stream keeps its key: the caches of earlier versions stay valid
+                spec.update(format=PADDED_PACK_FORMAT, packing=packing, multiple=multiple)
             key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
             directory = cache / f"packed-{key}"
+            name = str(source if isinstance(source, (str, os.PathLike)) else "in-memory dataset")
+            layout = _Layout(seq_len, positions, packing, multiple)
             if not (directory / META_FILE).is_file():
-                name = source if isinstance(source, (str, os.PathLike)) else "in-memory dataset"
-                _pack(dataset, tok, seq_len, text_column, positions, directory, key, batch_size, str(name), log)
+                _pack(dataset, tok, layout, text_column, directory, key, batch_size, name, log)
+            elif "lengths" not in _read_meta(directory):  # written before lengths were recorded
+                _record_lengths(dataset, tok, text_column, directory, batch_size, log)
             return str(directory)
 
         return cls(on_rank_zero(make, "packing the dataset"))
@@ -433,13 +498,16 @@ def _read_meta(directory: Path) -> dict[str, Any]:
         meta = json_loads(file.read_text())
     except json.JSONDecodeError as exc:
         raise RuntimeConfigError(f"{file} is not valid JSON: {_first_line(exc)}") from None
-    if meta.get("format") != PACK_FORMAT:
+    if meta.get("format") not in PACK_FORMATS:
         raise RuntimeConfigError(f"{directory} was packed with format {meta.get('format')}, this runtime reads "
-                                 f"{PACK_FORMAT}: delete it to rebuild")
-    size = (directory / TOKENS_FILE).stat().st_size if (directory / TOKENS_FILE).is_file() else -1
-    if size != meta["rows"] * meta["seq_len"] * 4:
-        raise RuntimeConfigError(f"{directory / TOKENS_FILE} has {size} bytes, expected "
-                                 f"{meta['rows'] * meta['seq_len'] * 4}: the cache is damaged, delete it to rebuild")
+                                 f"{' and '.join(map(str, PACK_FORMATS))}: delete it to rebuild")
+    files = [(TOKENS_FILE, 4)] + ([(VALID_FILE, 1)] if meta["format"] == PADDED_PACK_FORMAT else [])
+    for name, width in files:
+        size = (directory / name).stat().st_size if (directory / name).is_file() else -1
+        if size != meta["rows"] * meta["seq_len"] * width:
+            raise RuntimeConfigError(f"{directory / name} has {size} bytes, expected "
+                                     f"{meta['rows'] * meta['seq_len'] * width}: the cache is damaged, delete it to "
+                                     "rebuild")
     return meta
 
 
@@ -458,67 +526,219 @@ def _batches(dataset, text_column: str, batch_size: int) -> Iterator[dict]:
         yield batch
 
 
-def _documents(dataset, tokenizer, text_column: str, batch_size: int, counts: dict) -> Iterator[list[int]]:
+class _Layout(NamedTuple):
+    """What a packed cache's rows are: their length, position mode, packing and per-piece multiple."""
+
+    seq_len: int
+    positions: str
+    packing: str
+    multiple: int
+
+
+def _documents(dataset, tokenizer, text_column: str, batch_size: int, counts: dict,
+               lengths: LengthAccumulator) -> Iterator[list[int]]:
+    """Every document's token ids (no EOS yet), counted, and its length with EOS fed to ``lengths``."""
     for batch in _batches(dataset, text_column, batch_size):
         texts = batch[text_column]
         if any(not isinstance(t, str) for t in texts):
             raise RuntimeConfigError(f"column {text_column!r} holds a non-string value (None?): clean the dataset")
-        for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        lengths.add(len(ids) + 1 for ids in encoded)
+        for ids in encoded:
             counts["documents"] += 1
             counts["tokens"] += len(ids) + 1
             yield ids
 
 
-def _pack(dataset, tokenizer, seq_len: int, text_column: str, positions: str, directory: Path, key: str,
-          batch_size: int, name: str, log) -> None:
-    """One streaming pass: tokenise, pack with :func:`sp_plan.runtime.data.pack_documents`, write the rows (and
-    the document starts inside rows), then publish the directory atomically."""
+def _fresh_tmp(directory: Path) -> Path:
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    return tmp
+
+
+def _publish(tmp: Path, directory: Path, meta: dict[str, Any]) -> None:
+    """Write the metadata last, then move the finished directory into place in one rename."""
+    (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+    if directory.exists():  # another builder won the race with the same content
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    os.replace(tmp, directory)
+
+
+def _no_rows(counts: dict, seq_len: int) -> RuntimeConfigError:
+    return RuntimeConfigError(
+        f"the dataset has {counts['tokens']:,} tokens ({counts['documents']:,} documents with EOS), fewer than "
+        f"one sequence of {seq_len:,}: use a shorter sequence or more data")
+
+
+def _common_meta(tokenizer, layout: _Layout, key: str, name: str, counts: dict, lengths: LengthAccumulator,
+                 max_id: int) -> dict[str, Any]:
     eos = int(tokenizer.eos_token_id)
-    per_document = positions == "per_document"
-    counts = {"documents": 0, "tokens": 0}
-    rows, max_id = 0, eos
-    starts: list[np.ndarray] = []
-    offsets = [0]
+    return {"key": key, "seq_len": layout.seq_len, "positions": layout.positions,
+            "documents": counts["documents"], "tokens": counts["tokens"], "eos_token_id": eos,
+            "max_token_id": max_id, "tokenizer": str(getattr(tokenizer, "name_or_path", "")),
+            "vocab_size": len(tokenizer),
+            "pad_token_id": int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos),
+            "source": name, "packing": layout.packing, "lengths": [list(b) for b in lengths.bins()]}
+
+
+def _pack(dataset, tokenizer, layout: _Layout, text_column: str, directory: Path, key: str, batch_size: int,
+          name: str, log) -> None:
+    """Tokenise, pack and publish the cache directory atomically (stream: one pass; whole-document packings:
+    tokenise to a temporary file, pack the lengths, copy the rows out of it)."""
+    tmp = _fresh_tmp(directory)
     if log is not None:
-        log(f"packing {len(dataset):,} documents into rows of {seq_len:,} tokens -> {directory}")
+        log(f"packing {len(dataset):,} documents into rows of {layout.seq_len:,} tokens ({layout.packing}) -> "
+            f"{directory}")
     try:
-        with open(tmp / TOKENS_FILE, "wb") as out:
-            docs = _documents(dataset, tokenizer, text_column, batch_size, counts)
-            for row in pack_documents(docs, seq_len, separator=eos, reset_positions=per_document):
-                ids = row["input_ids"].numpy()
-                max_id = max(max_id, int(ids.max()))
-                out.write(ids.astype(np.uint32).tobytes())
-                if per_document:
-                    restarts = np.flatnonzero(row["position_ids"].numpy()[1:] == 0) + 1
-                    starts.append(restarts.astype(np.int64))
-                    offsets.append(offsets[-1] + len(restarts))
-                rows += 1
-        if rows == 0:
-            raise RuntimeConfigError(
-                f"the dataset has {counts['tokens']:,} tokens ({counts['documents']:,} documents with EOS), fewer than "
-                f"one sequence of {seq_len:,}: use a shorter sequence or more data"
-            )
-        if per_document:
-            (np.concatenate(starts) if starts else np.zeros(0, np.int64)).tofile(tmp / STARTS_FILE)
-            np.asarray(offsets, dtype=np.int64).tofile(tmp / OFFSETS_FILE)
-        meta = {"format": PACK_FORMAT, "key": key, "seq_len": seq_len, "rows": rows, "positions": positions,
-                "documents": counts["documents"], "tokens": counts["tokens"],
-                "dropped_tokens": counts["tokens"] - rows * seq_len, "eos_token_id": eos, "max_token_id": max_id,
-                "tokenizer": str(getattr(tokenizer, "name_or_path", "")), "vocab_size": len(tokenizer),
-                "pad_token_id": int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos),
-                "source": name}
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
-        if directory.exists():  # another builder won the race with the same content
-            shutil.rmtree(tmp, ignore_errors=True)
-            return
-        os.replace(tmp, directory)
+        writer = _pack_stream if layout.packing == "stream" else _pack_whole_documents
+        meta = writer(dataset, tokenizer, layout, text_column, tmp, key, batch_size, name)
+        _publish(tmp, directory, meta)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _pack_stream(dataset, tokenizer, layout: _Layout, text_column: str, tmp: Path, key: str, batch_size: int,
+                 name: str) -> dict[str, Any]:
+    """One streaming pass with :func:`sp_plan.runtime.data.pack_documents`: the rows (and the document starts
+    inside rows) of format 1, as every earlier version wrote them."""
+    seq_len, eos = layout.seq_len, int(tokenizer.eos_token_id)
+    per_document = layout.positions == "per_document"
+    counts = {"documents": 0, "tokens": 0}
+    lengths = LengthAccumulator()
+    rows, max_id = 0, eos
+    starts: list[np.ndarray] = []
+    offsets = [0]
+    with open(tmp / TOKENS_FILE, "wb") as out:
+        docs = _documents(dataset, tokenizer, text_column, batch_size, counts, lengths)
+        for row in pack_documents(docs, seq_len, separator=eos, reset_positions=per_document):
+            ids = row["input_ids"].numpy()
+            max_id = max(max_id, int(ids.max()))
+            out.write(ids.astype(np.uint32).tobytes())
+            if per_document:
+                restarts = np.flatnonzero(row["position_ids"].numpy()[1:] == 0) + 1
+                starts.append(restarts.astype(np.int64))
+                offsets.append(offsets[-1] + len(restarts))
+            rows += 1
+    if rows == 0:
+        raise _no_rows(counts, seq_len)
+    if per_document:
+        _write_starts(tmp, starts, offsets)
+    meta = {"format": PACK_FORMAT, **_common_meta(tokenizer, layout, key, name, counts, lengths, max_id),
+            "rows": rows, "dropped_tokens": counts["tokens"] - rows * seq_len, "padding_tokens": 0}
+    return meta
+
+
+def _write_starts(tmp: Path, starts: list[np.ndarray], offsets: list[int]) -> None:
+    (np.concatenate(starts) if starts else np.zeros(0, np.int64)).tofile(tmp / STARTS_FILE)
+    np.asarray(offsets, dtype=np.int64).tofile(tmp / OFFSETS_FILE)
+
+
+def _tokenize_to_file(dataset, tokenizer, text_column: str, batch_size: int, file: Path, counts: dict,
+                      lengths: LengthAccumulator) -> tuple[np.ndarray, int]:
+    """Every document's tokens with EOS, back to back in ``file`` (uint32): the documents stay on disk, not in
+    Python lists; returns their lengths (int64) and the largest token id."""
+    eos = int(tokenizer.eos_token_id)
+    sizes: list[np.ndarray] = []
+    max_id = eos
+    with open(file, "wb") as out:
+        batch: list[np.ndarray] = []
+        for ids in _documents(dataset, tokenizer, text_column, batch_size, counts, lengths):
+            tokens = np.asarray([*ids, eos], dtype=np.uint32)
+            max_id = max(max_id, int(tokens.max()))
+            batch.append(tokens)
+            if len(batch) >= batch_size:
+                sizes.append(_flush(out, batch))
+        sizes.append(_flush(out, batch))
+    return np.concatenate(sizes), max_id
+
+
+def _flush(out, batch: list[np.ndarray]) -> np.ndarray:
+    """Write a batch of documents and empty it; their lengths."""
+    for tokens in batch:
+        out.write(tokens.tobytes())
+    sizes = np.fromiter((len(t) for t in batch), dtype=np.int64, count=len(batch))
+    batch.clear()
+    return sizes
+
+
+def _pack_whole_documents(dataset, tokenizer, layout: _Layout, text_column: str, tmp: Path, key: str,
+                          batch_size: int, name: str) -> dict[str, Any]:
+    """Format 2: documents placed in rows by :func:`sp_plan.cost_models.packing.pack` (the planner's packer,
+    documents longer than a row split into pieces that continue in order), each piece followed by its padding
+    to ``multiple``, each row's tail padded; the real tokens marked in :data:`VALID_FILE`. With per-document
+    positions the piece starts (and the tail's, a document of its own) are the row's document starts."""
+    seq_len = layout.seq_len
+    counts = {"documents": 0, "tokens": 0}
+    lengths = LengthAccumulator()
+    documents_file = tmp / DOCUMENTS_FILE
+    sizes, max_id = _tokenize_to_file(dataset, tokenizer, text_column, batch_size, documents_file, counts, lengths)
+    if counts["tokens"] == 0:
+        raise _no_rows(counts, seq_len)
+    try:
+        rows = pack(sizes.tolist(), seq_len, layout.packing, multiple=layout.multiple, split_long=True)
+    except CostModelError as exc:
+        raise RuntimeConfigError(str(exc)) from None
+    first = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # where each document's tokens begin in the file
+    tokens = np.memmap(documents_file, dtype=np.uint32, mode="r")
+    pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    per_document = layout.positions == "per_document"
+    starts: list[np.ndarray] = []
+    offsets = [0]
+    with open(tmp / TOKENS_FILE, "wb") as out, open(tmp / VALID_FILE, "wb") as valid_out:
+        for pieces in rows:
+            ids, valid, row_starts = _fill_row(pieces, tokens, first, seq_len, pad)
+            out.write(ids.tobytes())
+            valid_out.write(valid.tobytes())
+            if per_document:
+                starts.append(row_starts)
+                offsets.append(offsets[-1] + len(row_starts))
+    del tokens
+    documents_file.unlink()
+    if per_document:
+        _write_starts(tmp, starts, offsets)
+    padding = len(rows) * seq_len - counts["tokens"]
+    return {"format": PADDED_PACK_FORMAT, **_common_meta(tokenizer, layout, key, name, counts, lengths, max_id),
+            "rows": len(rows), "dropped_tokens": 0, "padding_tokens": padding, "multiple": layout.multiple}
+
+
+def _fill_row(pieces, tokens: np.ndarray, first: np.ndarray, seq_len: int,
+              pad: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One row: its token ids (uint32), its real-token mask (uint8) and its document starts after 0 (int64)."""
+    ids = np.full(seq_len, pad, dtype=np.uint32)
+    valid = np.zeros(seq_len, dtype=np.uint8)
+    row_starts = []
+    at = 0
+    for piece in pieces:
+        begin = int(first[piece.doc]) + piece.start
+        ids[at:at + piece.length] = tokens[begin:begin + piece.length]
+        valid[at:at + piece.length] = 1
+        if at:
+            row_starts.append(at)
+        at += piece.padded
+    if 0 < at < seq_len:  # the tail's padding: a document of its own
+        row_starts.append(at)
+    return ids, valid, np.asarray(row_starts, dtype=np.int64)
+
+
+def _record_lengths(dataset, tokenizer, text_column: str, directory: Path, batch_size: int, log) -> None:
+    """Add the document lengths to a cache written before they were recorded (one tokenising pass; the rows
+    are not touched), replacing its metadata file atomically."""
+    if log is not None:
+        log(f"recording the document lengths of {directory} (packed by an earlier version)")
+    counts = {"documents": 0, "tokens": 0}
+    lengths = LengthAccumulator()
+    for _ in _documents(dataset, tokenizer, text_column, batch_size, counts, lengths):
+        pass
+    meta = _read_meta(directory)
+    meta.update(lengths=[list(b) for b in lengths.bins()], packing=meta.get("packing", "stream"),
+                padding_tokens=meta.get("padding_tokens", 0))
+    tmp = directory / f".{META_FILE}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, directory / META_FILE)
 
 
 def check_vocabulary(dataset: PackedTextDataset, vocab_size: int) -> None:
