@@ -73,6 +73,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sp_plan.cost_models.data_balance import DataShape
 from sp_plan.cost_models.layout import Layout
 from sp_plan.cost_models.train_spec import TrainSpec
 from sp_plan.runtime.context import SequenceParallel
@@ -103,6 +104,7 @@ from sp_plan.runtime.planning import (
     load_topology_for,
     plan_for,
     plan_from_argument,
+    plan_sharding,
     probe_topology,
     refuse_unsupported,
 )
@@ -345,14 +347,14 @@ class AutoConfigured:
 
 
 def _training_spec(seq_len: int | None, micro_batch: int, dtype: str | None, device_type: str, optimizer: str,
-                   tp_sequence_parallel: bool, document_length: int | None) -> TrainSpec:
+                   tp_sequence_parallel: bool, document_length: int | None, data: DataShape | None) -> TrainSpec:
     """The run the planner plans for, from auto_configure's arguments (bf16 on CUDA, fp32 on CPU by default)."""
     if seq_len is None:
         raise RuntimeConfigError("auto_configure needs seq_len=... (or a plan) to plan the run")
     try:
         return TrainSpec(seq_len=seq_len, micro_batch=micro_batch,
                          dtype=dtype or ("bf16" if device_type == "cuda" else "fp32"), optimizer=optimizer,
-                         tp_sequence_parallel=tp_sequence_parallel, document_length=document_length)
+                         tp_sequence_parallel=tp_sequence_parallel, document_length=document_length, data=data)
     except ValueError as exc:
         raise RuntimeConfigError(f"invalid training options: {exc}".splitlines()[0]) from None
 
@@ -378,6 +380,8 @@ def auto_configure(
     stack: str | None = None,
     calibration: str | None = None,
     document_length: int | None = None,
+    data: DataShape | None = None,
+    sharding: str | None = "zigzag",
 ) -> AutoConfigured:
     """Plan (or load the plan), build the mesh, swap in SP attention, checkpoint, shard with FSDP2.
 
@@ -393,7 +397,11 @@ def auto_configure(
     None to probe this machine; ``stack`` (a stack name or YAML file, default ``sp-plan``) and
     ``calibration`` (a calibration file) are what the planner assumes, with the model family's memory
     overrides on top; ``document_length`` (typical tokens per document of packed, document-masked rows)
-    lets the planner price attention for packed data. The data arguments configure the
+    lets the planner price attention for packed data; ``data`` (the dataset's document lengths, packing and
+    sharding rule, :class:`~sp_plan.cost_models.data_balance.DataShape`) prices the packed rows themselves.
+    ``sharding``: how the ring splits a row (:class:`~sp_plan.runtime.context.SequenceParallel`), ``"zigzag"``
+    (the default), ``"per_document"``, or None for the plan's own rule (:func:`plan_sharding`: the rule its
+    data shape resolves to at its ring degree, zigzag without one). The data arguments configure the
     :class:`sp_plan.runtime.data.BatchSharder`.
     """
     device_type = init_distributed(device_type)
@@ -402,7 +410,7 @@ def auto_configure(
     spec = adapter.spec(model)
     if plan is None:
         base = _training_spec(seq_len, micro_batch, dtype, device_type, optimizer, tp_sequence_parallel,
-                              document_length)
+                              document_length, data)
         probed = probe_topology(world, device_type) if topology is None else None  # collective
 
         def make_plan():  # rank 0 only: its errors (a bad topology name, no plan fits) reach every rank
@@ -418,7 +426,8 @@ def auto_configure(
     refuse_unsupported(the_plan, adapter)
 
     options = {"pad_token_id": pad_token_id, "labels_shifted": labels_shifted,
-               "cross_document_attention": cross_document_attention}
+               "cross_document_attention": cross_document_attention,
+               "sharding": plan_sharding(the_plan) if sharding is None else sharding}
     if the_plan.layout.pp > 1:
         setup = configure_pipeline(model, adapter, the_plan, device_type=device_type, sync_weights=sync_weights,
                                    **options)
@@ -477,6 +486,7 @@ def configure_parts(
     labels_shifted: bool = False,
     cross_document_attention: bool = False,
     sync_weights: bool = True,
+    sharding: str = "zigzag",
 ) -> AutoConfigured:
     """The setup of a plan over model parts (:func:`auto_configure`'s second half): the mesh, then each part
     parallelised in turn (:func:`sp_plan.runtime.parallelize.parallelize`: TP, SP attention, checkpointing,
@@ -492,15 +502,16 @@ def configure_parts(
     if sync_weights:
         broadcast_parameters(parts_on_device, mesh.device)
     return _configure_on_mesh(parts_on_device, adapter, plan, mesh, pad_token_id=pad_token_id,
-                              labels_shifted=labels_shifted, cross_document_attention=cross_document_attention)
+                              labels_shifted=labels_shifted, cross_document_attention=cross_document_attention,
+                              sharding=sharding)
 
 
 def _configure_on_mesh(parts_on_device: Sequence[nn.Module], adapter: ModelAdapter, plan: Any, mesh: RuntimeMesh, *,
                        pad_token_id: int = 0, labels_shifted: bool = False,
-                       cross_document_attention: bool = False) -> AutoConfigured:
+                       cross_document_attention: bool = False, sharding: str = "zigzag") -> AutoConfigured:
     """:func:`configure_parts` once the mesh exists and the parts' weights agree: parallelise each part, then
-    the batch sharder and the loss."""
-    sp = SequenceParallel.from_mesh(mesh)
+    the batch sharder and the loss (the ring splitting rows by ``sharding``)."""
+    sp = SequenceParallel.from_mesh(mesh, sharding=sharding)
     parts = [parallelize(part, adapter, plan, mesh, sp) for part in parts_on_device]
     part_tp = [p.tensor_parallel for p in parts if p.tensor_parallel is not None]
     tp = part_tp[-1] if part_tp else None  # the vocab-parallel loss's: the last part's

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from sp_plan.cost_models.data_balance import RUNTIME_SHARDINGS, layout_balance
 from sp_plan.cost_models.model_spec import ModelSpec
 from sp_plan.cost_models.topology import Topology, load_topology
 from sp_plan.cost_models.train_spec import TrainSpec
@@ -168,6 +169,32 @@ def refuse_unsupported(plan: Plan, family: Family = "llama") -> None:
         raise RuntimeConfigError(
             f"the runtime cannot execute this plan ({len(reasons)} option(s)): " + " | ".join(reasons)
         )
+
+
+# ----- the data's sharding rule ---------------------------------------------------------------------------
+
+def sharding_choice(plan: Plan) -> tuple[str, str]:
+    """The ring's sharding rule for ``plan`` and how it was decided: the rule its data shape (``--lengths``,
+    or the dataset's recorded lengths) resolves to at its layout, as the planner priced it (under ``auto`` the
+    faster at its ring degree; ring 1 splits no row: zigzag), or zigzag for a plan without a data shape."""
+    data = plan.train.data
+    if data is None:
+        return "zigzag", "the plan has no data shape"
+    balance = layout_balance(plan.model, plan.train, plan.layout)
+    rule = balance.rule if balance is not None else "zigzag"
+    if rule not in RUNTIME_SHARDINGS:
+        raise RuntimeConfigError(f"the plan shards rows {rule!r}, which the planner prices but the runtime does not run "
+                                 f"(it runs {' and '.join(RUNTIME_SHARDINGS)}): re-plan with --sharding auto, zigzag "
+                                 "or per_document")
+    if plan.layout.ring == 1:
+        return rule, "ring=1: no row is split"
+    how = "chosen by auto" if data.sharding == "auto" else "as requested"
+    return rule, f"{how} at ring={plan.layout.ring}"
+
+
+def plan_sharding(plan: Plan) -> str:
+    """The ring's sharding rule for ``plan`` (:func:`sharding_choice`)."""
+    return sharding_choice(plan)[0]
 
 
 # ----- describing it --------------------------------------------------------------------------------------
