@@ -76,6 +76,11 @@ class TrainRunOptions:
     text_column: str = "text"
     split: str = "train"
     positions: str = "continuous"
+    #: How a --dataset's documents become rows (:mod:`sp_plan.cost_models.packing`); None: the loaded plan's
+    #: data shape's packing, else ``stream``.
+    packing: str | None = None
+    #: How the ring splits a row: ``auto`` (None: the plan's choice), ``zigzag`` or ``per_document``.
+    sharding: str | None = None
     data_cache: Path | None = None
     corpus: Path | None = None
     corpus_bytes: int = DEFAULT_CORPUS_BYTES
@@ -112,6 +117,25 @@ class TrainRunOptions:
             found.append("--resume and --resume-or-start exclude each other")
         if self.save_every and self.checkpoint_dir is None:
             found.append("--save-every needs --checkpoint-dir")
+        found += self.data_conflicts()
+        return found
+
+    @property
+    def per_document_positions(self) -> bool:
+        """Whether rows restart positions per document (the CLI spells it ``per-document``)."""
+        return self.positions.replace("-", "_") == "per_document"
+
+    def data_conflicts(self) -> list[str]:
+        """Packing and sharding flags that cannot shape this run's rows."""
+        found = []
+        given = [flag for flag, value in (("--packing", self.packing), ("--sharding", self.sharding)) if value]
+        if given and self.dataset is None:
+            verb = "shape" if len(given) > 1 else "shapes"
+            found.append(f"{' and '.join(given)} {verb} the rows of a --dataset (the default corpus is cut into "
+                         "fixed windows): add --dataset and --tokenizer, or drop them")
+        if self.sharding == "per_document" and not self.per_document_positions:
+            found.append("--sharding per_document splits every document of a row over the ring ranks, so it needs "
+                         "the rows' document boundaries: add --positions per-document (or use --sharding zigzag)")
         return found
 
     def pins_given(self) -> bool:

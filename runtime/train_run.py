@@ -165,22 +165,86 @@ def checkpoint_plan(options: TrainRunOptions) -> Plan | None:
     return plan_from_dict(state["plan"], f"the plan saved in {path}")
 
 
-def make_data(options: TrainRunOptions, setup: AutoConfigured) -> tuple[GlobalBatches, str]:
-    """This rank's resumable batch stream and a line describing the data."""
+def dataset_packing(options: TrainRunOptions, plan: Plan | None) -> str:
+    """How the run's documents become rows: ``--packing``, else the packing the plan was priced on (its data
+    shape's), else ``stream`` (what every earlier version trained on)."""
+    if options.packing is not None:
+        return options.packing
+    data = plan.train.data if plan is not None else None
+    return data.packing if data is not None else "stream"
+
+
+def build_text_dataset(options: TrainRunOptions, seq_len: int, packing: str, multiple: int = 1):
+    """The --dataset packed into rows of ``seq_len`` (collective: rank 0 builds or reuses the cache)."""
+    from sp_plan.runtime.text_data import PackedTextDataset  # datasets: lazy
+
+    log = LOG.info if not dist.is_initialized() or dist.get_rank() == 0 else None
+    return PackedTextDataset.build(options.dataset, options.tokenizer, seq_len, text_column=options.text_column,
+                                   split=options.split, positions=options.positions.replace("-", "_"),
+                                   packing=packing, multiple=multiple, cache_dir=options.data_cache, log=log)
+
+
+def planning_data(options: TrainRunOptions, packing: str):
+    """What the planner prices a --dataset run on when it plans here: the dataset's recorded document lengths
+    with the packing and ``--sharding`` (:class:`~sp_plan.cost_models.data_balance.DataShape`), and the dataset
+    packed to read them (reused when the plan needs no other rows). Only for per-document positions: with
+    continuous positions attention crosses the documents of a row, so the planner prices whole rows (no data
+    shape) and the ring splits them zigzag. ``(None, None)`` when there is nothing to price."""
+    if options.dataset is None or not options.per_document_positions:
+        return None, None
+    from sp_plan.cost_models.data_balance import DataShape
+    from sp_plan.runtime.distributed import init_distributed
+
+    init_distributed()  # the dataset is built once, by rank 0, before the planning
+    dataset = build_text_dataset(options, options.seq_len, packing)
+    histogram = dataset.lengths()
+    if histogram is None:  # build() records them; only a cache edited by hand lacks them
+        raise RuntimeConfigError(f"{dataset.directory} holds no document lengths: delete it to rebuild")
+    shape = DataShape(bins=histogram.bins, packing=packing, sharding=options.sharding or "auto",
+                      source=str(options.dataset))
+    return shape, dataset
+
+
+def check_plan_data(plan: Plan, options: TrainRunOptions) -> None:
+    """A loaded plan fixes the ring's sharding rule (its data shape's, as priced): refuse a ``--sharding`` that
+    asks for another, and per-document sharding of rows without document boundaries."""
+    from sp_plan.runtime.planning import sharding_choice
+
+    rule, how = sharding_choice(plan)
+    if options.sharding not in (None, "auto", rule):
+        raise RuntimeConfigError(f"--sharding {options.sharding}, but the plan shards rows {rule} ({how}): drop "
+                                 f"--sharding, or re-plan with sp-plan plan --lengths ... --sharding {options.sharding}")
+    if rule == "per_document" and plan.layout.ring > 1 and not options.per_document_positions:
+        raise RuntimeConfigError(f"the plan shards rows per_document ({how}), which needs the rows' document "
+                                 "boundaries: add --positions per-document (or re-plan with --sharding zigzag)")
+
+
+def row_multiple(setup: AutoConfigured, packing: str) -> int:
+    """What whole-document rows round every document to: 2 x ring under per-document ring sharding (the
+    planner priced the rows packed so; the sharder then adds no padding), else 1. Stream rows are cut at
+    ``seq_len``, so the sharder pads their documents itself."""
+    ring = setup.layout.ring
+    return 2 * ring if packing != "stream" and setup.sp.sharding == "per_document" and ring > 1 else 1
+
+
+def make_data(options: TrainRunOptions, setup: AutoConfigured, packing: str = "stream",
+              dataset=None) -> tuple[GlobalBatches, str, str]:
+    """This rank's resumable batch stream, a line describing the data and the layout line (packing, sharding,
+    padding, rows). ``dataset``: the --dataset rows already built for planning, used when the plan needs no
+    other rows."""
     train = setup.train
     if options.dataset is None:
         tokens = read_corpus(options.corpus, options.corpus_bytes)
         dataset = TokenWindows(tokens, train.seq_len)
         what = (f"{tokens.numel():,} byte tokens of Python stdlib source, {len(dataset)} sequences of "
                 f"{train.seq_len:,}")
+        padding, packing, multiple = 0.0, "windows of the byte corpus", 1
     else:
-        from sp_plan.runtime.text_data import PackedTextDataset, check_vocabulary  # datasets: lazy
+        from sp_plan.runtime.text_data import check_vocabulary  # datasets: lazy
 
-        log = LOG.info if dist.get_rank() == 0 else None
-        dataset = PackedTextDataset.build(options.dataset, options.tokenizer, train.seq_len,
-                                          text_column=options.text_column, split=options.split,
-                                          positions=options.positions.replace("-", "_"),
-                                          cache_dir=options.data_cache, log=log)
+        multiple = row_multiple(setup, packing)
+        if dataset is None or dataset.meta.get("multiple", 1) != multiple:  # the plan needs other rows
+            dataset = build_text_dataset(options, train.seq_len, packing, multiple)
         check_vocabulary(dataset, setup.plan.model.vocab_size)
         if dataset.positions == "per_document":  # refused up front if the runtime cannot train such rows
             try:
@@ -188,6 +252,7 @@ def make_data(options: TrainRunOptions, setup: AutoConfigured) -> tuple[GlobalBa
             except RuntimeConfigError as exc:
                 raise RuntimeConfigError(f"{exc} (this example: --positions continuous)") from None
         what = dataset.describe()
+        padding = dataset.padding_fraction
     data = GlobalBatches.for_setup(setup, dataset, seed=options.seed)
     if data.sequences_per_step > len(dataset):
         raise RuntimeConfigError(
@@ -196,7 +261,23 @@ def make_data(options: TrainRunOptions, setup: AutoConfigured) -> tuple[GlobalBa
         )
     line = (f"data: {what}; {setup.dp_size} data-parallel group(s); {train.grad_accum} micro-batch(es) of "
             f"{train.micro_batch} per step")
-    return data, line
+    return data, line, layout_line(setup, packing, padding, len(dataset), multiple)
+
+
+def layout_line(setup: AutoConfigured, packing: str, padding: float, rows: int, multiple: int = 1) -> str:
+    """The run's one line on how rows are made and split: the packing, the ring's sharding rule and why, the
+    rows' padding (beside the planner's estimate from its sample of the lengths) and their number."""
+    from sp_plan.cost_models.data_balance import layout_balance
+    from sp_plan.runtime.planning import sharding_choice
+
+    plan = setup.plan
+    rule, how = sharding_choice(plan)
+    balance = layout_balance(plan.model, plan.train, plan.layout)
+    priced = (f"; planned on the dataset's lengths: {balance.padding_fraction:.1%} padding predicted"
+              if balance is not None else "; planned on whole rows")
+    rounded = f", documents rounded up to multiples of {multiple}" if multiple > 1 else ""
+    return (f"packing {packing}, sharding {rule} ({how}), padding {padding:.1%} of {rows:,} rows of "
+            f"{setup.train.seq_len:,} tokens{rounded}{priced}")
 
 
 def _duration(hours: float) -> str:
@@ -253,10 +334,13 @@ def check_predicted_duration(options: TrainRunOptions, setup: AutoConfigured, pl
         raise RuntimeConfigError(problem)
 
 
-def configure(options: TrainRunOptions, model: nn.Module, plan: Plan | None, pad: int) -> AutoConfigured:
-    """Set the model up for the plan, or (no plan) plan for this machine under the options' pins."""
+def configure(options: TrainRunOptions, model: nn.Module, plan: Plan | None, pad: int,
+              data=None) -> AutoConfigured:
+    """Set the model up for the plan, or (no plan) plan for this machine under the options' pins, pricing
+    ``data`` (the dataset's :class:`~sp_plan.cost_models.data_balance.DataShape`); the ring shards rows by the
+    plan's rule (:func:`sp_plan.runtime.planning.sharding_choice`)."""
     if plan is not None:
-        return auto_configure(model, plan=plan, pad_token_id=pad)
+        return auto_configure(model, plan=plan, pad_token_id=pad, sharding=None)
     pins = dict(options.layout_pins)
     if options.sp_only:  # every rank splits the sequence: all other degrees at 1
         for dim in degrees.without_role("sequence"):
@@ -265,7 +349,7 @@ def configure(options: TrainRunOptions, model: nn.Module, plan: Plan | None, pad
              if getattr(options, k) is not None}
     return auto_configure(model, seq_len=options.seq_len, micro_batch=options.micro_batch, dtype=options.dtype,
                           global_batch=options.global_batch, topology=options.topology, fixed_layout=pins,
-                          fixed_options=fixed, pad_token_id=pad)
+                          fixed_options=fixed, pad_token_id=pad, data=data, sharding=None)
 
 
 def refuse_unbuildable_on_host(plan: Plan, local_ranks: int, available: int | None, on_gpus: bool = False) -> None:
@@ -327,8 +411,13 @@ def run_training(options: TrainRunOptions,
     reused = checkpoint_plan(options) if plan is None else None
     if plan is not None:
         refuse_plan_before_building(plan, options)
-    model = build_model(options, plan or reused, vocab)
-    setup = configure(options, model, plan or reused, pad)
+    given = plan or reused
+    if given is not None:
+        check_plan_data(given, options)
+    packing = dataset_packing(options, given)
+    model = build_model(options, given, vocab)
+    shape, first_rows = planning_data(options, packing) if given is None else (None, None)
+    setup = configure(options, model, given, pad, shape)
     rank0 = dist.get_rank() == 0
     if rank0:
         LOG.info("\n".join(setup.describe()))
@@ -339,9 +428,10 @@ def run_training(options: TrainRunOptions,
         # CPU ranks: the step's host cost, measured at a short length (runtime/host_overhead.py)
         if add_measured_host_overhead(setup, options.seed) is not None and rank0:
             LOG.info(f"note: {setup.notes[-1]}")
-    data, data_line = make_data(options, setup)
+    data, data_line, rows_line = make_data(options, setup, packing, first_rows)
     if rank0:
         LOG.info(data_line)
+        LOG.info(rows_line)
     optimizer = setup.make_optimizer(lr=options.lr, betas=(0.9, 0.95), weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS))
     trainer = Trainer(setup, optimizer, data, max_steps=options.steps, scheduler=schedule, max_grad_norm=1.0,

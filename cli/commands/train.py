@@ -36,9 +36,13 @@ import click
 from sp_plan.cost_models import degrees
 from sp_plan.cost_models.json_io import finite_or_null, strict_dumps
 from sp_plan.cost_models.layout import MAX_DEGREE
+from sp_plan.cost_models.packing import PACKINGS
 from sp_plan.runtime.train_options import DEFAULT_CORPUS_BYTES, TECHNIQUE_PINS, TrainRunOptions
 
 from .common import SEQ_LEN, FiniteFloatRange
+
+#: ``--sharding``: the rules the runtime runs, and ``auto`` (as ``sp-plan plan --sharding``).
+RUNTIME_SHARDING_CHOICES = ("auto", "zigzag", "per_document")
 
 #: Bound on the built-in model's sizes: far above a CPU run, and refuses 0 and negatives in one line.
 MODEL_SIZE = click.IntRange(1, 1 << 20)
@@ -205,6 +209,15 @@ def _pin_options(func):
               show_default=True,
               help="Packed rows: GPT-style continuous positions (attention across the documents of a row), or "
                    "HF-style positions restarting per document (document-masked attention).")
+@click.option("--packing", type=click.Choice(PACKINGS), default=None,
+              help="How --dataset documents become rows: stream (concatenate and cut), first_fit "
+                   "(whole documents, data order; longer ones split), sorted (first-fit longest first). Rows of "
+                   "first_fit/sorted end in padding, which is left out of the loss and the token counts. "
+                   "Default: the --plan's packing, else stream.")
+@click.option("--sharding", "sharding", type=click.Choice(RUNTIME_SHARDING_CHOICES), default=None,
+              help="How a packed row is split over the ring ranks: zigzag over the row, per_document (every "
+                   "document in 2 x ring head-tail chunks; needs --positions per-document), or auto (the planner's "
+                   "choice at the plan's ring degree, priced on the dataset's lengths; the default).")
 @click.option("--data-cache", type=click.Path(path_type=Path), default=None,
               help="Where packed datasets are cached (default: ~/.cache/sp-plan/packed).")
 @click.option("--corpus", type=click.Path(path_type=Path), default=None,
