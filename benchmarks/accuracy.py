@@ -17,6 +17,7 @@
     python benchmarks/accuracy.py                 # report with the shipped (fitted) parameters
     python benchmarks/accuracy.py --fit           # refit both layers and recompute the held-out errors (~2 min)
     python benchmarks/accuracy.py --fit --write   # ... and rewrite cost_models/data/calibration/fitted.yaml
+    python benchmarks/accuracy.py --write-residuals  # rewrite residuals.yaml (the CLI's error bands) only
     python benchmarks/accuracy.py --json out.json # machine-readable results
 """
 
@@ -113,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fit", action="store_true", help="refit the time parameters and recompute held-out errors")
     ap.add_argument("--write", action="store_true", help="with --fit: rewrite cost_models/data/calibration/fitted.yaml")
+    ap.add_argument("--write-residuals", action="store_true",
+                    help="rewrite cost_models/data/calibration/residuals.yaml (the CLI's error bands) from the held-out "
+                         "errors (implied by --fit --write)")
     ap.add_argument("--json", type=pathlib.Path, default=None, help="write per-figure results as JSON")
     args = ap.parse_args(argv)
 
@@ -185,6 +189,16 @@ def _report(args: argparse.Namespace, runs: list[MeasuredRun], skipped: list, fi
     accuracy = published_accuracy(runs, shipped_fit, held_out if args.fit else None, splits)
     results, splits = accuracy.results, accuracy.splits
     print("\n".join(accuracy.memory_lines))
+    print()
+    if args.write or args.write_residuals:
+        from sp_plan.planner.fitting.bands import residual_file, residual_yaml
+        from sp_plan.planner.uncertainty import RESIDUALS_PATH
+
+        atomic_write_text(RESIDUALS_PATH, residual_yaml(residual_file(results, splits)))
+        print(f"wrote {RESIDUALS_PATH}")
+    from sp_plan.planner.fitting.bands import render_bands, residual_records
+
+    print("\n".join(render_bands(residual_records(results, splits))))
     print()
     print("\n".join(render_kernels(figures, shipped_fit.kernel_fit)))
     print()

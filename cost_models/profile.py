@@ -54,6 +54,20 @@ class CalibrationError(BaseModel):
     after_kendall_tau: float | None = None
 
 
+class CalibrationResidual(BaseModel):
+    """One run's ``ln(predicted / measured)`` after the calibration, of its time (rates inverted), memory or
+    length, and how the run was used: ``fitted on``, ``held out`` (``--check``) or ``leave-one-file-out``. The
+    CLI's band after ``--calibration`` is drawn from the held-out ones (:mod:`sp_plan.planner.uncertainty`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str = Field(max_length=300)
+    source: str = Field(max_length=4096)
+    metric: str = Field(max_length=100)
+    split: Literal["fitted on", "held out", "leave-one-file-out", "not in the fit sample"]
+    log_error: float = Field(allow_inf_nan=False)
+
+
 class CalibrationFile(BaseModel):
     """Overrides fitted to measured runs (``sp-plan calibrate`` writes it; estimate/plan/capacity take
     it with ``--calibration FILE``). Keys of ``kernels`` are dotted paths into the GPU's kernel model
@@ -74,6 +88,7 @@ class CalibrationFile(BaseModel):
     fitted_on: list[str] = Field(default_factory=list, max_length=10_000, description="runs used by the fit")
     held_out: list[str] = Field(default_factory=list, max_length=10_000, description="runs used to check it")
     errors: list[CalibrationError] = Field(default_factory=list)
+    residuals: list[CalibrationResidual] = Field(default_factory=list, max_length=100_000)
 
     @field_validator("kernels")
     @classmethod

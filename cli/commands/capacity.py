@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from sp_plan.cost_models.json_io import strict_dumps
+from sp_plan.planner.band_report import band_lines, bands_json, prediction_bands
 from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.text_table import Column, format_table
 from sp_plan.cost_models.units import GB, format_tokens, parse_seq_len
@@ -143,6 +144,12 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
         text = f"{model.name} at {seq_len:,} tokens needs at least {answer.min_gpus} x {gpu} ({_stack_note(stack)})"
         plan = answer.plan
     check_figures(data, "the capacity answer")
+    bands = {}
+    if plan is not None:
+        wanted = ("max_length", "memory", "step_time") if seq_len is None else ("memory", "step_time")
+        bands = prediction_bands(model, plan.train, plan.layout, gpu=plan.estimate.detail.gpu, stack=stack["stack"],
+                                 calibration=stack["calibration"], quantities=wanted)
+        data["uncertainty"] = bands_json(bands)  # after the check: a band's bias is signed
     if as_json:
         click.echo(strict_dumps(data, indent=2))
         return
@@ -154,6 +161,11 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
                    f"MFU {t.mfu:.1%}")
     if data.get("bound_by"):
         click.echo(f"  limit: {data['bound_by']}")
+    if plan is not None:
+        t = plan.estimate.time
+        click.echo("\n".join(band_lines(bands, step_s=t.step_s, tokens_per_s=t.tokens_per_s,
+                                        memory_bytes=plan.estimate.memory.total,
+                                        max_seq_len=data.get("max_seq_len"))))
 
 
 def seq_granule_start(gpus: int) -> int:

@@ -8,6 +8,8 @@ import click
 from pydantic import ValidationError
 
 from sp_plan.cost_models.json_io import strict_dumps
+from sp_plan.cost_models.stack import DEFAULT_STACK
+from sp_plan.planner.band_report import band_lines, bands_json, prediction_bands
 from sp_plan.cost_models.errors import CostModelError, explain_validation_error
 from sp_plan.cost_models.estimate import Estimate, estimate
 from sp_plan.cost_models.layout import Layout
@@ -101,15 +103,20 @@ def command(model_name: str, gpus: int | None, gpus_per_node: int | None, gpu_na
     lengths = data_summary(model, train, layout, result)
     if lengths is not None:
         data["data"] = lengths
+    bands = prediction_bands(model, train, layout, gpu=result.detail.gpu,
+                             stack=options.get("stack") or DEFAULT_STACK, calibration=options.get("calibration"))
+    trust = band_lines(bands, step_s=result.time.step_s, tokens_per_s=result.time.tokens_per_s,
+                       memory_bytes=result.memory.total)
     check_figures(data, "the estimate")  # never print a NaN or a 10^297 s step as an answer
+    data["uncertainty"] = bands_json(bands)  # after the check: a band's bias is signed
     if plot_file:
         draw_estimate_memory(result, plot_file, headroom=DEFAULT_HEADROOM)
     if as_json:
         click.echo(strict_dumps(data, indent=2))
     elif explain_time:
-        click.echo("\n".join([render_time_explanation(result), *data_lines(model, train, layout, result)]))
+        click.echo("\n".join([render_time_explanation(result), *trust, *data_lines(model, train, layout, result)]))
     else:
-        click.echo("\n".join([render_table(result), *data_lines(model, train, layout, result)]))
+        click.echo("\n".join([render_table(result), *trust, *data_lines(model, train, layout, result)]))
     if plot_file:
         click.echo(f"wrote {plot_file}", err=True)
 

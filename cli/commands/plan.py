@@ -15,6 +15,7 @@ from sp_plan.cost_models.layout import Layout
 from sp_plan.planner.capacity import probe_feasibility
 from sp_plan.planner.errors import PlannerError
 from sp_plan.planner.plan import plan_from_ranked
+from sp_plan.planner.band_report import band_lines, bands_json, prediction_bands
 from sp_plan.planner.data_report import data_lines
 from sp_plan.planner.report import explain_rejections, explain_winner, family_champions, headline, render_table, compare
 from sp_plan.planner.sanity import check_figures
@@ -98,20 +99,25 @@ def settings_from(ctx: click.Context, options: dict[str, Any], top: int = 5) -> 
     return settings, train_kwargs, fixed_layout
 
 
-def _with_data(plan, model) -> dict[str, Any]:
-    """A plan's JSON, with what its data does at its layout when planned from ``--lengths``."""
+def _with_data(plan, model, result: SearchResult, gpu: str | None) -> dict[str, Any]:
+    """A plan's JSON, with what its data does at its layout when planned from ``--lengths``, and the error bands
+    of its predictions."""
     from sp_plan.planner.data_report import data_summary
 
     out = plan.to_json_dict()
     summary = None if model is None else data_summary(model, plan.train, plan.layout, plan.estimate)
     if summary is not None:
         out["data"] = summary
+    if model is not None and gpu is not None:
+        out["uncertainty"] = bands_json(prediction_bands(model, plan.train, plan.layout, gpu=gpu, stack=result.stack,
+                                                         calibration=result.calibration))
     return out
 
 
-def result_json(result: SearchResult, extra: dict[str, Any] | None = None, model=None) -> dict[str, Any]:
+def result_json(result: SearchResult, extra: dict[str, Any] | None = None, model=None,
+                gpu: str | None = None) -> dict[str, Any]:
     data = {
-        "plans": [_with_data(p, model) for p in result.plans],
+        "plans": [_with_data(p, model, result, gpu) for p in result.plans],
         "rejected": [r.model_dump(exclude_none=True) for r in result.rejected],
         "stats": result.stats.model_dump(),
         "global_batch_sequences": result.global_batch_sequences,
@@ -173,12 +179,17 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
     if plot_file:
         draw_plan_times(result.plans, plot_file, f"{model.name} on {gpus} x {topology.gpu.name}")
     if as_json:
-        click.echo(strict_dumps(result_json(result, model=model), indent=2), err=to_stdout)
+        click.echo(strict_dumps(result_json(result, model=model, gpu=topology.gpu.name), indent=2), err=to_stdout)
     else:
         best = result.plans[0]
         price = _pricer(model, best.layout, topology, settings) if explain else None
+        bands = prediction_bands(model, best.train, best.layout, gpu=topology.gpu.name, stack=result.stack,
+                                 calibration=result.calibration)
+        t = best.estimate.time
         lines = [headline(model, train, topology, gpus, result), *render_table(result.plans, train.mode), "",
-                 *explanation, *data_lines(model, best.train, best.layout, best.estimate, price)]
+                 *explanation, *band_lines(bands, step_s=t.step_s, tokens_per_s=t.tokens_per_s,
+                                           memory_bytes=best.estimate.memory.total),
+                 *data_lines(model, best.train, best.layout, best.estimate, price)]
         if explain:
             lines += ["", *explain_alternatives(model, train, topology, settings, result, gpus)]
         s = result.stats

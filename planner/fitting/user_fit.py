@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sp_plan.cost_models.compute_time import fractions
 from sp_plan.cost_models.kernels import kernel_family
-from sp_plan.cost_models.profile import CalibrationError, CalibrationFile, resolve_profile
+from sp_plan.cost_models.profile import CalibrationError, CalibrationFile, CalibrationResidual, resolve_profile
 from sp_plan.cost_models.stack import attention_kernel_for
 
+from .bands import step_log_error
 from .fit import FitResult, Parameter, fit, kendall_tau, predict_all, run_gpu
 from .report import errors_of
 from .runs import MeasuredRun, run_topology
@@ -82,6 +83,8 @@ class Calibration:
     #: Run id -> held-out prediction when no check runs were given (leave-one-file-out).
     cross_validated: dict[str, float]
     errors: list[CalibrationError]
+    #: Every run's error after the calibration and how it was used (fitted on, held out, cross-validated).
+    residuals: list[CalibrationResidual] = field(default_factory=list)
 
     def to_file(self, description: str) -> CalibrationFile:
         kernels: dict[str, float] = {}
@@ -96,7 +99,8 @@ class Calibration:
         first = self.fitted_runs[0]
         return CalibrationFile(description=description, gpu=run_gpu(first), stack=first.stack, kernels=kernels,
                                time=time, memory=memory, fitted_on=[r.id for r in self.fitted_runs],
-                               held_out=[r.id for r in self.check_runs], errors=self.errors)
+                               held_out=[r.id for r in self.check_runs], errors=self.errors,
+                               residuals=self.residuals)
 
 
 def _mean_abs(errors: Sequence[float]) -> float:
@@ -193,7 +197,22 @@ def calibrate(fit_runs: Sequence[MeasuredRun], check_runs: Sequence[MeasuredRun]
         ids = [r for r in fit_runs if r.id in cross]
         errors += _error_rows("leave-one-file-out", ids, [predictions[r.id][0] for r in ids],
                               [cross[r.id] for r in ids])
-    return Calibration(result, sample, check_runs, predictions, cross, errors)
+    splits = ([(r, "fitted on", after[i]) for i, r in enumerate(fit_runs) if id(r) in in_sample]
+              + [(r, "not in the fit sample", after[i]) for i, r in enumerate(fit_runs) if id(r) not in in_sample]
+              + [(r, "held out", after[n + i]) for i, r in enumerate(check_runs)]
+              + [(r, "leave-one-file-out", cross[r.id]) for r in fit_runs if r.id in cross])
+    return Calibration(result, sample, check_runs, predictions, cross, errors, _residuals(splits))
+
+
+def _residuals(used: Sequence[tuple[MeasuredRun, str, float]]) -> list[CalibrationResidual]:
+    """Each (run, how it was used, prediction) as a :class:`CalibrationResidual` (the band's input)."""
+    out = []
+    for run, split, predicted in used:
+        error = errors_of([run], [predicted])[0]
+        if math.isfinite(error) and error > -1:
+            out.append(CalibrationResidual(id=run.id[:300], source=run.source, metric=run.metric, split=split,
+                                           log_error=round(step_log_error(run, error), 6)))
+    return out
 
 
 __all__ = ["MAX_FIT_RUNS", "Calibration", "calibrate", "fit_sample", "user_fit_parameters"]
