@@ -97,7 +97,8 @@ def command(runs: tuple[Path, ...], check: tuple[Path, ...], stack: str, out_fil
     say = functools.partial(click.echo, err=to_stdout)
     if as_json:
         say(strict_dumps({"calibration": str(out_file), "errors": [e.model_dump() for e in cal.errors],
-                        "parameters": result.fit.as_dict()}, indent=2))
+                        "parameters": result.fit.as_dict(),
+                        "kept_at_prior": {k: round(v, 4) for k, v in result.frozen.items()}}, indent=2))
         return
     say(f"fitted {len(result.fit.params)} parameter(s) on {sampled} measurement(s){sample_note}; "
         f"wrote {out_file}")
@@ -107,6 +108,9 @@ def command(runs: tuple[Path, ...], check: tuple[Path, ...], stack: str, out_fil
             "degrees, and hold some out with --check")
     for name, value in result.fit.as_dict().items():
         say(f"  {name:<48} {value:.4g}")
+    if result.frozen:
+        say("kept at their documented values (these runs cannot pin them: largest share of a fitted run's figure, "
+            "d ln predicted / d ln parameter): " + ", ".join(f"{k} {v:.2f}" for k, v in result.frozen.items()))
     checked, sampled_ids = {id(r) for r in check_runs}, {id(r) for r in result.fitted_runs}
     runs = []
     for r in fit_runs + check_runs:

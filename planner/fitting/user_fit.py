@@ -85,6 +85,8 @@ class Calibration:
     errors: list[CalibrationError]
     #: Every run's error after the calibration and how it was used (fitted on, held out, cross-validated).
     residuals: list[CalibrationResidual] = field(default_factory=list)
+    #: Parameters the runs cannot pin (kept at their prior) -> their largest elasticity over the fitted runs.
+    frozen: dict[str, float] = field(default_factory=dict)
 
     def to_file(self, description: str) -> CalibrationFile:
         kernels: dict[str, float] = {}
@@ -162,6 +164,60 @@ def _folds(runs: Sequence[MeasuredRun]) -> list[list[str]]:
     return [f for f in folds if f]
 
 
+#: A parameter is fitted only where it governs at least this share of some fitted run's figure (its elasticity,
+#: d ln predicted / d ln parameter): below it the runs cannot tell the parameter from noise, and a fit lets it
+#: run to a bound (three 8K runs drove the attention efficiencies to 1.0 and a 262K prediction 2.5x off).
+MIN_ELASTICITY = 0.05
+_ELASTICITY_STEP = 0.05
+
+
+def _configuration(run: MeasuredRun) -> str:
+    """A run's configuration without its metric: step time and tokens/s of one run are one measurement."""
+    return run.id.rsplit(" [", 1)[0]
+
+
+def elasticities(runs: Sequence[MeasuredRun], params: Sequence[Parameter]) -> dict[str, float]:
+    """Parameter name -> the largest |d ln predicted / d ln parameter| over ``runs`` (a 5% step from the prior)."""
+    base_values = [p.prior for p in params]
+    base = predict_all(runs, params, base_values)
+    out = {}
+    for i, p in enumerate(params):
+        values = list(base_values)
+        step = _ELASTICITY_STEP if p.prior * (1 + _ELASTICITY_STEP) <= p.upper else -_ELASTICITY_STEP
+        values[i] = p.prior * (1 + step)
+        moved = predict_all(runs, params, values)
+        out[p.name] = max((abs(math.log(m / b)) / abs(math.log1p(step)) for m, b in zip(moved, base)
+                           if m > 0 and b > 0), default=0.0)
+    return out
+
+
+def identifiable(runs: Sequence[MeasuredRun], params: Sequence[Parameter]) -> tuple[list[Parameter], dict[str, float]]:
+    """The parameters ``runs`` can pin, and the others with their elasticity (they keep their prior).
+
+    Time parameters: those with elasticity >= :data:`MIN_ELASTICITY`, the most influential first, at most one
+    fewer than the distinct time configurations measured (n measurements fit at most n - 1 parameters and
+    keep one degree of freedom; at least one parameter is fitted). Memory parameters are judged on the
+    memory figures alone."""
+    time_runs = [r for r in runs if r.kind != "memory"]
+    memory_runs = [r for r in runs if r.kind == "memory"]
+    kept: list[Parameter] = []
+    frozen: dict[str, float] = {}
+    for group, pool in ((time_runs, [p for p in params if not p.target.startswith("memory.")]),
+                        (memory_runs, [p for p in params if p.target.startswith("memory.")])):
+        if not pool:
+            continue
+        if not group:
+            frozen.update({p.name: 0.0 for p in pool})
+            continue
+        share = elasticities(group, pool)
+        ranked = sorted(pool, key=lambda p: -share[p.name])
+        room = max(1, len({_configuration(r) for r in group}) - 1)
+        chosen = [p for p in ranked if share[p.name] >= MIN_ELASTICITY][:room] or ranked[:1]
+        kept += [p for p in pool if p in chosen]
+        frozen.update({p.name: share[p.name] for p in pool if p not in chosen})
+    return kept, frozen
+
+
 def calibrate(fit_runs: Sequence[MeasuredRun], check_runs: Sequence[MeasuredRun] = ()) -> Calibration:
     """Fit the user parameters to ``fit_runs``; report before/after errors on them and on ``check_runs``
     (or, without check runs and with three or more files, leave-one-file-out predictions).
@@ -169,8 +225,8 @@ def calibrate(fit_runs: Sequence[MeasuredRun], check_runs: Sequence[MeasuredRun]
     More than :data:`MAX_FIT_RUNS` runs are fitted on an evenly spread sample; the rest are predicted by
     that fit without having been seen, and reported as held out ("not in the fit sample")."""
     fit_runs, check_runs = list(fit_runs), list(check_runs)
-    params = user_fit_parameters(fit_runs)
     sample = fit_sample(fit_runs)
+    params, frozen = identifiable(sample, user_fit_parameters(fit_runs))
     result = fit(sample, params)
     everything = fit_runs + check_runs
     before = predict_all(everything)  # the uncalibrated prediction: the stack and kernel model as shipped
@@ -201,7 +257,7 @@ def calibrate(fit_runs: Sequence[MeasuredRun], check_runs: Sequence[MeasuredRun]
               + [(r, "not in the fit sample", after[i]) for i, r in enumerate(fit_runs) if id(r) not in in_sample]
               + [(r, "held out", after[n + i]) for i, r in enumerate(check_runs)]
               + [(r, "leave-one-file-out", cross[r.id]) for r in fit_runs if r.id in cross])
-    return Calibration(result, sample, check_runs, predictions, cross, errors, _residuals(splits))
+    return Calibration(result, sample, check_runs, predictions, cross, errors, _residuals(splits), frozen)
 
 
 def _residuals(used: Sequence[tuple[MeasuredRun, str, float]]) -> list[CalibrationResidual]:
@@ -215,4 +271,5 @@ def _residuals(used: Sequence[tuple[MeasuredRun, str, float]]) -> list[Calibrati
     return out
 
 
-__all__ = ["MAX_FIT_RUNS", "Calibration", "calibrate", "fit_sample", "user_fit_parameters"]
+__all__ = ["MAX_FIT_RUNS", "MIN_ELASTICITY", "Calibration", "calibrate", "elasticities", "fit_sample", "identifiable",
+           "user_fit_parameters"]
