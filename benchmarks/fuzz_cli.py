@@ -116,7 +116,8 @@ def _edited_plan(ws: Workspace, rng: random.Random) -> Path:
 
 def draw(ws: Workspace, rng: random.Random) -> list[Any]:
     """One run's arguments."""
-    kind = rng.choice(["estimate", "estimate", "plan", "capacity", "topo", "export", "export", "calibrate"])
+    kind = rng.choice(["estimate", "estimate", "plan", "capacity", "topo", "export", "export", "calibrate",
+                       "lengths"])
     plausible = rng.random() < 0.5  # half the runs reach the cost models with valid values (their answers checked)
     model = rng.choice(MODELS[:6] if plausible else MODELS)
     json_flag = ["--json"] if rng.random() < 0.6 else []
@@ -140,6 +141,8 @@ def draw(ws: Workspace, rng: random.Random) -> list[Any]:
     if kind == "capacity":
         return ["capacity", "--model", rng.choice(["llama3-8b", "qwen3-4b"]), "--gpus",
                 rng.choice(["8", _number(rng)]), *topology, *json_flag]
+    if kind == "lengths":
+        return _lengths_run(ws, rng, plausible, json_flag)
     if kind == "topo":
         source = topology[1] if topology else rng.choice(["dgx-h100", "dgx-h100@efa:1e9", "nosuch"])
         return ["topo", "show", source, *json_flag]
@@ -154,6 +157,30 @@ def draw(ws: Workspace, rng: random.Random) -> list[Any]:
         rows = "\n".join(valid + ([rows] if rows and rng.random() < 0.3 else []))
     runs = ws.file("model,seq_len,gpus,ulysses,topology,step_s\n" + rows + "\n", ".csv")
     return ["calibrate", runs, "--out", ws.root / "cal.yaml", *json_flag]
+
+
+def _lengths_run(ws: Workspace, rng: random.Random, plausible: bool, json_flag: list[str]) -> list[Any]:
+    """``lengths --show`` or a planning command with ``--lengths``: a preset, valid rows, or hostile ones."""
+    cells = ["512", "1", "131072", "0", "-1", "1e9", HUGE_INT, "nan", "", "x", "2.5", str(1 << 62)]
+    if plausible and rng.random() < 0.4:
+        source: Any = rng.choice(["sft-short", "long-doc-mix"])
+    else:
+        rows = [f"{rng.choice(cells) if not plausible else rng.randint(1, 1 << 20)},"
+                f"{rng.choice(cells) if not plausible else rng.randint(1, 10_000)}" for _ in range(rng.randint(0, 6))]
+        header = "length,count" if plausible or rng.random() < 0.7 else rng.choice(["count", "", "len,count"])
+        source = ws.file("\n".join([header, *rows]) + "\n", ".csv")
+    if rng.random() < 0.4:
+        return ["lengths", "--show", source, *json_flag]
+    command = rng.choice(["plan", "estimate", "capacity"])
+    data = ["--lengths", source, "--packing", rng.choice(["stream", "first_fit", "sorted"]),
+            "--sharding", rng.choice(["auto", "zigzag", "per_document", "contiguous"])]
+    if command == "plan":
+        return ["plan", "--model", "llama3-8b", "--seq-len", rng.choice(["32K", "128K"]), "--gpus", "8", "--top", "1",
+                *data, *json_flag]
+    if command == "estimate":
+        return ["estimate", "--model", "llama3-8b", "--seq-len", "64K", "--gpus", "8",
+                rng.choice(["--ulysses", "--ring"]), "8", *data, *json_flag]
+    return ["capacity", "--model", "llama3-8b", "--gpus", "8", *data, *json_flag]
 
 
 def _strict_json(text: str) -> str | None:

@@ -313,6 +313,16 @@ def parse_lengths_csv(text: str, where: str) -> LengthHistogram:
     blank lines and lines starting with ``#`` skipped)."""
     import csv
 
+    try:
+        return _parse_lengths_csv(text, where)
+    except csv.Error as exc:  # a field over the csv module's limit, a NUL byte: not a length table
+        raise CostModelError(f"lengths file {where} is not a readable CSV ({exc}): give a header length,count and "
+                             "one short row per length, or the JSON `sp-plan lengths` writes") from None
+
+
+def _parse_lengths_csv(text: str, where: str) -> LengthHistogram:
+    import csv
+
     rows = ((number, row) for number, row in enumerate(csv.reader(text.splitlines()), start=1)
             if row and any(cell.strip() for cell in row) and not row[0].lstrip().startswith("#"))
     header = next(rows, None)

@@ -158,7 +158,9 @@ class Band:
     def to_json(self) -> dict[str, Any]:
         return {"quantity": self.quantity, "one_sigma": _round(self.one_sigma), "two_sigma": _round(self.two_sigma),
                 "runs": self.runs, "sources": self.sources, "basis": self.basis, "covered": self.covered,
-                "calibrated": self.calibrated, "bias": _round(self.bias), "notes": list(self.notes)}
+                "calibrated": self.calibrated,
+                # The runs' geometric-mean predicted / measured (the systematic part; 0.76: predictions 24% low).
+                "mean_ratio": None if self.bias is None else _round(math.exp(self.bias)), "notes": list(self.notes)}
 
 
 def _round(value: float | None) -> float | None:

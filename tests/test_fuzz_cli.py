@@ -338,3 +338,48 @@ def test_console_script_exit_codes(args, code):
 def test_fuzz_train_argument_checks(args):
     """Refused while parsing, before torch or a rank starts: one line, exit 2."""
     check(["train", *args], allowed=(2,))
+
+
+# ----- lengths (hypothesis: CSV rows and JSON bins; hostile files) -----------------------------------------------
+
+length_cell = st.one_of(st.sampled_from(HOSTILE_NUMBERS), st.integers(-5, 1 << 40).map(str),
+                        st.sampled_from(["512", "1", "131072", "2.5", "1e9"]))
+
+
+@settings(FUZZ, max_examples=40)  # a planning run takes ~0.5 s: 40 draws keep this test near 20 s
+@given(rows=st.lists(st.tuples(length_cell, length_cell), min_size=0, max_size=5),
+       header=st.sampled_from(["length,count", "count,length", "length", "", "length,count,extra"]),
+       command=st.sampled_from(["show", "plan", "estimate"]))
+def test_fuzz_lengths_csv(rows, header, command, tmp_path_factory):
+    """A length file of hostile rows: ``lengths --show`` summarises it or refuses it in one line, and so do
+    the planning commands that read it with --lengths (exit 0, 1 or 2, never a traceback)."""
+    path = tmp_path_factory.mktemp("len") / "lengths.csv"
+    path.write_text("\n".join([header, *(f"{a},{b}" for a, b in rows)]) + "\n", encoding="utf-8")
+    if command == "show":
+        check(["lengths", "--show", path, "--json"])
+    else:
+        extra = ["--ulysses", "8"] if command == "estimate" else ["--top", "1"]
+        check([command, "--model", "llama3-8b", "--seq-len", "32K", "--gpus", "8", "--lengths", path, *extra,
+               "--json"])
+
+
+@settings(FUZZ, max_examples=25)
+@given(bins=st.one_of(st.lists(st.lists(st.one_of(st.integers(-3, 1 << 62), st.floats(allow_nan=True),
+                                                  st.text(max_size=3), st.none()), max_size=3), max_size=4),
+                      st.dictionaries(st.text(max_size=4), st.integers(), max_size=3), st.none(), st.integers()),
+       fmt=st.sampled_from(["sp-plan-lengths/1", "sp-plan-lengths/2", "", None]))
+def test_fuzz_lengths_json(bins, fmt, tmp_path_factory):
+    path = tmp_path_factory.mktemp("len") / "lengths.json"
+    path.write_text(json.dumps({"format": fmt, "bins": bins}), encoding="utf-8")
+    check(["lengths", "--show", path, "--json"], allowed=(0, 2))
+    check(["plan", "--model", "qwen3-4b", "--seq-len", "16K", "--gpus", "8", "--top", "1", "--lengths", path,
+           "--packing", "sorted", "--sharding", "per_document"], allowed=(0, 1, 2))
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_FILES))
+def test_fuzz_lengths_hostile_files(name, tmp_path):
+    for suffix in (".csv", ".json", ".yaml"):
+        path = tmp_path / f"{name}{suffix}"
+        path.write_bytes(HOSTILE_FILES[name])
+        check(["lengths", "--show", path], allowed=(2,))
+        check(["plan", "--model", "llama3-8b", "--seq-len", "32K", "--gpus", "8", "--lengths", path], allowed=(2,))
