@@ -175,6 +175,10 @@ def test_liger_fused_linear_cross_entropy_working_set():
     ({}, 10, 14),  # HF 4.46+: bf16 logits kept by the caller; fp32 copy; log-softmax
     ({"hf_logits_fp32_in_output": True}, 8, 16),  # HF <= 4.45: the output holds the fp32 logits (bf16 freed)
     ({"cross_entropy_implementation": "megatron"}, 10, 6),  # in-place vocab-parallel cross-entropy
+    # Megatron-Core --cross-entropy-loss-fusion: native (one fp32 upcast, in place, cast back in backward) and
+    # Transformer Engine's Triton kernel (the bf16 logits become their own gradient).
+    ({"cross_entropy_implementation": "megatron_fused"}, 6, 6),
+    ({"cross_entropy_implementation": "te_fused"}, 2, 2),
 ])
 def test_untiled_loss_bytes_per_logit(kw, forward, backward):
     train, layout = TrainSpec(seq_len=65536), Layout(ulysses=8)

@@ -25,7 +25,7 @@ NormImplementation = Literal["fused", "eager"]
 CheckpointImplementation = Literal["non_reentrant", "reentrant"]
 RopeImplementation = Literal["eager", "inplace"]
 TiledLossImplementation = Literal["chunked", "liger_flce"]
-CrossEntropyImplementation = Literal["hf", "megatron"]
+CrossEntropyImplementation = Literal["hf", "megatron", "megatron_fused", "te_fused"]
 Allocator = Literal["fraction", "expandable", "segments"]
 NcclMemory = Literal["flat", "buffers"]
 NcclGroups = Literal["mesh", "purposes"]
@@ -226,7 +226,14 @@ class MemoryAssumptions(BaseModel):
             "output, backward allocates its gradient (14 B per logit at the log-softmax backward with the "
             "caller's bf16 logits). 'megatron' (Megatron-LM/-DeepSpeed vocab_parallel_cross_entropy on "
             "logits.float()): the max-subtracted copy is exponentiated and normalised in place, saved, and "
-            "turned into the gradient in place (10 B per logit in forward, 6 B in backward)."
+            "turned into the gradient in place (10 B per logit in forward, 6 B in backward). "
+            "'megatron_fused' (Megatron-Core --cross-entropy-loss-fusion --cross-entropy-fusion-impl native, "
+            "core/fusions/fused_cross_entropy.py): the fp32 upcast is the only logits-sized tensor, exponentiated, "
+            "normalised and turned into the gradient in place, then cast to the logits' dtype (6 B per logit in "
+            "forward with the caller's bf16 logits, 4 B saved, 6 B in backward). 'te_fused' (--cross-entropy-"
+            "fusion-impl te: Transformer Engine's Triton parallel_cross_entropy): reads the bf16 logits, keeps 12 B "
+            "of fp32 statistics and 4 B of loss per token, saves the logits and writes the gradient into them in "
+            "place (2 B per logit, nothing more in backward)."
         ),
     )
     hf_logits_fp32_in_output: bool = Field(

@@ -63,6 +63,21 @@ def output_graph(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, *, traini
         return b.g.build(outputs=("tiled_loss",))
     elems = d.tokens * d.vocab
     logits = b.linear("lm_head", hidden, elems * B, kind="logits")
+    if a.cross_entropy_implementation == "te_fused":
+        # TE parallel_cross_entropy: online-softmax statistics (m, d, x_y: 3 fp32 per token) and the per-token
+        # fp32 loss; the compute-dtype logits are saved and the backward kernel overwrites them with the gradient.
+        stats = TensorSpec("ce.stats", d.tokens * 3 * FP32, requires_grad=False)
+        b.g.op("te_parallel_ce", [logits], [TensorSpec("loss", d.tokens * FP32), stats], saves=[logits, stats.name],
+               grad_from_saved=logits)
+        return b.g.build(outputs=("loss",))
+    if a.cross_entropy_implementation == "megatron_fused":
+        # fused_vocab_parallel_cross_entropy: calculate_logits_max's fp32 upcast is exponentiated and normalised in
+        # place and saved; backward turns it into the gradient in place and casts that to the logits' dtype (a new
+        # compute-dtype buffer while the fp32 one is still alive), so no grad_from_saved here.
+        softmax = TensorSpec("ce.softmax", elems * FP32, kind="logits", requires_grad=False)
+        b.g.op("fused_vocab_parallel_ce", [logits], [TensorSpec("loss", d.tokens * FP32), softmax],
+               saves=[softmax.name])
+        return b.g.build(outputs=("loss",))
     if B != FP32:
         logits32 = b.simple("logits_fp32", [logits], elems * FP32, kind="logits")
     else:
