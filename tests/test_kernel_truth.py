@@ -178,12 +178,16 @@ def test_kernel_files_keep_their_priors():
 def test_stacks_record_their_attention_kernel_per_gpu():
     from sp_plan.cost_models.compute_time import compute_time
     from sp_plan.cost_models.profile import resolve_profile
+    from sp_plan.cost_models.kernels import kernel_family
     from sp_plan.cost_models.stack import attention_kernel_for, load_stack
 
     titan = load_stack("torchtitan").time
     assert attention_kernel_for(titan, "h100-80gb", "h100") == "fa2"
     assert attention_kernel_for(titan, "b200", "b200") == "cudnn"
-    assert attention_kernel_for(load_stack("hf-fsdp2").time, "h100-80gb", "h100") == "fa2"
+    # torch >= 2.11's SDPA prefers cuDNN on sm90/sm100 (check_prefer_cudnn_attention); flash elsewhere.
+    fsdp2 = load_stack("hf-fsdp2").time
+    assert [attention_kernel_for(fsdp2, g, kernel_family(g)) for g in ("h100-80gb", "h200", "b200", "a100-80gb")] == [
+        "cudnn", "cudnn", "cudnn", "fa2"]
     train = TrainSpec(seq_len=131072, checkpointing="full", zero_stage=3)
     topo = default_topology("b200", 8)
     ct = compute_time(LLAMA8, train, Layout(ring=8), topo, resolve_profile("b200", "torchtitan"))
