@@ -17,6 +17,7 @@ from sp_plan.planner.errors import PlannerError
 from sp_plan.planner.plan import plan_from_ranked
 from sp_plan.planner.band_report import band_lines, bands_json, prediction_bands
 from sp_plan.planner.data_report import data_lines
+from sp_plan.planner.adaptive_search import adaptive_json, adaptive_lines
 from sp_plan.planner.report import explain_rejections, explain_winner, family_champions, headline, render_table, compare
 from sp_plan.planner.sanity import check_figures
 from sp_plan.planner.search import DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_HEADROOM, PlanSettings, SearchResult, search
@@ -143,10 +144,17 @@ def result_json(result: SearchResult, extra: dict[str, Any] | None = None, model
               help="Also draw the step time of the --top plans by component (GEMMs, attention, recompute, exposed "
                    "communication by strategy, offload, optimizer, overheads) to this PNG, SVG or PDF (needs "
                    "matplotlib).")
+@click.option("--adaptive-sp", "adaptive_sp", is_flag=True,
+              help="Also plan length-adaptive SP (needs --lengths): buckets of document length, each on its own "
+                   "Ulysses x Ring groups, priced against the single layout (table, or 'adaptive_sp' in --json).")
+@click.option("--adaptive-out", "adaptive_out", type=click.Path(dir_okay=False), default=None,
+              help="With --adaptive-sp: write the length-adaptive plan (buckets and their degrees) to this YAML file "
+                   "for the runtime; --out still writes the single plan.")
 @click.pass_context
 def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node: int | None, gpu_name: str,
             topology_ref: str | None, top: int, explain: bool, as_json: bool, out_file: str | None,
-            plot_file: str | None, **options: Any) -> None:
+            plot_file: str | None, adaptive_sp: bool = False, adaptive_out: str | None = None,
+            **options: Any) -> None:
     """Recommend the fastest layout and memory options that fit.
 
     Layout degrees (--tp, --ulysses, ...) and memory options (--zero, --checkpointing, --tiled-mlp, ...)
@@ -155,6 +163,7 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
     check_output_path(out_file, "--out")
     check_output_path(plot_file, "--plot")
     check_plot_path(plot_file)
+    _check_adaptive_flags(adaptive_sp, adaptive_out, options)
     settings, train_kwargs, _ = settings_from(ctx, options, top)
     model = build_model(model_name)
     train = build_train(**train_kwargs)
@@ -170,6 +179,7 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
             click.echo("\n".join(report["lines"]))
         ctx.exit(1)
     check_figures([p.to_json_dict() for p in result.plans], "the plans")
+    adaptive = _adaptive(model, train, topology, settings, result, gpus, adaptive_out) if adaptive_sp else None
     explanation = explain_winner(result, model)
     to_stdout = out_file == "-"  # the plan file is standard output; the report goes to standard error
     if out_file:
@@ -179,7 +189,8 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
     if plot_file:
         draw_plan_times(result.plans, plot_file, f"{model.name} on {gpus} x {topology.gpu.name}")
     if as_json:
-        click.echo(strict_dumps(result_json(result, model=model, gpu=topology.gpu.name), indent=2), err=to_stdout)
+        extra = None if adaptive is None else {"adaptive_sp": adaptive_json(adaptive)}
+        click.echo(strict_dumps(result_json(result, extra, model=model, gpu=topology.gpu.name), indent=2), err=to_stdout)
     else:
         best = result.plans[0]
         price = _pricer(model, best.layout, topology, settings) if explain else None
@@ -197,11 +208,41 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
             f"searched {s.layouts} layouts ({s.structural_rejections} structurally invalid combinations skipped, "
             f"{s.memory_evaluations} memory / {s.time_evaluations} time evaluations, {s.pruned_by_bound} pruned "
             f"by bound) in {s.seconds:.2f} s")
+        if adaptive is not None:
+            lines += adaptive_lines(adaptive)
         click.echo("\n".join(lines), err=to_stdout)
     if out_file and not to_stdout:
         click.echo(f"wrote plan to {out_file}", err=True)
     if plot_file:
         click.echo(f"wrote {plot_file}", err=True)
+    if adaptive_out:
+        click.echo(f"wrote length-adaptive SP plan to {adaptive_out}", err=True)
+
+
+def _check_adaptive_flags(adaptive_sp: bool, adaptive_out: str | None, options: dict[str, Any]) -> None:
+    """--adaptive-sp buckets the --lengths documents; --adaptive-out writes what it chose."""
+    if adaptive_out is not None and not adaptive_sp:
+        raise PlannerError("--adaptive-out writes the length-adaptive plan: add --adaptive-sp (and --lengths)")
+    if adaptive_sp and options.get("lengths") is None:
+        raise PlannerError("--adaptive-sp buckets the training documents by length: give --lengths FILE|PRESET "
+                           "(see `sp-plan lengths --help`)")
+    if adaptive_out == "-":
+        raise PlannerError("--adaptive-out needs a file name (standard output carries the report): give a .yaml path")
+    check_output_path(adaptive_out, "--adaptive-out")
+
+
+def _adaptive(model, train, topology, settings: PlanSettings, result: SearchResult, world: int,
+              adaptive_out: str | None):
+    """The length-adaptive answer beside ``result`` (its single-layout plan), written to ``adaptive_out`` if asked."""
+    from sp_plan.planner.adaptive_search import adaptive_search, plan_yaml
+
+    adaptive = adaptive_search(model, train, topology, settings, world=world, single=result)
+    if adaptive_out:
+        if adaptive.plan is None:
+            raise PlannerError("no length-adaptive split could be priced, so there is no plan to write to "
+                               f"--adaptive-out {adaptive_out}: {adaptive.unpriced[0][1] if adaptive.unpriced else ''}")
+        write_output(adaptive_out, plan_yaml(adaptive.plan), error=PlannerError)
+    return adaptive
 
 
 def _pricer(model, layout, topology, settings: PlanSettings):
