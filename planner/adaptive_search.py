@@ -11,8 +11,8 @@ How (each step a small function below):
 1. **Buckets.** Candidate bounds are powers of two from :data:`MIN_ROW_TOKENS` up to, not including, ``--seq-len``;
    the last bucket's bound is ``--seq-len`` and it also takes every longer document (cut into rows, as one layout
    would). Each histogram bin goes to exactly one bucket (:func:`split_histogram`). A bucket's documents are packed
-   into rows of its bound (first fit, :mod:`sp_plan.cost_models.packing`): a power of two, which every zigzag
-   ``2 x ring`` and ``ulysses`` degree divides.
+   first fit (:mod:`sp_plan.cost_models.packing`) into rows of its bound, raised to the tokens a rank holds in the
+   single layout (:func:`row_tokens`): a power of two, which every zigzag ``2 x ring`` and ``ulysses`` degree divides.
 2. **Rows per step.** The step trains the documents of the global batch the single-layout search is asked for:
    ``D = (global_batch_tokens // seq_len) x seq_len x (1 - padding)`` document tokens. Bucket ``b`` holds the share
    ``s_b`` of the histogram's tokens, so it packs ``D x s_b / (row_b x (1 - padding_b))`` rows, rounded up.
@@ -26,8 +26,9 @@ How (each step a small function below):
 4. **The step.** The time model composes a step as ``grad_accum x microbatch_s`` plus a once-per-step part (the
    last micro-batch's gradient-reduction tail, once-per-step collectives, the optimizer, offload and the stack's
    overhead): ``step_s = accum x microbatch_s + fixed``. A bucket's time is its micro-batches only,
-   ``accum_b x microbatch_s_b`` (its slowest data-parallel group: the search's ``grad_accum`` is the rows per group,
-   ``ceil(rows / dp)``, and its data balance prices the slowest group's straggling), and the step is the sum over
+   ``rows_per_group x microbatch_s_b`` on its slowest data-parallel group (:func:`rows_per_group`: the mean rows of a
+   step spread over the groups, plus the expected idle row of the rounding; its data balance prices the groups'
+   straggling), and the step is the sum over
    buckets plus the once-per-step part counted once: the largest of the buckets' (conservative: they differ only in
    how much of the reduction the last backward hides). Tokens per step are the buckets' useful tokens.
 5. **Splits.** The one-bucket split (the restricted single layout), every two-bucket split, then three-bucket
