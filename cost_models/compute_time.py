@@ -237,6 +237,25 @@ def _backward(gemms: list[Gemm]) -> list[Gemm]:
     return [g for pair in zip(_input_grads(gemms), _weight_grads(gemms), strict=True) for g in pair]
 
 
+#: Names of a dense layer's linears, in :func:`_linear_gemms` order.
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = {"swiglu": ("gate_proj", "up_proj", "down_proj")}
+_MLP_PLAIN = ("fc1", "fc2")
+
+
+def layer_gemm_shapes(model: ModelSpec, tokens: float, tp: int) -> list[tuple[str, str, Gemm]]:
+    """``(linear, pass, (m, n, k))`` of every GEMM one dense layer runs on a rank holding ``tokens`` tokens at
+    tensor-parallel degree ``tp``, exactly as :func:`compute_time` prices them (no tiled MLP, no Float8): each
+    linear's forward, then its input gradient (``dgrad``) and weight gradient (``wgrad``). ``sp-plan probe
+    --kernels`` times these shapes; MoE experts and MLA projections are not covered (refused there)."""
+    attn, mlp, _ = _linear_gemms(model, tokens, tp, None)
+    names = (*_PROJECTIONS, *_MLP.get(model.activation, _MLP_PLAIN))
+    gemms = attn + mlp
+    return ([(n, "forward", g) for n, g in zip(names, gemms, strict=True)]
+            + [(n, "dgrad", g) for n, g in zip(names, _input_grads(gemms), strict=True)]
+            + [(n, "wgrad", g) for n, g in zip(names, _weight_grads(gemms), strict=True)])
+
+
 def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
              profile: CostProfile) -> ComputeTime:
     training = train.is_training
@@ -607,4 +626,4 @@ def _report(fr: Fractions) -> dict[str, float]:
 on_change(_COMPUTE.clear)
 
 __all__ = ["COMPUTE_FIELDS", "COMPUTE_PARTS", "ComputeTime", "Fractions", "compute_time", "efficiency_sources",
-           "fractions"]
+           "fractions", "layer_gemm_shapes"]

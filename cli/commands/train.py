@@ -133,7 +133,11 @@ def launch_ranks(nproc: int, argv: list[str]) -> int:
         rank, failure = exc.get_first_failure()
         # A rank killed by a signal is the cause: its peers fail after it (a lost connection), and one of them
         # may exit before the launcher has seen the dead rank, so it would be "first".
-        killed = sorted((r, f) for r, f in exc.failures.items() if f.exitcode < 0)
+        # The launcher stops the survivors with SIGTERM once it sees a dead rank, so a rank that got SIGTERM is
+        # a casualty when another died of some other signal (seen on a loaded machine: rank 0's SIGTERM was
+        # recorded beside rank 1's SIGKILL).
+        killed = sorted(((r, f) for r, f in exc.failures.items() if f.exitcode < 0),
+                        key=lambda item: (item[1].exitcode == -signal.SIGTERM, item[0]))
         if killed:
             rank, failure = killed[0]
         code = failure.exitcode
