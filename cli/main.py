@@ -23,7 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "capacity": ("capacity", "What-if: longest sequence, fewest GPUs, sweeps."),
     "export": ("export", "Write a plan as an Accelerate, DeepSpeed, Megatron-LM or torchrun config."),
     "topo": ("topo", "Show or convert a hardware topology (preset or YAML)."),
-    "probe": ("probe", "Measure this machine's topology and links (needs torch)."),
+    "probe": ("probe", "Measure this machine's topology and links; --kernels: its kernels (needs torch)."),
     "validate": ("validate", "Run a few steps of a plan and compare measured with predicted."),
     "train": ("train", "Train with sp-plan's runtime, from a plan file or planning in place (needs torch)."),
     "calibrate": ("calibrate", "Fit efficiencies and overheads to your measured runs; write a calibration file."),
