@@ -131,3 +131,29 @@ def test_sample_keeps_the_tail_and_is_deterministic():
     many = [sample_lengths(bins, 1 << 24, seed=s).count(1 << 20) for s in range(200)]
     expected = 3 * min(1.0, (1 << 24) / (100 * 10**7 + 3 * (1 << 20)), (1 << 14) / (10**7 + 3))
     assert np.mean(many) == pytest.approx(expected, rel=0.6, abs=0.01)
+
+
+def test_ring_prices_documents_longer_than_its_chunks_by_their_pairs():
+    """Documents of at least 2 x the ring chunk once priced as full causal attention (a 1.66x jump at ring 2
+    when the equivalent length crossed seq/ring): the attention time now grows with the document length,
+    continuously, up to the full causal pass at one document per row."""
+    from sp_plan.cost_models import get_model_preset
+    from sp_plan.cost_models.estimate import estimate
+    from sp_plan.cost_models.layout import Layout
+    from sp_plan.cost_models.topology import load_topology
+    from sp_plan.cost_models.train_spec import TrainSpec
+
+    model, topology, s = get_model_preset("llama3-8b"), load_topology("dgx-h100", 8), 131072
+    layout = Layout.for_world(8, ring=2, ulysses=4)
+
+    def attention(doc):
+        est = estimate(model, TrainSpec(seq_len=s, document_length=doc, checkpointing="full"), layout, topology)
+        return est.time.components["attention_forward"] + est.time.components["attention_backward"]
+
+    docs = [16384, 65535, 65536, 65537, 98304, 131071]
+    times = [attention(d) for d in docs]
+    assert times == sorted(times)
+    assert times[2] / times[1] < 1.001 and times[3] / times[2] < 1.001  # no jump at seq / ring = 64K
+    assert attention(131071) == pytest.approx(attention(None), rel=1e-4)
+    # Between 2c and s the extra work is linear in the length: the midpoint sits halfway.
+    assert times[4] == pytest.approx((times[2] + times[5]) / 2, rel=0.01)

@@ -100,8 +100,15 @@ class RingAttention(Strategy):
             kernel = windowed_attention_seconds(cc.attention_seconds, cc.attention.launch_s, bh * 2 * c / doc, doc, window, backward)
             kernel += (r - 1) * cc.attention.launch_s
         elif window is None:
-            kernel = cc.attention_seconds(bh, 2 * c, 2 * c, True, backward)
-            kernel += cc.attention_seconds(bh, 2 * c, c, False, backward, calls=r - 1)
+            off = cc.attention_seconds(bh, 2 * c, c, False, backward, calls=r - 1)
+            if doc is not None and doc < s:
+                # Documents of doc >= 2c tokens fill the diagonal step but only part of the others: a row holds
+                # s (doc + 1) / 2 causal pairs, not s (s + 1) / 2, so the off-diagonal steps do a share
+                # (doc - 2c) / (s - 2c) of their full work (continuous with the branch above at doc = 2c, the
+                # full causal pass at doc = s); their launches stay.
+                launches = (r - 1) * cc.attention.launch_s
+                off = launches + (doc - 2 * c) / (s - 2 * c) * (off - launches)
+            kernel = cc.attention_seconds(bh, 2 * c, 2 * c, True, backward) + off
         else:
             kernel, steps = _windowed_ring_kernels(cc, bh, r, c, window, backward)
         seq = s / r
