@@ -196,9 +196,11 @@ def _report(args: argparse.Namespace, runs: list[MeasuredRun], skipped: list, fi
 
         atomic_write_text(RESIDUALS_PATH, residual_yaml(residual_file(results, splits)))
         print(f"wrote {RESIDUALS_PATH}")
-    from sp_plan.planner.fitting.bands import render_bands, residual_records
+    from sp_plan.planner.fitting.bands import calibrated_cells, render_bands, residual_records
 
     print("\n".join(render_bands(residual_records(results, splits))))
+    print()
+    print("\n".join(calibrated_cells(runs)))
     print()
     print("\n".join(render_kernels(figures, shipped_fit.kernel_fit)))
     print()
