@@ -196,7 +196,8 @@ def _report(args: argparse.Namespace, runs: list[MeasuredRun], skipped: list, fi
 
         atomic_write_text(RESIDUALS_PATH, residual_yaml(residual_file(results, splits)))
         print(f"wrote {RESIDUALS_PATH}")
-    from sp_plan.planner.fitting.bands import calibrated_cells, render_bands, residual_records
+    from sp_plan.planner.fitting.bands import render_bands, residual_records
+    from sp_plan.planner.fitting.calibrated_cells import calibrated_cells
 
     print("\n".join(render_bands(residual_records(results, splits))))
     print()

@@ -102,8 +102,9 @@ def command(runs: tuple[Path, ...], check: tuple[Path, ...], stack: str, out_fil
         return
     say(f"fitted {len(result.fit.params)} parameter(s) on {sampled} measurement(s){sample_note}; "
         f"wrote {out_file}")
-    if sampled < len(result.fit.params):
-        say(f"note: {sampled} measurement(s) cannot tell {len(result.fit.params)} parameters apart: those the runs do "
+    considered = len(result.fit.params) + len(result.frozen)
+    if sampled < considered:
+        say(f"note: {sampled} measurement(s) cannot tell {considered} parameters apart: those the runs do "
             "not constrain keep their documented values; measure layouts that differ in sequence length and parallel "
             "degrees, and hold some out with --check")
     for name, value in result.fit.as_dict().items():

@@ -117,8 +117,8 @@ def render_bands(records: Sequence[Residual]) -> list[str]:
     for r in step:
         cells.setdefault((r.stack, r.gpu, r.seq_len >= LONG_CONTEXT), []).append(r)
     lines = ["error bands (step time, 1 sigma, as `plan`/`estimate` print them uncalibrated):",
-             f"  {'stack':<14} {'GPU':<10} {'context':<8} {'runs':>4} {'mean |err|':>10} {'band':>6} "
-             f"{'inside':>7} {'inside, own source out':>22}"]
+             (f"  {'stack':<14} {'GPU':<10} {'context':<8} {'runs':>4} {'mean |err|':>10} {'band':>6} "
+              f"{'inside':>7} {'inside, own source out':>22}")]
     for (stack, gpu, long), runs in sorted(cells.items()):
         seq = runs[0].seq_len
         band = band_for("step_time", stack, gpu, Regime(seq, runs[0].moe, runs[0].pipelined), records=records)
@@ -131,36 +131,4 @@ def render_bands(records: Sequence[Residual]) -> list[str]:
         band = band_for("step_time", stack, gpu, Regime(seq, False, False), records=records)
         lines.append(f"  {stack:<14} {gpu:<10} {'>=64K' if seq >= LONG_CONTEXT else '<64K':<8} "
                      f"{pct(band.one_sigma):>6}  ({band.basis})")
-    return lines
-
-
-def calibrated_cells(runs: Sequence[MeasuredRun], every: int = 3, fit_runs: int = 3) -> list[str]:
-    """What calibrating on a few runs does, per published (stack, GPU, metric) cell of five or more step-time
-    figures: ``sp-plan calibrate`` on ``fit_runs`` of them (every ``every``-th, sorted by id, from each of
-    ``every`` offsets) predicting the others, mean |error| before and after. The same fit a user's
-    ``calibrate fit.csv --check check.csv`` runs, on published rows instead of their own."""
-    from .fit import run_gpu
-    from .report import errors_of
-    from .user_fit import calibrate
-
-    cells: dict[tuple[str, str, str], list[MeasuredRun]] = {}
-    for r in runs:
-        # Chart readings ("figure") weigh nothing in a fit (CONFIDENCE_WEIGHT): only exact figures calibrate.
-        if r.kind == "throughput" and r.confidence in ("exact", "measured") and not r.scale_free:
-            cells.setdefault((r.stack, run_gpu(r), r.metric), []).append(r)
-    lines = [f"calibrated on {fit_runs} runs of a cell, the rest held out (mean |error| of the held-out runs):",
-             f"  {'stack':<14} {'GPU':<10} {'metric':<15} {'runs':>4}  {'uncalibrated':>12}  {'calibrated':>10}"]
-    for (stack, gpu, metric), cell in sorted(cells.items()):
-        if len(cell) < 5:
-            continue
-        ordered = sorted(cell, key=lambda r: r.id)
-        before, after = [], []
-        for offset in range(every):
-            fitted = ordered[offset::every][:fit_runs]
-            check = [r for r in ordered if r not in fitted]
-            result = calibrate(fitted, check)
-            before += [abs(e) for e in errors_of(check, [result.predictions[r.id][0] for r in check])]
-            after += [abs(e) for e in errors_of(check, [result.predictions[r.id][1] for r in check])]
-        lines.append(f"  {stack:<14} {gpu:<10} {metric:<15} {len(cell):>4}  {sum(before) / len(before):>11.1%}  "
-                     f"{sum(after) / len(after):>9.1%}")
     return lines
