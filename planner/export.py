@@ -31,7 +31,7 @@ from typing import Any
 from sp_plan.cost_models.train_spec import TrainSpec
 
 from .errors import PlannerError
-from .export_megatron import MEGATRON_STACK, to_megatron
+from .export_megatron import MEGATRON_STACK, is_megatron_stack, to_megatron
 from .export_result import Export, one_line_shell_word, shell_word
 from .plan import Plan
 
@@ -496,7 +496,7 @@ def target_stack(plan: Plan, target: str) -> str:
     if target == "deepspeed":
         return "hf-deepspeed"
     if target == "megatron":
-        return MEGATRON_STACK
+        return plan.stack if is_megatron_stack(plan.stack) else MEGATRON_STACK
     if target == "accelerate":
         return "hf-deepspeed" if plan.layout.ulysses > 1 else "hf-fsdp2"
     return plan.stack
@@ -563,7 +563,7 @@ def check_under_stack(plan: Plan, target: str, stack: str | None = None, calibra
     if topology is None:  # a probed topology file that is not on this machine, for a GPU without a preset
         return [f"not re-checked under the {ref} stack: topology {plan.hardware.topology!r} cannot be loaded here "
                 "and its GPU has no preset; run the export where the topology file is"]
-    profile = resolve_profile(topology.gpu.name, ref, calibration)
+    profile = resolve_profile(topology.gpu.name, ref, calibration, plan.assume or None)
     est = estimate(plan.model, plan.train, plan.layout, topology, with_placement=False, profile=profile)
     total, capacity = est.memory.total, est.memory.capacity
     usable = capacity * (1.0 - DEFAULT_HEADROOM)

@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sp_plan.cost_models.atomic_io import atomic_write_text
 from sp_plan.cost_models.errors import explain_validation_error
 from sp_plan.cost_models.layout import Layout, expert_parallel_invalid
+from sp_plan.cost_models.memory.assumptions import MemoryAssumptions
 from sp_plan.cost_models.model_spec import ModelSpec
 from sp_plan.cost_models.stack import DEFAULT_STACK
 from sp_plan.cost_models.train_spec import TrainSpec
@@ -73,8 +74,21 @@ class Plan(BaseModel):
     stack: str = Field(default=DEFAULT_STACK, min_length=1, max_length=4096)
     #: The calibration file the prediction used (``--calibration``), or None.
     calibration: str | None = Field(default=None, max_length=4096)
+    #: Memory-assumption overrides the prediction was made with (``--assume KEY=VALUE``, e.g.
+    #: ``cross_entropy_implementation: megatron_fused``): re-applied when the plan is re-checked or exported
+    #: (the Megatron export writes the fused cross-entropy flags from it). Omitted from the file when empty.
+    assume: dict[str, Any] = Field(default_factory=dict, max_length=len(MemoryAssumptions.model_fields))
     #: Completeness marker: declared last so it is the file's last line (see the module docstring).
     end_of_plan: Literal[True] = True
+
+    @field_validator("assume")
+    @classmethod
+    def _known_assumptions(cls, value: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(value) - set(MemoryAssumptions.model_fields))
+        if unknown:
+            raise ValueError(f"unknown memory assumptions {unknown}; known: {', '.join(MemoryAssumptions.model_fields)}")
+        checked = MemoryAssumptions(**value)  # each value validated as --assume validates it
+        return {key: getattr(checked, key) for key in value}
 
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":
@@ -97,7 +111,10 @@ class Plan(BaseModel):
         return self
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        data = self.model_dump(mode="json")
+        if not data["assume"]:
+            del data["assume"]  # plans without overrides read as before
+        return yaml.safe_dump(data, sort_keys=False)
 
     def save(self, path: str | Path) -> None:
         """Write the plan whole or not at all (a crash mid-write leaves the previous file, never half)."""
@@ -139,9 +156,10 @@ def plan_from_dict(data: Any, source: str = "plan", *, require_end: bool = False
 
 def plan_from_ranked(ranked: Any, model: ModelSpec, topology: Any, world: int,
                      explanation: list[str] | None = None, *, stack: str = DEFAULT_STACK,
-                     calibration: str | None = None) -> Plan:
+                     calibration: str | None = None, assume: dict[str, Any] | None = None) -> Plan:
     """A plan file for one of the search's ranked plans (``sp_plan.planner.search.RankedPlan``), recording the
-    stack and calibration it was predicted under (``SearchResult.stack`` / ``.calibration``)."""
+    stack, calibration and memory-assumption overrides it was predicted under (``SearchResult.stack`` /
+    ``.calibration``, ``PlanSettings.assume``)."""
     est = ranked.estimate.to_json_dict()
     return Plan(
         model=model,
@@ -154,4 +172,5 @@ def plan_from_ranked(ranked: Any, model: ModelSpec, topology: Any, world: int,
         explanation=explanation or [],
         stack=stack,
         calibration=calibration,
+        assume=dict(assume or {}),
     )

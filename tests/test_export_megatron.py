@@ -43,12 +43,13 @@ MEGATRON_TRAIN = dict(zero_stage=1, tiled_loss=False, tiled_mlp=False)
 
 
 def make_plan(gpus: int = 8, per_node: int = 8, model: str = "llama3-8b", seq_len: int = 131072,
-              **degrees_and_options) -> Plan:
+              assume: dict | None = None, stack: str = "megatron-core", **degrees_and_options) -> Plan:
     degrees = {k: v for k, v in degrees_and_options.items() if k in Layout.model_fields}
     options = {k: v for k, v in degrees_and_options.items() if k not in degrees}
     return Plan(model=get_model_preset(model), train=TrainSpec(seq_len=seq_len, **{**MEGATRON_TRAIN, **options}),
                 layout=Layout.for_world(gpus, **degrees),
-                hardware=Hardware(num_gpus=gpus, gpus_per_node=per_node, gpu="h100-80gb", topology="dgx-h100"))
+                hardware=Hardware(num_gpus=gpus, gpus_per_node=per_node, gpu="h100-80gb", topology="dgx-h100"),
+                assume=assume or {}, stack=stack)
 
 
 #: Plans that cover each mapping: ring only (p2p), Ulysses only (a2a), both (a2a+p2p), TP with sequence
@@ -83,6 +84,11 @@ PLANS = {
     "pp-head-chunks": lambda: make_plan(model="llama3-405b", gpus=128, pp=8, tp=8, ring=2, seq_len=8192,
                                         grad_accum=8, pipeline_schedule="interleaved_1f1b", virtual_stages=8,
                                         checkpointing="none"),
+    # fused cross-entropy (priced with --assume): Megatron's native fusion and Transformer Engine's
+    "fused-ce-native": lambda: make_plan(ulysses=8, checkpointing="full",
+                                         assume={"cross_entropy_implementation": "megatron_fused"}),
+    "fused-ce-te": lambda: make_plan(gpus=16, tp=2, ring=8, checkpointing="full",
+                                     assume={"cross_entropy_implementation": "te_fused"}),
     "mla-moe-pp": lambda: make_plan(model="deepseek-v3", gpus=64, pp=8, ulysses=8, ep=8, seq_len=32768,
                                     grad_accum=8, pipeline_schedule="1f1b", stage_layers=(6, 8, 8, 8, 8, 8, 8, 7),
                                     checkpointing="full"),
@@ -210,6 +216,7 @@ def test_the_console_script_exports_a_megatron_plan_as_script_and_json(tmp_path)
     assert data["stack"] == "megatron-core" and data["argv"] == data["model_args"] + data["parallel_args"] + \
         data["data_args"]
     assert any("under the megatron-core stack" in n for n in data["notes"])  # re-checked under the stack
+    assert "--cross-entropy-loss-fusion" not in data["argv"]  # the stack's own loss is Megatron's unfused one
     out = tmp_path / "megatron.sh"
     text = subprocess.run([SP_PLAN, "export", str(plan), "--to", "megatron", "--out", str(out)],
                           capture_output=True, text=True, timeout=120)
@@ -217,6 +224,67 @@ def test_the_console_script_exports_a_megatron_plan_as_script_and_json(tmp_path)
     assert out.read_text().startswith("#!/usr/bin/env bash") and "pretrain_gpt.py" in out.read_text()
     helped = subprocess.run([SP_PLAN, "export", "--help"], capture_output=True, text=True, timeout=60).stdout
     assert "megatron" in helped
+
+
+# ----- fused cross-entropy: the flags follow the loss the plan was priced with ---------------------------
+
+
+def _cross_entropy_flags(argv) -> list[str]:
+    argv = list(argv)
+    found = [a for a in argv if a == "--cross-entropy-loss-fusion"]
+    if "--cross-entropy-fusion-impl" in argv:
+        i = argv.index("--cross-entropy-fusion-impl")
+        found += argv[i:i + 2]
+    return found
+
+
+def test_fused_cross_entropy_flags_follow_the_assumed_loss_or_a_megatron_stack_file(tmp_path):
+    from sp_plan.cost_models import data as shipped
+    from sp_plan.planner.export import check_under_stack
+
+    assert _cross_entropy_flags(megatron_arguments(make_plan(ulysses=8)).argv) == []
+    native = make_plan(ulysses=8, assume={"cross_entropy_implementation": "megatron_fused"})
+    assert _cross_entropy_flags(megatron_arguments(native).argv) == [
+        "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"]
+    # an edited copy of megatron-core.yaml (it keeps its name) that runs Transformer Engine's loss: the plan's stack
+    stack = tmp_path / "megatron-te-ce.yaml"
+    text = shipped.read_text("stacks", "megatron-core")
+    stack.write_text(text.replace("cross_entropy_implementation: megatron ", "cross_entropy_implementation: te_fused "))
+    te = make_plan(ulysses=8, stack=str(stack))
+    assert target_stack(te, "megatron") == str(stack)  # checked under the plan's own Megatron stack file
+    exported = to_megatron(te)
+    assert _cross_entropy_flags(exported.data["argv"]) == ["--cross-entropy-loss-fusion",
+                                                            "--cross-entropy-fusion-impl", "te"]
+    assert any("later Megatron-LM refuses it" in n for n in exported.notes)
+    # the export's --stack decides for a plan made under another stack; an --assume in the plan wins over both
+    assert _cross_entropy_flags(to_megatron(make_plan(ulysses=8, stack="sp-plan"), str(stack)).data["argv"])[-1] == "te"
+    assert _cross_entropy_flags(to_megatron(native, str(stack)).data["argv"])[-1] == "native"
+    # the re-check prices the assumed loss: at 256K the unfused loss's logits do not fit on an H100, the fused do
+    with pytest.raises(PlannerError, match="needs 9.* GB per GPU, over the"):
+        check_under_stack(make_plan(ulysses=8, seq_len=262144), "megatron")
+    fused = make_plan(ulysses=8, seq_len=262144, assume={"cross_entropy_implementation": "megatron_fused"})
+    assert "predicted to need 8" in check_under_stack(fused, "megatron")[0]
+
+
+def test_an_assumed_fused_loss_round_trips_through_the_plan_file_to_the_export(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    made = subprocess.run([SP_PLAN, "plan", "--model", "llama3-8b", "--seq-len", "64K", "--gpus", "8", "--stack",
+                           "megatron", "--assume", "cross_entropy_implementation=megatron_fused", "--out", str(plan)],
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    assert "cross_entropy_implementation: megatron_fused" in plan.read_text()
+    exported = subprocess.run([SP_PLAN, "export", str(plan), "--to", "megatron", "--json"], capture_output=True,
+                              text=True, timeout=120)
+    assert exported.returncode == 0, exported.stderr
+    argv = json.loads(exported.stdout)["argv"]
+    assert _cross_entropy_flags(argv) == ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"]
+    configs, _ = parse_with_megatron_core(argv)
+    assert configs["TransformerConfig"].cross_entropy_loss_fusion
+
+
+def test_a_plan_file_refuses_an_unknown_assumption():
+    with pytest.raises(ValueError, match="unknown memory assumptions"):
+        make_plan(ulysses=8, assume={"cross_entropy": "fused"})
 
 
 def test_the_console_script_refuses_a_zero3_plan_in_one_line(tmp_path):
@@ -414,6 +482,9 @@ def test_megatron_core_parses_and_validates_the_exported_arguments(name):
     assert ddp.num_distributed_optimizer_instances == layout.dp_replicate
     assert configs["OptimizerConfig"].optimizer_cpu_offload == plan.train.offload_optimizer
     assert script["script:--seq-length"] == plan.train.seq_len
+    fusion = {"megatron_fused": "native", "te_fused": "te"}.get(plan.assume.get("cross_entropy_implementation"))
+    assert tc.cross_entropy_loss_fusion == (fusion is not None)
+    assert tc.cross_entropy_fusion_impl == (fusion or "native")  # native is the default when not fused
 
 
 def megatron_stage_layers(tc) -> tuple[int, ...]:

@@ -56,6 +56,8 @@ def command(plan_file: str, target: str, as_json: bool, out_file: str | None, sc
         check_model_config(plan, model_config)
     if target == "torchrun":
         exported = to_torchrun(plan, plan_path=plan_file, script=script, model_config=model_config)
+    elif target == "megatron":  # the stack it is checked under decides the loss flags
+        exported = EXPORTERS[target](plan, stack)
     else:
         exported = EXPORTERS[target](plan)
     if target != "torchrun" or stack is not None or calibration is not None:

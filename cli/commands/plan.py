@@ -184,7 +184,7 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
     to_stdout = out_file == "-"  # the plan file is standard output; the report goes to standard error
     if out_file:
         chosen = plan_from_ranked(result.plans[0], model, topology, gpus, explanation, stack=result.stack,
-                                  calibration=result.calibration)
+                                  calibration=result.calibration, assume=settings.assume)
         write_output(out_file, chosen.to_yaml(), error=PlannerError)
     if plot_file:
         draw_plan_times(result.plans, plot_file, f"{model.name} on {gpus} x {topology.gpu.name}")
