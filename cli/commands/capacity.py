@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from sp_plan.cost_models.json_io import strict_dumps
-from sp_plan.planner.band_report import band_lines, bands_json, prediction_bands
+from sp_plan.planner.band_report import CALIBRATE_HINT, band_lines, bands_json, prediction_bands
 from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.text_table import Column, format_table
 from sp_plan.cost_models.units import GB, format_tokens, parse_seq_len
@@ -16,6 +16,7 @@ from sp_plan.planner.capacity import MAX_GPUS, SweepPoint, max_seq_len, min_gpus
 from sp_plan.planner.errors import PlannerError
 from sp_plan.planner.report import describe_options
 from sp_plan.planner.sanity import check_figures
+from sp_plan.planner.uncertainty import pct, significant
 from ..plots import check_plot_path, draw_sweep
 from .common import build_model, build_topology, build_train, check_output_path, hardware_options, \
     layout_options, model_options_optional_seq
@@ -102,17 +103,19 @@ def command(ctx: click.Context, model_name: str, gpus: int | None, gpus_per_node
         results = sweep(model, base, topology_for, points, settings)
         check_figures([_plan_json(p.plan) for p in results if p.plan is not None], "the sweep")
         stack = _stack_fields(settings, topology_for(points[0][0]).gpu.name)
+        bands = [sweep_bands(model, p, stack) for p in results]
         if plot_file:
             draw_sweep(results, key, plot_file, model.name, headroom=settings.headroom)
         if as_json:
             click.echo(strict_dumps({"sweep": [
                 {"gpus": p.gpus, "seq_len": p.seq_len, "plan": _plan_json(p.plan),
                  "nearest": p.nearest.model_dump(exclude_none=True) if p.nearest else None,
-                 **({"refused": p.refused} if p.refused else {})} for p in results],
+                 **({"refused": p.refused} if p.refused else {}),
+                 **({"uncertainty": bands_json(b)} if b else {})} for p, b in zip(results, bands)],
                 **stack}, indent=2))
         else:
             click.echo(f"{model.name}: best plan per point ({_stack_note(stack)})")
-            click.echo(render_sweep(results, base.mode))
+            click.echo(render_sweep(results, base.mode, bands))
         if plot_file:
             click.echo(f"wrote {plot_file}", err=True)
         if not any(p.plan for p in results):  # every point is a "no plan fits" answer: exit 1 (README)
@@ -176,11 +179,43 @@ def seq_granule_start(gpus: int) -> int:
 
 SWEEP_COLUMNS = (Column("GPUs", ">"), Column("seq", ">"), Column("layout"), Column("options"), Column("mem/GPU", ">"),
                  Column("step", ">"), Column("tokens/s", ">"), Column("MFU", ">"))
+#: The sweep's band column, shown only when the rows' bands differ (else one footnote states the band).
+BAND_COLUMN = Column("+/- (1 sigma)", ">")
+#: What a sweep row's band covers: the same quantities as the fewest-GPUs answer.
+SWEEP_QUANTITIES = ("memory", "step_time")
 
 
-def render_sweep(points: list[SweepPoint], mode: str) -> str:
+def sweep_bands(model, point: SweepPoint, stack: dict[str, Any]) -> dict | None:
+    """The trust band of a sweep row's plan (as a single capacity answer's), or None for a point without one."""
+    plan = point.plan
+    if plan is None:
+        return None
+    return prediction_bands(model, plan.train, plan.layout, gpu=plan.estimate.detail.gpu, stack=stack["stack"],
+                            calibration=stack["calibration"], quantities=SWEEP_QUANTITIES)
+
+
+def _band_text(bands: dict) -> str:
+    """One band set in words: ``step, tokens/s +/-33% (1 sigma; ...); memory +/-4% (...)``."""
+    step, memory = bands["step_time"], bands["memory"]
+    return f"step, tokens/s, MFU {step.describe()}; memory {memory.describe()}"
+
+
+def _band_cell(bands: dict) -> str:
+    step, memory = bands["step_time"], bands["memory"]
+    return " / ".join(f"{what} {'+/-' + pct(b.one_sigma) if b.known else '?'}"
+                      for what, b in (("step", step), ("mem", memory)))
+
+
+def render_sweep(points: list[SweepPoint], mode: str, bands: list[dict | None] | None = None) -> str:
+    """The sweep table. ``bands``: each row's trust band (:func:`sweep_bands`); the figures are rounded to what
+    it supports, and the band is stated once under the table when every row has the same one, else in a column
+    keyed to footnotes."""
+    bands = bands or [None] * len(points)
+    texts = {_band_text(b): None for b in bands if b}  # distinct bands, in row order
+    keyed = len(texts) > 1
+    keys = {text: chr(ord("a") + i) for i, text in enumerate(texts)}
     rows, notes = [], []
-    for p in points:
+    for p, band in zip(points, bands):
         where = [str(p.gpus), format_tokens(p.seq_len)]
         if p.plan is None:
             if p.refused is not None:  # a footnote: a long reason in the layout column would widen every row
@@ -195,6 +230,20 @@ def render_sweep(points: list[SweepPoint], mode: str) -> str:
             rows.append([*where, f"does not fit{miss}"])
             continue
         t, m = p.plan.estimate.time, p.plan.estimate.memory
-        rows.append([*where, p.plan.layout.describe(), describe_options(p.plan.options, mode), f"{m.total / GB:.1f} GB",
-                     f"{t.step_s:.2f} s", f"{t.tokens_per_s:,.0f}", f"{t.mfu:.1%}"])
-    return "\n".join([*format_table(SWEEP_COLUMNS, rows), *notes])
+        if band is None:
+            figures = [f"{m.total / GB:.1f} GB", f"{t.step_s:.2f} s", f"{t.tokens_per_s:,.0f}", f"{t.mfu:.1%}"]
+        else:
+            step, memory = band["step_time"], band["memory"]
+            figures = [f"{significant(m.total / GB, memory)} GB", f"{significant(t.step_s, step)} s",
+                       significant(t.tokens_per_s, step), f"{significant(100 * t.mfu, step)}%"]
+        row = [*where, p.plan.layout.describe(), describe_options(p.plan.options, mode), *figures]
+        if keyed:
+            row.append(f"{_band_cell(band)} [{keys[_band_text(band)]}]" if band else "")
+        rows.append(row)
+    columns = (*SWEEP_COLUMNS, BAND_COLUMN) if keyed else SWEEP_COLUMNS
+    if keyed:
+        trust = [f"[{key}] {text}" for text, key in keys.items()]
+    else:
+        trust = [f"trust (every row): {text}" for text in texts]
+    hint = [CALIBRATE_HINT] if any(b and not any(x.calibrated for x in b.values()) for b in bands) else []
+    return "\n".join([*format_table(columns, rows), *notes, *trust, *hint])
