@@ -5,7 +5,7 @@ A plan with ``pp > 1`` cuts the model's blocks into ``pp`` stages (the split the
 the model part of its ``pp`` coordinate (:func:`sp_plan.runtime.model_parts.split_model`), parallelises it
 like any model part (TP, SP attention, checkpointing, FSDP2: :func:`sp_plan.runtime.auto.configure_parts`),
 wraps it in a :class:`~torch.distributed.pipelining.PipelineStage` over the ``pp`` process group and drives
-it with PyTorch's own schedule for the plan's ``pipeline_schedule`` (:data:`SCHEDULES`); no scheduling is
+it with PyTorch's own schedule for the plan's ``pipeline_schedule`` (:data:`SCHEDULE_NAMES`); no scheduling is
 written here. The micro-batches of a step are the plan's ``grad_accum``.
 
 The loss stays the token-count weighted one of :mod:`sp_plan.runtime.loss`: the last stage's loss
@@ -22,16 +22,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
 
 from sp_plan.cost_models.pipeline import stage_layers
 from sp_plan.runtime import comm_counter
@@ -41,13 +36,18 @@ from sp_plan.runtime.loss import LOSS_REDUCTION_DTYPE, cross_entropy_sum
 from sp_plan.runtime.mesh import RuntimeMesh
 from sp_plan.runtime.models.base import ModelAdapter
 
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
+
 #: The plan's ``pipeline_schedule`` -> the torch.distributed.pipelining schedule that runs it. 1F1B drives one
 #: stage per rank; interleaved 1F1B drives ``virtual_stages`` stages per rank (rank ``r`` holds stages ``r``,
 #: ``r + pp``, ...); zero bubble is torch's ScheduleInterleavedZeroBubble over one stage per rank (ZB-H1, as the
 #: cost model prices ``zero_bubble``), which splits each backward into input and weight gradients: it runs
 #: under ZeRO-1/2 without selective checkpointing (:mod:`sp_plan.runtime.capabilities` says why not otherwise).
-SCHEDULES: dict[str, type] = {"1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
-                              "zero_bubble": ScheduleInterleavedZeroBubble}
+#: torch.distributed.pipelining is imported when a pipeline is built: it imports torch._dynamo (~0.6 s), which
+#: every other rank process (all of them without pp) would pay at start-up.
+SCHEDULE_NAMES: dict[str, str] = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+                                  "zero_bubble": "ScheduleInterleavedZeroBubble"}
 
 
 def stage_indices(plan, pp_rank: int) -> list[int]:
@@ -206,17 +206,19 @@ def build_pipeline(parts: Sequence[nn.Module], adapter: ModelAdapter, plan, mesh
             modules.append(StageForward(part, adapter))
         else:
             modules.append(part)
+    from torch.distributed import pipelining
+
     schedule_name = plan.train.pipeline_schedule
     group = mesh.group("pp")
-    stages = [PipelineStage(module, index, total, mesh.device, group=group)
+    stages = [pipelining.PipelineStage(module, index, total, mesh.device, group=group)
               for module, index in zip(modules, indices, strict=True)]
     loss = StepLossRecorder(cross_entropy)
     micro_batches = plan.train.grad_accum
-    schedule_cls = SCHEDULES.get(schedule_name)
-    if schedule_cls is None:
+    if schedule_name not in SCHEDULE_NAMES:
         raise RuntimeConfigError(f"pipeline_schedule={schedule_name} is not wired in the runtime; re-plan with "
-                                 f"--schedule {' or '.join(SCHEDULES)}")
-    if schedule_cls is Schedule1F1B:
+                                 f"--schedule {' or '.join(SCHEDULE_NAMES)}")
+    schedule_cls = getattr(pipelining, SCHEDULE_NAMES[schedule_name])
+    if schedule_cls is pipelining.Schedule1F1B:
         schedule = schedule_cls(stages[0], n_microbatches=micro_batches, loss_fn=loss, scale_grads=False)
     else:
         schedule = schedule_cls(stages, n_microbatches=micro_batches, loss_fn=loss, scale_grads=False)

@@ -1,6 +1,6 @@
 """The field's standard A/B: sequence-parallel training equals single-device / data-parallel training.
 
-Same seed, same data order, same token budget per optimizer step (GLOBAL_BATCH sequences), 10 AdamW
+Same seed, same data order, same token budget per optimizer step (GLOBAL_BATCH sequences), 5 AdamW
 steps in fp32 on CPU. The reference is a plain single-process run of the same LlamaModel (no runtime
 code: its own cross-entropy over every valid token of the step). Every configuration goes through
 ``sp_plan.runtime.auto_configure`` (planner with pinned degrees and options, FSDP2, SP attention, checkpointing)
@@ -34,7 +34,7 @@ from tests.distributed import run_ranks
 
 pytestmark = pytest.mark.multiproc
 
-STEPS = 10
+STEPS = 5  # 5 steps cover optimizer state, accumulation and clipping; 10 doubled the slowest module's time
 GLOBAL_BATCH = 4  # sequences per optimizer step
 RAW_SEQ = 60  # tokens per sequence before padding to the layout's multiple
 VOCAB = 96
@@ -215,7 +215,7 @@ def test_loss_curve_and_parameters_match_the_single_device_reference(name, refer
     result = compare(name, reference, trained)
     ref_losses = reference[result["dtype"]][0]
     assert result["steps"] == STEPS
-    assert ref_losses[-1] < ref_losses[0] - 0.5  # the run actually trains
+    assert ref_losses[-1] < ref_losses[0] - 0.3  # the run actually trains
     assert result["mean_loss_diff"] < LOSS_TOL, (name, result)
     if result["dtype"] == "fp64":
         assert result["max_param_diff"] < FP64_PARAM_TOL, (name, result)
