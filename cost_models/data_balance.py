@@ -52,8 +52,11 @@ class DataShape(BaseModel):
 
     #: ``(length, count)`` bins of the dataset's documents (:class:`sp_plan.cost_models.lengths.LengthHistogram`).
     bins: tuple[tuple[int, int], ...] = Field(min_length=1, max_length=100_000)
-    #: How documents become rows (:mod:`sp_plan.cost_models.packing`).
-    packing: Literal["stream", "first_fit", "sorted"] = "first_fit"
+    #: How documents become rows (:mod:`sp_plan.cost_models.packing`); ``auto``: the planner's search tries each of
+    #: :func:`auto_packings` with every layout and keeps the fastest (an ``auto`` shape is never priced itself).
+    packing: Literal["auto", "stream", "first_fit", "sorted"] = "first_fit"
+    #: True when ``packing`` was chosen by the search from ``auto`` (``--packing`` not given): reports say so.
+    packing_auto: bool = False
     #: Sharding rule over the ring ranks; ``auto``: the one with the least work per useful token at each ring degree.
     sharding: Literal["auto", "contiguous", "zigzag", "per_document"] = "auto"
     #: Where the distribution comes from (shown in reports).
@@ -84,8 +87,36 @@ class DataShape(BaseModel):
             return self.balance(seq_len, ring, self.sharding, dp, grad_accum, micro_batch)
         if ring == 1:
             return self.balance(seq_len, 1, "zigzag", dp, grad_accum, micro_batch)
-        options = [self.balance(seq_len, ring, rule, dp, grad_accum, micro_batch) for rule in RUNTIME_SHARDINGS]
+        options = [self.balance(seq_len, ring, rule, dp, grad_accum, micro_batch) for rule in self.auto_rules(ring)]
         return min(options, key=lambda b: (1 - attention_share + attention_share * b.factor) / (1 - b.padding_fraction))
+
+
+    def auto_rules(self, ring: int) -> tuple[str, ...]:
+        """The rules ``auto`` sharding chooses from at ``ring``: the runtime's, except that stream rows the search
+        chose (``packing_auto``) are split zigzag only. The runtime runs stream rows under per-document sharding by
+        padding every document inside the row, which makes the row longer than ``seq_len`` (not what was priced);
+        whole-document packings round their pieces while packing (:func:`sp_plan.cost_models.packing.pack`)."""
+        if self.packing == "stream" and self.packing_auto and ring > 1:
+            return ("zigzag",)
+        return RUNTIME_SHARDINGS
+
+    def runs_at(self, ring: int) -> bool:
+        """Whether the runtime trains these rows at ``ring`` as they are priced (see :meth:`auto_rules`): False
+        only for search-chosen stream rows under a pinned rule other than zigzag."""
+        return not (self.packing == "stream" and self.packing_auto and ring > 1
+                    and self.sharding not in ("auto", "zigzag"))
+
+
+#: What ``packing: auto`` tries (:func:`auto_packings`), in this order (a tie keeps the earlier one).
+AUTO_PACKINGS: tuple[str, ...] = ("first_fit", "sorted", "stream")
+
+
+def auto_packings(shape: DataShape) -> tuple[DataShape, ...]:
+    """The concrete shapes the search tries for ``shape``: itself when its packing is pinned, else one per
+    :data:`AUTO_PACKINGS` marked ``packing_auto`` (stream only at the layouts :meth:`DataShape.runs_at`)."""
+    if shape.packing != "auto":
+        return (shape,)
+    return tuple(shape.model_copy(update={"packing": packing, "packing_auto": True}) for packing in AUTO_PACKINGS)
 
 
 class Balance(BaseModel):
@@ -126,14 +157,22 @@ class _Packed(NamedTuple):
 
 @functools.lru_cache(maxsize=64)
 def _packed(shape: DataShape, seq_len: int, multiple: int) -> _Packed:
-    budget = min(SAMPLE_TOKENS, MAX_SAMPLE_ROWS * seq_len)
-    lengths = sample_lengths(shape.bins, budget)
+    if shape.packing == "auto":
+        raise CostModelError("packing 'auto' is chosen by the planner's search (plan, capacity, estimate): pin "
+                             "--packing stream, first_fit or sorted to price these rows directly")
+    lengths = _sample(shape.bins, min(SAMPLE_TOKENS, MAX_SAMPLE_ROWS * seq_len))
     rows = pack(lengths, seq_len, shape.packing, multiple=multiple)
     if len(rows) > 1 and sum(piece.padded for piece in rows[-1]) < seq_len:
         rows = rows[:-1]  # the sample's last, partly filled row: an artefact of its end, not of the data
     rows = rows[:MAX_SAMPLE_ROWS]
     real = sum(piece.length for row in rows for piece in row)
     return _Packed(tuple(tuple(piece.padded for piece in row) for row in rows), real)
+
+
+@functools.lru_cache(maxsize=16)
+def _sample(bins: tuple[tuple[int, int], ...], budget: int) -> tuple[int, ...]:
+    """The sampled document lengths, shared by every packing and multiple of the same histogram and budget."""
+    return tuple(sample_lengths(bins, budget))
 
 
 def _multiple(rule: str, ring: int) -> int:
@@ -201,7 +240,35 @@ def rank_pairs(row: tuple[int, ...], seq_len: int, ring: int, rule: str) -> np.n
 
 @functools.lru_cache(maxsize=4096)
 def _rank_matrix(shape: DataShape, seq_len: int, ring: int, rule: str) -> np.ndarray:
-    return np.stack([rank_pairs(row, seq_len, ring, rule) for row in shape.rows(seq_len, _multiple(rule, ring))])
+    """:func:`rank_pairs` of every row of the packed sample, ``(rows, ring)``, in one flat pass over all rows' documents
+    (every term is a whole number of pairs below 2^53, so the sums equal the per-row ones exactly)."""
+    chunks = _check_rule(rule, seq_len, ring)
+    rows = shape.rows(seq_len, _multiple(rule, ring))
+    n = len(rows)
+    counts = np.fromiter((len(row) for row in rows), dtype=np.int64, count=n)
+    flat = np.fromiter((length for row in rows for length in row), dtype=np.float64, count=int(counts.sum()))
+    row_of = np.repeat(np.arange(n), counts)
+    if ring == 1:
+        return np.bincount(row_of, weights=_pairs(flat), minlength=n)[:, None]
+    if rule == "per_document":
+        # chunks r and 2R-1-r of a document of c-token chunks: c^2 (2R - 1) + c (c + 1) pairs, the same for every r
+        c = flat / chunks
+        per_row = np.bincount(row_of, weights=c * c * (chunks - 1) + c * (c + 1), minlength=n)
+        return np.repeat(per_row[:, None], ring, axis=1)
+    # every row's documents then its padding tail (weight 0), rows end to end: row i spans [i seq_len, (i+1) seq_len)
+    ends = np.cumsum(counts + 1)
+    lengths = np.empty(int(ends[-1]) if n else 0)
+    weight = np.ones_like(lengths)
+    lengths[np.arange(len(flat)) + row_of] = flat
+    lengths[ends - 1] = seq_len - np.bincount(row_of, weights=flat, minlength=n)
+    weight[ends - 1] = 0.0
+    starts = np.concatenate([[0.0], np.cumsum(lengths)[:-1]])
+    cum_pairs = np.concatenate([[0.0], np.cumsum(weight * _pairs(lengths))[:-1]])
+    edges = np.arange(n)[:, None] * float(seq_len) + np.arange(chunks + 1)[None, :] * float(seq_len // chunks)
+    per_chunk = np.diff(_prefix_pairs(starts, cum_pairs, weight, edges.ravel()).reshape(n, chunks + 1), axis=1)
+    if rule == "contiguous":
+        return per_chunk
+    return per_chunk[:, :ring] + per_chunk[:, ::-1][:, :ring]
 
 
 def expected_max_normal(n: int) -> float:

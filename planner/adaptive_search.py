@@ -125,8 +125,9 @@ def split_histogram(bins: tuple[tuple[int, int], ...], bounds: tuple[int, ...]) 
 
 def bucket_shape(docs: BucketDocs, data: DataShape, row_tokens: int, exact: bool) -> DataShape:
     """The bucket's documents as the search's data, packed first fit (``stream`` would cut documents at row ends,
-    which is what a bucket exists to avoid); thinned to :data:`BUCKET_SAMPLE_ROWS` rows' worth unless ``exact``."""
-    packing = "first_fit" if data.packing == "stream" else data.packing
+    which is what a bucket exists to avoid; ``auto`` too); thinned to :data:`BUCKET_SAMPLE_ROWS` rows' worth unless
+    ``exact``."""
+    packing = "first_fit" if data.packing in ("stream", "auto") else data.packing
     bins = docs.bins
     if not exact:
         bins = histogram_from_lengths(sample_lengths(bins, BUCKET_SAMPLE_ROWS * row_tokens)).bins
@@ -243,7 +244,8 @@ def document_tokens_per_step(train: TrainSpec, settings: PlanSettings) -> float:
     """The document tokens of the global batch the single-layout search trains: its rows of ``seq_len`` less the
     padding first-fit packing leaves (at ring 1: rounding documents for a ring's rule is the bucket layout's cost)."""
     rows = max(1, settings.global_batch_tokens // train.seq_len)
-    padding = train.data.balance(train.seq_len, 1, "zigzag").padding_fraction
+    data = train.data if train.data.packing != "auto" else train.data.model_copy(update={"packing": "first_fit"})
+    padding = data.balance(train.seq_len, 1, "zigzag").padding_fraction
     return rows * train.seq_len * (1.0 - padding)
 
 

@@ -24,7 +24,7 @@ from sp_plan.cost_models.train_spec import TrainSpec
 from sp_plan.cost_models.units import MAX_SEQ_LEN
 
 from .errors import NoFitError, PlannerError
-from .search import PlanSettings, RankedPlan, SearchResult, _Searcher, search
+from .search import PlanSettings, RankedPlan, SearchResult, _Searcher, packing_bases, search
 from .space import layout_space
 
 #: Largest cluster the GPU-count search considers.
@@ -95,13 +95,16 @@ def probe_feasibility(model: ModelSpec, base: TrainSpec, topology: Topology, set
                       assumptions: MemoryAssumptions | None = None, world: int | None = None) -> FeasibilityProbe:
     """Whether any layout fits with its most saving allowed options; if none, the nearest miss."""
     world = world or topology.num_gpus
-    s = _Searcher(model, base, topology, settings, assumptions)
+    searchers = [_Searcher(model, b, topology, settings, assumptions) for b in packing_bases(base)]
     space = layout_space(world, model, base, topology.gpus_per_node)
     nearest: FeasibilityProbe | None = None
     for layout in space.layouts:
         if any(getattr(layout, k) != v for k, v in settings.fixed_layout.items()):
             continue
-        for lattice in s.lattices(layout):
+        # every packing the search would try (--lengths without --packing): any that fits is a fit
+        branches = [(s, lattice) for s in searchers if s.base.data is None or s.base.data.runs_at(layout.ring)
+                    for lattice in s.lattices(layout)]
+        for s, lattice in branches:
             options = lattice.values(s.most_saving_valid(lattice))
             core = memory_core(model, s.train_for(layout, options), layout, s.profile.memory)
             fits = s.fits(core)

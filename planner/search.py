@@ -871,6 +871,18 @@ def layout_moving_parts(layout: Layout) -> int:
     return sum(value > 1 for dim, value in layout.degrees().items() if dim != fill) + (layout.ep > 1)
 
 
+def packing_bases(base: TrainSpec) -> list[TrainSpec]:
+    """The training specs a search tries: ``base`` itself, or, when its data's packing is ``auto`` (``--lengths``
+    without ``--packing``), one per packing :func:`~sp_plan.cost_models.data_balance.auto_packings` gives. The
+    packing changes only the data terms (attention work, balance, padding), but those feed every time and
+    memory evaluation, so each packing is a branch of its own; the search keeps each layout's fastest."""
+    if base.data is None or base.data.packing != "auto":
+        return [base]
+    from sp_plan.cost_models.data_balance import auto_packings
+
+    return [base.model_copy(update={"data": shape}) for shape in auto_packings(base.data)]
+
+
 def _matches(layout: Layout, fixed: dict[str, int]) -> bool:
     return all(getattr(layout, k) == v for k, v in fixed.items())
 
@@ -913,7 +925,11 @@ def _search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Pla
                          if k in ("zero_stage", "checkpointing", "offload_checkpoints", "offload_optimizer",
                                   "offload_params"))
         raise PlannerError(f"the pinned options cannot go together ({pins}): {conflict}; change or unpin one")
-    s = _Searcher(model, base, topology, settings, assumptions)
+    # One searcher per packing to try (``--lengths`` without ``--packing``: see packing_bases), each with its own
+    # caches; their branches share one queue, so a layout's best is its best over the packings and one cut-off
+    # prunes them all.
+    searchers = [_Searcher(model, b, topology, settings, assumptions) for b in packing_bases(base)]
+    s = searchers[0]
     space: LayoutSpace = layout_space(world, model, base, topology.gpus_per_node)
     rejected: list[Rejection] = [_structural(r) for r in space.rejected]
     layouts = [layout for layout in space.layouts if _matches(layout, settings.fixed_layout)]
@@ -935,7 +951,7 @@ def _search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Pla
     # fitting start, and only when popped a last time is it walked. Branches whose bound already exceeds
     # the K-th best plan are pruned at any stage, so most never pay for a time evaluation, fewer still for
     # a floor. A layout's result is its best branch.
-    queue: list[tuple[float, int, int, Layout, OptionLattice, object]] = []
+    queue: list[tuple[float, int, int, Layout, OptionLattice, object, _Searcher]] = []
     order = itertools.count()
     nearest_miss: dict[Layout, Rejection] = {}
     viable: set[Layout] = set()
@@ -944,18 +960,21 @@ def _search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Pla
         if not branches:  # invalid plans are explained, never silently dropped
             rejected.append(Rejection(layout=layout.as_dict(), kind="structure",
                                       reason="no valid combination of the pinned memory options on this layout"))
-        if layout.pp > 1:
-            # --- pipelined branches (several per layout: schedules, chunks, micro-batches) enter on their
-            # time bound alone; whether their most saving options fit is asked when they are popped, so
-            # the many a better plan's bound prunes never cost a memory evaluation.
-            for lattice in branches:
-                queue.append((s.floor_bound(layout, lattice), i, next(order), layout, lattice, _UNTIMED))
-            continue
-        for lattice in branches:
-            if not _most_saving_fits(s, layout, lattice, nearest_miss):
+        for p in searchers:
+            if p.base.data is not None and not p.base.data.runs_at(layout.ring):
                 continue
-            viable.add(layout)
-            queue.append((s.floor_bound(layout, lattice), i, next(order), layout, lattice, _UNTIMED))
+            if layout.pp > 1:
+                # --- pipelined branches (several per layout: schedules, chunks, micro-batches) enter on their
+                # time bound alone; whether their most saving options fit is asked when they are popped, so
+                # the many a better plan's bound prunes never cost a memory evaluation.
+                for lattice in p.lattices(layout):
+                    queue.append((p.floor_bound(layout, lattice), i, next(order), layout, lattice, _UNTIMED, p))
+                continue
+            for lattice in p.lattices(layout):
+                if not _most_saving_fits(p, layout, lattice, nearest_miss):
+                    continue
+                viable.add(layout)
+                queue.append((p.floor_bound(layout, lattice), i, next(order), layout, lattice, _UNTIMED, p))
     heapq.heapify(queue)
     rejected += [miss for layout, miss in nearest_miss.items() if layout not in viable]
 
@@ -964,7 +983,7 @@ def _search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Pla
     pruned_reason: dict[Layout, Rejection] = {}
     late_miss: dict[Layout, Rejection] = {}  # pipelined branches found not to fit when popped
     while queue:
-        bound, i, _, layout, lattice, start = heapq.heappop(queue)
+        bound, i, _, layout, lattice, start, s = heapq.heappop(queue)
         if len(best_of) >= settings.top_k and bound > kth_best:
             if layout in pruned_reason:  # a layout's first reason stands (built once: most branches end here)
                 continue
@@ -979,7 +998,7 @@ def _search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Pla
         if start is _UNTIMED:  # entered on its compute-only floor: replace it with the timed bound it stands for
             timed = s.pipeline_bound(layout, lattice) if layout.pp > 1 else s.bottom_bound(layout, lattice)
             heapq.heappush(queue, (max(bound, timed), i, next(order), layout, lattice,
-                                   _UNCHECKED if layout.pp > 1 else None))
+                                   _UNCHECKED if layout.pp > 1 else None, s))
             continue
         if start is _UNCHECKED:  # a pipelined branch: does anything fit? (as the loop above asks the others)
             if not _most_saving_fits(s, layout, lattice, late_miss):
@@ -989,7 +1008,7 @@ def _search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Pla
             top = s.most_saving_valid(lattice)
             start = s.timed(layout, s.floor(layout, lattice, top), lattice)
             heapq.heappush(queue, (max(bound, s.descendant_bound(layout, lattice, start)), i, next(order), layout,
-                                   lattice, start))
+                                   lattice, start, s))
             continue
         limit = min(kth_best, best_of[layout][0]) if layout in best_of else kth_best
         best = s.best_for(layout, lattice, start, limit)
@@ -1031,9 +1050,11 @@ def _search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Pla
             score=score, reason=f"fits, but {rate:,.0f} tokens/s vs {best_rate:,.0f} tokens/s for the best plan "
                                 f"({rate / best_rate - 1:+.1%}; ranked {score / best_score - 1:+.1%} behind it with "
                                 "the near-tie discount for moving parts)"))
+    s = searchers[0]
     stats = SearchStats(layouts=len(layouts), structural_rejections=len(space.rejected),
-                        memory_evaluations=s.memory_evals, time_evaluations=s.time_evals,
-                        floor_evaluations=s.floor_evals, pruned_by_bound=pruned,
+                        memory_evaluations=sum(p.memory_evals for p in searchers),
+                        time_evaluations=sum(p.time_evals for p in searchers),
+                        floor_evaluations=sum(p.floor_evals for p in searchers), pruned_by_bound=pruned,
                         seconds=wallclock.perf_counter() - started)
     return SearchResult(plans=plans, rejected=rejected, stats=stats, global_batch_sequences=s.batch_sequences,
                         usable_bytes=s.usable, stack=s.resolved.stack, calibration=s.resolved.calibration,
@@ -1154,18 +1175,23 @@ def brute_force_best(model: ModelSpec, base: TrainSpec, topology: Topology, sett
     search's pruning is tested and benchmarked against. Returns (best score, layout, options,
     evaluations); score is ``inf`` when nothing fits."""
     settings = settings or PlanSettings()
-    s = _Searcher(model, base, topology, settings, assumptions)
     space = layout_space(topology.num_gpus, model, base, topology.gpus_per_node)
-    keeps_activations = not s.profile.stack.time.checkpoint_offload_recomputes
     best: tuple[float, Layout | None, dict[str, Any]] = (math.inf, None, {})
-    for layout in space.layouts:
-        if not _matches(layout, settings.fixed_layout) or s.stack_refusal(layout):
-            continue
-        lattice = s.lattice(layout)
-        for combo in itertools.product(*(range(len(a.values)) for a in lattice.axes)):
-            if keeps_activations and _same_run_as_full(lattice.values(combo), settings.fixed_options):
-                continue  # searched as full checkpointing (see _split_checkpoint_offload)
-            scored = s.timed(layout, combo, lattice)
-            if scored is not None and s.fits(scored.report) and scored.score < best[0]:
-                best = (scored.score, layout, lattice.values(combo))
-    return best[0], best[1], best[2], s.time_evals
+    evaluations = 0
+    for b in packing_bases(base):  # each packing in turn (--lengths without --packing)
+        s = _Searcher(model, b, topology, settings, assumptions)
+        keeps_activations = not s.profile.stack.time.checkpoint_offload_recomputes
+        for layout in space.layouts:
+            if not _matches(layout, settings.fixed_layout) or s.stack_refusal(layout):
+                continue
+            if b.data is not None and not b.data.runs_at(layout.ring):
+                continue
+            lattice = s.lattice(layout)
+            for combo in itertools.product(*(range(len(a.values)) for a in lattice.axes)):
+                if keeps_activations and _same_run_as_full(lattice.values(combo), settings.fixed_options):
+                    continue  # searched as full checkpointing (see _split_checkpoint_offload)
+                scored = s.timed(layout, combo, lattice)
+                if scored is not None and s.fits(scored.report) and scored.score < best[0]:
+                    best = (scored.score, layout, lattice.values(combo))
+        evaluations += s.time_evals
+    return best[0], best[1], best[2], evaluations

@@ -22,7 +22,7 @@ from sp_plan.cost_models.text_table import Column, format_table
 from sp_plan.cost_models.train_spec import TrainSpec
 from sp_plan.cost_models.units import GB, GiB, format_tokens
 
-from sp_plan.planner.data_report import data_lines, data_summary
+from sp_plan.planner.data_report import choose_packing, data_lines, data_summary
 from sp_plan.planner.sanity import check_figures
 from sp_plan.planner.search import DEFAULT_HEADROOM
 from ..plots import check_plot_path, draw_estimate_memory
@@ -55,6 +55,20 @@ def _with_stack_split(model: ModelSpec, train: TrainSpec, layout: Layout, profil
     return train if split is None else train.model_copy(update={"stage_layers": split})
 
 
+def _with_packing(model: ModelSpec, train: TrainSpec, layout: Layout, topology, profile: CostProfile) -> TrainSpec:
+    """``--lengths`` without ``--packing``: the packing the planner would choose at this layout (the fastest that
+    fits, see :func:`sp_plan.planner.data_report.choose_packing`)."""
+    if train.data is None or train.data.packing != "auto":
+        return train
+    def price(variant: TrainSpec) -> Estimate | None:
+        try:
+            return estimate(model, variant, layout, topology, profile=profile)
+        except CostModelError:
+            return None
+
+    return choose_packing(train, layout, price)
+
+
 def run_estimate(model_name: str, gpus: int | None, gpus_per_node: int | None, gpu_name: str,
                  topology_ref: str | None, options: dict[str, Any]) -> Estimate:
     """Build the specs from CLI values and estimate; pydantic errors become one-line CostModelErrors."""
@@ -74,6 +88,7 @@ def estimate_with_inputs(model_name: str, gpus: int | None, gpus_per_node: int |
         profile = build_profile(topology.gpu.name, options.get("stack"), options.get("calibration"),
                                 build_assume(options.get("assume", ())))
         train = _with_stack_split(model, train, layout, profile)
+        train = _with_packing(model, train, layout, topology, profile)
         return estimate(model, train, layout, topology, profile=profile), model, train, layout
     except ValidationError as exc:
         raise explain_validation_error(exc, "input") from exc
