@@ -36,7 +36,9 @@ from sp_plan.planner.adaptive_sp import AdaptiveSPPlan
 from sp_plan.planner.search import PlanSettings
 
 S = 131072
-BASE = ["plan", "--model", "llama3-8b", "--seq-len", "128K", "--gpus", "16", "--lengths", "long-doc-mix", "--top", "1"]
+#: first_fit pinned: the packing the finding above was made with (without --packing the planner picks stream here).
+BASE = ["plan", "--model", "llama3-8b", "--seq-len", "128K", "--gpus", "16", "--lengths", "long-doc-mix", "--packing",
+        "first_fit", "--top", "1"]
 
 
 def _train(bins, seq_len: int = S) -> TrainSpec:
