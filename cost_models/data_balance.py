@@ -107,13 +107,16 @@ class DataShape(BaseModel):
                     and self.sharding not in ("auto", "zigzag"))
 
 
-#: What ``packing: auto`` tries (:func:`auto_packings`), in this order (a tie keeps the earlier one).
-AUTO_PACKINGS: tuple[str, ...] = ("first_fit", "sorted", "stream")
+#: What ``packing: auto`` tries (:func:`auto_packings`), in this order (a tie keeps the earlier one): the
+#: whole-document packings. Stream is not among them: it cuts documents at row ends, and the causal pairs that
+#: saves are context the model no longer sees (a different training set, not a faster plan of the same one), so
+#: the user pins ``--packing stream`` to choose it; the search prices it then (under :meth:`DataShape.runs_at`).
+AUTO_PACKINGS: tuple[str, ...] = ("first_fit", "sorted")
 
 
 def auto_packings(shape: DataShape) -> tuple[DataShape, ...]:
     """The concrete shapes the search tries for ``shape``: itself when its packing is pinned, else one per
-    :data:`AUTO_PACKINGS` marked ``packing_auto`` (stream only at the layouts :meth:`DataShape.runs_at`)."""
+    :data:`AUTO_PACKINGS` marked ``packing_auto``."""
     if shape.packing != "auto":
         return (shape,)
     return tuple(shape.model_copy(update={"packing": packing, "packing_auto": True}) for packing in AUTO_PACKINGS)
