@@ -169,6 +169,16 @@ SOURCES: dict[str, SourceSetup] = {
         "ZeRO-3), no activation recompute, TP with sequence parallelism and TE userbuffers TP overlap (the 70B and "
         "405B recipes), interleaved 1F1B where VP is given, the planner's balanced layer split",
     ),
+    "nemo-perf-summary": SourceSetup(
+        "dgx-b200", "megatron-core",
+        {"zero_stage": 1, "checkpointing": "none", "fp8_linears": True, "tp_sequence_parallel": True},
+        {},
+        "DGX-B200; NeMo 25.02 container, NeMo 2.0 performance recipes (NeMo v2.2.0 scripts/llm/performance): "
+        "Megatron-Core + Transformer Engine, FP8 delayed scaling (priced as the fp8 tensor cores), distributed "
+        "optimizer (ZeRO-1 over DP), no activation recompute, TP with sequence parallelism and TE userbuffers TP "
+        "overlap (the B200 70B and 405B configs), interleaved 1F1B where VP is given, the planner's balanced layer "
+        "split; no CUDA graphs (the per-layer host cost is priced either way)",
+    ),
     "ulysses-paper-figures": SourceSetup(
         "dgx-a100", "hf-deepspeed", {"micro_batch": 1}, {},
         "8 DGX-A100 nodes (IB HDR); Megatron-DeepSpeed GPT; TFLOP/s by Megatron-DeepSpeed's formula",
