@@ -179,9 +179,9 @@ DATA_OPTIONS = (
                       "rows' busiest rank."),
     click.option("--packing", type=click.Choice(["stream", "first_fit", "sorted"]), default=None,
                  help="How --lengths documents become rows: stream (concatenate and cut), first_fit (whole "
-                      "documents, data order), sorted (first-fit longest first). Default: searched with the "
-                      "layout (the fastest in useful tokens/s; stream only where the ring splits rows zigzag "
-                      "or not at all)."),
+                      "documents, data order), sorted (first-fit longest first). Default: first_fit or sorted, "
+                      "searched with the layout (the fastest in useful tokens/s); stream cuts documents, so it "
+                      "is priced only when given."),
     click.option("--sharding", "sequence_sharding", type=click.Choice(["auto", "zigzag", "per_document"]),
                  default=None,
                  help="How a packed row is split over the ring ranks: zigzag over the row, per_document (every "
