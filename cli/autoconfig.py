@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from sp_plan.cli import autoconfig_cache
 from sp_plan.cost_models import data
 from sp_plan.cost_models.hf_config import config_object_dict, parse_config_text
 from sp_plan.cost_models.model_spec import ModelSpec, check_hf_sizes, model_from_hf_dict
@@ -23,7 +24,24 @@ from sp_plan.cost_models.model_spec import ModelSpec, check_hf_sizes, model_from
 def through_autoconfig(config: dict[str, Any], name: str | None = None) -> dict[str, Any]:
     """``config`` completed by its transformers config class (class defaults and attribute aliases), or
     ``config`` itself when transformers is absent or does not know its model_type. A value the class
-    rejects is left for the cost models' parser, which says in one line what is wrong."""
+    rejects is left for the cost models' parser, which says in one line what is wrong. A completion made
+    before is read back from :mod:`.autoconfig_cache` without importing transformers."""
+    version = autoconfig_cache.transformers_version()
+    if version is None:
+        return config
+    if isinstance(config.get("model_type"), str):
+        check_hf_sizes(config, name or config["model_type"])  # before the class expands them
+    key = autoconfig_cache.cache_key(config, version)
+    cached = autoconfig_cache.load(key) if key else None
+    if cached is not None:
+        return cached
+    completed = _complete(config)
+    if key:
+        autoconfig_cache.store(key, completed)
+    return completed
+
+
+def _complete(config: dict[str, Any]) -> dict[str, Any]:
     try:
         from transformers import CONFIG_MAPPING, AutoConfig
     except ImportError:
@@ -31,7 +49,6 @@ def through_autoconfig(config: dict[str, Any], name: str | None = None) -> dict[
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         return config
-    check_hf_sizes(config, name or model_type)  # before the class expands them
     fields = {k: v for k, v in config.items() if k != "model_type"}
     try:
         completed = config_object_dict(AutoConfig.for_model(model_type, **fields))

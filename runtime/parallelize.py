@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
-from torch.distributed.fsdp import register_fsdp_forward_method
 
 from sp_plan.cost_models.train_spec import TrainSpec
 from sp_plan.runtime.context import SequenceParallel
@@ -98,6 +97,10 @@ def apply_fsdp(part: nn.Module, adapter: ModelAdapter, plan, mesh: RuntimeMesh,
     fully_shard_units(part, adapter.blocks(part), embedding, kwargs, sum_gradients=True, experts=experts or (),
                       expert_mesh=expert_data_parallel_mesh(mesh) if experts else None)
     if train.tiled_loss:
+        # Imported here: torch.distributed.fsdp pulls in DTensor and sympy (~1.5 s per rank process),
+        # which a plan without FSDP never needs.
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
         register_fsdp_forward_method(part, adapter.hidden_states_method)
     return part
 
