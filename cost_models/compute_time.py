@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .data_balance import attention_factor
 from .errors import CostModelError
@@ -256,11 +257,27 @@ def layer_gemm_shapes(model: ModelSpec, tokens: float, tp: int) -> list[tuple[st
             + [(n, "wgrad", g) for n, g in zip(names, _weight_grads(gemms), strict=True)])
 
 
+class _Linears(NamedTuple):
+    """One layer's linear-layer seconds (forward, backward; with FP8 the cast passes), the column-parallel
+    linears' input- and weight-gradient GEMMs (what an asynchronous backward TP collective runs beside), and
+    the dense GEMM shapes they came from."""
+
+    proj_f: float
+    mlp_f: float
+    proj_b: float
+    mlp_b: float
+    col_dgrad: list[float]
+    col_wgrad: list[float]
+    cast_f: float
+    cast_b: float
+
+
 def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
              profile: CostProfile) -> ComputeTime:
+    """One layer's and the output layer's kernels priced part by part (linears, attention, streaming
+    kernels and the strategies' own, the LM head), then the stack's overhead around them."""
     training = train.is_training
-    tp = layout.tp
-    b, s, d = train.micro_batch, train.seq_len, train.dtype_bytes
+    b, s = train.micro_batch, train.seq_len
     tokens = b * s / layout.sp  # this rank's share of the sequence
     fr = fractions(topology, profile)
     k = profile.kernels
@@ -271,44 +288,14 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
     peak = topology.peak_flops(train.dtype) * fr.clock
     hbm = topology.gpu.memory_bandwidth * fr.memory
     gemm_time = _gemm_timer(topology, fr, k.gemm, k.sms, peak)
-
-    # ----- linear layers -------------------------------------------------------------------------------
-    mlp_tile = (a.tiled_mlp_tile_tokens or model.hidden_size) if (training and train.tiled_mlp) else None
-    attn_g, mlp_g, tiles = _linear_gemms(model, tokens, tp, mlp_tile)
-    fp8 = train.fp8_linears
-    proj_f = gemm_time(attn_g, fp8)
-    mlp_f = gemm_time(mlp_g, fp8, tiles)
-    proj_b = gemm_time(_backward(attn_g), fp8)
-    mlp_b = gemm_time(_backward(mlp_g), fp8, tiles)
-    # The column-parallel linears (Q/K/V; up/gate or fc1): their input- and weight-gradient GEMMs are what
-    # an asynchronous backward TP collective runs beside (StackTime.tp_async_dgrad).
-    col_dgrad, col_wgrad = [0.0, 0.0], [0.0, 0.0]
-    if training and tp > 1:
-        col_attn, col_mlp = attn_g[:3], mlp_g[:-1]
-        col_dgrad = [gemm_time(_input_grads(col_attn), fp8), gemm_time(_input_grads(col_mlp), fp8, tiles)]
-        col_wgrad = [gemm_time(_weight_grads(col_attn), fp8), gemm_time(_weight_grads(col_mlp), fp8, tiles)]
-    if model.moe is not None or model.mla is not None:  # MLA projections, grouped expert GEMMs, router
-        grouped_time = _grouped_gemm_timer(topology, fr, k.gemm, k.sms, peak)
-        dense_b = (proj_b, mlp_b)
-        proj_f, proj_b, mlp_f, mlp_b = _sparse_layer_gemms(model, tokens, tp, mlp_tile, gemm_time, grouped_time,
-                                                           fp8, (mlp_f, mlp_b), layout.ep)
-        # The same share of each side's backward GEMMs as in the dense layer of these widths.
-        scale = [new / old if old > 0 else 0.0 for new, old in zip((proj_b, mlp_b), dense_b, strict=True)]
-        col_dgrad = [t * f for t, f in zip(col_dgrad, scale, strict=True)]
-        col_wgrad = [t * f for t, f in zip(col_wgrad, scale, strict=True)]
-    cast_f = cast_b = 0.0
-    if fp8:  # amax + cast passes over each GEMM's activation and weight (forward), and the output grad
-        elems_f, elems_b = _fp8_cast_elements(model, tokens, tp, layout.ep, attn_g, mlp_g, tiles, mlp_tile,
-                                              _fp8_weight_share(train, stack))
-        cast_f = stack.fp8_cast_passes * elems_f * (d + 1) / hbm
-        cast_b = stack.fp8_cast_passes * elems_b * (d + 1) / hbm
+    lin = _linears(model, train, layout, topology, profile, fr, peak, hbm, tokens, gemm_time)
+    proj_f, mlp_f, proj_b, mlp_b, cast_f, cast_b = lin.proj_f, lin.mlp_f, lin.proj_b, lin.mlp_b, lin.cast_f, lin.cast_b
 
     # ----- attention -----------------------------------------------------------------------------------
     heads_local = model.num_heads / layout.head_split
     # A materialized attention runs only without ring attention (the memory model refuses the pair);
     # its score matrix is over this rank's ring chunk.
     seq_ring = s / layout.ring
-    flash = train.attention_kernel == "flash"
     cc = ComputeContext(model=model, train=train, layout=layout, stack=stack, kernels=k, attention=fr.attention,
                         attention_fraction_forward=fr.attention_forward,
                         attention_fraction_backward=fr.attention_backward, peak=peak, hbm=hbm, tokens=tokens,
@@ -321,14 +308,7 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
         attn_f, step_f, attn_b, step_b = (t * imbalance for t in (attn_f, step_f, attn_b, step_b))
 
     # ----- streaming kernels, strategies' own kernels, overhead -----------------------------------------
-    w = microbatch_work(model, train, layout)
-    stream = 1.0 if not train.compiled else stack.compiled_stream_fraction
-    scores_f = 0.0
-    if not flash:  # the softmax passes of a materialized attention are not fused by compile
-        scores_f = MATERIALIZED_FORWARD_PASSES * b * heads_local * seq_ring * s * d
-    eager = _eager_extra_bytes(model, train, layout, a)  # unfused eager modules' extra passes
-    stream_f = ((w.layer_stream_fwd_bytes - scores_f + eager) * stream + scores_f) / hbm
-    stream_b = ((w.layer_stream_bwd_bytes - 2 * scores_f + 2 * eager) * stream + 2 * scores_f) / hbm
+    stream_f, stream_b, scores_s = _streaming(model, train, layout, a, stack, hbm, heads_local, seq_ring)
     extra = _strategy_kernels(cc)  # e.g. Ulysses' all-to-all copies
     overhead = stack.layer_overhead_s
     # The stack's execution overhead around the kernels (fitted per stack from end-to-end runs).
@@ -338,10 +318,7 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
     for f, _ in extra.values():
         kernels_f += f
     layer_f = kernels_f * gaps + overhead
-    head_tokens = tokens if training else b / layout.sp
-    head_rows = min(a.loss_chunk_tokens, head_tokens) if (training and train.tiled_loss) else head_tokens
-    head_chunks = math.ceil(head_tokens / head_rows)
-    head_g = [(head_rows, model.vocab_size / tp, model.hidden_size)]
+    head_g, head_chunks = _head_gemms(model, train, layout, a, tokens)
     head_gemm_f = gemm_time(head_g, count=head_chunks)
     head_f = head_gemm_f * gaps
     layers = model.num_layers
@@ -353,7 +330,6 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
         return ComputeTime(layer_f, 0.0, 0.0, attn_f, 0.0, step_f, 0.0, head_f, 0.0, _report(fr), _parts(parts),
                            layer_gemm_forward=proj_f + mlp_f, layer_ffn_forward=mlp_f)
 
-    scores_s = 0.0 if flash else MATERIALIZED_FORWARD_PASSES * b * heads_local * seq_ring * s * d / hbm
     recompute = _recompute_seconds(train, profile, layer_f, attn_f, proj_f + mlp_f + cast_f, scores_s)
     if train.tiled_mlp:
         recompute += mlp_f  # each tile's forward again, with grad, in backward
@@ -380,7 +356,79 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
     return ComputeTime(layer_f, layer_b, recompute, attn_f, attn_b, step_f, step_b, head_f, head_b, _report(fr),
                        _parts(parts), layer_gemm_forward=proj_f + mlp_f, layer_gemm_backward=proj_b + mlp_b,
                        layer_ffn_forward=mlp_f, layer_ffn_backward=mlp_b,
-                       layer_column_dgrad=tuple(col_dgrad), layer_column_wgrad=tuple(col_wgrad))
+                       layer_column_dgrad=tuple(lin.col_dgrad), layer_column_wgrad=tuple(lin.col_wgrad))
+
+
+def _linears(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology, profile: CostProfile,
+             fr: Fractions, peak: float, hbm: float, tokens: float,
+             gemm_time: Callable[..., float]) -> _Linears:
+    """The linear layers of one layer: dense GEMMs, or MLA projections, grouped expert GEMMs and the router;
+    with Float8 linears, their amax + cast passes."""
+    training = train.is_training
+    tp = layout.tp
+    k = profile.kernels
+    stack = profile.stack.time
+    a = profile.memory
+    mlp_tile = (a.tiled_mlp_tile_tokens or model.hidden_size) if (training and train.tiled_mlp) else None
+    attn_g, mlp_g, tiles = _linear_gemms(model, tokens, tp, mlp_tile)
+    fp8 = train.fp8_linears
+    proj_f = gemm_time(attn_g, fp8)
+    mlp_f = gemm_time(mlp_g, fp8, tiles)
+    proj_b = gemm_time(_backward(attn_g), fp8)
+    mlp_b = gemm_time(_backward(mlp_g), fp8, tiles)
+    # The column-parallel linears (Q/K/V; up/gate or fc1): their input- and weight-gradient GEMMs are what
+    # an asynchronous backward TP collective runs beside (StackTime.tp_async_dgrad).
+    col_dgrad, col_wgrad = [0.0, 0.0], [0.0, 0.0]
+    if training and tp > 1:
+        col_attn, col_mlp = attn_g[:3], mlp_g[:-1]
+        col_dgrad = [gemm_time(_input_grads(col_attn), fp8), gemm_time(_input_grads(col_mlp), fp8, tiles)]
+        col_wgrad = [gemm_time(_weight_grads(col_attn), fp8), gemm_time(_weight_grads(col_mlp), fp8, tiles)]
+    if model.moe is not None or model.mla is not None:  # MLA projections, grouped expert GEMMs, router
+        grouped_time = _grouped_gemm_timer(topology, fr, k.gemm, k.sms, peak)
+        dense_b = (proj_b, mlp_b)
+        proj_f, proj_b, mlp_f, mlp_b = _sparse_layer_gemms(model, tokens, tp, mlp_tile, gemm_time, grouped_time,
+                                                           fp8, (mlp_f, mlp_b), layout.ep)
+        # The same share of each side's backward GEMMs as in the dense layer of these widths.
+        scale = [new / old if old > 0 else 0.0 for new, old in zip((proj_b, mlp_b), dense_b, strict=True)]
+        col_dgrad = [t * f for t, f in zip(col_dgrad, scale, strict=True)]
+        col_wgrad = [t * f for t, f in zip(col_wgrad, scale, strict=True)]
+    cast_f = cast_b = 0.0
+    if fp8:  # amax + cast passes over each GEMM's activation and weight (forward), and the output grad
+        d = train.dtype_bytes
+        elems_f, elems_b = _fp8_cast_elements(model, tokens, tp, layout.ep, attn_g, mlp_g, tiles, mlp_tile,
+                                              _fp8_weight_share(train, stack))
+        cast_f = stack.fp8_cast_passes * elems_f * (d + 1) / hbm
+        cast_b = stack.fp8_cast_passes * elems_b * (d + 1) / hbm
+    return _Linears(proj_f, mlp_f, proj_b, mlp_b, col_dgrad, col_wgrad, cast_f, cast_b)
+
+
+def _streaming(model: ModelSpec, train: TrainSpec, layout: Layout, a, stack: StackTime,
+               hbm: float, heads_local: float, seq_ring: float) -> tuple[float, float, float]:
+    """Seconds of one layer's HBM-bound streaming kernels (forward, backward; norms, activations, residuals,
+    a materialized attention's softmax passes, unfused eager modules' extra passes) and of the materialized
+    score passes alone (what recomputing them costs; 0 with flash attention)."""
+    b, s, d = train.micro_batch, train.seq_len, train.dtype_bytes
+    flash = train.attention_kernel == "flash"
+    w = microbatch_work(model, train, layout)
+    stream = 1.0 if not train.compiled else stack.compiled_stream_fraction
+    scores_f = 0.0
+    if not flash:  # the softmax passes of a materialized attention are not fused by compile
+        scores_f = MATERIALIZED_FORWARD_PASSES * b * heads_local * seq_ring * s * d
+    eager = _eager_extra_bytes(model, train, layout, a)  # unfused eager modules' extra passes
+    stream_f = ((w.layer_stream_fwd_bytes - scores_f + eager) * stream + scores_f) / hbm
+    stream_b = ((w.layer_stream_bwd_bytes - 2 * scores_f + 2 * eager) * stream + 2 * scores_f) / hbm
+    scores_s = 0.0 if flash else MATERIALIZED_FORWARD_PASSES * b * heads_local * seq_ring * s * d / hbm
+    return stream_f, stream_b, scores_s
+
+
+def _head_gemms(model: ModelSpec, train: TrainSpec, layout: Layout, a,
+                tokens: float) -> tuple[list[Gemm], int]:
+    """The LM head's GEMM shape and how many chunks of it run (a tiled loss runs it chunk by chunk)."""
+    training = train.is_training
+    head_tokens = tokens if training else train.micro_batch / layout.sp
+    head_rows = min(a.loss_chunk_tokens, head_tokens) if (training and train.tiled_loss) else head_tokens
+    head_chunks = math.ceil(head_tokens / head_rows)
+    return [(head_rows, model.vocab_size / layout.tp, model.hidden_size)], head_chunks
 
 
 def _gemm_timer(topology: Topology, fr: Fractions, gemm: GemmParams, sms: int,
