@@ -38,9 +38,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .data_balance import attention_factor
-from .errors import CostModelError
 from .fitted import fitted_parameters
 from .flops import (
     MATERIALIZED_FORWARD_PASSES,
@@ -49,7 +49,20 @@ from .flops import (
     sparse_matmul_weights,
     windowed_attention_seconds,
 )
-from .kernels import AttentionParams, GemmParams, gemm_seconds, grouped_gemm_seconds, kernel_family
+from .gemms import (
+    Gemm,
+    _backward,
+    _fp8_cast_elements,
+    _gemm_timer,
+    _grouped_gemm_timer,
+    _input_grads,
+    _linear_gemms,
+    _moe_ffn_seconds,  # noqa: F401  (re-exported: tests price an MoE FFN through compute_time)
+    _sparse_layer_gemms,
+    _weight_grads,
+    layer_gemm_shapes,
+)
+from .kernels import AttentionParams, kernel_family
 from .layout import Layout
 from .memo import Memo
 from .model_spec import ModelSpec
@@ -59,9 +72,6 @@ from .strategies import implementing, on_change
 from .strategies.terms import ComputeContext, ComputeTime
 from .topology.topology import Topology
 from .train_spec import TrainSpec
-
-
-Gemm = tuple[float, float, float]  # (m, n, k)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,62 +215,31 @@ def _keeps_activations(train: TrainSpec, stack: StackTime) -> bool:
     return any(strategy.keeps_activations(train, stack) for strategy in implementing("keeps_activations"))
 
 
-def _linear_gemms(model: ModelSpec, tokens: float, tp: int, mlp_tile: float | None) -> tuple[list[Gemm], list[Gemm], float]:
-    """Forward GEMMs of the attention projections and of the MLP (the latter on ``mlp_tile``-token tiles
-    when tiled; returned with the number of tiles)."""
-    h, hd = model.hidden_size, model.head_dim
-    q_local = model.q_size / tp
-    kv_local = model.num_kv_heads * model.kv_replication(tp) / tp * hd
-    attn = [(tokens, q_local, h), (tokens, kv_local, h), (tokens, kv_local, h), (tokens, h, q_local)]
-    f = model.ffn_hidden_size / tp
-    rows = min(mlp_tile, tokens) if mlp_tile else tokens
-    tiles = math.ceil(tokens / rows) if mlp_tile else 1.0
-    if model.activation == "swiglu":
-        mlp = [(rows, f, h), (rows, f, h), (rows, h, f)]
-    else:
-        mlp = [(rows, f, h), (rows, h, f)]
-    return attn, mlp, tiles
+class _Linears(NamedTuple):
+    """One layer's linear-layer seconds (forward, backward; with FP8 the cast passes), the column-parallel
+    linears' input- and weight-gradient GEMMs (what an asynchronous backward TP collective runs beside), and
+    the dense GEMM shapes they came from."""
 
-
-def _input_grads(gemms: list[Gemm]) -> list[Gemm]:
-    """The input-gradient GEMM of each forward GEMM: dX = dY @ W^T."""
-    return [(m, k, n) for m, n, k in gemms]
-
-
-def _weight_grads(gemms: list[Gemm]) -> list[Gemm]:
-    """The weight-gradient GEMM of each forward GEMM: dW = X^T @ dY."""
-    return [(k, n, m) for m, n, k in gemms]
-
-
-def _backward(gemms: list[Gemm]) -> list[Gemm]:
-    """Input and weight gradients of each forward GEMM."""
-    return [g for pair in zip(_input_grads(gemms), _weight_grads(gemms), strict=True) for g in pair]
-
-
-#: Names of a dense layer's linears, in :func:`_linear_gemms` order.
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = {"swiglu": ("gate_proj", "up_proj", "down_proj")}
-_MLP_PLAIN = ("fc1", "fc2")
-
-
-def layer_gemm_shapes(model: ModelSpec, tokens: float, tp: int) -> list[tuple[str, str, Gemm]]:
-    """``(linear, pass, (m, n, k))`` of every GEMM one dense layer runs on a rank holding ``tokens`` tokens at
-    tensor-parallel degree ``tp``, exactly as :func:`compute_time` prices them (no tiled MLP, no Float8): each
-    linear's forward, then its input gradient (``dgrad``) and weight gradient (``wgrad``). ``sp-plan probe
-    --kernels`` times these shapes; MoE experts and MLA projections are not covered (refused there)."""
-    attn, mlp, _ = _linear_gemms(model, tokens, tp, None)
-    names = (*_PROJECTIONS, *_MLP.get(model.activation, _MLP_PLAIN))
-    gemms = attn + mlp
-    return ([(n, "forward", g) for n, g in zip(names, gemms, strict=True)]
-            + [(n, "dgrad", g) for n, g in zip(names, _input_grads(gemms), strict=True)]
-            + [(n, "wgrad", g) for n, g in zip(names, _weight_grads(gemms), strict=True)])
+    proj_f: float
+    mlp_f: float
+    proj_b: float
+    mlp_b: float
+    col_dgrad: list[float]
+    col_wgrad: list[float]
+    cast_f: float
+    cast_b: float
 
 
 def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology,
              profile: CostProfile) -> ComputeTime:
+    """One layer's and the output layer's kernels priced part by part (linears, attention, streaming
+    kernels and the strategies' own, the LM head), then the stack's overhead around them.
+
+    About 85 lines, on purpose: this is the composition of the parts, one line per term, kept in one place so
+    the order of every float sum (which the golden figures pin bit for bit) is visible; the parts themselves
+    are priced by the helpers below and in :mod:`sp_plan.cost_models.gemms`."""
     training = train.is_training
-    tp = layout.tp
-    b, s, d = train.micro_batch, train.seq_len, train.dtype_bytes
+    b, s = train.micro_batch, train.seq_len
     tokens = b * s / layout.sp  # this rank's share of the sequence
     fr = fractions(topology, profile)
     k = profile.kernels
@@ -271,44 +250,14 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
     peak = topology.peak_flops(train.dtype) * fr.clock
     hbm = topology.gpu.memory_bandwidth * fr.memory
     gemm_time = _gemm_timer(topology, fr, k.gemm, k.sms, peak)
-
-    # ----- linear layers -------------------------------------------------------------------------------
-    mlp_tile = (a.tiled_mlp_tile_tokens or model.hidden_size) if (training and train.tiled_mlp) else None
-    attn_g, mlp_g, tiles = _linear_gemms(model, tokens, tp, mlp_tile)
-    fp8 = train.fp8_linears
-    proj_f = gemm_time(attn_g, fp8)
-    mlp_f = gemm_time(mlp_g, fp8, tiles)
-    proj_b = gemm_time(_backward(attn_g), fp8)
-    mlp_b = gemm_time(_backward(mlp_g), fp8, tiles)
-    # The column-parallel linears (Q/K/V; up/gate or fc1): their input- and weight-gradient GEMMs are what
-    # an asynchronous backward TP collective runs beside (StackTime.tp_async_dgrad).
-    col_dgrad, col_wgrad = [0.0, 0.0], [0.0, 0.0]
-    if training and tp > 1:
-        col_attn, col_mlp = attn_g[:3], mlp_g[:-1]
-        col_dgrad = [gemm_time(_input_grads(col_attn), fp8), gemm_time(_input_grads(col_mlp), fp8, tiles)]
-        col_wgrad = [gemm_time(_weight_grads(col_attn), fp8), gemm_time(_weight_grads(col_mlp), fp8, tiles)]
-    if model.moe is not None or model.mla is not None:  # MLA projections, grouped expert GEMMs, router
-        grouped_time = _grouped_gemm_timer(topology, fr, k.gemm, k.sms, peak)
-        dense_b = (proj_b, mlp_b)
-        proj_f, proj_b, mlp_f, mlp_b = _sparse_layer_gemms(model, tokens, tp, mlp_tile, gemm_time, grouped_time,
-                                                           fp8, (mlp_f, mlp_b), layout.ep)
-        # The same share of each side's backward GEMMs as in the dense layer of these widths.
-        scale = [new / old if old > 0 else 0.0 for new, old in zip((proj_b, mlp_b), dense_b, strict=True)]
-        col_dgrad = [t * f for t, f in zip(col_dgrad, scale, strict=True)]
-        col_wgrad = [t * f for t, f in zip(col_wgrad, scale, strict=True)]
-    cast_f = cast_b = 0.0
-    if fp8:  # amax + cast passes over each GEMM's activation and weight (forward), and the output grad
-        elems_f, elems_b = _fp8_cast_elements(model, tokens, tp, layout.ep, attn_g, mlp_g, tiles, mlp_tile,
-                                              _fp8_weight_share(train, stack))
-        cast_f = stack.fp8_cast_passes * elems_f * (d + 1) / hbm
-        cast_b = stack.fp8_cast_passes * elems_b * (d + 1) / hbm
+    lin = _linears(model, train, layout, topology, profile, fr, peak, hbm, tokens, gemm_time)
+    proj_f, mlp_f, proj_b, mlp_b, cast_f, cast_b = lin.proj_f, lin.mlp_f, lin.proj_b, lin.mlp_b, lin.cast_f, lin.cast_b
 
     # ----- attention -----------------------------------------------------------------------------------
     heads_local = model.num_heads / layout.head_split
     # A materialized attention runs only without ring attention (the memory model refuses the pair);
     # its score matrix is over this rank's ring chunk.
     seq_ring = s / layout.ring
-    flash = train.attention_kernel == "flash"
     cc = ComputeContext(model=model, train=train, layout=layout, stack=stack, kernels=k, attention=fr.attention,
                         attention_fraction_forward=fr.attention_forward,
                         attention_fraction_backward=fr.attention_backward, peak=peak, hbm=hbm, tokens=tokens,
@@ -321,14 +270,7 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
         attn_f, step_f, attn_b, step_b = (t * imbalance for t in (attn_f, step_f, attn_b, step_b))
 
     # ----- streaming kernels, strategies' own kernels, overhead -----------------------------------------
-    w = microbatch_work(model, train, layout)
-    stream = 1.0 if not train.compiled else stack.compiled_stream_fraction
-    scores_f = 0.0
-    if not flash:  # the softmax passes of a materialized attention are not fused by compile
-        scores_f = MATERIALIZED_FORWARD_PASSES * b * heads_local * seq_ring * s * d
-    eager = _eager_extra_bytes(model, train, layout, a)  # unfused eager modules' extra passes
-    stream_f = ((w.layer_stream_fwd_bytes - scores_f + eager) * stream + scores_f) / hbm
-    stream_b = ((w.layer_stream_bwd_bytes - 2 * scores_f + 2 * eager) * stream + 2 * scores_f) / hbm
+    stream_f, stream_b, scores_s = _streaming(model, train, layout, a, stack, hbm, heads_local, seq_ring)
     extra = _strategy_kernels(cc)  # e.g. Ulysses' all-to-all copies
     overhead = stack.layer_overhead_s
     # The stack's execution overhead around the kernels (fitted per stack from end-to-end runs).
@@ -338,10 +280,7 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
     for f, _ in extra.values():
         kernels_f += f
     layer_f = kernels_f * gaps + overhead
-    head_tokens = tokens if training else b / layout.sp
-    head_rows = min(a.loss_chunk_tokens, head_tokens) if (training and train.tiled_loss) else head_tokens
-    head_chunks = math.ceil(head_tokens / head_rows)
-    head_g = [(head_rows, model.vocab_size / tp, model.hidden_size)]
+    head_g, head_chunks = _head_gemms(model, train, layout, a, tokens)
     head_gemm_f = gemm_time(head_g, count=head_chunks)
     head_f = head_gemm_f * gaps
     layers = model.num_layers
@@ -353,7 +292,6 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
         return ComputeTime(layer_f, 0.0, 0.0, attn_f, 0.0, step_f, 0.0, head_f, 0.0, _report(fr), _parts(parts),
                            layer_gemm_forward=proj_f + mlp_f, layer_ffn_forward=mlp_f)
 
-    scores_s = 0.0 if flash else MATERIALIZED_FORWARD_PASSES * b * heads_local * seq_ring * s * d / hbm
     recompute = _recompute_seconds(train, profile, layer_f, attn_f, proj_f + mlp_f + cast_f, scores_s)
     if train.tiled_mlp:
         recompute += mlp_f  # each tile's forward again, with grad, in backward
@@ -380,19 +318,79 @@ def _compute(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topol
     return ComputeTime(layer_f, layer_b, recompute, attn_f, attn_b, step_f, step_b, head_f, head_b, _report(fr),
                        _parts(parts), layer_gemm_forward=proj_f + mlp_f, layer_gemm_backward=proj_b + mlp_b,
                        layer_ffn_forward=mlp_f, layer_ffn_backward=mlp_b,
-                       layer_column_dgrad=tuple(col_dgrad), layer_column_wgrad=tuple(col_wgrad))
+                       layer_column_dgrad=tuple(lin.col_dgrad), layer_column_wgrad=tuple(lin.col_wgrad))
 
 
-def _gemm_timer(topology: Topology, fr: Fractions, gemm: GemmParams, sms: int,
-                peak: float) -> Callable[..., float]:
-    """``gemm_time(gemms, fp8=False, count=1)``: seconds of ``count`` runs of ``gemms`` at the clocked
-    peak of the training dtype (or of fp8) and the kernel model's fractions."""
+def _linears(model: ModelSpec, train: TrainSpec, layout: Layout, topology: Topology, profile: CostProfile,
+             fr: Fractions, peak: float, hbm: float, tokens: float,
+             gemm_time: Callable[..., float]) -> _Linears:
+    """The linear layers of one layer: dense GEMMs, or MLA projections, grouped expert GEMMs and the router;
+    with Float8 linears, their amax + cast passes."""
+    training = train.is_training
+    tp = layout.tp
+    k = profile.kernels
+    stack = profile.stack.time
+    a = profile.memory
+    mlp_tile = (a.tiled_mlp_tile_tokens or model.hidden_size) if (training and train.tiled_mlp) else None
+    attn_g, mlp_g, tiles = _linear_gemms(model, tokens, tp, mlp_tile)
+    fp8 = train.fp8_linears
+    proj_f = gemm_time(attn_g, fp8)
+    mlp_f = gemm_time(mlp_g, fp8, tiles)
+    proj_b = gemm_time(_backward(attn_g), fp8)
+    mlp_b = gemm_time(_backward(mlp_g), fp8, tiles)
+    # The column-parallel linears (Q/K/V; up/gate or fc1): their input- and weight-gradient GEMMs are what
+    # an asynchronous backward TP collective runs beside (StackTime.tp_async_dgrad).
+    col_dgrad, col_wgrad = [0.0, 0.0], [0.0, 0.0]
+    if training and tp > 1:
+        col_attn, col_mlp = attn_g[:3], mlp_g[:-1]
+        col_dgrad = [gemm_time(_input_grads(col_attn), fp8), gemm_time(_input_grads(col_mlp), fp8, tiles)]
+        col_wgrad = [gemm_time(_weight_grads(col_attn), fp8), gemm_time(_weight_grads(col_mlp), fp8, tiles)]
+    if model.moe is not None or model.mla is not None:  # MLA projections, grouped expert GEMMs, router
+        grouped_time = _grouped_gemm_timer(topology, fr, k.gemm, k.sms, peak)
+        dense_b = (proj_b, mlp_b)
+        proj_f, proj_b, mlp_f, mlp_b = _sparse_layer_gemms(model, tokens, tp, mlp_tile, gemm_time, grouped_time,
+                                                           fp8, (mlp_f, mlp_b), layout.ep)
+        # The same share of each side's backward GEMMs as in the dense layer of these widths.
+        scale = [new / old if old > 0 else 0.0 for new, old in zip((proj_b, mlp_b), dense_b, strict=True)]
+        col_dgrad = [t * f for t, f in zip(col_dgrad, scale, strict=True)]
+        col_wgrad = [t * f for t, f in zip(col_wgrad, scale, strict=True)]
+    cast_f = cast_b = 0.0
+    if fp8:  # amax + cast passes over each GEMM's activation and weight (forward), and the output grad
+        d = train.dtype_bytes
+        elems_f, elems_b = _fp8_cast_elements(model, tokens, tp, layout.ep, attn_g, mlp_g, tiles, mlp_tile,
+                                              _fp8_weight_share(train, stack))
+        cast_f = stack.fp8_cast_passes * elems_f * (d + 1) / hbm
+        cast_b = stack.fp8_cast_passes * elems_b * (d + 1) / hbm
+    return _Linears(proj_f, mlp_f, proj_b, mlp_b, col_dgrad, col_wgrad, cast_f, cast_b)
 
-    def gemm_time(gemms: list[Gemm], fp8: bool = False, count: float = 1.0) -> float:
-        p, f = _matmul_rate(topology, fr, peak, fp8)
-        return count * sum(gemm_seconds(m, n, kk, p, f, gemm, sms) for m, n, kk in gemms)
 
-    return gemm_time
+def _streaming(model: ModelSpec, train: TrainSpec, layout: Layout, a, stack: StackTime,
+               hbm: float, heads_local: float, seq_ring: float) -> tuple[float, float, float]:
+    """Seconds of one layer's HBM-bound streaming kernels (forward, backward; norms, activations, residuals,
+    a materialized attention's softmax passes, unfused eager modules' extra passes) and of the materialized
+    score passes alone (what recomputing them costs; 0 with flash attention)."""
+    b, s, d = train.micro_batch, train.seq_len, train.dtype_bytes
+    flash = train.attention_kernel == "flash"
+    w = microbatch_work(model, train, layout)
+    stream = 1.0 if not train.compiled else stack.compiled_stream_fraction
+    scores_f = 0.0
+    if not flash:  # the softmax passes of a materialized attention are not fused by compile
+        scores_f = MATERIALIZED_FORWARD_PASSES * b * heads_local * seq_ring * s * d
+    eager = _eager_extra_bytes(model, train, layout, a)  # unfused eager modules' extra passes
+    stream_f = ((w.layer_stream_fwd_bytes - scores_f + eager) * stream + scores_f) / hbm
+    stream_b = ((w.layer_stream_bwd_bytes - 2 * scores_f + 2 * eager) * stream + 2 * scores_f) / hbm
+    scores_s = 0.0 if flash else MATERIALIZED_FORWARD_PASSES * b * heads_local * seq_ring * s * d / hbm
+    return stream_f, stream_b, scores_s
+
+
+def _head_gemms(model: ModelSpec, train: TrainSpec, layout: Layout, a,
+                tokens: float) -> tuple[list[Gemm], int]:
+    """The LM head's GEMM shape and how many chunks of it run (a tiled loss runs it chunk by chunk)."""
+    training = train.is_training
+    head_tokens = tokens if training else train.micro_batch / layout.sp
+    head_rows = min(a.loss_chunk_tokens, head_tokens) if (training and train.tiled_loss) else head_tokens
+    head_chunks = math.ceil(head_tokens / head_rows)
+    return [(head_rows, model.vocab_size / layout.tp, model.hidden_size)], head_chunks
 
 
 def _attention_pass(cc: ComputeContext, gemm_time: Callable[..., float], seq_ring: float,
@@ -418,143 +416,6 @@ def _attention_pass(cc: ComputeContext, gemm_time: Callable[..., float], seq_rin
         return t, t
 
     return mean_over_layers(cc.model, s, one_call)  # sliding-window layers run shorter calls
-
-
-def _matmul_rate(topology: Topology, fr: Fractions, peak: float, fp8: bool) -> tuple[float, float]:
-    """(peak FLOP/s, fraction of it) a GEMM runs at: the training dtype's, or the fp8 tensor cores'."""
-    if not fp8:
-        return peak, fr.matmul
-    if "fp8" not in topology.gpu.peak_flops:
-        raise CostModelError(f"fp8_linears needs fp8 tensor cores; {topology.gpu.name} lists none")
-    return topology.peak_flops("fp8") * fr.clock, fr.fp8_matmul
-
-
-#: A grouped GEMM's per-expert shapes: ``(m, n, k, experts)``, one entry per group of equally loaded experts.
-GroupedGemm = list[tuple[float, float, float, float]]
-
-
-def _grouped_gemm_timer(topology: Topology, fr: Fractions, gemm: GemmParams, sms: int,
-                        peak: float) -> Callable[[GroupedGemm, bool], float]:
-    """``grouped_time(shapes, fp8=False)``: seconds of one grouped-GEMM launch over the experts' GEMMs at
-    the training dtype's (or fp8's) rate, on the kernel model's grouped term
-    (:func:`~sp_plan.cost_models.kernels.grouped_gemm_seconds`: the experts' tiles share the waves, a small
-    per-expert ``m`` pays its padding to the tile height). One GEMM is the group of one:
-    ``grouped_time([(m, n, k, 1)])`` equals :func:`~sp_plan.cost_models.kernels.gemm_seconds` (a test checks it)."""
-
-    def grouped_time(shapes: GroupedGemm, fp8: bool = False) -> float:
-        p, f = _matmul_rate(topology, fr, peak, fp8)
-        return grouped_gemm_seconds(shapes, p, f, gemm, sms)
-
-    return grouped_time
-
-
-def _moe_ffn_seconds(model: ModelSpec, tokens: float, tp: int, gemm_time: Callable[..., float],
-                     grouped_time: Callable[[GroupedGemm, bool], float], fp8: bool,
-                     tile: float | None, ep: int = 1) -> tuple[float, float]:
-    """(forward, backward) seconds of one MoE FFN on ``tokens`` local tokens (``ep`` > 1: this rank's
-    ``num_experts / ep`` experts on the rows dispatched to them from all ep ranks, the busiest rank's) (in ``tile``-token tiles when a
-    tiled MLP runs it): the router GEMM (tokens x experts x hidden, replicated over tp), the routed experts'
-    gate, up and down projections as grouped GEMMs at their per-expert shapes
-    (``MoESpec.expert_row_groups``: capacity padding, or dropless rows with the load imbalance), and the
-    shared experts' GEMMs on every token. Backward: each grouped GEMM's input gradient (rows x k x n) and
-    weight gradient (k x n, reduced over each expert's rows) as grouped GEMMs too."""
-    moe, h = model.moe, model.hidden_size
-    rows = min(tile, tokens) if tile else tokens
-    tiles = math.ceil(tokens / rows) if tile else 1.0
-    f = moe.expert_ffn_hidden_size / tp
-    groups = moe.expert_row_groups(rows, ep)
-    # gate and up (hidden -> f) share one shape, down (f -> hidden) the other: one grouped launch per matrix.
-    matrices = [(f, h), (f, h), (h, f)]
-    fwd = sum(grouped_time([(r, n, k, c) for r, c in groups], fp8) for n, k in matrices)
-    bwd = sum(grouped_time([(r, k, n, c) for r, c in groups], fp8)  # dX = dY W^T
-              + grouped_time([(k, n, r, c) for r, c in groups], fp8)  # dW = X^T dY, per expert
-              for n, k in matrices)
-    plain = [(rows, moe.num_experts, h)]  # router
-    if moe.shared_width:
-        fs = moe.shared_width / tp
-        plain += [(rows, fs, h), (rows, fs, h), (rows, h, fs)]
-    fwd += gemm_time(plain, fp8)
-    bwd += gemm_time(_backward(plain), fp8)
-    return tiles * fwd, tiles * bwd
-
-
-def _mla_gemm_on_tp_rank(model: ModelSpec, tokens: float, out: int, inp: int, tp: int) -> Gemm:
-    """One MLA projection on a TP rank: the latent down-projections (hidden -> q_lora_rank, hidden ->
-    kv_lora_rank + rope) replicated, the up-projections column-parallel (out / tp), o_proj row-parallel."""
-    h, mla = model.hidden_size, model.mla
-    if inp == h and out in (mla.q_lora_rank, mla.kv_latent_width):
-        return (tokens, out, inp)
-    if out == h and inp == model.num_heads * mla.v_head_dim:
-        return (tokens, out, inp / tp)
-    return (tokens, out / tp, inp)
-
-
-def _sparse_layer_gemms(model: ModelSpec, tokens: float, tp: int, mlp_tile: float | None,
-                        gemm_time: Callable[..., float], grouped_time: Callable[[GroupedGemm, bool], float],
-                        fp8: bool, dense_mlp: tuple[float, float], ep: int = 1) -> tuple[float, float, float, float]:
-    """(projections forward, backward, FFN forward, backward) of the mean layer of a MoE and/or MLA model.
-
-    MLA's projections run as their own GEMMs (the latent down-projections replicated over tp, see
-    :meth:`~sp_plan.cost_models.moe.MLASpec.projection_gemms`); dense and MoE layers' FFN seconds are
-    averaged over the layers (DeepSeek-V3: 3 dense, 58 MoE), so ``layers x`` the mean is the model's sum.
-    """
-    h = model.hidden_size
-    if model.mla is not None:
-        proj = [_mla_gemm_on_tp_rank(model, tokens, out, inp, tp) for out, inp in model.mla.projection_gemms(
-            h, model.num_heads)]
-        proj_f, proj_b = gemm_time(proj, fp8), gemm_time(_backward(proj), fp8)
-    else:
-        attn, _, _ = _linear_gemms(model, tokens, tp, None)
-        proj_f, proj_b = gemm_time(attn, fp8), gemm_time(_backward(attn), fp8)
-    mlp_f, mlp_b = dense_mlp
-    if model.moe is not None:
-        moe_f, moe_b = _moe_ffn_seconds(model, tokens, tp, gemm_time, grouped_time, fp8, mlp_tile, ep)
-        sparse, layers = model.moe_layer_count, model.num_layers
-        mlp_f = ((layers - sparse) * mlp_f + sparse * moe_f) / layers
-        mlp_b = ((layers - sparse) * mlp_b + sparse * moe_b) / layers
-    return proj_f, proj_b, mlp_f, mlp_b
-
-
-def _fp8_cast_elements(model: ModelSpec, tokens: float, tp: int, ep: int, attn_g: list[Gemm], mlp_g: list[Gemm],
-                       tiles: float, mlp_tile: float | None, weight_share: float = 1.0) -> tuple[float, float]:
-    """Elements the fp8 casts pass over in the mean layer: forward, each fp8 GEMM's input and weight;
-    backward, its output gradient. The GEMMs are the ones that run: MLA's projections, and in MoE layers the
-    routed experts' grouped GEMMs on this rank's dispatched rows (``tokens x top_k`` for the ep group,
-    ``MoESpec.expert_row_groups``) with its ``num_experts / ep`` experts' weights, plus the shared experts on
-    every token (the router stays in bf16/fp32), averaged with the dense layers' MLP like the FFN time.
-    Why: a MoE layer casts top_k x the tokens at the experts' width, not a dense MLP of ``ffn_hidden_size``
-    (which Qwen3-MoE's all-MoE stack never runs). ``weight_share`` is the part of a step's weight casts one
-    micro-batch pays (1 / micro-batches where the stack caches the FP8 weights, ``StackTime.fp8_weight_cache``)."""
-    def forward(gemms: list[Gemm]) -> float:
-        return sum(m * k + weight_share * k * n for m, n, k in gemms)
-
-    def backward(gemms: list[Gemm]) -> float:
-        return sum(m * n for m, n, _ in gemms)
-
-    proj = attn_g
-    if model.mla is not None:
-        proj = [_mla_gemm_on_tp_rank(model, tokens, out, inp, tp)
-                for out, inp in model.mla.projection_gemms(model.hidden_size, model.num_heads)]
-    elems_f, elems_b = forward(proj), backward(proj)
-    mlp_f, mlp_b = tiles * forward(mlp_g), tiles * backward(mlp_g)
-    moe = model.moe
-    if moe is not None:
-        h, f = model.hidden_size, moe.expert_ffn_hidden_size / tp
-        rows = min(mlp_tile, tokens) if mlp_tile else tokens
-        groups = moe.expert_row_groups(rows, ep)
-        routed = sum(r * c for r, c in groups)
-        experts = sum(c for _, c in groups)
-        matrices = [(f, h), (f, h), (h, f)]  # gate, up (hidden -> f), down (f -> hidden): (n, k)
-        moe_f = sum(routed * k + weight_share * experts * k * n for n, k in matrices)
-        moe_b = sum(routed * n for n, _ in matrices)
-        if moe.shared_width:
-            fs = moe.shared_width / tp
-            shared = [(rows, fs, h), (rows, fs, h), (rows, h, fs)]
-            moe_f, moe_b = moe_f + forward(shared), moe_b + backward(shared)
-        sparse, layers = model.moe_layer_count, model.num_layers
-        mlp_f = ((layers - sparse) * mlp_f + sparse * tiles * moe_f) / layers
-        mlp_b = ((layers - sparse) * mlp_b + sparse * tiles * moe_b) / layers
-    return elems_f + mlp_f, elems_b + mlp_b
 
 
 def _recompute_seconds(train: TrainSpec, profile: CostProfile, layer_f: float, attn_f: float, gemms_f: float,

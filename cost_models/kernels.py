@@ -197,12 +197,37 @@ def kernel_gpus() -> list[str]:
 # ----- GEMMs ----------------------------------------------------------------------------------------------
 
 
+#: Each GEMM parameter set seen, by ``id``, with its tiles as plain numbers: (the object, kept alive so its id
+#: cannot be reused while the entry exists, (m, n, efficiency) per tile). The GEMM timing memos below key on
+#: that id, so they are cleared together with it (:func:`_gemm_token`).
+_GEMM_PARAMS: dict[int, tuple[GemmParams, tuple[tuple[int, int, float], ...]]] = {}
+_GEMM_SECONDS: dict[tuple, float] = {}
+_GROUPED_SECONDS: dict[tuple, float] = {}
+_MAX_GEMM_PARAMS = 1024
+_MAX_GEMM_SECONDS = 1 << 17
+
+
+def _gemm_tiles(gemm: GemmParams) -> tuple[tuple[int, int, float], ...]:
+    """``gemm``'s tiles as plain numbers, registered under ``id(gemm)`` (see :data:`_GEMM_PARAMS`)."""
+    entry = _GEMM_PARAMS.get(id(gemm))
+    if entry is None or entry[0] is not gemm:
+        if len(_GEMM_PARAMS) >= _MAX_GEMM_PARAMS:
+            clear_gemm_memos()
+        entry = _GEMM_PARAMS[id(gemm)] = (gemm, tuple((t.m, t.n, t.efficiency) for t in gemm.tiles))
+    return entry[1]
+
+
+def clear_gemm_memos() -> None:
+    _GEMM_PARAMS.clear()
+    _GEMM_SECONDS.clear()
+    _GROUPED_SECONDS.clear()
+
+
 def gemm_shape_efficiency(m: int, n: int, k: int, gemm: GemmParams, sms: int) -> float:
     """Fraction of ``peak_fraction`` a GEMM of this shape reaches (tile/wave quantisation, small k)."""
     if m <= 0 or n <= 0 or k <= 0:
         return 1.0
-    tiles = tuple((t.m, t.n, t.efficiency) for t in gemm.tiles)
-    return _shape_efficiency(m, n, k, tiles, gemm.k_half, sms)
+    return _shape_efficiency(m, n, k, _gemm_tiles(gemm), gemm.k_half, sms)
 
 
 @lru_cache(maxsize=65536)
@@ -218,11 +243,22 @@ def _shape_efficiency(m: int, n: int, k: int, tiles: tuple[tuple[int, int, float
 
 
 def gemm_seconds(m: float, n: float, k: float, peak: float, fraction: float, gemm: GemmParams, sms: int) -> float:
-    """Seconds of one ``(m x k) @ (k x n)`` GEMM at ``peak`` FLOP/s x ``fraction`` (asymptotic)."""
+    """Seconds of one ``(m x k) @ (k x n)`` GEMM at ``peak`` FLOP/s x ``fraction`` (asymptotic).
+
+    Memoised on the numbers and the (frozen) parameter set's identity: the planner prices the same shapes for
+    thousands of layouts and option combinations. A pure function of its arguments, so a hit is the value the
+    arithmetic gives."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
-    eff = fraction * gemm_shape_efficiency(max(1, round(m)), max(1, round(n)), max(1, round(k)), gemm, sms)
-    return 2.0 * m * n * k / (peak * eff) + gemm.launch_s
+    _gemm_tiles(gemm)  # registers id(gemm) (kept alive) before the memo keys on it
+    key = (m, n, k, peak, fraction, id(gemm), sms)
+    seconds = _GEMM_SECONDS.get(key)
+    if seconds is None:
+        if len(_GEMM_SECONDS) >= _MAX_GEMM_SECONDS:
+            _GEMM_SECONDS.clear()
+        eff = fraction * gemm_shape_efficiency(max(1, round(m)), max(1, round(n)), max(1, round(k)), gemm, sms)
+        seconds = _GEMM_SECONDS[key] = 2.0 * m * n * k / (peak * eff) + gemm.launch_s
+    return seconds
 
 
 def grouped_gemm_seconds(shapes: Sequence[tuple[float, float, float, float]], peak: float, fraction: float,
@@ -234,7 +270,20 @@ def grouped_gemm_seconds(shapes: Sequence[tuple[float, float, float, float]], pe
     into the tile configuration's tiles, all experts' tiles share the waves over the SMs (so one expert's
     small ``m``, e.g. tokens x top_k / experts, costs its padding to the tile height, not a wave of its own),
     each expert's ``k`` pays the per-tile prologue/epilogue, and the launch is paid once. The tile
-    configuration is the fastest one for the whole group. A group of one GEMM equals :func:`gemm_seconds`."""
+    configuration is the fastest one for the whole group. A group of one GEMM equals :func:`gemm_seconds`.
+    Memoised like :func:`gemm_seconds`."""
+    _gemm_tiles(gemm)
+    key = (tuple(shapes), peak, fraction, id(gemm), sms)
+    seconds = _GROUPED_SECONDS.get(key)
+    if seconds is None:
+        if len(_GROUPED_SECONDS) >= _MAX_GEMM_SECONDS:
+            _GROUPED_SECONDS.clear()
+        seconds = _GROUPED_SECONDS[key] = _grouped_gemm_seconds(shapes, peak, fraction, gemm, sms)
+    return seconds
+
+
+def _grouped_gemm_seconds(shapes: Sequence[tuple[float, float, float, float]], peak: float, fraction: float,
+                          gemm: GemmParams, sms: int) -> float:
     items = [(max(1, round(m)), max(1, round(n)), max(1, round(k)), c, 2.0 * m * n * k)
              for m, n, k, c in shapes if m > 0 and n > 0 and k > 0 and c > 0]
     if not items:

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from . import stack as _stack
 from .errors import CostModelError
 from .fitted import FittedParameters, forget_shipped, replaced
-from .kernels import KernelModel, kernel_model
+from .kernels import KernelModel, clear_gemm_memos, kernel_model
 from .memory.assumptions import MemoryAssumptions
 from .stack import StackProfile, load_stack, synced_memory
 from .yaml_io import parse_mapping, read_small_text, validated
@@ -203,6 +203,7 @@ def clear_caches() -> None:
     every cache."""
     forget_shipped()
     kernel_model.cache_clear()
+    clear_gemm_memos()
     _stack._shipped.cache_clear()
     default_profile.cache_clear()
 

@@ -21,6 +21,7 @@ the liveness simulation of its graph.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -39,6 +40,7 @@ from .kernel_limits import row_kernel_last_offset, row_kernel_limit_text, within
 from .liveness import GraphMemory, Peak, simulate
 from .output_layer import output_graph
 from .overhead import Overhead, overhead
+from .phases import _larger, _Phase, _prefill_phases, _train_phases
 from .report import (
     ALLOCATED_COMPONENTS,
     BufferDetail,
@@ -50,7 +52,6 @@ from .report import (
     MemoryReport,
     OutputLayerMemory,
     OverheadDetail,
-    PhaseMemory,
     PipelineMemory,
     StatesDetail,
     UlyssesShapes,
@@ -59,49 +60,6 @@ from .states import ModelStates, block_matrices, model_states
 
 #: Bytes of a token id, label or position id (int64, as tokenizers and HF collators produce them).
 INDEX_BYTES = 8
-
-
-@dataclass(slots=True)
-class _Phase:
-    name: str
-    weights: int = 0
-    gradients: int = 0
-    optimizer: int = 0
-    activations: int = 0
-    logits: int = 0
-    kv_cache: int = 0
-    comm_staging: int = 0
-    zero3_gathered_params: int = 0
-    unsharded_grads: int = 0
-    kernel_workspaces: int = 0
-    at: str = ""
-    graph: str = ""
-    """Which simulated sequence holds this phase's transient peak (for the allocator replay):
-    'block_forward', 'block_backward', 'head' or '' (none)."""
-
-    @property
-    def buffers(self) -> int:
-        return self.comm_staging + self.zero3_gathered_params + self.unsharded_grads + self.kernel_workspaces
-
-    @property
-    def allocated(self) -> int:
-        # Spelled out (the sum over ALLOCATED_COMPONENTS, which a test keeps in step): the planner
-        # reads this tens of thousands of times per search.
-        return (self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.kv_cache
-                + self.comm_staging + self.zero3_gathered_params + self.unsharded_grads + self.kernel_workspaces)
-
-    def add_peak(self, peak: Peak, graph: str = "") -> None:
-        self.activations += peak.by_kind["activation"]
-        self.logits += peak.by_kind["logits"]
-        self.comm_staging += peak.by_kind["comm"]
-        self.kv_cache += peak.by_kind["kv_cache"]
-        self.unsharded_grads += peak.by_kind["grads"]
-        self.at = peak.at
-        self.graph = graph
-
-    def to_model(self) -> PhaseMemory:
-        return PhaseMemory(**{c: getattr(self, c) for c in ALLOCATED_COMPONENTS}, allocated=self.allocated,
-                           transient_peak_at=self.at)
 
 
 def validate_options(train: TrainSpec, layout: Layout) -> None:
@@ -128,10 +86,6 @@ def _inputs_bytes(model: ModelSpec, d: LocalDims, training: bool) -> int:
     index_tensors = 3 if training else 2
     rope = rope_table_bytes(d.tokens, d.head_dim, d.compute_bytes) if model.position_embedding == "rope" else 0
     return index_tensors * d.tokens * INDEX_BYTES + rope
-
-
-def _larger(a: Peak, b: Peak | None) -> Peak:
-    return a if b is None or a.total >= b.total else b
 
 
 @dataclass(frozen=True)
@@ -366,58 +320,20 @@ def memory_report(model: ModelSpec, train: TrainSpec, layout: Layout, gpu: GPUSp
     )
     host = core.host
 
-    by_mode = {}
-    if training:
-        for m in ("none", "selective", "full"):
-            by_mode[m] = _layers_block(model, d, a, True, train.attention_kernel, train.tiled_mlp, m).saved[
-                "activation"]
     detail = MemoryDetail(
         mode=train.mode,
         tokens_per_gpu=d.tokens,
         peak_phase=peak.name,
         phases={p.name: p.to_model() for p in phases},
-        per_layer=LayerActivations(
-            checkpointing=mode,
-            saved_bytes=sum(block.saved.values()) - offloaded,
-            offloaded_bytes=offloaded,
-            saved_tensors=block.saved_tensors,
-            saved_bytes_by_mode=by_mode,
-            forward_peak_bytes=block.forward_peak.total,
-            forward_peak_at=block.forward_peak.at,
-            backward_peak_bytes=block.backward_peak.total if block.backward_peak else 0,
-            backward_peak_at=block.backward_peak.at if block.backward_peak else "",
-        ),
-        output_layer=OutputLayerMemory(
-            saved_bytes=sum(head.saved.values()),
-            retained_logits_bytes=head.retained["logits"],
-            forward_peak_bytes=head.forward_peak.total,
-            backward_peak_bytes=head.backward_peak.total if head.backward_peak else 0,
-            peak_at=_larger(head.forward_peak, head.backward_peak).at,
-        ),
+        per_layer=_layer_activations(model, train, d, a, block, offloaded, mode),
+        output_layer=_output_layer_memory(head),
         inputs_bytes=inputs,
         kv_cache_per_layer=0 if training else kv_cache_bytes_per_layer(d, _v_head_dim(model)),
         ulysses=_ulysses_shapes(d),
         buffers=BufferDetail(comm_staging=peak.comm_staging, zero3_gathered_params=peak.zero3_gathered_params,
                              unsharded_grads=peak.unsharded_grads, kernel_workspaces=peak.kernel_workspaces),
-        overhead=OverheadDetail(
-            cuda_context=extra.cuda_context,
-            nccl=extra.nccl,
-            nccl_bytes_per_communicator=a.nccl_bytes_per_communicator,
-            communicators=[CommunicatorInfo(name=g.name, dims=list(g.dims), size=g.size, bytes=b)
-                           for g, b in zip(extra.communicators, extra.communicator_bytes)],
-            fragmentation=extra.fragmentation,
-            cached_reserve=extra.cached,
-            peak_reserved=peak_allocated + extra.fragmentation + extra.cached,
-            allocator=a.allocator,
-        ),
-        states=StatesDetail(
-            params_per_tp_rank=states.params.total,
-            params_per_layer_per_tp_rank=states.params.per_layer,
-            shard_group=states.shard_group,
-            bytes_per_param={"weights": states.per_param.weights, "gradients": states.per_param.gradients,
-                             "optimizer": states.per_param.optimizer},
-            optimizer_on_device=states.optimizer_on_device,
-        ),
+        overhead=_overhead_detail(extra, a, peak_allocated),
+        states=_states_detail(states),
         row_kernel_offset=core.row_kernel_offset,
         row_kernel_offset_limit=a.row_kernel_offset_limit,
         assumptions=a.model_dump(),
@@ -425,6 +341,62 @@ def memory_report(model: ModelSpec, train: TrainSpec, layout: Layout, gpu: GPUSp
     )
     fits = memory.total <= memory.capacity and core.within_kernel_limits
     return MemoryReport(memory=memory, host_memory=host, fits=fits, detail=detail)
+
+
+def _layer_activations(model: ModelSpec, train: TrainSpec, d: LocalDims, a: MemoryAssumptions, block: GraphMemory,
+                       offloaded: int, mode: str) -> LayerActivations:
+    """What one block saves for backward (and would save in each checkpointing mode), and its peaks."""
+    by_mode = {}
+    if train.is_training:
+        for m in ("none", "selective", "full"):
+            by_mode[m] = _layers_block(model, d, a, True, train.attention_kernel, train.tiled_mlp, m).saved[
+                "activation"]
+    return LayerActivations(
+        checkpointing=mode,
+        saved_bytes=sum(block.saved.values()) - offloaded,
+        offloaded_bytes=offloaded,
+        saved_tensors=block.saved_tensors,
+        saved_bytes_by_mode=by_mode,
+        forward_peak_bytes=block.forward_peak.total,
+        forward_peak_at=block.forward_peak.at,
+        backward_peak_bytes=block.backward_peak.total if block.backward_peak else 0,
+        backward_peak_at=block.backward_peak.at if block.backward_peak else "",
+    )
+
+
+def _output_layer_memory(head: GraphMemory) -> OutputLayerMemory:
+    return OutputLayerMemory(
+        saved_bytes=sum(head.saved.values()),
+        retained_logits_bytes=head.retained["logits"],
+        forward_peak_bytes=head.forward_peak.total,
+        backward_peak_bytes=head.backward_peak.total if head.backward_peak else 0,
+        peak_at=_larger(head.forward_peak, head.backward_peak).at,
+    )
+
+
+def _overhead_detail(extra: Overhead, a: MemoryAssumptions, peak_allocated: int) -> OverheadDetail:
+    return OverheadDetail(
+        cuda_context=extra.cuda_context,
+        nccl=extra.nccl,
+        nccl_bytes_per_communicator=a.nccl_bytes_per_communicator,
+        communicators=[CommunicatorInfo(name=g.name, dims=list(g.dims), size=g.size, bytes=b)
+                       for g, b in zip(extra.communicators, extra.communicator_bytes)],
+        fragmentation=extra.fragmentation,
+        cached_reserve=extra.cached,
+        peak_reserved=peak_allocated + extra.fragmentation + extra.cached,
+        allocator=a.allocator,
+    )
+
+
+def _states_detail(states: ModelStates) -> StatesDetail:
+    return StatesDetail(
+        params_per_tp_rank=states.params.total,
+        params_per_layer_per_tp_rank=states.params.per_layer,
+        shard_group=states.shard_group,
+        bytes_per_param={"weights": states.per_param.weights, "gradients": states.per_param.gradients,
+                         "optimizer": states.per_param.optimizer},
+        optimizer_on_device=states.optimizer_on_device,
+    )
 
 
 def _pipeline_detail(model: ModelSpec, train: TrainSpec, layout: Layout, a: MemoryAssumptions,
@@ -515,20 +487,42 @@ def _step_fragmentation(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, tr
     blk = simulate(graph, mode, a.selective_policy, reentrant=reentrant, trace=True)
     head_graph = output_graph(model, d, a, training=training, tiled_loss=tiled_loss) if with_head else None
     head = simulate(head_graph, "none" if training else "inference", trace=True) if with_head else None
-    inp, out = graph.inputs[0].name, graph.outputs[0]
     kept = set(blk.saved_tensors)
-    events: list = []
-    live: dict = {}  # insertion-ordered: the replay must not depend on hash order
+    replay = _Replay()
+    inputs = _replay_forward(replay, graph, blk, kept, offloaded)
+    hkey = _replay_head_forward(replay, head_graph, head, inputs) if with_head else None
+    # Without the head the last block's output stays: the schedule keeps a stage's output for its backward.
+    if training:
+        _replay_backward(replay, graph, blk, head, hkey, inputs, kept, offloaded)
+    return allocator_fragmentation(replay.events, a.allocator)
 
-    def emit(kind: str, key: object, nbytes: int) -> None:
+
+class _Replay:
+    """The allocator events of :func:`_step_fragmentation`'s miniature step, and the tensors live in it
+    (insertion-ordered: the replay must not depend on hash order)."""
+
+    __slots__ = ("events", "live")
+
+    def __init__(self) -> None:
+        self.events: list = []
+        self.live: dict = {}
+
+    def emit(self, kind: str, key: object, nbytes: int) -> None:
+        live = self.live
         if kind == "a":
             if key in live or nbytes <= SMALL_TENSOR_BYTES:
                 return  # small tensors live in the small pool's 2 MiB segments: no GB-scale fragmentation
             live[key] = None
         elif live.pop(key, 0) is not None:
             return  # not live: nothing to free
-        events.append((kind, key, nbytes))
+        self.events.append((kind, key, nbytes))
 
+
+def _replay_forward(replay: _Replay, graph: Graph, blk: GraphMemory, kept: set, offloaded: bool) -> list:
+    """The blocks' forward, each on the previous one's output; returns the blocks' inputs (the last entry: the
+    last block's output)."""
+    emit = replay.emit
+    inp, out = graph.inputs[0].name, graph.outputs[0]
     first_input = ("embedding output",)
     emit("a", first_input, graph.inputs[0].nbytes)
     inputs = [first_input]
@@ -541,44 +535,53 @@ def _step_fragmentation(model: ModelSpec, d: LocalDims, a: MemoryAssumptions, tr
             for name in kept:
                 emit("f", fkey(name), 0)
         inputs.append(("f", j, out))
-    if first_input in live and (offloaded or inp not in kept):
+    if first_input in replay.live and (offloaded or inp not in kept):
         emit("f", first_input, 0)  # HF keeps inputs_embeds referenced until the model's forward returns
+    return inputs
 
-    if with_head:
-        head_in = head_graph.inputs[0].name
 
-        def hkey(name: object) -> object:
-            return inputs[-1] if name == head_in else ("h", name)
-        for kind, name, nbytes in head.forward_trace:
+def _replay_head_forward(replay: _Replay, head_graph: Graph, head: GraphMemory, inputs: list) -> Callable:
+    """The output layer's forward on the last block's output; returns the key of a head tensor by name."""
+    head_in = head_graph.inputs[0].name
+
+    def hkey(name: object) -> object:
+        return inputs[-1] if name == head_in else ("h", name)
+    for kind, name, nbytes in head.forward_trace:
+        replay.emit(kind, hkey(name), nbytes)
+    return hkey
+
+
+def _replay_backward(replay: _Replay, graph: Graph, blk: GraphMemory, head: GraphMemory | None,
+                     hkey: Callable | None, inputs: list, kept: set, offloaded: bool) -> None:
+    """The output layer's backward (or, without it, the gradient received from the next stage), then the
+    blocks' recompute + backward in reverse, each from the gradient the later one produced."""
+    emit, live = replay.emit, replay.live
+    inp = graph.inputs[0].name
+    if head is not None:
+        for kind, name, nbytes in head.backward_trace or ():
             emit(kind, hkey(name), nbytes)
-    # Without the head the last block's output stays: the schedule keeps a stage's output for its backward.
-    if training:
-        if with_head:
-            for kind, name, nbytes in head.backward_trace or ():
-                emit(kind, hkey(name), nbytes)
-            carried = hkey(head.grad_keys[1][0]) if head.grad_keys[1] else None
-        else:  # the output's gradient is received from the next stage
-            carried = ("received gradient",)
-            emit("a", carried, graph.inputs[0].nbytes)
-        out_grad, in_grad = blk.grad_keys[0][0], blk.grad_keys[1][0]
-        for j in reversed(range(REPLAY_BLOCKS)):
-            incoming = carried
+        carried = hkey(head.grad_keys[1][0]) if head.grad_keys[1] else None
+    else:  # the output's gradient is received from the next stage
+        carried = ("received gradient",)
+        emit("a", carried, graph.inputs[0].nbytes)
+    out_grad, in_grad = blk.grad_keys[0][0], blk.grad_keys[1][0]
+    for j in reversed(range(REPLAY_BLOCKS)):
+        incoming = carried
 
-            def bkey(name: object, j: int = j) -> object:
-                if name == out_grad:
-                    return incoming
-                if name == inp:
-                    return ("b", j, name) if offloaded else inputs[j]
-                if name in kept:
-                    return ("f", j, name)
-                return ("b", j, name)
-            for kind, name, nbytes in blk.backward_trace:
-                emit(kind, bkey(name), nbytes)
-            carried = bkey(in_grad)
-            for key in [k for k in live if (isinstance(k, tuple) and k[:2] == ("b", j)) or k == incoming]:
-                if key != carried:
-                    emit("f", key, 0)
-    return allocator_fragmentation(events, a.allocator)
+        def bkey(name: object, j: int = j) -> object:
+            if name == out_grad:
+                return incoming
+            if name == inp:
+                return ("b", j, name) if offloaded else inputs[j]
+            if name in kept:
+                return ("f", j, name)
+            return ("b", j, name)
+        for kind, name, nbytes in blk.backward_trace:
+            emit(kind, bkey(name), nbytes)
+        carried = bkey(in_grad)
+        for key in [k for k in live if (isinstance(k, tuple) and k[:2] == ("b", j)) or k == incoming]:
+            if key != carried:
+                emit("f", key, 0)
 
 
 @lru_cache(maxsize=8192)
@@ -610,142 +613,3 @@ def _ulysses_shapes(d: LocalDims) -> UlyssesShapes:
     )
 
 
-def _zero3_gathered(model: ModelSpec, st: ModelStates, a: MemoryAssumptions, tp: int) -> tuple[int, int, int]:
-    """Gathered ZeRO-3 parameters (bytes) in (a block's phases, the first block's backward, the loss).
-
-    FSDP2 (``zero3_prefetch_params`` None): the block computing plus ``zero3_prefetch_layers`` blocks;
-    the output matrix plus the prefetched blocks in the loss. DeepSpeed: the block computing (kept
-    gathered between its recompute and its backward by stage3_max_reuse_distance) plus what the
-    prefetcher fetches ahead: stage3_prefetch_bucket_size elements, at least the next parameter whole
-    (a block's largest matrix; the input embedding while the first block runs backward, the trace's
-    last module).
-    """
-    if st.zero_stage != 3:
-        return 0, 0, 0
-    w, p = st.per_param.weights, st.params
-    if a.zero3_prefetch_params is None:
-        block = (1 + a.zero3_prefetch_layers) * p.per_layer * w
-        return block, block, (p.output_matrix + a.zero3_prefetch_layers * p.per_layer) * w
-    ahead = min(p.per_layer, max(a.zero3_prefetch_params, block_matrices(model, tp).largest))
-    return (p.per_layer + ahead) * w, (p.per_layer + p.embedding) * w, (p.output_matrix + ahead) * w
-
-
-def _unsharded_grads(model: ModelSpec, st: ModelStates, a: MemoryAssumptions, tp: int) -> tuple[int, int]:
-    """ZeRO gradient buffers (bytes): (persistent through the step, during a block's backward).
-
-    FSDP2 (``zero_reduce_bucket_params`` None): ``unsharded_grad_layers`` blocks of unsharded gradients
-    in backward. DeepSpeed: the contiguous IPG bucket exists from initialisation; in backward the
-    reduction's flat copy comes on top (``zero_reduce_bucket_copies``) and the gradient a parameter just
-    produced (up to the block's largest matrix) until it is copied into the bucket.
-    """
-    g = st.per_param.gradients
-    if a.zero_reduce_bucket_params is None:
-        return 0, a.unsharded_grad_layers * st.layer_grads_unsharded if st.zero_stage >= 2 else 0
-    if st.zero_stage < 1:
-        return 0, 0
-    # DeepSpeed stage 1 reduces through the same IPG bucket at the accumulation boundary (stage_1_and_2.py);
-    # its full gradients are counted as gradients.
-    bucket = a.zero_reduce_bucket_params * g
-    persistent = int(min(1.0, a.zero_reduce_bucket_copies) * bucket)
-    return persistent, int(a.zero_reduce_bucket_copies * bucket) + block_matrices(model, tp).largest * g
-
-
-def _train_phases(model: ModelSpec, train: TrainSpec, a: MemoryAssumptions, st: ModelStates, block: GraphMemory,
-                  head: GraphMemory, inputs: int, offloaded: int, stage: StageView | None = None) -> list[_Phase]:
-    L = model.num_layers if stage is None else stage.layers
-    p = st.params
-    tp = st.tp
-    saved = block.saved["activation"] - offloaded  # per block, on the device
-    in_flight = (a.checkpoint_offload_in_flight - 1) * offloaded  # other blocks' inputs being moved
-    gathered_block, gathered_first, gathered_loss = _zero3_gathered(model, st, a, tp)
-    bucket, unsharded = _unsharded_grads(model, st, a, tp)
-    if stage is not None:
-        # --- pipeline stage: other micro-batches' stashed activations; FSDP held unsharded (see _stage_extras)
-        in_flight += _stashed_microbatches(stage, L * saved + inputs)
-        gathered_block, gathered_first, gathered_loss, bucket, unsharded = _stage_buffers(
-            st, (gathered_block, gathered_first, gathered_loss, bucket, unsharded))
-    grads_all = st.grads_device(p.total)
-    persistent = grads_all if (train.grad_accum > 1 or not a.grads_freed_between_steps) else 0
-    head_params = p.head + (p.vocab_matrix if model.tied_embeddings else 0)  # tied: lm_head grads land there
-    # Stage 0/1 keep full gradients, allocated as backward produces them (the block in progress
-    # included); stage 2/3 keep shards, the block in progress is an unsharded buffer.
-    in_progress = p.per_layer if st.zero_stage < 2 else 0
-    ws = a.cublas_workspace_bytes
-
-    def grads(params_done: int) -> int:
-        return max(persistent, st.grads_device(params_done))
-
-    def phase(name: str, **values: int) -> _Phase:
-        return _Phase(name, weights=st.weights_device, optimizer=st.optimizer_device, kernel_workspaces=ws, **values)
-
-    fwd = phase("forward", gradients=persistent, activations=inputs + (L - 1) * saved + in_flight,
-                zero3_gathered_params=gathered_block, unsharded_grads=bucket)
-    fwd.add_peak(block.forward_peak, "block_forward")
-
-    head_peak = _larger(head.forward_peak, head.backward_peak)
-    # A tiled loss accumulates the output matrix's gradient chunk by chunk inside the op; the untiled
-    # loss produces it in lm_head's backward, after the log-softmax backward peak.
-    head_grads_during = train.tiled_loss
-    loss = phase(
-        "loss",
-        gradients=grads(head_params) if head_grads_during else persistent,
-        activations=inputs + L * saved + in_flight,
-        zero3_gathered_params=gathered_loss,
-        unsharded_grads=bucket + (st.output_grads_unsharded if st.zero_stage >= 2 and head_grads_during else 0),
-    )
-    loss.add_peak(head_peak, "head")
-
-    kept_logits = head.retained["logits"]
-    if stage is not None and not stage.last:  # no output layer on this stage: its boundary sends the activation
-        loss, kept_logits = None, 0
-    last = phase("backward (last block)", gradients=grads(head_params + in_progress),
-                 activations=inputs + (L - 1) * saved + in_flight, logits=kept_logits,
-                 zero3_gathered_params=gathered_block, unsharded_grads=unsharded)
-    last.add_peak(block.backward_peak, "block_backward")
-    # The first block is the last one backward runs: no other block's input is prefetched behind it.
-    first = phase("backward (first block)", gradients=grads(head_params + (L - 1) * p.per_layer + in_progress),
-                  activations=inputs, logits=kept_logits,
-                  zero3_gathered_params=gathered_first, unsharded_grads=unsharded)
-    first.add_peak(block.backward_peak, "block_backward")
-
-    step_temps = int(st.optimizer_step_params * a.optimizer_step_temp_bytes_per_param)
-    opt = _Phase("optimizer step", weights=st.weights_device, gradients=grads_all,
-                 optimizer=st.optimizer_device + step_temps, logits=kept_logits, unsharded_grads=bucket,
-                 kernel_workspaces=ws, at="optimizer.step")
-    return [fwd, loss, last, first, opt] if loss is not None else [fwd, last, first, opt]
-
-
-def _stashed_microbatches(stage: StageView, per_microbatch: int) -> int:
-    """Saved activations of the other micro-batches a pipeline stage holds while it works on one: in-flight
-    count less one, each ``per_microbatch`` bytes (all the stage's blocks' saved tensors and its inputs)."""
-    return int(max(0.0, stage.in_flight - 1) * per_microbatch)
-
-
-def _stage_buffers(st: ModelStates, zero_buffers: tuple[int, int, int, int, int]) -> tuple[int, int, int, int, int]:
-    """ZeRO-2/3 buffers of a pipeline stage: (gathered params in a block, first block, loss; gradient bucket,
-    unsharded grads). torch.distributed.pipelining drives FSDP2 as torchtitan configures it: no reshard
-    after forward under PP, no reshard after backward and no gradient reduce-scatter until the last
-    micro-batch (``PipelineStage`` sets ``set_reshard_after_backward(False)`` and
-    ``set_requires_gradient_sync(False)`` and reduces in ``perform_reduce_grad``), because the stage's
-    micro-batches interleave forwards and backwards. So the stage's parameters stay gathered and its
-    gradients unsharded for the whole step; optimizer states stay sharded."""
-    if st.zero_stage < 2 or st.shard_group == 1:
-        return zero_buffers
-    gathered = st.params.total * st.per_param.weights if st.zero_stage == 3 else 0
-    grads = st.params.total * st.per_param.gradients
-    return gathered, gathered, gathered, grads, grads
-
-
-def _prefill_phases(model: ModelSpec, a: MemoryAssumptions, st: ModelStates, block: GraphMemory, head: GraphMemory,
-                    inputs: int, kv_per_layer: int) -> list[_Phase]:
-    kv = model.num_layers * kv_per_layer  # preallocated for the whole sequence and every layer
-    zero3 = st.zero_stage == 3
-    gathered_block = _zero3_gathered(model, st, a, st.tp)[0]
-    fwd = _Phase("forward", weights=st.weights_device, activations=inputs, kv_cache=kv,
-                 zero3_gathered_params=gathered_block, kernel_workspaces=a.cublas_workspace_bytes)
-    fwd.add_peak(block.forward_peak, "block_forward")
-    logits = _Phase("logits", weights=st.weights_device, activations=inputs, kv_cache=kv,
-                    zero3_gathered_params=st.output_weights_unsharded if zero3 else 0,
-                    kernel_workspaces=a.cublas_workspace_bytes)
-    logits.add_peak(head.forward_peak, "head")
-    return [fwd, logits]
