@@ -1,7 +1,10 @@
 """Planner speed: full plan time at 8, 64, 512, 4096 and 16,384 GPUs, and `sp-plan --help` startup.
 
 Targets (issue 4): a full plan for 8 GPUs under 0.1 s, for 4096 GPUs under 2 s, `--help` under 0.5 s
-without importing torch. Baseline, measured in the same run: a brute-force planner that evaluates
+without importing torch. Issue 34 adds: llama3-405b 128K on 16,384 GPUs under 1 s, qwen3-30b-a3b 32K on 64 GPUs
+under 0.5 s, deepseek-v3 32K on 256 GPUs under 2 s, and two whole commands (:data:`COMMANDS`, cold, through the
+CLI): the advice of a plan that does not fit (deepseek-v3 4K on 8 GPUs) under 3 s and ``capacity --seq-len`` for
+deepseek-v3 32K under 5 s. Baseline, measured in the same run: a brute-force planner that evaluates
 every (layout, option combination) — timed directly where that finishes in reasonable time, otherwise
 extrapolated from its measured cost per combination on a sample of the workload's layouts and the exact
 number of combinations (marked est.). It runs in a fresh process of its own, so it inherits no cache
@@ -50,10 +53,17 @@ WORKLOADS = [
     (4096, "llama3-405b", 1 << 20, "train", 2.0),
     # Llama 3 405B's own scale (TP8 x CP16 x PP16 x DP8 on 16,384 H100s at 128K): the pipeline degree and its
     # schedules multiply the layouts; the plan must stay interactive.
-    (16384, "llama3-405b", 128 * 1024, "train", None),
-    # Mixture-of-experts: every expert-parallel degree is a layout of its own (issue 20).
-    (64, "qwen3-30b-a3b", 32 * 1024, "train", None),
-    (256, "deepseek-v3", 32 * 1024, "train", None),
+    (16384, "llama3-405b", 128 * 1024, "train", 1.0),
+    # Mixture-of-experts: every expert-parallel degree is a layout of its own (issue 20); targets of issue 34.
+    (64, "qwen3-30b-a3b", 32 * 1024, "train", 0.5),
+    (256, "deepseek-v3", 32 * 1024, "train", 2.0),
+]
+#: Whole commands timed as a user runs them (issue 34): (name, sp-plan arguments, target seconds). The advice
+#: a plan that does not fit gives (nearest miss, fewest GPUs, longest sequence) and a capacity question each
+#: run many searches and feasibility probes, so they are timed end to end, cold, in a fresh process.
+COMMANDS = [
+    ("no-fit advice deepseek-v3 4K", ["plan", "--model", "deepseek-v3", "--gpus", "8", "--seq-len", "4K"], 3.0),
+    ("capacity --seq-len deepseek-v3 32K", ["capacity", "--model", "deepseek-v3", "--seq-len", "32K"], 5.0),
 ]
 #: Brute force is run for real only up to this many combinations; beyond, it is extrapolated.
 BRUTE_FORCE_LIMIT = 4000
@@ -91,6 +101,30 @@ def search_worker(gpus: int, model_name: str, seq: int, mode: str) -> dict:
         "source": str(Path(sys.modules[search.__module__].__file__).resolve()),
         "score": best.score if best else None, "best": best.layout.describe() if best else "none fits",
     }
+
+
+def command_worker(index: int) -> dict:
+    """In a fresh interpreter: one of :data:`COMMANDS` through the CLI (imports done first, as for a plan), its
+    cold wall and CPU seconds, and a digest of its output with the run-time figures masked (the before/after
+    comparison's "same best")."""
+    import hashlib
+    import re
+
+    if "PLANNER_SPEED_TREE" not in os.environ:
+        sys.path.insert(0, str(ROOT))
+    from click.testing import CliRunner
+
+    from sp_plan.cli.main import cli
+    from sp_plan.planner.search import search
+
+    _, argv, _ = COMMANDS[index]
+    started, cpu_started = time.perf_counter(), time.process_time()
+    result = CliRunner().invoke(cli, argv)
+    cold, cold_cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    text = re.sub(r"in [0-9.]+ s$", "in X s", result.output, flags=re.M)
+    return {"cold_s": cold, "cold_cpu_s": cold_cpu, "exit": result.exit_code,
+            "digest": hashlib.sha256(text.encode()).hexdigest()[:12],
+            "source": str(Path(sys.modules[search.__module__].__file__).resolve())}
 
 
 def brute_worker(gpus: int, model_name: str, seq: int, mode: str) -> dict:
@@ -168,14 +202,15 @@ def baseline_tree(rev: str, tmp: Path) -> Path:
 
 def run_worker(kind: str, gpus: int, model: str, seq: int, mode: str, tree: Path | None = None) -> dict:
     """One worker in a fresh interpreter: this tree's code, or a baseline ``tree`` (run from inside it, so
-    the repository's own ``sp_plan`` folder cannot shadow it)."""
+    the repository's own ``sp_plan`` folder cannot shadow it). Kind ``command``: :data:`COMMANDS` entry
+    ``gpus``."""
     env = {**os.environ, "PYTHONPATH": str(tree if tree else ROOT)}
     if tree:
         env["PLANNER_SPEED_TREE"] = str(tree)
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", kind, str(gpus), model,
                           str(seq), mode], cwd=tree or ROOT, check=True, capture_output=True, text=True, env=env)
     row = json.loads(out.stdout.strip().splitlines()[-1])
-    if kind == "search" and tree and not row["source"].startswith(str(tree.parent)):
+    if kind in ("search", "command") and tree and not row["source"].startswith(str(tree.parent)):
         raise RuntimeError(f"the baseline run imported {row['source']}, not the tree under {tree}")
     return row
 
@@ -192,7 +227,7 @@ def fastest(runs: list[dict], statistic: str = "min") -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="8 and 64 GPUs only")
+    parser.add_argument("--quick", action="store_true", help="8 and 64 GPUs only, no whole commands")
     parser.add_argument("--repeat", type=int, default=1, help="fresh processes per figure (the minimum is kept)")
     parser.add_argument("--against", metavar="REV", help="also time the planner of this git revision")
     parser.add_argument("--no-brute", action="store_true", help="skip the brute-force baseline")
@@ -202,13 +237,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         kind, gpus, model, seq, mode = args.worker
+        if kind == "command":
+            print(json.dumps(command_worker(int(gpus))))
+            return
         job = search_worker if kind == "search" else brute_worker
         print(json.dumps(job(int(gpus), model, int(seq), mode)))
         return
     with tempfile.TemporaryDirectory(prefix="planner-speed-") as tmp:
         tree = baseline_tree(args.against, Path(tmp).resolve()) if args.against else None
         rows = measure(args, tree)
+        commands = [] if args.quick else measure_commands(args, tree)
     report(args, rows)
+    report_commands(args, commands)
 
 
 def measure(args: argparse.Namespace, tree: Path | None) -> list[dict]:
@@ -237,6 +277,43 @@ def measure(args: argparse.Namespace, tree: Path | None) -> list[dict]:
                                                                             rel_tol=1e-12)
         rows.append(row)
     return rows
+
+
+def measure_commands(args: argparse.Namespace, tree: Path | None) -> list[dict]:
+    """Every :data:`COMMANDS` entry's cold figures (``tree``: a baseline's too), interleaved like the plans."""
+    rows = []
+    for index, (name, argv, target) in enumerate(COMMANDS):
+        runs, before = [], []
+        for _ in range(max(1, args.repeat)):
+            if tree:
+                before.append(run_worker("command", index, "-", 0, "-", tree))
+            runs.append(run_worker("command", index, "-", 0, "-"))
+        pick = min if args.statistic == "min" else statistics.median
+        row = {"name": name, "argv": argv, "target": target, **runs[0],
+               **{k: pick([r[k] for r in runs]) for k in ("cold_s", "cold_cpu_s")}}
+        if tree:
+            row["before"] = {**before[0], **{k: pick([r[k] for r in before]) for k in ("cold_s", "cold_cpu_s")}}
+        rows.append(row)
+    return rows
+
+
+def report_commands(args: argparse.Namespace, rows: list[dict]) -> None:
+    """The whole-command rows: cold wall and CPU seconds against their targets (and the baseline's)."""
+    if not rows:
+        return
+    print(f"\nWhole commands, cold ({args.statistic} of {max(1, args.repeat)} fresh processes):")
+    print(f"{'command':<36} {'cold s':>8} {'cold cpu':>8} {'target':>7} {'cold/target':>11}"
+          + (f" {'cold before':>11} {'cpu before':>10} {'ratio':>6} same output" if args.against else "")
+          + "  sp-plan arguments")
+    for r in rows:
+        line = (f"{r['name']:<36} {r['cold_s']:>8.3f} {r['cold_cpu_s']:>8.3f} {r['target']:>7.1f} "
+                f"{r['cold_s'] / r['target']:>11.2f}")
+        if args.against:
+            b = r["before"]
+            same = "yes" if b["digest"] == r["digest"] and b["exit"] == r["exit"] else "NO"
+            line += (f" {b['cold_s']:>11.3f} {b['cold_cpu_s']:>10.3f} {b['cold_cpu_s'] / r['cold_cpu_s']:>5.2f}x "
+                     f"{same:>11}")
+        print(line + "  " + " ".join(r["argv"]))
 
 
 def report(args: argparse.Namespace, rows: list[dict]) -> None:

@@ -17,13 +17,14 @@ from pydantic import BaseModel, ConfigDict
 
 from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.layout import Layout
-from sp_plan.cost_models.memory import MemoryAssumptions, memory_core
+from sp_plan.cost_models.memory import MemoryAssumptions
 from sp_plan.cost_models.model_spec import ModelSpec
 from sp_plan.cost_models.topology import Topology
 from sp_plan.cost_models.train_spec import TrainSpec
 from sp_plan.cost_models.units import MAX_SEQ_LEN
 
 from .errors import NoFitError, PlannerError
+from .memory_memo import shared_memory_core
 from .search import PlanSettings, RankedPlan, SearchResult, _Searcher, packing_bases, search
 from .space import layout_space
 
@@ -106,7 +107,7 @@ def probe_feasibility(model: ModelSpec, base: TrainSpec, topology: Topology, set
                     for lattice in s.lattices(layout)]
         for s, lattice in branches:
             options = lattice.values(s.most_saving_valid(lattice))
-            core = memory_core(model, s.train_for(layout, options), layout, s.profile.memory)
+            core = shared_memory_core(model, s.train_for(layout, options), layout, s.profile.memory)
             fits = s.fits(core)
             if s.device_fits(core) and not fits:
                 # Offloading everything overflows the host: a combination with less offload may fit both.

@@ -46,6 +46,7 @@ from sp_plan.cost_models.topology import Topology
 from sp_plan.cost_models.train_spec import TrainSpec
 
 from .errors import PlannerError
+from .memory_memo import shared_memory_core
 from .options import (
     CHEAP_AXES,
     Axis,
@@ -302,6 +303,9 @@ class _Scored:
     #: The memory evaluation, or how to make it: the walk times many combinations it never pops, and
     #: only popped ones need their memory (see _Searcher.timed).
     _report: MemoryCore | Callable[[], MemoryCore] = field(compare=False, repr=False)
+    #: Host bytes per GPU when the time evaluation already needed them (offloading combinations), else None: a
+    #: combination over the host's capacity cannot fit, which the walk then knows without the device simulation.
+    host_total: float | None = field(default=None, compare=False)
 
     @property
     def report(self) -> MemoryCore:
@@ -469,7 +473,8 @@ class _Searcher:
 
     def memory(self, layout: Layout, train: TrainSpec) -> MemoryCore:
         self.memory_evals += 1
-        return memory_core(self.model, train, layout, self.profile.memory)
+        # memory_core looked up here, so a spy set on this module sees the evaluations the table makes.
+        return shared_memory_core(self.model, train, layout, self.profile.memory, memory_core)
 
     def device_fits(self, core: MemoryCore) -> bool:
         """Device memory within capacity minus headroom. Monotone: never lost by moving up the lattice,
@@ -499,14 +504,31 @@ class _Searcher:
             return None
         train = self.train_for(layout, options)
         self.time_evals += 1
+        host = None
         if any(options.get(k) for k in _OFFLOAD_OPTIONS):
             # Offload traffic is priced from the memory model's host bytes (no device simulation).
-            offload = offload_traffic(host_memory(self.model, train, layout, self.profile.memory))
+            held = host_memory(self.model, train, layout, self.profile.memory)
+            offload, host = offload_traffic(held), held.total
         else:
             offload = _NO_OFFLOAD
         t = step_time(self.model, train, layout, self.topology, offload, self.profile)
         # Device memory waits until the walk pops the combination (most timed ones never are).
-        return _Scored(self.score(layout, options, t), combo, train, t, lambda: self.memory(layout, train))
+        return _Scored(self.score(layout, options, t), combo, train, t, lambda: self.memory(layout, train), host)
+
+    def scored_fits(self, scored: _Scored) -> bool:
+        """:meth:`fits` of a timed combination: False without its device memory when its host bytes, known from
+        its time evaluation, already exceed the host's capacity (the same figures memory_core reports)."""
+        if scored.host_total is not None and scored.host_total > self.host_capacity:
+            return False
+        return self.fits(scored.report)
+
+    def host_overflows(self, layout: Layout, train: TrainSpec) -> bool:
+        """Whether ``train``'s offloaded state exceeds the host's capacity, asked without the device simulation
+        (:func:`~sp_plan.cost_models.memory.host_memory`, the same figures memory_core reports) where that is
+        cheaper: without pipeline stages. With them host_memory runs memory_core itself, so False (unknown)."""
+        if layout.pp > 1 or not any(getattr(train, k) for k in _OFFLOAD_OPTIONS):
+            return False
+        return host_memory(self.model, train, layout, self.profile.memory).total > self.host_capacity
 
     def bottom_bound(self, layout: Layout, lattice: OptionLattice) -> float:
         """Score of the lattice's fastest valid combination, timed without any memory evaluation (so
@@ -723,6 +745,31 @@ class _Searcher:
         return lattice.successors(combo) if closure_fits[closure] else lattice.expensive_successors(combo)
 
     def any_fits(self, layout: Layout, lattice: OptionLattice, top: Combo) -> bool:
+        """:meth:`_any_fits`, answered once per question for every searcher that asks it (see
+        :data:`_ANY_FITS`): a plan that does not fit asks it of the same layouts in its search, its nearest
+        miss and its fewest-GPUs and longest-sequence probes."""
+        key = self._any_fits_key(layout, lattice, top)
+        if key is None:
+            return self._any_fits(layout, lattice, top)
+        hit = _ANY_FITS.get(key)
+        if hit is None or hit[0] is not self.profile:
+            if len(_ANY_FITS) >= 4096:
+                _ANY_FITS.clear()
+            hit = _ANY_FITS[key] = (self.profile, self._any_fits(layout, lattice, top))
+        return hit[1]
+
+    def _any_fits_key(self, layout: Layout, lattice: OptionLattice, top: Combo) -> tuple | None:
+        """Everything :meth:`_any_fits` reads: the model, the base spec, the profile (by identity, kept alive by
+        the entry), the device and host limits, the batch, the pins (None when a pin is unhashable)."""
+        try:
+            pins = tuple(sorted(self.settings.fixed_options.items()))
+            hash(pins)
+        except TypeError:
+            return None
+        return (self.model, self.base, id(self.profile), self.usable, self.host_capacity, self.batch_sequences,
+                pins, self.settings.micro_batch_fixed, layout, lattice, top)
+
+    def _any_fits(self, layout: Layout, lattice: OptionLattice, top: Combo) -> bool:
         """Whether some valid combination fits device and host memory together: :meth:`best_for`'s answer to
         "is there one" without its answer to "which is fastest", so nothing is timed.
 
@@ -740,7 +787,8 @@ class _Searcher:
             options = lattice.values(combo)
             if invalid_reason(options) or self.pipeline_invalid(layout, options):
                 successors = lattice.successors(combo)  # walked through to every successor
-            elif self.fits(self.memory(layout, self.train_for(layout, options))):
+            elif (not self.host_overflows(layout, train := self.train_for(layout, options))
+                  and self.fits(self.memory(layout, train))):
                 return True
             else:
                 successors = self.successors_worth_walking(layout, lattice, combo, closure_fits, decided)
@@ -818,7 +866,7 @@ class _Searcher:
             if implied_fit(lattice, item.combo, decided) is False:  # below a closure that does not fit
                 expand(item.combo)
                 continue
-            if self.fits(item.report):
+            if self.scored_fits(item):
                 decided.append((item.combo, True))
                 if score == item.score:
                     return item
@@ -1011,7 +1059,7 @@ def _search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Pla
                                    lattice, start, s))
             continue
         limit = min(kth_best, best_of[layout][0]) if layout in best_of else kth_best
-        best = s.best_for(layout, lattice, start, limit)
+        best = None if _known_exhausted(s, layout, lattice, limit) else s.best_for(layout, lattice, start, limit)
         if best is None and s.exhausted:  # device memory fits somewhere, but never with the host RAM too
             miss = _memory_rejection(layout, lattice.values(lattice.top), start.report, s, host_bound=True)
             pruned_reason.setdefault(layout, miss)
@@ -1061,6 +1109,10 @@ def _search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Pla
                         profile_name=s.profile.name)
 
 
+#: Answers of _Searcher.any_fits by everything they depend on (see _Searcher._any_fits_key), with the profile
+#: they were asked under; cleared when full.
+_ANY_FITS: dict[tuple, tuple[CostProfile, bool]] = {}
+
 #: Queue marker of a branch that entered on its compute-only floor (_Searcher.floor_bound) and has not been
 #: timed yet.
 _UNTIMED = object()
@@ -1102,6 +1154,22 @@ def _most_saving_fits(s: _Searcher, layout: Layout, lattice: OptionLattice, miss
     if layout not in misses or _shortfall_order(miss) < _shortfall_order(misses[layout]):
         misses[layout] = miss
     return False
+
+
+def _known_exhausted(s: _Searcher, layout: Layout, lattice: OptionLattice, limit: float) -> bool:
+    """Whether an unbounded walk of the branch would run out of combinations, known without it: its most saving
+    options fit the device but overflow the host, and the memory-only walk (:meth:`_Searcher.any_fits`, which
+    finds a fitting combination exactly when the timed walk does: tests/test_any_fits.py) finds none. Then
+    ``s.exhausted`` is set as :meth:`_Searcher.best_for` would set it. A plan that does not fit asks this of
+    every layout, and the timed walk would time every combination above the floor to learn the same."""
+    if limit != math.inf:
+        return False  # a bounded walk may stop at its bound first, which the result reports differently
+    top = s.most_saving_valid(lattice)
+    core = s.memory(layout, s.train_for(layout, lattice.values(top)))
+    if s.fits(core) or not s.device_fits(core) or s.any_fits(layout, lattice, top):
+        return False
+    s.exhausted = True
+    return True
 
 
 def _shortfall_order(r: Rejection) -> float:
