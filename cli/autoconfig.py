@@ -29,19 +29,17 @@ def through_autoconfig(config: dict[str, Any], name: str | None = None) -> dict[
     version = autoconfig_cache.transformers_version()
     if version is None:
         return config
-    if isinstance(config.get("model_type"), str):
-        check_hf_sizes(config, name or config["model_type"])  # before the class expands them
     key = autoconfig_cache.cache_key(config, version)
     cached = autoconfig_cache.load(key) if key else None
-    if cached is not None:
+    if cached is not None:  # this content passed _complete's size check when it was stored
         return cached
-    completed = _complete(config)
+    completed = _complete(config, name)
     if key:
         autoconfig_cache.store(key, completed)
     return completed
 
 
-def _complete(config: dict[str, Any]) -> dict[str, Any]:
+def _complete(config: dict[str, Any], name: str | None = None) -> dict[str, Any]:
     try:
         from transformers import CONFIG_MAPPING, AutoConfig
     except ImportError:
@@ -49,6 +47,7 @@ def _complete(config: dict[str, Any]) -> dict[str, Any]:
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         return config
+    check_hf_sizes(config, name or model_type)  # before the class expands them
     fields = {k: v for k, v in config.items() if k != "model_type"}
     try:
         completed = config_object_dict(AutoConfig.for_model(model_type, **fields))
