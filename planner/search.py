@@ -35,6 +35,7 @@ from sp_plan.cost_models import degrees
 from sp_plan.cost_models.errors import CostModelError
 from sp_plan.cost_models.estimate import Estimate, estimate, offload_capacity, offload_traffic
 from sp_plan.cost_models.layout import Layout
+from sp_plan.cost_models.memo import Memo
 from sp_plan.cost_models.memory import MemoryAssumptions, MemoryCore, host_memory, memory_core
 from sp_plan.cost_models.model_spec import ModelSpec
 from sp_plan.cost_models.pipeline import bubble_seconds, stack_stage_layers
@@ -751,11 +752,9 @@ class _Searcher:
         key = self._any_fits_key(layout, lattice, top)
         if key is None:
             return self._any_fits(layout, lattice, top)
-        hit = _ANY_FITS.get(key)
-        if hit is None or hit[0] is not self.profile:
-            if len(_ANY_FITS) >= 4096:
-                _ANY_FITS.clear()
-            hit = _ANY_FITS[key] = (self.profile, self._any_fits(layout, lattice, top))
+        hit = _ANY_FITS.get(key, lambda: (self.profile, self._any_fits(layout, lattice, top)))
+        if hit[0] is not self.profile:  # cannot happen while the entry holds the profile; kept as a guard
+            return self._any_fits(layout, lattice, top)
         return hit[1]
 
     def _any_fits_key(self, layout: Layout, lattice: OptionLattice, top: Combo) -> tuple | None:
@@ -1111,7 +1110,7 @@ def _search(model: ModelSpec, base: TrainSpec, topology: Topology, settings: Pla
 
 #: Answers of _Searcher.any_fits by everything they depend on (see _Searcher._any_fits_key), with the profile
 #: they were asked under; cleared when full.
-_ANY_FITS: dict[tuple, tuple[CostProfile, bool]] = {}
+_ANY_FITS: Memo[tuple[CostProfile, bool]] = Memo(max_entries=4096)
 
 #: Queue marker of a branch that entered on its compute-only floor (_Searcher.floor_bound) and has not been
 #: timed yet.
